@@ -1,0 +1,124 @@
+#!/usr/bin/env bash
+# bert-ds launcher: every user-facing mode in one place.
+#
+#   ./run.sh                 the main job on the bundled sample corpus: train a WordPiece
+#                            vocabulary, build token shards, pretrain a small BERT (MLM + NSP)
+#                            through DeepSpeed (ZeRO-1, bf16), export a Hugging Face directory,
+#                            load it back and run a fill-mask example.
+#   ./run.sh test [ARGS]     the test suite (pytest ARGS)
+#   ./run.sh setup           only create the environment
+#   ./run.sh prepare         sample corpus -> $DATA_DIR/{train,heldout} shards
+#   ./run.sh pretrain [ARGS] python -m bert_ds.train on $DATA_DIR; ARGS override the defaults
+#   ./run.sh export [CKPT] [OUT]  checkpoint folder -> Hugging Face directory
+#
+# Environment (defaults in brackets):
+#   RUN_DIR    [runs/sample]        where shards, checkpoints, metrics and the export go
+#   PRESET     [mini]               model preset: tiny, mini, base, large
+#   STEPS      [300]                optimizer steps of the main job
+#   NGPU       [all visible GPUs, or 1 process on CPU]  processes on this node
+#   VENV       [.venv]              the environment the first run creates
+#   TORCH_SPEC [torch==2.13.0]      torch to install when none is importable
+#   TORCH_INDEX_URL [unset]         pip index for torch (e.g. the CPU-only wheel index)
+#
+# Set-up: the first run creates $VENV. If python3 can already import torch (a GPU
+# container, a system install, NGC with apex) the environment inherits it instead of
+# downloading another; otherwise $TORCH_SPEC is installed. Reruns reinstall only when
+# pyproject.toml changes.
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+cd "$ROOT"
+VENV=${VENV:-$ROOT/.venv}
+SYS_PYTHON=${PYTHON:-python3}
+TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
+RUN_DIR=${RUN_DIR:-runs/sample}
+DATA_DIR=$RUN_DIR/data
+PRESET=${PRESET:-mini}
+STEPS=${STEPS:-300}
+
+log() { printf '[run.sh] %s\n' "$*" >&2; }
+
+setup_env() {
+    local stamp="$VENV/.bert-ds-installed" want
+    want=$(cat pyproject.toml run.sh | sha256sum | cut -d' ' -f1)
+    if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
+        return
+    fi
+    if [[ ! -x "$VENV/bin/python" ]]; then
+        if "$SYS_PYTHON" -c 'import torch' 2>/dev/null; then
+            log "using the torch already installed for $SYS_PYTHON"
+            "$SYS_PYTHON" -m venv --system-site-packages "$VENV"
+        else
+            "$SYS_PYTHON" -m venv "$VENV"
+        fi
+    fi
+    local pip=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
+    if ! "$VENV/bin/python" -c 'import torch' 2>/dev/null; then
+        log "installing $TORCH_SPEC"
+        "${pip[@]}" "$TORCH_SPEC" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
+    fi
+    log "installing bert-ds and its dependencies"
+    "${pip[@]}" -e ".[test]"
+    echo "$want" > "$stamp"
+}
+
+python_() { "$VENV/bin/python" "$@"; }
+
+# Processes per node: all visible GPUs, else one CPU process (gloo).
+nproc_per_node() {
+    if [[ -n "${NGPU:-}" ]]; then echo "$NGPU"; return; fi
+    python_ -c 'import torch; print(max(torch.cuda.device_count(), 1))'
+}
+
+# DeepSpeed has no CPU kernels of its own to build; tell it which accelerator to use
+# so it does not probe for CUDA on CPU-only machines.
+export_accelerator() {
+    if ! python_ -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then
+        export DS_ACCELERATOR=cpu
+    fi
+}
+
+prepare() {
+    local src=data_tools/sample
+    python_ -m data_tools build --input "$src/valid.txt" --output "$DATA_DIR/train" \
+        --train-vocab "${VOCAB_SIZE:-8192}" --split-sentences --workers 2
+    python_ -m data_tools build --input "$src/test.txt" --output "$DATA_DIR/heldout" \
+        --vocab "$DATA_DIR/train/vocab.txt" --split-sentences --workers 2
+}
+
+pretrain() {
+    export_accelerator
+    local n; n=$(nproc_per_node)
+    local args=(--data "$DATA_DIR/train" --val-data "$DATA_DIR/heldout" --output "$RUN_DIR/train"
+        --preset "$PRESET" --steps "$STEPS" "$@")
+    if [[ "$n" -gt 1 ]]; then
+        python_ -m torch.distributed.run --standalone --nproc-per-node "$n" -m bert_ds.train "${args[@]}"
+    else
+        python_ -m bert_ds.train "${args[@]}"
+    fi
+}
+
+export_hf() {
+    python_ -m bert_ds.export "${1:-$RUN_DIR/train/checkpoints/latest}" "${2:-$RUN_DIR/hf}"
+}
+
+mode=${1:-main}
+[[ $# -gt 0 ]] && shift
+case "$mode" in
+    setup) setup_env ;;
+    test)
+        setup_env
+        export_accelerator
+        python_ -m pytest "$@" ;;
+    prepare) setup_env; prepare ;;
+    pretrain) setup_env; pretrain "$@" ;;
+    export) setup_env; export_hf "$@" ;;
+    main)
+        setup_env
+        prepare
+        pretrain
+        export_hf
+        python_ -m bert_ds.demo "$RUN_DIR" ;;
+    -h|--help|help) sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//' ;;
+    *) echo "run.sh: unknown mode '$mode' (modes: main, test, setup, prepare, pretrain, export; see ./run.sh --help)" >&2; exit 2 ;;
+esac
