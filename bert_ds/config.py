@@ -1,0 +1,204 @@
+"""Typed, validated training configuration.
+
+Design choices:
+- Three small dataclasses (data, optimizer, run) plus the model's own
+  :class:`bert_ds.model.ModelConfig`; each validates itself in ``__post_init__`` and
+  raises :class:`ConfigError` naming the field, so a bad value stops the run before
+  any process group or file exists.
+- DeepSpeed JSON (``ds_configs/``) holds engine settings only: ZeRO stage,
+  precision, communication. Batch sizes and clipping are training settings and are
+  written into the engine config here, by :func:`deepspeed_config`; a JSON that sets
+  them itself is rejected, so each number has one definition.
+- Batch arithmetic lives in :class:`BatchPlan` and nowhere else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from bert_ds.errors import ConfigError
+from bert_ds.model import ModelConfig
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DS_CONFIG_DIR = REPO_ROOT / "ds_configs"
+
+# Keys a DeepSpeed JSON may not set: they are derived from TrainConfig.
+_DERIVED_DS_KEYS = (
+    "train_batch_size",
+    "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps",
+    "gradient_clipping",
+    "optimizer",
+    "scheduler",
+)
+
+
+def _check(cond: bool, name: str, msg: str) -> None:
+    if not cond:
+        raise ConfigError(f"{name}: {msg}")
+
+
+@dataclass
+class DataConfig:
+    train: str = ""  # dataset folder written by `data_tools build`
+    val: str | None = None  # held-out dataset folder (same tokenizer), or None
+    max_seq_length: int = 128  # tokens per sample including [CLS] and two [SEP]
+    short_seq_prob: float = 0.1  # BERT: this share of samples gets a shorter random target
+    mask_rate: float = 0.15  # share of tokens chosen for the MLM loss
+    pair_task: Literal["nsp", "sop", "none"] = "nsp"  # second segment and its label
+    num_workers: int = 1  # loader processes per rank; samples do not depend on it
+    val_samples: int = 512  # held-out samples per validation pass (fixed, deterministic)
+
+    def __post_init__(self) -> None:
+        _check(8 <= self.max_seq_length <= 4096, "max_seq_length", f"must be in [8, 4096], got {self.max_seq_length}")
+        _check(0.0 <= self.short_seq_prob <= 1.0, "short_seq_prob", f"must be in [0, 1], got {self.short_seq_prob}")
+        _check(0.0 < self.mask_rate < 1.0, "mask_rate", f"must be in (0, 1), got {self.mask_rate}")
+        _check(self.pair_task in ("nsp", "sop", "none"), "pair_task", f"must be nsp, sop or none, got {self.pair_task!r}")
+        _check(self.num_workers >= 0, "num_workers", f"must be >= 0, got {self.num_workers}")
+        _check(self.val_samples > 0, "val_samples", f"must be > 0, got {self.val_samples}")
+
+
+@dataclass
+class OptimConfig:
+    name: Literal["adamw"] = "adamw"
+    lr: float = 1e-3  # peak learning rate, reached at the end of warm-up
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-6
+    weight_decay: float = 0.01  # not applied to biases and LayerNorm weights
+    warmup_steps: int = 100  # linear warm-up from 0 to lr
+    decay: Literal["linear", "poly", "constant"] = "linear"  # after warm-up, down to 0 at the last step
+    poly_power: float = 0.5  # exponent of the "poly" decay (NVIDIA's BERT uses 0.5)
+    grad_clip: float = 1.0  # global-norm clipping; 0 disables
+
+    def __post_init__(self) -> None:
+        self.betas = tuple(self.betas)  # JSON gives a list
+        _check(self.name in ("adamw",), "optim.name", f"unknown optimizer {self.name!r} (known: adamw)")
+        _check(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
+        _check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "betas", f"must be two values in [0, 1), got {self.betas}")
+        _check(self.eps > 0, "eps", f"must be > 0, got {self.eps}")
+        _check(self.weight_decay >= 0, "weight_decay", f"must be >= 0, got {self.weight_decay}")
+        _check(self.warmup_steps >= 0, "warmup_steps", f"must be >= 0, got {self.warmup_steps}")
+        _check(self.decay in ("linear", "poly", "constant"), "decay", f"must be linear, poly or constant, got {self.decay!r}")
+        _check(self.grad_clip >= 0, "grad_clip", f"must be >= 0, got {self.grad_clip}")
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig
+    data: DataConfig
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    output: str = "runs/train"  # metrics.jsonl, TensorBoard events, checkpoints/
+    steps: int = 1000  # optimizer steps
+    global_batch_size: int = 32  # sequences per optimizer step, all ranks together
+    micro_batch_size: int = 32  # sequences per forward pass on one rank
+    ds_config: str = "zero1_bf16.json"  # a file in ds_configs/ or a path
+    seed: int = 1234
+    log_every: int = 1  # metrics.jsonl gets every step; this paces the console line
+    val_every: int = 0  # steps between validation passes; 0 = only at the end
+    save_every: int = 0  # steps between checkpoints; 0 = only at the end
+    keep_last: int = 3  # checkpoints kept; older ones are deleted after a commit
+    exit_after: int = 0  # save and stop after this many steps of one invocation (time-limited jobs); 0 = off
+    tensorboard: bool = True
+    progress: bool = True  # a progress bar on rank 0
+
+    def __post_init__(self) -> None:
+        _check(self.steps > 0, "steps", f"must be > 0, got {self.steps}")
+        _check(self.global_batch_size > 0, "global_batch_size", f"must be > 0, got {self.global_batch_size}")
+        _check(self.micro_batch_size > 0, "micro_batch_size", f"must be > 0, got {self.micro_batch_size}")
+        _check(self.log_every > 0, "log_every", f"must be > 0, got {self.log_every}")
+        _check(self.val_every >= 0 and self.save_every >= 0, "val_every/save_every", "must be >= 0")
+        _check(self.exit_after >= 0, "exit_after", f"must be >= 0, got {self.exit_after}")
+        _check(self.keep_last >= 1, "keep_last", f"must be >= 1, got {self.keep_last}")
+        _check(self.data.max_seq_length <= self.model.max_position_embeddings, "max_seq_length",
+               f"{self.data.max_seq_length} exceeds the model's max_position_embeddings {self.model.max_position_embeddings}")
+        resolve_ds_config_path(self.ds_config)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["model"] = self.model.to_dict()
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "TrainConfig":
+        d = dict(d)
+        try:
+            model = ModelConfig.from_dict(d.pop("model"))
+            data = _from_dict(DataConfig, d.pop("data"))
+            optim = _from_dict(OptimConfig, d.pop("optim", {}))
+        except KeyError as e:
+            raise ConfigError(f"training config is missing the section {e.args[0]!r}") from None
+        return _from_dict(cls, d, model=model, data=data, optim=optim)
+
+
+def _from_dict(cls: type, d: dict[str, Any], **extra: Any) -> Any:
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise ConfigError(f"unknown {cls.__name__} field(s): {', '.join(unknown)}")
+    return cls(**d, **extra)
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """How a global batch splits into ranks and accumulation steps.
+
+    ``global_batch_size == micro_batch_size * grad_accum * world_size`` always holds.
+    """
+
+    global_batch_size: int
+    micro_batch_size: int
+    world_size: int
+    grad_accum: int
+
+    @classmethod
+    def resolve(cls, global_batch_size: int, micro_batch_size: int, world_size: int) -> "BatchPlan":
+        per_step = micro_batch_size * world_size
+        if global_batch_size % per_step:
+            raise ConfigError(
+                f"global_batch_size {global_batch_size} is not a multiple of micro_batch_size {micro_batch_size}"
+                f" x world_size {world_size} = {per_step}"
+            )
+        return cls(global_batch_size, micro_batch_size, world_size, global_batch_size // per_step)
+
+
+def resolve_ds_config_path(name: str) -> Path:
+    """A bare file name is looked up in ds_configs/; anything else is a path."""
+    path = Path(name)
+    if not path.exists() and path.parent == Path("."):
+        path = DS_CONFIG_DIR / name
+    if not path.is_file():
+        known = ", ".join(sorted(p.name for p in DS_CONFIG_DIR.glob("*.json")))
+        raise ConfigError(f"DeepSpeed config {name!r} not found (bundled: {known})")
+    return path
+
+
+def deepspeed_config(cfg: TrainConfig, plan: BatchPlan) -> dict[str, Any]:
+    """The engine JSON from ds_configs/ plus the batch and clipping settings of ``cfg``."""
+    path = resolve_ds_config_path(cfg.ds_config)
+    try:
+        ds = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    clash = [k for k in _DERIVED_DS_KEYS if k in ds]
+    if clash:
+        raise ConfigError(f"{path}: sets {', '.join(clash)}, which bert-ds derives from the training config; remove them")
+    ds.update(
+        train_batch_size=plan.global_batch_size,
+        train_micro_batch_size_per_gpu=plan.micro_batch_size,
+        gradient_accumulation_steps=plan.grad_accum,
+        gradient_clipping=cfg.optim.grad_clip,
+    )
+    ds.setdefault("steps_per_print", 10**9)  # bert-ds does its own logging
+    return ds
+
+
+def precision_of(ds: dict[str, Any]) -> Literal["bf16", "fp16", "fp32"]:
+    if ds.get("bf16", {}).get("enabled"):
+        return "bf16"
+    if ds.get("fp16", {}).get("enabled"):
+        return "fp16"
+    return "fp32"

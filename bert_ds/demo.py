@@ -1,0 +1,70 @@
+"""The last step of the main job: load the export with transformers and fill masks.
+
+``python -m bert_ds.demo RUN_DIR`` reads ``RUN_DIR/hf`` (the Hugging Face export)
+and ``RUN_DIR/train/summary.json``, prints the top predictions for a few masked
+sentences, then the run's summary. Everything is loaded through transformers'
+own ``from_pretrained``, as a user of the export would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from data_tools.errors import UserError
+
+SENTENCES = (
+    "The European lobster is a species of [MASK] from the eastern Atlantic Ocean .",
+    "The game was released in [MASK] for the PlayStation .",
+    "He was born in the city of [MASK] .",
+)
+
+
+def fill_mask(export_dir: Path, sentences: tuple[str, ...] = SENTENCES, top_k: int = 5) -> list[list[str]]:
+    """Top-k tokens for the [MASK] of each sentence, from the exported model."""
+    import torch
+    from transformers import AutoTokenizer, BertForPreTraining
+
+    tokenizer = AutoTokenizer.from_pretrained(export_dir)
+    model = BertForPreTraining.from_pretrained(export_dir).eval()
+    results = []
+    with torch.no_grad():
+        for text in sentences:
+            enc = tokenizer(text, return_tensors="pt")
+            where = (enc["input_ids"][0] == tokenizer.mask_token_id).nonzero()[0, 0]
+            logits = model(**enc).prediction_logits[0, where]
+            results.append(tokenizer.convert_ids_to_tokens(logits.topk(top_k).indices.tolist()))
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bert_ds.demo", description=__doc__.split("\n\n")[0])
+    p.add_argument("run_dir", type=Path, help="the main job's run folder (holds hf/ and train/)")
+    args = p.parse_args(argv)
+    export_dir = args.run_dir / "hf"
+    try:
+        if not (export_dir / "config.json").is_file():
+            raise UserError(f"{export_dir}: no Hugging Face export here (run `./run.sh export` first)")
+        print("== fill-mask with the exported model (transformers.BertForPreTraining) ==")
+        for text, top in zip(SENTENCES, fill_mask(export_dir)):
+            print(f"{text}\n    -> {', '.join(top)}")
+        summary_file = args.run_dir / "train" / "summary.json"
+        if summary_file.is_file():
+            s = json.loads(summary_file.read_text())
+            val = s.get("val") or {}
+            print("== summary ==")
+            print(f"steps {s['steps']}, real tokens/s {s['tokens_per_s']:,.0f}, "
+                  f"loss {s['loss_first']:.3f} -> {s['loss_last']:.3f}")
+            if val:
+                print(f"held-out masked-LM accuracy {val['mlm_acc']:.3f} (NSP accuracy {val['nsp_acc']:.3f})")
+        print(f"export: {export_dir.resolve()}")
+        return 0
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,286 @@
+"""Export a bert-ds checkpoint as a Hugging Face ``BertForPreTraining`` folder.
+
+    python -m bert_ds.export CHECKPOINT_DIR OUT_DIR
+
+The checkpoint folder (written by :mod:`bert_ds.checkpoint`) holds
+``model.safetensors`` (fp32, our parameter names, the tied decoder weight present
+or not), ``model_config.json`` (:meth:`ModelConfig.to_dict`) and ``tokenizer/``.
+The export holds ``config.json``, ``model.safetensors`` and the tokenizer files.
+
+Design choices, and why:
+
+- Our parameter names are Hugging Face's, so the export copies tensors; the only
+  difference is that the tied aliases ``cls.predictions.decoder.{weight,bias}``
+  are left out of the file, as ``save_pretrained`` does, and re-tied on load.
+- Nothing appears at OUT_DIR unless it round-trips: the export is written to
+  ``OUT_DIR.tmp-XXXX``, loaded back with ``transformers.BertForPreTraining.from_pretrained``,
+  its logits compared with our model's on a fixed input (max abs diff <= 1e-4,
+  fp32), and only then renamed into place. An existing export is replaced only
+  after that; a directory that is not an earlier export is never replaced.
+- Pre-LN models have no Hugging Face counterpart and are refused.
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import sys
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Mapping
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from bert_ds.errors import ConfigError, UserError
+from bert_ds.model import BertForPreTraining, ModelConfig
+
+TIED_ALIASES = {
+    # alias in the state dict -> the parameter it is tied to
+    "cls.predictions.decoder.weight": "bert.embeddings.word_embeddings.weight",
+    "cls.predictions.decoder.bias": "cls.predictions.bias",
+}
+ROUND_TRIP_TOLERANCE = 1e-4  # max abs logit difference, fp32, between our model and the export
+_HF_HIDDEN_ACT = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh"}
+_EXPORT_FILES = ("config.json", "model.safetensors")  # what marks a folder as an earlier export
+
+
+class ExportError(UserError):
+    """The checkpoint cannot be exported, or its export does not reproduce the model."""
+
+
+def to_hf_config(config: ModelConfig):
+    """The ``transformers.BertConfig`` of a post-LN model (pre-LN raises :class:`ConfigError`)."""
+    from transformers import BertConfig  # imported here: transformers takes seconds to import
+
+    if config.pre_layernorm:
+        raise ConfigError("a pre-LN model (pre_layernorm=true) has no Hugging Face BertForPreTraining "
+                          "equivalent and cannot be exported")
+    return BertConfig(
+        architectures=["BertForPreTraining"],
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_heads,
+        intermediate_size=config.intermediate_size,
+        hidden_act=_HF_HIDDEN_ACT[config.hidden_act],
+        hidden_dropout_prob=config.hidden_dropout,
+        attention_probs_dropout_prob=config.attention_dropout,
+        max_position_embeddings=config.max_position_embeddings,
+        type_vocab_size=config.type_vocab_size,
+        initializer_range=config.initializer_range,
+        layer_norm_eps=config.layer_norm_eps,
+        pad_token_id=config.pad_token_id,
+        tie_word_embeddings=True,
+    )
+
+
+def export_hf(state_dict: Mapping[str, torch.Tensor], config: ModelConfig,
+              tokenizer_dir: Path | None, out_dir: Path) -> Path:
+    """Writes a Hugging Face folder for ``state_dict`` at ``out_dir`` and returns its path.
+
+    ``state_dict`` uses our (= Hugging Face's) names; the tied aliases may be absent.
+    Tensors are written as fp32. Raises :class:`ExportError` if the export does not
+    reproduce our model's logits, in which case ``out_dir`` is left untouched.
+    """
+    hf_config = to_hf_config(config)
+    out_dir = Path(os.path.abspath(out_dir))
+    _check_replaceable(out_dir)
+    full_state = _with_tied_aliases(state_dict)
+    _check_keys(full_state, config)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        hf_config.save_pretrained(tmp)
+        tensors = {name: tensor.detach().to(device="cpu", dtype=torch.float32).contiguous()
+                   for name, tensor in full_state.items() if name not in TIED_ALIASES}
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        if tokenizer_dir is not None:
+            _copy_tokenizer(Path(tokenizer_dir), tmp)
+        _check_round_trip(full_state, config, tmp)
+        _fsync_folder(tmp)
+        _replace_folder(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def export_checkpoint(ckpt_dir: Path, out_dir: Path) -> Path:
+    """Exports the checkpoint folder ``ckpt_dir`` (a ``latest`` link is followed) to ``out_dir``."""
+    ckpt = Path(os.path.realpath(ckpt_dir))
+    if not ckpt.is_dir():
+        raise ExportError(f"checkpoint folder {ckpt_dir} does not exist")
+    weights, config_file, tokenizer_dir = (ckpt / "model.safetensors", ckpt / "model_config.json",
+                                           ckpt / "tokenizer")
+    for required in (weights, config_file, tokenizer_dir):
+        if not required.exists():
+            raise ExportError(f"checkpoint {ckpt} is missing {required.name} ({required})")
+    try:
+        config_values = json.loads(config_file.read_text())
+    except (OSError, ValueError) as err:
+        raise ExportError(f"cannot read {config_file}: {err}") from err
+    if not isinstance(config_values, dict):
+        raise ExportError(f"{config_file} must hold a JSON object")
+    config = ModelConfig.from_dict(config_values)
+    try:
+        state_dict = load_file(str(weights))
+    except (OSError, SafetensorError) as err:
+        raise ExportError(f"cannot read {weights}: {err}") from err
+    return export_hf(state_dict, config, tokenizer_dir, out_dir)
+
+
+# --------------------------------------------------------------------------- steps
+
+def _with_tied_aliases(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The state dict with the tied aliases present, checking that given ones are really tied."""
+    full = dict(state_dict)
+    for alias, target in TIED_ALIASES.items():
+        if target not in full:
+            continue  # reported by _check_keys
+        if alias not in full:
+            full[alias] = full[target]
+        elif not torch.equal(full[alias].float(), full[target].float()):
+            raise ExportError(f"{alias} differs from {target}; the export needs them tied")
+    return full
+
+
+def _check_keys(state_dict: Mapping[str, torch.Tensor], config: ModelConfig) -> None:
+    """The names and shapes must be those of our model for ``config``."""
+    with torch.device("meta"):  # shapes only, no memory or init time
+        expected = BertForPreTraining(dataclasses.replace(config, kernels="torch")).state_dict()
+    missing = sorted(set(expected) - set(state_dict))
+    unexpected = sorted(set(state_dict) - set(expected))
+    if missing or unexpected:
+        raise ExportError(f"state dict does not match the model config: missing {missing or 'none'}, "
+                          f"unexpected {unexpected or 'none'}")
+    for name, tensor in expected.items():
+        if tuple(state_dict[name].shape) != tuple(tensor.shape):
+            raise ExportError(f"{name} has shape {tuple(state_dict[name].shape)}, "
+                              f"the model config needs {tuple(tensor.shape)}")
+
+
+def _copy_tokenizer(tokenizer_dir: Path, dest: Path) -> None:
+    if not tokenizer_dir.is_dir():
+        raise ExportError(f"tokenizer folder {tokenizer_dir} does not exist")
+    files = [path for path in sorted(tokenizer_dir.iterdir()) if path.is_file()]
+    if not files:
+        raise ExportError(f"tokenizer folder {tokenizer_dir} is empty")
+    for path in files:
+        if path.name in _EXPORT_FILES:
+            raise ExportError(f"tokenizer folder {tokenizer_dir} holds {path.name}, which the export writes")
+        shutil.copy2(path, dest / path.name)
+
+
+def _check_round_trip(state_dict: Mapping[str, torch.Tensor], config: ModelConfig, export_dir: Path) -> None:
+    """Loads the export with transformers and compares its logits with our model's."""
+    import transformers
+
+    ours = BertForPreTraining(dataclasses.replace(config, kernels="torch", activation_checkpointing=False))
+    ours.load_state_dict({name: tensor.float() for name, tensor in state_dict.items()})
+    theirs, info = transformers.BertForPreTraining.from_pretrained(
+        export_dir, attn_implementation="eager", output_loading_info=True)
+    problems = {kind: keys for kind, keys in info.items() if keys}
+    if problems:
+        raise ExportError(f"transformers loaded the export with problems: {problems}")
+    ours.eval()
+    theirs.eval()
+
+    input_ids, token_type_ids, attention_mask = _probe_batch(config)
+    with torch.no_grad():
+        our_out = ours(input_ids, token_type_ids, attention_mask)
+        their_out = theirs(input_ids=input_ids, token_type_ids=token_type_ids, attention_mask=attention_mask)
+    their_mlm = their_out.prediction_logits[attention_mask.bool()]  # (T, V), packed like ours
+    diff = max((our_out.mlm_logits - their_mlm).abs().max().item(),
+               (our_out.nsp_logits - their_out.seq_relationship_logits).abs().max().item())
+    if not diff <= ROUND_TRIP_TOLERANCE:  # written so that NaN fails too
+        raise ExportError(f"the export does not reproduce the model: max abs logit difference {diff:.3g} "
+                          f"> {ROUND_TRIP_TOLERANCE} (transformers {transformers.__version__})")
+
+    if any(export_dir.glob("tokenizer*.json")) or (export_dir / "vocab.txt").exists():
+        tokenizer = transformers.AutoTokenizer.from_pretrained(export_dir)
+        if len(tokenizer) > config.vocab_size:
+            raise ExportError(f"the tokenizer has {len(tokenizer)} tokens but the model only "
+                              f"{config.vocab_size} embeddings")
+
+
+def _probe_batch(config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A fixed (2, S) batch: one full row, one padded row, both segments used."""
+    seq_len = min(16, config.max_position_embeddings)
+    generator = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(0, config.vocab_size, (2, seq_len), generator=generator)
+    token_type_ids = torch.zeros(2, seq_len, dtype=torch.long)
+    token_type_ids[:, seq_len // 2:] = config.type_vocab_size - 1
+    attention_mask = torch.ones(2, seq_len, dtype=torch.long)
+    attention_mask[1, seq_len // 2 + 1:] = 0
+    return input_ids, token_type_ids, attention_mask
+
+
+def _check_replaceable(out_dir: Path) -> None:
+    """Refuses an OUT_DIR whose replacement would destroy something other than an export."""
+    if not out_dir.exists():
+        return
+    if not out_dir.is_dir():
+        raise ExportError(f"output path {out_dir} exists and is not a folder")
+    is_export = all((out_dir / name).is_file() for name in _EXPORT_FILES)
+    if not is_export and any(out_dir.iterdir()):
+        raise ExportError(f"output folder {out_dir} exists and is not an earlier export; "
+                          "remove it or choose another path")
+
+
+def _fsync_folder(folder: Path) -> None:
+    """Flushes the export's files and the folder entry, so the rename publishes complete files."""
+    for path in folder.iterdir():
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _replace_folder(new: Path, dest: Path) -> None:
+    """Moves ``new`` to ``dest``; an existing ``dest`` is set aside first and deleted after."""
+    # A non-empty folder cannot be atomically swapped, so the old one moves aside first.
+    old = dest.with_name(f"{dest.name}.old-{uuid.uuid4().hex[:8]}") if dest.exists() else None
+    if old is not None:
+        os.rename(dest, old)
+    try:
+        os.rename(new, dest)
+    except BaseException:
+        if old is not None:
+            os.rename(old, dest)
+        raise
+    if old is not None:
+        shutil.rmtree(old)
+
+
+# --------------------------------------------------------------------------- CLI
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bert_ds.export",
+        description="Export a bert-ds checkpoint as a Hugging Face BertForPreTraining folder "
+                    "(config.json, model.safetensors, tokenizer files), checked by loading it back.",
+    )
+    parser.add_argument("checkpoint_dir", metavar="CHECKPOINT_DIR", type=Path,
+                        help="checkpoint folder (or its 'latest' link) with model.safetensors, "
+                             "model_config.json and tokenizer/")
+    parser.add_argument("out_dir", metavar="OUT_DIR", type=Path,
+                        help="folder to write; an earlier export there is replaced once the new one is complete")
+    args = parser.parse_args(argv)
+    try:
+        out = export_checkpoint(args.checkpoint_dir, args.out_dir)
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"exported {args.checkpoint_dir} to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,495 @@
+"""BERT for pretraining (masked LM + next-sentence prediction), run unpadded.
+
+Design choices, and why:
+
+- **Hugging Face parameter names.** Every parameter has the name and shape it has
+  in ``transformers.BertForPreTraining``, and the fused kernels live in functions,
+  not in modules with their own parameters. A checkpoint therefore exports by
+  copying tensors, and turning the kernels on or off never changes it.
+- **No position_ids / token_type_ids buffers.** Hugging Face registers them as
+  non-persistent buffers, so they are absent from its ``state_dict``; we compute
+  position ids from the unpadded layout instead. Our ``state_dict`` keys equal
+  Hugging Face's exactly, including the tied aliases ``cls.predictions.decoder.weight``
+  (= the word embedding) and ``cls.predictions.decoder.bias`` (= ``cls.predictions.bias``).
+- **Padding is removed once**, before the embeddings. Every layer then runs on
+  (T, H) real tokens, T = number of non-pad tokens, so no GEMM or LayerNorm is
+  spent on padding; attention gets ``cu_seqlens`` (the flash-attention varlen
+  convention). Only the reference attention re-pads internally.
+- **The MLM decoder runs only on masked positions** (~15% of tokens). With a 30k
+  vocabulary it is the largest GEMM in the model, and the other rows' logits are
+  never used by the loss.
+- **Post-LN by default** (the original BERT, exportable). ``pre_layernorm=True``
+  normalises each sublayer's input instead and adds a final
+  ``bert.encoder.LayerNorm``: stabler at depth or with high learning rates, but
+  ``transformers.BertForPreTraining`` has no such layout, so it cannot be exported.
+- **Kernels are resolved once**, at construction, from ``ModelConfig.kernels``; the
+  ops in :mod:`kernels` receive the resolved backend name on every call.
+"""
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Literal, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from bert_ds.errors import ConfigError
+from kernels import Backend, bias_gelu, layer_norm, resolve_backend, varlen_attention
+
+IGNORE_INDEX = -100  # label of a position that is not predicted (the Hugging Face convention)
+
+
+# --------------------------------------------------------------------------- config
+
+HiddenAct = Literal["gelu", "gelu_tanh"]
+KernelChoice = Literal["auto", "cuda", "torch"]
+_HIDDEN_ACTS = ("gelu", "gelu_tanh")
+_KERNEL_CHOICES = ("auto", "cuda", "torch")
+# How each activation is spelt for F.gelu and the bias_gelu kernel.
+_GELU_APPROXIMATE = {"gelu": "none", "gelu_tanh": "tanh"}
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int  # rows of the word embedding and of the tied MLM decoder
+    hidden_size: int  # width of the residual stream
+    num_layers: int  # transformer blocks
+    num_heads: int  # attention heads; hidden_size / num_heads is the head dim
+    intermediate_size: int  # FFN width, 4x hidden_size in the published sizes
+    max_position_embeddings: int = 512  # rows of the learned position table = longest sequence
+    type_vocab_size: int = 2  # segment ids: sentence A / sentence B for NSP
+    hidden_act: HiddenAct = "gelu"  # "gelu": erf form (original BERT); "gelu_tanh": tanh form, HF "gelu_pytorch_tanh"
+    hidden_dropout: float = 0.1  # after the embeddings and on each sublayer's output, as in BERT
+    attention_dropout: float = 0.0  # modern recipe; dropout on attention probabilities slows fused attention
+    layer_norm_eps: float = 1e-12  # BERT's value, kept so that exported models behave the same in HF
+    initializer_range: float = 0.02  # std of the normal init of weights and embeddings (HF init)
+    pre_layernorm: bool = False  # False: post-LN, the original BERT; True: pre-LN (stabler, not HF-exportable)
+    kernels: KernelChoice = "auto"  # "cuda": fused kernels or an error; "auto": fused if they load, else torch (logged)
+    activation_checkpointing: bool = False  # recompute layers in backward: less activation memory, ~1/3 more compute
+    pad_token_id: int = 0  # id of [PAD]; its embedding row gets no gradient (HF padding_idx)
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size",
+                     "max_position_embeddings", "type_vocab_size"):
+            value = getattr(self, name)
+            _check(_is_int(value) and value > 0, name, f"must be a positive integer, got {value!r}")
+        _check(self.hidden_size % self.num_heads == 0, "num_heads",
+               f"must divide hidden_size ({self.hidden_size}), got {self.num_heads}")
+        _check(self.hidden_act in _HIDDEN_ACTS, "hidden_act",
+               f"must be one of {', '.join(_HIDDEN_ACTS)}, got {self.hidden_act!r}")
+        for name in ("hidden_dropout", "attention_dropout"):
+            value = getattr(self, name)
+            _check(_is_number(value) and 0.0 <= value < 1.0, name, f"must be in [0, 1), got {value!r}")
+        for name in ("layer_norm_eps", "initializer_range"):
+            value = getattr(self, name)
+            _check(_is_number(value) and value > 0.0, name, f"must be a positive number, got {value!r}")
+        for name in ("pre_layernorm", "activation_checkpointing"):
+            value = getattr(self, name)
+            _check(isinstance(value, bool), name, f"must be true or false, got {value!r}")
+        _check(self.kernels in _KERNEL_CHOICES, "kernels",
+               f"must be one of {', '.join(_KERNEL_CHOICES)}, got {self.kernels!r}")
+        _check(_is_int(self.pad_token_id) and 0 <= self.pad_token_id < self.vocab_size, "pad_token_id",
+               f"must be a token id in [0, vocab_size={self.vocab_size}), got {self.pad_token_id!r}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> "ModelConfig":
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - set(fields))
+        if unknown:
+            raise ConfigError(f"model config: unknown keys {', '.join(unknown)}")
+        missing = sorted(name for name, f in fields.items()
+                         if f.default is dataclasses.MISSING and name not in values)
+        if missing:
+            raise ConfigError(f"model config: missing keys {', '.join(missing)}")
+        return cls(**values)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check(ok: bool, field: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"model config: {field} {message}")
+
+
+PRESETS: dict[str, dict[str, int]] = {
+    "tiny": dict(num_layers=2, hidden_size=64, num_heads=2, intermediate_size=256),  # tests, smoke runs
+    "mini": dict(num_layers=4, hidden_size=256, num_heads=4, intermediate_size=1024),  # quick experiments
+    "base": dict(num_layers=12, hidden_size=768, num_heads=12, intermediate_size=3072),  # BERT-Base
+    "large": dict(num_layers=24, hidden_size=1024, num_heads=16, intermediate_size=4096),  # BERT-Large
+}
+
+
+def model_preset(name: str, vocab_size: int, **overrides: Any) -> ModelConfig:
+    """The named preset's sizes with ``vocab_size`` and any other field overridden."""
+    if name not in PRESETS:
+        raise ConfigError(f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}")
+    return ModelConfig.from_dict({**PRESETS[name], "vocab_size": vocab_size, **overrides})
+
+
+# --------------------------------------------------------------------------- unpadding
+
+@dataclass(frozen=True)
+class Unpadded:
+    """Where the real tokens of a right-padded (B, S) batch go once padding is removed."""
+
+    indices: torch.Tensor  # (T,) int64: flat offsets of the real tokens in the row-major (B*S) grid
+    cu_seqlens: torch.Tensor  # (B+1,) int32: sequence b is packed rows cu_seqlens[b]:cu_seqlens[b+1]
+    max_seqlen: int  # longest sequence in the batch; bounds the attention's work
+
+
+def unpad(attention_mask: torch.Tensor) -> Unpadded:
+    """attention_mask: (B, S), 1 for real tokens, padding on the right.
+
+    Raises ``ValueError`` for a sequence without tokens or with a real token after
+    padding (either would break ``cu_seqlens``). Syncs with the device, since
+    ``max_seqlen`` and the number of real tokens are host integers.
+    """
+    is_real = attention_mask.bool()
+    seqlens = is_real.sum(dim=1, dtype=torch.int32)  # (B,)
+    real_after_pad = (is_real[:, 1:] & ~is_real[:, :-1]).any()
+    max_len, min_len, not_right_padded = torch.stack(
+        [seqlens.max(), seqlens.min(), real_after_pad.to(torch.int32)]).tolist()
+    if min_len == 0:
+        raise ValueError("attention_mask has a sequence without any real token")
+    if not_right_padded:
+        raise ValueError("attention_mask must have its padding on the right (a real token follows a pad)")
+    return Unpadded(
+        indices=torch.nonzero(is_real.flatten()).squeeze(1),
+        cu_seqlens=F.pad(torch.cumsum(seqlens, dim=0, dtype=torch.int32), (1, 0)),
+        max_seqlen=max_len,
+    )
+
+
+def gather_tokens(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """x: (B, S, ...) -> (T, ...), the rows at ``Unpadded.indices``."""
+    return x.flatten(0, 1)[indices]
+
+
+# --------------------------------------------------------------------------- modules
+
+class LayerNorm(nn.Module):
+    """LayerNorm over the last dim, optionally of ``x + residual`` in one fused op.
+
+    Parameters are named ``weight`` and ``bias`` like ``nn.LayerNorm``'s, so the
+    checkpoint keys match Hugging Face's.
+    """
+
+    def __init__(self, hidden_size: int, eps: float, backend: Backend) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.bias = nn.Parameter(torch.zeros(hidden_size))
+        self.eps = eps
+        self.backend = backend
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        return layer_norm(x, self.weight, self.bias, self.eps, residual, backend=self.backend)
+
+
+class BertEmbeddings(nn.Module):
+    def __init__(self, config: ModelConfig, backend: Backend) -> None:
+        super().__init__()
+        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size,
+                                            padding_idx=config.pad_token_id)
+        self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
+        self.LayerNorm = LayerNorm(config.hidden_size, config.layer_norm_eps, backend)
+        self.dropout = nn.Dropout(config.hidden_dropout)
+
+    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor,
+                position_ids: torch.Tensor) -> torch.Tensor:
+        """All inputs (T,) int64; returns (T, H)."""
+        # Summed in Hugging Face's order, so fp32 results agree bit for bit.
+        x = self.word_embeddings(input_ids) + self.token_type_embeddings(token_type_ids)
+        x = x + self.position_embeddings(position_ids)
+        return self.dropout(self.LayerNorm(x))
+
+
+class BertSelfAttention(nn.Module):
+    def __init__(self, config: ModelConfig, backend: Backend) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.head_dim = config.head_dim
+        self.query = nn.Linear(config.hidden_size, config.hidden_size)
+        self.key = nn.Linear(config.hidden_size, config.hidden_size)
+        self.value = nn.Linear(config.hidden_size, config.hidden_size)
+        self.dropout_p = config.attention_dropout
+        self.backend = backend
+
+    def forward(self, hidden: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
+        """hidden: (T, H) -> context (T, H), before the output projection."""
+        q = self.query(hidden).view(-1, self.num_heads, self.head_dim)  # (T, nh, hd)
+        k = self.key(hidden).view(-1, self.num_heads, self.head_dim)  # (T, nh, hd)
+        v = self.value(hidden).view(-1, self.num_heads, self.head_dim)  # (T, nh, hd)
+        context = varlen_attention(q, k, v, cu_seqlens, max_seqlen,
+                                   dropout_p=self.dropout_p if self.training else 0.0,
+                                   backend=self.backend)  # (T, nh, hd)
+        return context.reshape(-1, self.num_heads * self.head_dim)  # (T, H)
+
+
+class BertSublayerOutput(nn.Module):
+    """Projection back to H, dropout, and the residual connection of a sublayer.
+
+    Serves as both ``attention.output`` and ``output`` (HF's BertSelfOutput and
+    BertOutput, which have the same parameters). Post-LN: ``LN(dropout(dense(x)) + residual)``.
+    Pre-LN: ``residual + dropout(dense(x))``; this module's ``LayerNorm`` is then
+    applied by the caller to the sublayer's input.
+    """
+
+    def __init__(self, in_features: int, config: ModelConfig, backend: Backend) -> None:
+        super().__init__()
+        self.dense = nn.Linear(in_features, config.hidden_size)
+        self.LayerNorm = LayerNorm(config.hidden_size, config.layer_norm_eps, backend)
+        self.dropout = nn.Dropout(config.hidden_dropout)
+        self.pre_layernorm = config.pre_layernorm
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """x: (T, in_features), residual: (T, H) -> (T, H)."""
+        y = self.dropout(self.dense(x))
+        if self.pre_layernorm:
+            return residual + y
+        return self.LayerNorm(y, residual=residual)
+
+
+class BertAttention(nn.Module):
+    def __init__(self, config: ModelConfig, backend: Backend) -> None:
+        super().__init__()
+        self.self = BertSelfAttention(config, backend)
+        self.output = BertSublayerOutput(config.hidden_size, config, backend)
+        self.pre_layernorm = config.pre_layernorm
+
+    def forward(self, hidden: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
+        x = self.output.LayerNorm(hidden) if self.pre_layernorm else hidden
+        return self.output(self.self(x, cu_seqlens, max_seqlen), hidden)
+
+
+class BertIntermediate(nn.Module):
+    def __init__(self, config: ModelConfig, backend: Backend) -> None:
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.approximate = _GELU_APPROXIMATE[config.hidden_act]
+        self.backend = backend
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (T, H) -> (T, I)."""
+        # The bias is added inside the GELU kernel, saving a pass over the (T, I) tensor.
+        return bias_gelu(F.linear(x, self.dense.weight), self.dense.bias, self.approximate,
+                         backend=self.backend)
+
+
+class BertLayer(nn.Module):
+    def __init__(self, config: ModelConfig, backend: Backend) -> None:
+        super().__init__()
+        self.attention = BertAttention(config, backend)
+        self.intermediate = BertIntermediate(config, backend)
+        self.output = BertSublayerOutput(config.intermediate_size, config, backend)
+        self.pre_layernorm = config.pre_layernorm
+
+    def forward(self, hidden: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
+        """hidden: (T, H) -> (T, H)."""
+        attended = self.attention(hidden, cu_seqlens, max_seqlen)
+        x = self.output.LayerNorm(attended) if self.pre_layernorm else attended
+        return self.output(self.intermediate(x), attended)
+
+
+class BertEncoder(nn.Module):
+    def __init__(self, config: ModelConfig, backend: Backend) -> None:
+        super().__init__()
+        self.layer = nn.ModuleList(BertLayer(config, backend) for _ in range(config.num_layers))
+        # Pre-LN leaves the residual stream unnormalised; the heads expect normalised input.
+        self.LayerNorm = (LayerNorm(config.hidden_size, config.layer_norm_eps, backend)
+                          if config.pre_layernorm else None)
+        self.activation_checkpointing = config.activation_checkpointing
+
+    def forward(self, hidden: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
+        for layer in self.layer:
+            # Recomputation only pays off when a backward pass will follow.
+            if self.activation_checkpointing and torch.is_grad_enabled():
+                hidden = checkpoint(layer, hidden, cu_seqlens, max_seqlen, use_reentrant=False)
+            else:
+                hidden = layer(hidden, cu_seqlens, max_seqlen)
+        if self.LayerNorm is not None:
+            hidden = self.LayerNorm(hidden)
+        return hidden
+
+
+class BertPooler(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+
+    def forward(self, first_tokens: torch.Tensor) -> torch.Tensor:
+        """first_tokens: (B, H), each sequence's [CLS] state -> (B, H)."""
+        return torch.tanh(self.dense(first_tokens))
+
+
+class BertModel(nn.Module):
+    def __init__(self, config: ModelConfig, backend: Backend) -> None:
+        super().__init__()
+        self.embeddings = BertEmbeddings(config, backend)
+        self.encoder = BertEncoder(config, backend)
+        self.pooler = BertPooler(config)
+
+    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor, position_ids: torch.Tensor,
+                cu_seqlens: torch.Tensor, max_seqlen: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Packed (T,) inputs -> hidden states (T, H) and pooled output (B, H)."""
+        hidden = self.embeddings(input_ids, token_type_ids, position_ids)
+        hidden = self.encoder(hidden, cu_seqlens, max_seqlen)
+        pooled = self.pooler(hidden[cu_seqlens[:-1].long()])  # (B, H)
+        return hidden, pooled
+
+
+class BertPredictionHeadTransform(nn.Module):
+    def __init__(self, config: ModelConfig, backend: Backend) -> None:
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.LayerNorm = LayerNorm(config.hidden_size, config.layer_norm_eps, backend)
+        self.approximate = _GELU_APPROXIMATE[config.hidden_act]
+        self.backend = backend
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (M, H) -> (M, H)."""
+        x = bias_gelu(F.linear(x, self.dense.weight), self.dense.bias, self.approximate, backend=self.backend)
+        return self.LayerNorm(x)
+
+
+class BertLMPredictionHead(nn.Module):
+    def __init__(self, config: ModelConfig, backend: Backend, word_embeddings: nn.Parameter) -> None:
+        super().__init__()
+        self.transform = BertPredictionHeadTransform(config, backend)
+        self.bias = nn.Parameter(torch.zeros(config.vocab_size))
+        # Created on "meta" because both of its tensors are replaced by the tied ones at once:
+        # the decoder shares the word embedding (as in BERT) and the bias registered above.
+        self.decoder = nn.Linear(config.hidden_size, config.vocab_size, device="meta")
+        self.decoder.weight = word_embeddings
+        self.decoder.bias = self.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (M, H) -> logits (M, V)."""
+        return self.decoder(self.transform(x))
+
+
+class BertPreTrainingHeads(nn.Module):
+    def __init__(self, config: ModelConfig, backend: Backend, word_embeddings: nn.Parameter) -> None:
+        super().__init__()
+        self.predictions = BertLMPredictionHead(config, backend, word_embeddings)
+        self.seq_relationship = nn.Linear(config.hidden_size, 2)
+
+    def forward(self, predicted: torch.Tensor, pooled: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """predicted: (M, H), pooled: (B, H) -> MLM logits (M, V), NSP logits (B, 2)."""
+        return self.predictions(predicted), self.seq_relationship(pooled)
+
+
+# --------------------------------------------------------------------------- pretraining model
+
+@dataclass
+class PreTrainingOutput:
+    """Losses, logits and the counts a trainer needs for accuracies without another pass.
+
+    ``mlm_logits`` are in packed row-major order, the order of
+    ``logits[labels != -100]`` on a padded (B, S, V) tensor.
+    """
+
+    mlm_logits: torch.Tensor  # (M, V): masked positions, or every real token when no labels are given
+    nsp_logits: torch.Tensor  # (B, 2)
+    loss: torch.Tensor | None = None  # mlm_loss + nsp_loss (those that were computed)
+    mlm_loss: torch.Tensor | None = None  # mean cross-entropy over masked tokens
+    nsp_loss: torch.Tensor | None = None  # mean cross-entropy over sequences
+    mlm_correct: torch.Tensor | None = None  # () int64: masked tokens predicted right
+    mlm_count: torch.Tensor | None = None  # () int64: masked tokens
+    nsp_correct: torch.Tensor | None = None  # () int64
+    nsp_count: torch.Tensor | None = None  # () int64: sequences
+
+
+class BertForPreTraining(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.backend = resolve_backend(config.kernels)
+        self.bert = BertModel(config, self.backend)
+        self.cls = BertPreTrainingHeads(config, self.backend, self.bert.embeddings.word_embeddings.weight)
+        self._init_weights()
+
+    @torch.no_grad()
+    def _init_weights(self) -> None:
+        """Hugging Face's BERT init: N(0, initializer_range) weights, zero biases, unit LayerNorms."""
+        std = self.config.initializer_range
+        decoder = self.cls.predictions.decoder
+        for module in self.modules():
+            # The decoder's tensors are the word embedding and cls.predictions.bias, set below and above;
+            # initialising it as a Linear would overwrite the embedding's zeroed padding row.
+            if isinstance(module, nn.Linear) and module is not decoder:
+                module.weight.normal_(0.0, std)
+                module.bias.zero_()
+            elif isinstance(module, nn.Embedding):
+                module.weight.normal_(0.0, std)
+                if module.padding_idx is not None:
+                    module.weight[module.padding_idx].zero_()
+            elif isinstance(module, LayerNorm):
+                module.weight.fill_(1.0)
+                module.bias.zero_()
+        self.cls.predictions.bias.zero_()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        token_type_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        masked_lm_labels: torch.Tensor | None = None,
+        next_sentence_label: torch.Tensor | None = None,
+    ) -> PreTrainingOutput:
+        """input_ids, token_type_ids, attention_mask, masked_lm_labels: (B, S) int64, padding on
+        the right; masked_lm_labels is -100 where a token is not predicted (pad positions
+        included); next_sentence_label: (B,), 0 = B follows A.
+
+        Without ``masked_lm_labels`` the decoder runs on every real token instead (inference,
+        export checks).
+        """
+        batch, seq_len = input_ids.shape
+        if seq_len > self.config.max_position_embeddings:
+            raise ValueError(f"sequence length {seq_len} exceeds max_position_embeddings "
+                             f"{self.config.max_position_embeddings}")
+        packed = unpad(attention_mask)
+        # With right padding, a token's offset within its row is its index in its sequence.
+        position_ids = packed.indices % seq_len  # (T,)
+        hidden, pooled = self.bert(
+            gather_tokens(input_ids, packed.indices),
+            gather_tokens(token_type_ids, packed.indices),
+            position_ids, packed.cu_seqlens, packed.max_seqlen,
+        )  # (T, H), (B, H)
+
+        if masked_lm_labels is None:
+            predicted, mlm_labels = hidden, None
+        else:
+            labels = gather_tokens(masked_lm_labels, packed.indices)  # (T,)
+            is_masked = labels != IGNORE_INDEX
+            predicted, mlm_labels = hidden[is_masked], labels[is_masked]  # (M, H), (M,)
+        mlm_logits, nsp_logits = self.cls(predicted, pooled)  # (M, V), (B, 2)
+
+        out = PreTrainingOutput(mlm_logits=mlm_logits, nsp_logits=nsp_logits)
+        if mlm_labels is not None:
+            # Sum / count equals HF's mean, but is 0 rather than NaN for a batch with nothing masked.
+            out.mlm_loss = F.cross_entropy(mlm_logits, mlm_labels, reduction="sum") / max(mlm_labels.numel(), 1)
+            out.mlm_correct = (mlm_logits.detach().argmax(dim=-1) == mlm_labels).sum()
+            out.mlm_count = torch.tensor(mlm_labels.numel(), device=mlm_labels.device)
+            out.loss = out.mlm_loss
+        if next_sentence_label is not None:
+            out.nsp_loss = F.cross_entropy(nsp_logits, next_sentence_label)
+            out.nsp_correct = (nsp_logits.detach().argmax(dim=-1) == next_sentence_label).sum()
+            out.nsp_count = torch.tensor(batch, device=nsp_logits.device)
+            out.loss = out.nsp_loss if out.loss is None else out.loss + out.nsp_loss
+        return out

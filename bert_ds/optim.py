@@ -1,0 +1,46 @@
+"""Optimizers and the learning-rate schedule.
+
+Weight decay is applied to matrices and embeddings only: biases and LayerNorm
+parameters (every 1-D tensor in BERT) are excluded, as in the original recipe.
+The schedule is BERT's: linear warm-up to the peak, then linear or polynomial decay
+to zero at the last step (or constant). DeepSpeed steps the scheduler once per
+optimizer step.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.optim.lr_scheduler import LambdaLR
+
+from bert_ds.config import OptimConfig
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    decay, no_decay = [], []
+    for _, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (decay if p.ndim >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+    groups = param_groups(model, cfg.weight_decay)
+    # DeepSpeed hands ZeRO partitions to the optimizer as flat fp32 tensors on the
+    # device; the foreach implementation is the fast one for them on every backend.
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, foreach=True)
+
+
+def lr_multiplier(step: int, cfg: OptimConfig, total_steps: int) -> float:
+    """Learning rate at ``step`` (0-based count of completed steps) as a fraction of the peak."""
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.decay == "constant":
+        return 1.0
+    span = max(1, total_steps - cfg.warmup_steps)
+    remaining = max(0.0, 1.0 - (step - cfg.warmup_steps) / span)
+    return remaining if cfg.decay == "linear" else remaining ** cfg.poly_power
+
+
+def build_schedule(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int) -> LambdaLR:
+    return LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg, total_steps))

@@ -1,0 +1,71 @@
+"""Bidirectional attention over unpadded ("varlen") sequences.
+
+The model keeps only real tokens, packed along one axis of length T = total
+tokens; sequence b is rows ``cu_seqlens[b]:cu_seqlens[b+1]`` (the
+flash-attention varlen convention). A fused kernel attends within those bounds
+directly. The reference scatters the tokens back into a padded
+(B, nh, Smax, hd) batch, runs ``F.scaled_dot_product_attention`` with a
+key-padding mask, and gathers the real rows again: simple and obviously right,
+at the cost of computing (and discarding) the pad query rows.
+
+Every sequence must have at least one token: a pad query row of an empty
+sequence would see no valid key and produce NaN.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from kernels.dispatch import Backend, require_extension
+
+
+def varlen_attention_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+) -> torch.Tensor:
+    """q, k, v: (T, nh, hd); cu_seqlens: (B+1,) int32; returns (T, nh, hd).
+
+    ``dropout_p`` is applied as given (pass 0.0 in eval); ``softmax_scale``
+    defaults to 1/sqrt(hd).
+    """
+    total, num_heads, head_dim = q.shape
+    batch = cu_seqlens.numel() - 1
+    starts = cu_seqlens.long()
+    token = torch.arange(total, device=q.device)
+    seq = torch.searchsorted(starts[1:], token, right=True)  # (T,) which sequence each token is in
+    slot = seq * max_seqlen + (token - starts[seq])  # (T,) its row in the (B*Smax) grid
+
+    def to_padded(x: torch.Tensor) -> torch.Tensor:
+        grid = x.new_zeros(batch * max_seqlen, num_heads, head_dim).index_copy(0, slot, x)
+        return grid.view(batch, max_seqlen, num_heads, head_dim).transpose(1, 2)  # (B, nh, Smax, hd)
+
+    key_is_real = torch.zeros(batch * max_seqlen, dtype=torch.bool, device=q.device)
+    key_is_real[slot] = True
+    attn_mask = key_is_real.view(batch, 1, 1, max_seqlen)  # broadcast over heads and queries
+    out = F.scaled_dot_product_attention(
+        to_padded(q), to_padded(k), to_padded(v),
+        attn_mask=attn_mask, dropout_p=dropout_p, scale=softmax_scale,
+    )  # (B, nh, Smax, hd)
+    out = out.transpose(1, 2).reshape(batch * max_seqlen, num_heads, head_dim)  # (B*Smax, nh, hd)
+    return out[slot]  # (T, nh, hd)
+
+
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    *,
+    backend: Backend,
+) -> torch.Tensor:
+    """:func:`varlen_attention_ref` on the resolved ``backend``."""
+    if backend == "torch":
+        return varlen_attention_ref(q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale)
+    return require_extension(backend).varlen_attention(q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale)

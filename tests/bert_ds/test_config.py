@@ -1,0 +1,72 @@
+import json
+
+import pytest
+
+from bert_ds.config import BatchPlan, DataConfig, OptimConfig, TrainConfig, deepspeed_config, precision_of
+from bert_ds.errors import ConfigError
+from bert_ds.model import model_preset
+
+
+def _cfg(**kw) -> TrainConfig:
+    return TrainConfig(model=model_preset("tiny", 1000), data=DataConfig(train="x"), **kw)
+
+
+@pytest.mark.parametrize("gbs,micro,world,accum", [(32, 32, 1, 1), (64, 8, 2, 4), (96, 4, 3, 8)])
+def test_batch_plan_holds_the_identity(gbs, micro, world, accum):
+    plan = BatchPlan.resolve(gbs, micro, world)
+    assert plan.grad_accum == accum
+    assert plan.global_batch_size == plan.micro_batch_size * plan.grad_accum * plan.world_size
+
+
+def test_batch_plan_rejects_indivisible():
+    with pytest.raises(ConfigError, match="not a multiple"):
+        BatchPlan.resolve(30, 4, 2)
+
+
+def test_deepspeed_config_gets_batch_and_clip_from_train_config():
+    cfg = _cfg(global_batch_size=64, micro_batch_size=8, ds_config="zero2_bf16.json")
+    ds = deepspeed_config(cfg, BatchPlan.resolve(64, 8, 2))
+    assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (64, 8, 4)
+    assert ds["gradient_clipping"] == cfg.optim.grad_clip
+    assert ds["zero_optimization"]["stage"] == 2
+    assert precision_of(ds) == "bf16"
+
+
+def test_deepspeed_json_may_not_set_derived_keys(tmp_path):
+    bad = tmp_path / "ds.json"
+    bad.write_text(json.dumps({"train_batch_size": 8, "bf16": {"enabled": True}}))
+    with pytest.raises(ConfigError, match="train_batch_size"):
+        deepspeed_config(_cfg(ds_config=str(bad)), BatchPlan.resolve(32, 32, 1))
+
+
+def test_unknown_ds_config_names_the_bundled_ones():
+    with pytest.raises(ConfigError, match="zero1_bf16.json"):
+        _cfg(ds_config="zero9.json")
+
+
+@pytest.mark.parametrize("kw,field", [
+    ({"max_seq_length": 4}, "max_seq_length"), ({"mask_rate": 0.0}, "mask_rate"),
+    ({"pair_task": "xyz"}, "pair_task"), ({"short_seq_prob": 2.0}, "short_seq_prob"),
+])
+def test_data_config_validation(kw, field):
+    with pytest.raises(ConfigError, match=field):
+        DataConfig(train="x", **kw)
+
+
+@pytest.mark.parametrize("kw,field", [({"lr": 0}, "lr"), ({"decay": "cosine"}, "decay"), ({"betas": (0.9, 1.5)}, "betas")])
+def test_optim_config_validation(kw, field):
+    with pytest.raises(ConfigError, match=field):
+        OptimConfig(**kw)
+
+
+def test_seq_len_beyond_position_table_is_rejected():
+    with pytest.raises(ConfigError, match="max_position_embeddings"):
+        TrainConfig(model=model_preset("tiny", 1000), data=DataConfig(train="x", max_seq_length=1024))
+
+
+def test_train_config_round_trips_through_dict():
+    cfg = _cfg(steps=7)
+    again = TrainConfig.from_dict(json.loads(json.dumps(cfg.to_dict())))
+    assert again == cfg
+    with pytest.raises(ConfigError, match="unknown TrainConfig"):
+        TrainConfig.from_dict({**cfg.to_dict(), "stepz": 3})

@@ -1,0 +1,128 @@
+"""The load-time sample builder and the resumable loader, on real shards."""
+
+import numpy as np
+import pytest
+import torch
+
+from bert_ds.config import BatchPlan, DataConfig
+from bert_ds.data import IGNORE_INDEX, PretrainingDataset, PretrainingLoader, collate
+
+
+@pytest.fixture(scope="module")
+def dataset(sample_data):
+    return PretrainingDataset(sample_data["train"], DataConfig(train=str(sample_data["train"])), seed=7)
+
+
+def _equal_samples(a, b):
+    return all(np.array_equal(np.asarray(a[k]), np.asarray(b[k])) for k in a)
+
+
+def test_sample_is_a_pure_function_of_seed_epoch_index(dataset, sample_data):
+    again = PretrainingDataset(sample_data["train"], dataset.cfg, seed=7)
+    for idx in (0, 5, len(dataset) - 1):
+        assert _equal_samples(dataset.sample(0, idx), again.sample(0, idx))
+    # masks change between epochs, the sample's text span does not
+    a, b = dataset.sample(0, 3), dataset.sample(1, 3)
+    assert not np.array_equal(a["labels"], b["labels"])
+
+
+def test_samples_are_well_formed(dataset):
+    sp = dataset.special
+    nsp = []
+    masked, candidates = 0, 0
+    for idx in range(0, len(dataset), max(1, len(dataset) // 300)):
+        s = dataset.sample(0, idx)
+        ids, types, labels = s["input_ids"], s["token_type_ids"], s["labels"]
+        assert len(ids) <= dataset.cfg.max_seq_length
+        assert ids[0] == sp.cls and ids[-1] == sp.sep and (ids == sp.sep).sum() == 2
+        first_sep = int(np.flatnonzero(ids == sp.sep)[0])
+        assert (types[: first_sep + 1] == 0).all() and (types[first_sep + 1:] == 1).all()
+        targets = labels != IGNORE_INDEX
+        assert targets.any() and not targets[0] and not targets[first_sep] and not targets[-1]
+        assert ((labels[targets] >= 0) & (labels[targets] < dataset.vocab_size)).all()
+        masked += targets.sum()
+        candidates += len(ids) - 3
+        nsp.append(s["next_sentence_label"])
+    assert 0.13 < masked / candidates < 0.17
+    assert 0.35 < np.mean(nsp) < 0.65  # half the pairs are random next segments
+
+
+def test_80_10_10_masking(dataset):
+    mask_id = dataset.special.mask
+    replaced = kept = total = 0
+    for idx in range(400):
+        s = dataset.sample(0, idx)
+        t = s["labels"] != IGNORE_INDEX
+        total += t.sum()
+        replaced += (s["input_ids"][t] == mask_id).sum()
+        kept += (s["input_ids"][t] == s["labels"][t]).sum()
+    assert 0.75 < replaced / total < 0.85
+    assert 0.07 < kept / total < 0.14  # 10% kept, plus random draws that hit the same token
+
+
+def _stream(ds, plan, rank, consumed, steps, workers=0):
+    loader = PretrainingLoader(ds, plan, rank, consumed_samples=consumed, num_workers=workers)
+    return [loader.next_step() for _ in range(steps)], loader
+
+
+def _global_steps(ds, gbs, micro, world, consumed, steps, workers=0):
+    """Per step, the global batch as one (gbs, S) id tensor gathered in position order."""
+    plan = BatchPlan.resolve(gbs, micro, world)
+    per_rank = [_stream(ds, plan, r, consumed, steps, workers)[0] for r in range(world)]
+    out = []
+    for step in range(steps):
+        rows = []
+        for m in range(plan.grad_accum):
+            for r in range(world):
+                b = per_rank[r][step][m]
+                rows += [b["input_ids"][i][b["attention_mask"][i].bool()] for i in range(micro)]
+        out.append(rows)
+    return out
+
+
+def test_resume_on_another_world_size_and_worker_count_continues_the_same_stream(dataset):
+    gbs, k, total = 8, 3, 7
+    uninterrupted = _global_steps(dataset, gbs, micro=4, world=2, consumed=0, steps=total)
+    # consume k steps on 2 ranks, save the cursor, resume on 1 rank with 2 workers
+    plan = BatchPlan.resolve(gbs, 4, 2)
+    _, loader = _stream(dataset, plan, 0, 0, k)
+    state = loader.state_dict()
+    resumed = PretrainingLoader(dataset, BatchPlan.resolve(gbs, 2, 1), 0, num_workers=2)
+    resumed.load_state_dict(state)
+    rest = []
+    for _ in range(total - k):
+        rows = []
+        for b in resumed.next_step():
+            rows += [b["input_ids"][i][b["attention_mask"][i].bool()] for i in range(b["input_ids"].shape[0])]
+        rest.append(rows)
+    for want, got in zip(uninterrupted[k:], rest):
+        assert len(want) == len(got) == gbs
+        assert all(torch.equal(x, y) for x, y in zip(want, got))
+
+
+def test_ranks_partition_each_global_batch(dataset):
+    plan = BatchPlan.resolve(12, 2, 3)
+    from bert_ds.data import _RankPositions
+    seen = []
+    for r in range(3):
+        it = iter(_RankPositions(plan, r, consumed=24))
+        for _ in range(plan.grad_accum * 2):
+            seen += next(it)
+    assert sorted(seen) == list(range(24, 48))  # no duplicates, no gaps
+
+
+def test_cursor_from_another_dataset_is_refused(dataset):
+    loader = PretrainingLoader(dataset, BatchPlan.resolve(4, 4, 1), 0)
+    with pytest.raises(Exception, match="another dataset or seed"):
+        loader.load_state_dict({"consumed_samples": 8, "seed": 99, "epoch_samples": len(dataset)})
+
+
+def test_collate_pads_right_and_keeps_labels():
+    samples = [
+        {"input_ids": np.array([2, 5, 6, 3]), "token_type_ids": np.zeros(4, int), "labels": np.array([-100, 5, -100, -100]), "next_sentence_label": 0},
+        {"input_ids": np.array([2, 7, 3]), "token_type_ids": np.zeros(3, int), "labels": np.array([-100, -100, -100]), "next_sentence_label": 1},
+    ]
+    b = collate(samples, pad_id=0)
+    assert b["input_ids"].tolist() == [[2, 5, 6, 3], [2, 7, 3, 0]]
+    assert b["attention_mask"].tolist() == [[1, 1, 1, 1], [1, 1, 1, 0]]
+    assert b["labels"][1, 3] == IGNORE_INDEX and b["next_sentence_label"].tolist() == [0, 1]

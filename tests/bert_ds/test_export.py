@@ -1,0 +1,153 @@
+"""bert_ds.export: checkpoint folder -> Hugging Face folder that loads and reproduces the model."""
+
+import json
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+from bert_ds import export
+from bert_ds.errors import ConfigError, UserError
+from bert_ds.export import ExportError, export_checkpoint, export_hf, main
+from bert_ds.model import BertForPreTraining, ModelConfig
+
+WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "cat", "sat", "on", "mat", "##s", "a", "dog"]
+
+
+def _config(**overrides) -> ModelConfig:
+    values = dict(vocab_size=len(WORDS) + 3,  # padded past the tokenizer, as vocabularies often are
+                  hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,
+                  max_position_embeddings=32, kernels="torch")
+    return ModelConfig(**{**values, **overrides})
+
+
+def _write_checkpoint(path, config: ModelConfig, *, with_tied_alias: bool = False) -> BertForPreTraining:
+    torch.manual_seed(0)
+    model = BertForPreTraining(config)
+    path.mkdir(parents=True)
+    state = model.state_dict()
+    # safetensors refuses shared tensors, so a saver either drops the aliases or stores copies.
+    weights = {name: tensor.clone() for name, tensor in state.items()
+               if with_tied_alias or name not in export.TIED_ALIASES}
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    (path / "model_config.json").write_text(json.dumps(config.to_dict()))
+    tokenizer = transformers.BertTokenizerFast(vocab={word: i for i, word in enumerate(WORDS)})
+    tokenizer.save_pretrained(path / "tokenizer")
+    return model
+
+
+@pytest.mark.parametrize("with_tied_alias", [False, True])
+def test_export_loads_in_transformers_with_same_logits(tmp_path, with_tied_alias):
+    ours = _write_checkpoint(tmp_path / "ckpt", _config(), with_tied_alias=with_tied_alias)
+    out = export_checkpoint(tmp_path / "ckpt", tmp_path / "hf")
+
+    assert out == tmp_path / "hf"
+    hf_config = json.loads((out / "config.json").read_text())
+    assert hf_config["architectures"] == ["BertForPreTraining"]
+    assert hf_config["hidden_act"] == "gelu" and hf_config["num_hidden_layers"] == 2
+    assert "cls.predictions.decoder.weight" not in load_file(out / "model.safetensors")
+
+    theirs = transformers.BertForPreTraining.from_pretrained(out).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    enc = tokenizer(["the cats sat", "a dog sat on the mat"], ["the mat", "a cat"],
+                    padding=True, return_tensors="pt")
+    assert (enc["input_ids"] != tokenizer.unk_token_id).all()  # the vocabulary came along
+    with torch.no_grad():
+        our_out = ours.eval()(enc["input_ids"], enc["token_type_ids"], enc["attention_mask"])
+        their_out = theirs(**enc)
+    real = enc["attention_mask"].bool()
+    torch.testing.assert_close(our_out.mlm_logits, their_out.prediction_logits[real], rtol=0, atol=1e-5)
+    torch.testing.assert_close(our_out.nsp_logits, their_out.seq_relationship_logits, rtol=0, atol=1e-5)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "hf"]  # no temporary folders left
+
+
+def test_export_follows_latest_link_and_replaces_earlier_export(tmp_path):
+    _write_checkpoint(tmp_path / "step-1", _config())
+    (tmp_path / "latest").symlink_to(tmp_path / "step-1")
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    (out / "model.safetensors").write_text("stale")
+    export_checkpoint(tmp_path / "latest", out)
+    assert json.loads((out / "config.json").read_text())["model_type"] == "bert"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "latest", "step-1"]
+
+
+def test_export_refuses_to_replace_a_folder_that_is_not_an_export(tmp_path):
+    _write_checkpoint(tmp_path / "ckpt", _config())
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "keep.txt").write_text("precious")
+    with pytest.raises(ExportError, match="not an earlier export"):
+        export_checkpoint(tmp_path / "ckpt", tmp_path / "notes")
+    assert (tmp_path / "notes" / "keep.txt").read_text() == "precious"
+
+
+def test_export_that_does_not_round_trip_is_never_published(tmp_path, monkeypatch):
+    """A wrong config.json (LayerNorm eps 1.0 instead of 1e-12) changes the logits: the export must fail."""
+    _write_checkpoint(tmp_path / "ckpt", _config())
+    wrong = export.to_hf_config(_config(layer_norm_eps=1.0))
+    monkeypatch.setattr(export, "to_hf_config", lambda config: wrong)
+    with pytest.raises(ExportError, match="does not reproduce"):
+        export_checkpoint(tmp_path / "ckpt", tmp_path / "hf")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_export_rejects_untied_decoder(tmp_path):
+    config = _config()
+    state = BertForPreTraining(config).state_dict()
+    state = {name: tensor.clone() for name, tensor in state.items()}
+    state["cls.predictions.decoder.weight"] += 1.0
+    with pytest.raises(ExportError, match="cls.predictions.decoder.weight differs"):
+        export_hf(state, config, None, tmp_path / "hf")
+
+
+def test_export_rejects_state_dict_of_another_shape(tmp_path):
+    state = BertForPreTraining(_config(hidden_size=64)).state_dict()
+    with pytest.raises(ExportError, match="shape"):
+        export_hf(state, _config(), None, tmp_path / "hf")
+    state = BertForPreTraining(_config(num_layers=3)).state_dict()
+    with pytest.raises(ExportError, match="unexpected.*layer.2"):
+        export_hf(state, _config(), None, tmp_path / "hf")
+
+
+def test_export_refuses_pre_layernorm(tmp_path):
+    config = _config(pre_layernorm=True)
+    with pytest.raises(ConfigError, match="pre-LN"):
+        export_hf(BertForPreTraining(config).state_dict(), config, None, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize("missing", ["model.safetensors", "model_config.json", "tokenizer"])
+def test_export_names_the_missing_file(tmp_path, missing):
+    _write_checkpoint(tmp_path / "ckpt", _config())
+    target = tmp_path / "ckpt" / missing
+    if target.is_dir():
+        for child in target.iterdir():
+            child.unlink()
+        target.rmdir()
+    else:
+        target.unlink()
+    with pytest.raises(UserError, match=missing):
+        export_checkpoint(tmp_path / "ckpt", tmp_path / "hf")
+
+
+def test_cli_help_exits_zero(capsys):
+    with pytest.raises(SystemExit) as caught:
+        main(["--help"])
+    assert caught.value.code == 0
+    assert "CHECKPOINT_DIR" in capsys.readouterr().out
+
+
+def test_cli_missing_checkpoint_is_a_one_line_error(tmp_path, capsys):
+    assert main([str(tmp_path / "nope"), str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1
+    assert "nope" in err
+
+
+def test_cli_exports(tmp_path, capsys):
+    _write_checkpoint(tmp_path / "ckpt", _config())
+    assert main([str(tmp_path / "ckpt"), str(tmp_path / "hf")]) == 0
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
+    assert "exported" in capsys.readouterr().out

@@ -1,0 +1,287 @@
+"""bert_ds.model against transformers' BertForPreTraining with identical weights."""
+
+import dataclasses
+
+import pytest
+import torch
+import transformers
+
+from bert_ds.errors import ConfigError
+from bert_ds.export import to_hf_config
+from bert_ds.model import PRESETS, BertForPreTraining, ModelConfig, model_preset, unpad
+
+VOCAB = 97
+SEQ = 16
+LENGTHS = [SEQ, 1, 7, 11]  # full, a lone [CLS], two in between
+
+
+def _config(**overrides) -> ModelConfig:
+    values = dict(vocab_size=VOCAB, hidden_size=48, num_layers=2, num_heads=3, intermediate_size=80,
+                  max_position_embeddings=24, hidden_dropout=0.0, attention_dropout=0.0, kernels="torch")
+    return ModelConfig(**{**values, **overrides})
+
+
+def _models(config: ModelConfig, seed: int = 0):
+    """Our model and transformers' with the same weights."""
+    torch.manual_seed(seed)
+    ours = BertForPreTraining(config)
+    hf_config = to_hf_config(config)
+    hf_config._attn_implementation = "eager"
+    theirs = transformers.BertForPreTraining(hf_config)
+    theirs.load_state_dict(ours.state_dict(), strict=True)
+    return ours, theirs
+
+
+def _batch(seed: int, lengths=LENGTHS, seq_len: int = SEQ, mask_prob: float = 0.3):
+    generator = torch.Generator().manual_seed(seed)
+    batch = len(lengths)
+    attention_mask = (torch.arange(seq_len)[None, :] < torch.tensor(lengths)[:, None]).long()
+    input_ids = torch.randint(1, VOCAB, (batch, seq_len), generator=generator) * attention_mask
+    token_type_ids = (torch.arange(seq_len)[None, :] >= torch.tensor(lengths)[:, None] // 2).long()
+    token_type_ids = token_type_ids * attention_mask
+    masked = (torch.rand(batch, seq_len, generator=generator) < mask_prob) & attention_mask.bool()
+    masked[0, 1] = True  # at least one masked token
+    labels = torch.where(masked, torch.randint(0, VOCAB, (batch, seq_len), generator=generator), -100)
+    next_sentence = torch.randint(0, 2, (batch,), generator=generator)
+    return input_ids, token_type_ids, attention_mask, labels, next_sentence
+
+
+def _run_both(ours, theirs, batch):
+    input_ids, token_type_ids, attention_mask, labels, next_sentence = batch
+    our_out = ours(input_ids, token_type_ids, attention_mask, labels, next_sentence)
+    their_out = theirs(input_ids=input_ids, token_type_ids=token_type_ids, attention_mask=attention_mask,
+                       labels=labels, next_sentence_label=next_sentence)
+    return our_out, their_out
+
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a - b).abs().max().item()
+
+
+# --------------------------------------------------------------------------- equivalence with HF
+
+@pytest.mark.parametrize("hidden_act", ["gelu", "gelu_tanh"])
+def test_matches_transformers_in_eval(hidden_act):
+    ours, theirs = _models(_config(hidden_act=hidden_act))
+    ours.eval()
+    theirs.eval()
+    batch = _batch(seed=1)
+    labels, next_sentence = batch[3], batch[4]
+    with torch.no_grad():
+        our_out, their_out = _run_both(ours, theirs, batch)
+
+    is_masked = labels != -100
+    their_mlm = their_out.prediction_logits[is_masked]
+    assert our_out.mlm_logits.shape == (int(is_masked.sum()), VOCAB)
+    assert _max_diff(our_out.mlm_logits, their_mlm) <= 1e-5
+    assert _max_diff(our_out.nsp_logits, their_out.seq_relationship_logits) <= 1e-5
+    assert _max_diff(our_out.loss, their_out.loss) <= 1e-5
+    their_mlm_loss = torch.nn.functional.cross_entropy(their_mlm, labels[is_masked])
+    assert _max_diff(our_out.mlm_loss, their_mlm_loss) <= 1e-5
+    their_nsp_loss = torch.nn.functional.cross_entropy(their_out.seq_relationship_logits, next_sentence)
+    assert _max_diff(our_out.nsp_loss, their_nsp_loss) <= 1e-5
+
+    assert our_out.mlm_count.item() == is_masked.sum().item()
+    assert our_out.mlm_correct.item() == (their_mlm.argmax(-1) == labels[is_masked]).sum().item()
+    assert our_out.nsp_count.item() == len(LENGTHS)
+    assert our_out.nsp_correct.item() == (their_out.seq_relationship_logits.argmax(-1) == next_sentence).sum().item()
+
+
+def test_gelu_variants_differ():
+    """The hidden_act switch reaches the model (otherwise the test above proves nothing for it)."""
+    batch = _batch(seed=1)
+    outs = []
+    for hidden_act in ("gelu", "gelu_tanh"):
+        ours, _ = _models(_config(hidden_act=hidden_act))
+        with torch.no_grad():
+            outs.append(ours.eval()(*batch[:3]).mlm_logits)
+    assert _max_diff(outs[0], outs[1]) > 1e-7
+
+
+def test_without_labels_returns_logits_of_every_real_token():
+    ours, theirs = _models(_config())
+    input_ids, token_type_ids, attention_mask, _, _ = _batch(seed=2)
+    with torch.no_grad():
+        our_out = ours.eval()(input_ids, token_type_ids, attention_mask)
+        their_out = theirs.eval()(input_ids=input_ids, token_type_ids=token_type_ids,
+                                  attention_mask=attention_mask)
+    assert our_out.loss is None and our_out.mlm_loss is None and our_out.nsp_loss is None
+    assert _max_diff(our_out.mlm_logits, their_out.prediction_logits[attention_mask.bool()]) <= 1e-5
+
+
+def test_state_dict_keys_and_shapes_match_transformers():
+    ours, theirs = _models(_config())
+    our_state, their_state = ours.state_dict(), theirs.state_dict()
+    # transformers' position_ids / token_type_ids buffers are non-persistent, so absent here too.
+    assert set(our_state) == set(their_state)
+    for name, tensor in their_state.items():
+        assert our_state[name].shape == tensor.shape, name
+    assert ours.cls.predictions.decoder.weight is ours.bert.embeddings.word_embeddings.weight
+    assert ours.cls.predictions.decoder.bias is ours.cls.predictions.bias
+
+
+def test_init_is_huggingface_style():
+    config = _config(initializer_range=0.05)
+    torch.manual_seed(0)
+    model = BertForPreTraining(config)
+    query = model.bert.encoder.layer[0].attention.self.query
+    assert abs(query.weight.std().item() - 0.05) < 0.01
+    assert torch.all(query.bias == 0)
+    words = model.bert.embeddings.word_embeddings.weight
+    assert torch.all(words[config.pad_token_id] == 0)
+    assert abs(words[1:].std().item() - 0.05) < 0.01
+    norm = model.bert.encoder.layer[0].output.LayerNorm
+    assert torch.all(norm.weight == 1) and torch.all(norm.bias == 0)
+    assert torch.all(model.cls.predictions.bias == 0)
+
+
+def test_training_steps_match_transformers():
+    """20 AdamW steps in fp32 give the same losses as transformers + torch.optim.AdamW."""
+    ours, theirs = _models(_config())
+    ours.train()
+    theirs.train()
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.01) for m in (ours, theirs)]
+    for step in range(20):
+        our_out, their_out = _run_both(ours, theirs, _batch(seed=100 + step))
+        for opt, loss in zip(opts, (our_out.loss, their_out.loss)):
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        rel = abs(our_out.loss.item() - their_out.loss.item()) / abs(their_out.loss.item())
+        assert rel <= 1e-4, f"step {step}: {our_out.loss.item()} vs {their_out.loss.item()}"
+    # Training moved the weights, so the comparison covered more than the initial point.
+    assert not torch.equal(ours.bert.encoder.layer[0].attention.self.query.weight,
+                           BertForPreTraining(_config()).bert.encoder.layer[0].attention.self.query.weight)
+
+
+# --------------------------------------------------------------------------- options
+
+def _loss_and_grads(model, batch, seed):
+    torch.manual_seed(seed)  # same dropout masks in both runs
+    model.zero_grad()
+    loss = model(*batch).loss
+    loss.backward()
+    return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def test_activation_checkpointing_gives_same_loss_and_grads():
+    config = _config(hidden_dropout=0.1)
+    plain, _ = _models(config)
+    checkpointed = BertForPreTraining(dataclasses.replace(config, activation_checkpointing=True))
+    checkpointed.load_state_dict(plain.state_dict())
+    calls = []
+    # A module inside the checkpointed layer: it runs again when backward recomputes the layer.
+    checkpointed.bert.encoder.layer[0].intermediate.register_forward_hook(lambda *_: calls.append(1))
+
+    batch = _batch(seed=3)
+    loss_a, grads_a = _loss_and_grads(plain.train(), batch, seed=7)
+    loss_b, grads_b = _loss_and_grads(checkpointed.train(), batch, seed=7)
+    assert len(calls) == 2  # forward, then the recomputation in backward
+    assert torch.equal(loss_a, loss_b)
+    for name in grads_a:
+        torch.testing.assert_close(grads_b[name], grads_a[name], rtol=0, atol=1e-7, msg=name)
+
+
+def test_pre_layernorm_runs_forward_and_backward():
+    config = _config(pre_layernorm=True, hidden_dropout=0.1)
+    torch.manual_seed(0)
+    model = BertForPreTraining(config).train()
+    extra = set(model.state_dict()) - set(BertForPreTraining(_config()).state_dict())
+    assert extra == {"bert.encoder.LayerNorm.weight", "bert.encoder.LayerNorm.bias"}
+    out = model(*_batch(seed=4))
+    out.loss.backward()
+    assert torch.isfinite(out.loss)
+    for name, param in model.named_parameters():
+        assert param.grad is not None and torch.isfinite(param.grad).all(), name
+    assert model.bert.encoder.LayerNorm.weight.grad.abs().sum() > 0
+
+
+def test_no_masked_tokens_gives_zero_mlm_loss():
+    model = BertForPreTraining(_config())
+    input_ids, token_type_ids, attention_mask, labels, next_sentence = _batch(seed=5)
+    out = model(input_ids, token_type_ids, attention_mask, torch.full_like(labels, -100), next_sentence)
+    assert out.mlm_logits.shape == (0, VOCAB)
+    assert out.mlm_loss.item() == 0.0 and out.mlm_count.item() == 0
+    assert torch.equal(out.loss, out.nsp_loss)
+
+
+def test_unpad_layout():
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1]])
+    packed = unpad(mask)
+    assert packed.indices.tolist() == [0, 1, 2, 4, 8, 9, 10, 11]
+    assert packed.cu_seqlens.dtype == torch.int32
+    assert packed.cu_seqlens.tolist() == [0, 3, 4, 8]
+    assert packed.max_seqlen == 4
+
+
+@pytest.mark.parametrize("mask, message", [
+    ([[1, 1], [0, 0]], "without any real token"),
+    ([[1, 0, 1]], "padding on the right"),
+])
+def test_unpad_rejects_bad_masks(mask, message):
+    with pytest.raises(ValueError, match=message):
+        unpad(torch.tensor(mask))
+
+
+def test_rejects_sequences_longer_than_position_table():
+    model = BertForPreTraining(_config(max_position_embeddings=8))
+    ids = torch.ones(1, 9, dtype=torch.long)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        model(ids, torch.zeros_like(ids), torch.ones_like(ids))
+
+
+# --------------------------------------------------------------------------- config
+
+@pytest.mark.parametrize("field, value", [
+    ("vocab_size", 0),
+    ("hidden_size", -64),
+    ("num_layers", 2.5),
+    ("num_heads", 5),  # does not divide hidden_size=48
+    ("intermediate_size", True),
+    ("max_position_embeddings", 0),
+    ("type_vocab_size", 0),
+    ("hidden_act", "relu"),
+    ("hidden_dropout", 1.0),
+    ("attention_dropout", -0.1),
+    ("layer_norm_eps", 0.0),
+    ("initializer_range", -0.02),
+    ("pre_layernorm", "yes"),
+    ("kernels", "triton"),
+    ("activation_checkpointing", 1),
+    ("pad_token_id", VOCAB),
+])
+def test_config_rejects_bad_values(field, value):
+    with pytest.raises(ConfigError, match=field):
+        _config(**{field: value})
+
+
+def test_config_dict_round_trip():
+    config = _config(hidden_act="gelu_tanh", pre_layernorm=True)
+    assert ModelConfig.from_dict(config.to_dict()) == config
+
+
+def test_config_from_dict_rejects_unknown_and_missing_keys():
+    with pytest.raises(ConfigError, match="unknown keys hidden_layers"):
+        ModelConfig.from_dict({**_config().to_dict(), "hidden_layers": 3})
+    values = _config().to_dict()
+    del values["vocab_size"]
+    with pytest.raises(ConfigError, match="missing keys vocab_size"):
+        ModelConfig.from_dict(values)
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_presets_build_with_transformers_parameter_count(name):
+    config = model_preset(name, vocab_size=30522, kernels="torch")
+    assert config.num_layers == PRESETS[name]["num_layers"]
+    with torch.device("meta"):  # base and large without allocating their weights
+        ours = BertForPreTraining(config)
+        theirs = transformers.BertForPreTraining(to_hf_config(config))
+    assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in theirs.parameters())
+
+
+def test_preset_overrides_and_unknown_name():
+    assert model_preset("tiny", vocab_size=100, hidden_dropout=0.0).hidden_dropout == 0.0
+    with pytest.raises(ConfigError, match="tiny, mini, base, large"):
+        model_preset("huge", vocab_size=100)
+    with pytest.raises(ConfigError, match="unknown keys"):
+        model_preset("tiny", vocab_size=100, dropout=0.0)

@@ -1,0 +1,81 @@
+"""The training entry point end to end on CPU (DeepSpeed, gloo), as a user runs it."""
+
+import json
+
+import pytest
+
+from tests.conftest import run_cli
+
+REQUIRED = {"step", "loss", "lr", "tokens", "tokens_per_s", "mlm_acc", "nsp_acc", "grad_norm", "skipped_steps"}
+
+
+def _train(data, out, *extra, nproc=1):
+    args = ["bert_ds.train", "--data", str(data["train"]), "--val-data", str(data["heldout"]), "--output", str(out),
+            "--preset", "tiny", "--seq-len", "64", "--global-batch-size", "16", "--micro-batch-size", "8",
+            "--lr", "3e-3", "--warmup-steps", "5", "--val-samples", "64", "--no-progress", "--no-tensorboard",
+            "--num-workers", "0", *extra]
+    return run_cli(*args, nproc=nproc)
+
+
+def _records(out):
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in lines if "split" not in r], [r for r in lines if r.get("split") == "val"]
+
+
+def test_single_process_trains_exports_and_loads_in_transformers(sample_data, tmp_path):
+    out = tmp_path / "run"
+    proc = _train(sample_data, out, "--steps", "40", "--val-every", "20")
+    train, val = _records(out)
+    assert [r["step"] for r in train] == list(range(1, 41))
+    assert all(REQUIRED <= set(r) for r in train)
+    tokens = [r["tokens"] for r in train]
+    assert all(b > a for a, b in zip(tokens, tokens[1:]))
+    first, last = sum(r["loss"] for r in train[:5]) / 5, sum(r["loss"] for r in train[-5:]) / 5
+    assert last < first - 0.5, (first, last)
+    assert [r["step"] for r in val] == [20, 40] and 0.0 <= val[-1]["mlm_acc"] <= 1.0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 40 and "training summary" in proc.stdout
+
+    run_cli("bert_ds.export", str(out / "checkpoints" / "latest"), str(tmp_path / "hf"))
+    from transformers import AutoTokenizer, BertForPreTraining
+
+    model = BertForPreTraining.from_pretrained(tmp_path / "hf")
+    tok = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert model.config.vocab_size == tok.vocab_size == 2048
+
+
+def test_resume_continues_with_identical_losses(sample_data, tmp_path):
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    _train(sample_data, whole, "--steps", "12")
+    _train(sample_data, split, "--steps", "12", "--exit-after", "5")
+    first_part, _ = _records(split)
+    assert [r["step"] for r in first_part] == list(range(1, 6))
+    assert (split / "checkpoints" / "step_00000005" / "COMPLETE").is_file()
+    proc = _train(sample_data, split, "--steps", "12")
+    assert "resuming from" in proc.stderr
+    ref = [r["loss"] for r in _records(whole)[0]]
+    got = [r["loss"] for r in _records(split)[0]]
+    assert len(got) == 12
+    assert got == pytest.approx(ref, rel=1e-6, abs=0)
+
+
+def test_two_ranks_under_torchrun(sample_data, tmp_path):
+    out = tmp_path / "run2"
+    _train(sample_data, out, "--steps", "6", nproc=2)
+    train, val = _records(out)
+    assert [r["step"] for r in train] == list(range(1, 7))
+    assert len(val) == 1
+    assert (out / "checkpoints" / "latest" / "COMPLETE").is_file()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--data", "/nonexistent/data"], "/nonexistent/data"),
+    (["--preset", "huge"], "preset"),
+    (["--global-batch-size", "30", "--micro-batch-size", "8"], "not a multiple"),
+])
+def test_bad_input_gives_one_line_error(sample_data, args, message):
+    base = ["--data", str(sample_data["train"]), "--output", "/tmp/unused-run", "--steps", "1"]
+    proc = run_cli("bert_ds.train", *base, *args, check=False)
+    assert proc.returncode == 2
+    err = proc.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and message in err[0], proc.stderr[-2000:]

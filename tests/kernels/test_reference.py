@@ -1,0 +1,260 @@
+"""The PyTorch references of the kernels, against independent formulas, and the dispatch.
+
+Error bounds follow flash-attention's tests: in a low-precision dtype the
+reference may be at most 2x as far from an fp64 result as PyTorch's own
+same-dtype computation, plus a small atol.
+"""
+
+import logging
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernels
+from kernels import dispatch
+from kernels._build import load_extension
+from kernels.dispatch import KernelUnavailable, UnknownKernelBackend, resolve_backend
+from data_tools.errors import UserError
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _rand(*shape: int, dtype: torch.dtype = torch.float32, seed: int = 0, scale: float = 1.0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=generator) * scale).to(dtype)
+
+
+def _non_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """The same values as ``x``, laid out with a stride-2 last dimension."""
+    wide = torch.empty(*x.shape[:-1], 2 * x.shape[-1], dtype=x.dtype)
+    wide[..., ::2] = x
+    out = wide[..., ::2]
+    assert not out.is_contiguous()
+    return out
+
+
+def _max_err(x: torch.Tensor, reference: torch.Tensor) -> float:
+    return (x.double() - reference).abs().max().item()
+
+
+# --------------------------------------------------------------------------- layer_norm
+
+def _layer_norm_fp64(x, weight, bias, eps, residual=None):
+    h = x.double() if residual is None else x.double() + residual.double()
+    mean = h.mean(dim=-1, keepdim=True)
+    var = ((h - mean) ** 2).mean(dim=-1, keepdim=True)
+    return (h - mean) / torch.sqrt(var + eps) * weight.double() + bias.double()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [1, 7, 1023])
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_layer_norm_ref_matches_formula(dtype, hidden, with_residual, contiguous):
+    x = _rand(5, 3, hidden, dtype=dtype, seed=1, scale=3.0) + 0.5
+    if not contiguous:
+        x = _non_contiguous(x)
+    residual = _rand(5, 3, hidden, dtype=dtype, seed=2) if with_residual else None
+    weight = _rand(hidden, dtype=dtype, seed=3) + 1.0
+    bias = _rand(hidden, dtype=dtype, seed=4)
+    eps = 1e-5
+
+    out = kernels.layer_norm_ref(x, weight, bias, eps, residual)
+    expected = _layer_norm_fp64(x, weight, bias, eps, residual)
+    summed = x if residual is None else x + residual
+    same_dtype = F.layer_norm(summed, (hidden,), weight, bias, eps)
+    assert out.dtype == dtype and out.shape == x.shape
+    assert _max_err(out, expected) <= 2 * _max_err(same_dtype, expected) + 1e-5
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_layer_norm_ref_grads_match_formula(with_residual):
+    hidden = 37
+    leaves = {
+        "x": _rand(6, hidden, seed=1, scale=2.0),
+        "weight": _rand(hidden, seed=3) + 1.0,
+        "bias": _rand(hidden, seed=4),
+    }
+    if with_residual:
+        leaves["residual"] = _rand(6, hidden, seed=2)
+    grad_out = _rand(6, hidden, seed=5)
+
+    def grads(fn, dtype):
+        inputs = {k: v.to(dtype, copy=True).requires_grad_() for k, v in leaves.items()}
+        fn(eps=1e-5, **inputs).backward(grad_out.to(dtype))
+        return {k: v.grad for k, v in inputs.items()}
+
+    ours = grads(kernels.layer_norm_ref, torch.float32)
+    expected = grads(_layer_norm_fp64, torch.float64)
+    for name in leaves:
+        assert _max_err(ours[name], expected[name]) <= 1e-5, name
+
+
+def test_layer_norm_public_op_runs_reference_on_torch():
+    x, weight, bias = _rand(4, 33, seed=1), _rand(33, seed=2), _rand(33, seed=3)
+    residual = _rand(4, 33, seed=4)
+    out = kernels.layer_norm(x, weight, bias, 1e-12, residual, backend="torch")
+    assert torch.equal(out, kernels.layer_norm_ref(x, weight, bias, 1e-12, residual))
+
+
+# --------------------------------------------------------------------------- bias_gelu
+
+def _gelu_fp64(x, bias, approximate):
+    h = x.double() + bias.double()
+    if approximate == "tanh":
+        return 0.5 * h * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (h + 0.044715 * h ** 3)))
+    return 0.5 * h * (1.0 + torch.erf(h / math.sqrt(2.0)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("width", [1, 13, 1031])
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_bias_gelu_ref_matches_formula(dtype, approximate, width, contiguous):
+    x = _rand(7, width, dtype=dtype, seed=1, scale=3.0)
+    if not contiguous:
+        x = _non_contiguous(x)
+    bias = _rand(width, dtype=dtype, seed=2)
+
+    out = kernels.bias_gelu_ref(x, bias, approximate)
+    expected = _gelu_fp64(x, bias, approximate)
+    same_dtype = F.gelu(x + bias, approximate=approximate)
+    assert out.dtype == dtype and out.shape == x.shape
+    assert _max_err(out, expected) <= 2 * _max_err(same_dtype, expected) + 1e-6
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_bias_gelu_ref_grads_match_formula(approximate):
+    x0, bias0, grad_out = _rand(9, 41, seed=1, scale=3.0), _rand(41, seed=2), _rand(9, 41, seed=3)
+
+    def grads(fn, dtype):
+        x, bias = x0.to(dtype, copy=True).requires_grad_(), bias0.to(dtype, copy=True).requires_grad_()
+        fn(x, bias, approximate).backward(grad_out.to(dtype))
+        return x.grad, bias.grad
+
+    for ours, expected in zip(grads(kernels.bias_gelu_ref, torch.float32), grads(_gelu_fp64, torch.float64)):
+        assert _max_err(ours, expected) <= 1e-5
+
+
+def test_bias_gelu_public_op_runs_reference_on_torch():
+    x, bias = _rand(3, 11, seed=1), _rand(11, seed=2)
+    assert torch.equal(kernels.bias_gelu(x, bias, "tanh", backend="torch"),
+                       kernels.bias_gelu_ref(x, bias, "tanh"))
+
+
+# --------------------------------------------------------------------------- varlen attention
+
+def _attention_per_sequence(q, k, v, lengths, softmax_scale):
+    """Independent of the scatter/gather: one unmasked SDPA call per sequence."""
+    outs, start = [], 0
+    for length in lengths:
+        rows = slice(start, start + length)
+        per_head = [x[rows].transpose(0, 1) for x in (q, k, v)]  # (nh, L, hd)
+        outs.append(F.scaled_dot_product_attention(*per_head, scale=softmax_scale).transpose(0, 1))
+        start += length
+    return torch.cat(outs)  # (T, nh, hd)
+
+
+def _varlen_inputs(lengths, num_heads, head_dim, dtype):
+    total = sum(lengths)
+    q, k, v = (_rand(total, num_heads, head_dim, dtype=dtype, seed=seed) for seed in (1, 2, 3))
+    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    return q, k, v, cu_seqlens
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("lengths", [[1], [5, 1, 17, 2], [9, 9]])
+@pytest.mark.parametrize("softmax_scale", [None, 0.3])
+def test_varlen_attention_ref_matches_per_sequence_sdpa(dtype, lengths, softmax_scale):
+    q, k, v, cu_seqlens = _varlen_inputs(lengths, num_heads=3, head_dim=8, dtype=dtype)
+    out = kernels.varlen_attention_ref(q, k, v, cu_seqlens, max(lengths), softmax_scale=softmax_scale)
+    expected = _attention_per_sequence(*(x.double() for x in (q, k, v)), lengths, softmax_scale)
+    same_dtype = _attention_per_sequence(q, k, v, lengths, softmax_scale)
+    assert out.dtype == dtype and out.shape == q.shape
+    assert _max_err(out, expected) <= 2 * _max_err(same_dtype, expected) + 1e-5
+
+
+def test_varlen_attention_ref_grads_match_per_sequence_sdpa():
+    lengths = [4, 1, 11]
+    inputs = _varlen_inputs(lengths, num_heads=2, head_dim=16, dtype=torch.float32)
+    cu_seqlens = inputs[3]
+    grad_out = _rand(sum(lengths), 2, 16, seed=7)
+
+    def grads(fn):
+        q, k, v = (x.clone().requires_grad_() for x in inputs[:3])
+        fn(q, k, v).backward(grad_out)
+        return q.grad, k.grad, v.grad
+
+    ours = grads(lambda q, k, v: kernels.varlen_attention_ref(q, k, v, cu_seqlens, max(lengths)))
+    expected = grads(lambda q, k, v: _attention_per_sequence(q, k, v, lengths, None))
+    for a, b in zip(ours, expected):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_varlen_attention_ref_dropout_is_applied():
+    q, k, v, cu_seqlens = _varlen_inputs([6, 3], num_heads=2, head_dim=4, dtype=torch.float32)
+    torch.manual_seed(0)
+    dropped = kernels.varlen_attention_ref(q, k, v, cu_seqlens, 6, dropout_p=0.5)
+    assert not torch.allclose(dropped, kernels.varlen_attention_ref(q, k, v, cu_seqlens, 6))
+
+
+def test_varlen_attention_public_op_runs_reference_on_torch():
+    q, k, v, cu_seqlens = _varlen_inputs([3, 5], num_heads=2, head_dim=4, dtype=torch.float32)
+    assert torch.equal(kernels.varlen_attention(q, k, v, cu_seqlens, 5, backend="torch"),
+                       kernels.varlen_attention_ref(q, k, v, cu_seqlens, 5))
+
+
+# --------------------------------------------------------------------------- dispatch
+
+def test_resolve_torch():
+    assert resolve_backend("torch") == "torch"
+
+
+def test_resolve_cuda_without_extension_says_why():
+    extension, reason = load_extension()
+    if extension is not None:
+        pytest.skip("the fused CUDA extension loads here")
+    with pytest.raises(KernelUnavailable, match=reason) as caught:
+        resolve_backend("cuda")
+    assert isinstance(caught.value, UserError)
+    if not torch.cuda.is_available():
+        assert reason == "no CUDA device"
+
+
+def test_resolve_auto_falls_back_to_torch_and_logs_once(caplog):
+    if load_extension()[0] is not None:
+        pytest.skip("the fused CUDA extension loads here")
+    dispatch._auto_backend.cache_clear()
+    with caplog.at_level(logging.INFO, logger="kernels.dispatch"):
+        assert resolve_backend("auto") == "torch"
+        assert resolve_backend("auto") == "torch"
+    messages = [r.getMessage() for r in caplog.records if r.name == "kernels.dispatch"]
+    assert len(messages) == 1
+    assert "PyTorch reference" in messages[0] and load_extension()[1] in messages[0]
+
+
+@pytest.mark.parametrize("name", ["triton", "", "CUDA"])
+def test_resolve_rejects_unknown_names(name):
+    with pytest.raises(UnknownKernelBackend, match="auto, cuda, torch"):
+        resolve_backend(name)
+
+
+def test_cuda_branch_of_ops_is_never_a_silent_fallback():
+    if load_extension()[0] is not None:
+        pytest.skip("the fused CUDA extension loads here")
+    x, weight, bias = _rand(2, 8, seed=1), _rand(8, seed=2), _rand(8, seed=3)
+    with pytest.raises(KernelUnavailable):
+        kernels.layer_norm(x, weight, bias, 1e-5, backend="cuda")
+    with pytest.raises(KernelUnavailable):
+        kernels.bias_gelu(x, bias, "none", backend="cuda")
+    q, k, v, cu_seqlens = _varlen_inputs([2], num_heads=1, head_dim=8, dtype=torch.float32)
+    with pytest.raises(KernelUnavailable):
+        kernels.varlen_attention(q, k, v, cu_seqlens, 2, backend="cuda")
+
+
+def test_ops_reject_unresolved_backend_names():
+    x, weight, bias = _rand(2, 8, seed=1), _rand(8, seed=2), _rand(8, seed=3)
+    with pytest.raises(ValueError, match="resolve_backend"):
+        kernels.layer_norm(x, weight, bias, 1e-5, backend="auto")

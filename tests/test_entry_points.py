@@ -1,0 +1,29 @@
+"""Every entry point answers --help, and a wrong flag is a usage error, not a traceback."""
+
+import subprocess
+
+import pytest
+
+from tests.conftest import REPO, run_cli
+
+MODULES = ["bert_ds.train", "bert_ds.export", "bert_ds.demo", "data_tools", "data_tools build",
+           "data_tools verify", "data_tools inspect"]
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_help(module):
+    proc = run_cli(*module.split(), "--help")
+    assert "usage:" in proc.stdout
+
+
+@pytest.mark.parametrize("module", ["bert_ds.train", "bert_ds.export", "data_tools build"])
+def test_wrong_flag_is_a_usage_error(module):
+    proc = run_cli(*module.split(), "--no-such-flag", check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+
+
+def test_run_sh_help_and_unknown_mode():
+    ok = subprocess.run([str(REPO / "run.sh"), "--help"], capture_output=True, text=True)
+    assert ok.returncode == 0 and "./run.sh test" in ok.stdout
+    bad = subprocess.run([str(REPO / "run.sh"), "frobnicate"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "unknown mode" in bad.stderr
