@@ -307,6 +307,9 @@ class PretrainingLoader:
             batch_sampler=_RankPositions(self.plan, self.rank, self.consumed_samples),
             collate_fn=lambda samples: collate(samples, pad),
             num_workers=self.num_workers,
+            # The loader draws a base seed when an iterator starts; its own generator keeps that
+            # draw off the global RNG, which drives dropout and must resume exactly.
+            generator=torch.Generator().manual_seed(self.dataset.seed),
             persistent_workers=False,
             prefetch_factor=4 if self.num_workers else None,
         )

@@ -483,12 +483,14 @@ class BertForPreTraining(nn.Module):
         out = PreTrainingOutput(mlm_logits=mlm_logits, nsp_logits=nsp_logits)
         if mlm_labels is not None:
             # Sum / count equals HF's mean, but is 0 rather than NaN for a batch with nothing masked.
-            out.mlm_loss = F.cross_entropy(mlm_logits, mlm_labels, reduction="sum") / max(mlm_labels.numel(), 1)
+            # The losses are taken in fp32: in bf16 a log-softmax over 30k logits loses the
+            # small differences the gradient is made of (the logits themselves stay bf16).
+            out.mlm_loss = F.cross_entropy(mlm_logits.float(), mlm_labels, reduction="sum") / max(mlm_labels.numel(), 1)
             out.mlm_correct = (mlm_logits.detach().argmax(dim=-1) == mlm_labels).sum()
             out.mlm_count = torch.tensor(mlm_labels.numel(), device=mlm_labels.device)
             out.loss = out.mlm_loss
         if next_sentence_label is not None:
-            out.nsp_loss = F.cross_entropy(nsp_logits, next_sentence_label)
+            out.nsp_loss = F.cross_entropy(nsp_logits.float(), next_sentence_label)
             out.nsp_correct = (nsp_logits.detach().argmax(dim=-1) == next_sentence_label).sum()
             out.nsp_count = torch.tensor(batch, device=nsp_logits.device)
             out.loss = out.nsp_loss if out.loss is None else out.loss + out.nsp_loss

@@ -1,0 +1,126 @@
+"""``python -m data_tools {build,verify,inspect}``: raw text -> token shards, and checks.
+
+    build    --input FILE... --output DIR (--vocab FILE | --train-vocab SIZE)
+             [--workers N] [--split-sentences] [--[no-]lowercase] [--shard-tokens N]
+    verify   DIR               exit 0 and "ok: N shards, T tokens", or 1 and one line per problem
+    inspect  DIR [--decode K]  manifest summary, optionally the first K documents as text
+
+Bad input (a missing file, an empty corpus, conflicting options) prints one line
+``error: ...`` to stderr and exits 2; argparse's own usage errors also exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from data_tools.errors import UserError
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text.replace("_", ""))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1: {text}")
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
+    from data_tools.build import DEFAULT_SHARD_TOKENS
+
+    parser = argparse.ArgumentParser(prog="python -m data_tools", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{build,verify,inspect}")
+
+    b = sub.add_parser(
+        "build", help="tokenize raw text into shards",
+        description="Tokenize raw text into token shards, the tokenizer files and manifest.json "
+        "(written last). Input: UTF-8 text or .gz, one sentence per line, a blank line between "
+        "documents; WikiText ' = Title = ' lines start documents, section headings are dropped.",
+    )
+    b.add_argument("--input", nargs="+", required=True, metavar="FILE",
+                   help="text files (.gz allowed), read in order")
+    b.add_argument("--output", required=True, metavar="DIR", help="dataset folder (created; reruns resume)")
+    b.add_argument("--vocab", metavar="FILE", help="existing vocab.txt or WordPiece tokenizer.json")
+    b.add_argument("--train-vocab", type=_positive_int, metavar="SIZE",
+                   help="train a WordPiece vocabulary of SIZE entries on the inputs")
+    b.add_argument("--workers", type=_positive_int, default=None,
+                   help="tokenizer processes (default: the CPUs available; 1 tokenizes in this process); "
+                   "the output is the same for any N")
+    b.add_argument("--split-sentences", action="store_true",
+                   help="split lines into sentences after . ! ? followed by whitespace and an uppercase "
+                   "letter, digit or quote")
+    b.add_argument("--lowercase", action=argparse.BooleanOptionalAction, default=True,
+                   help="lowercase and strip accents (default: on)")
+    b.add_argument("--shard-tokens", type=_positive_int, default=DEFAULT_SHARD_TOKENS, metavar="N",
+                   help=f"close a shard at the first document end after N tokens (default {DEFAULT_SHARD_TOKENS:,})")
+    b.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    b.set_defaults(func=_build)
+
+    v = sub.add_parser(
+        "verify", help="check a dataset fully",
+        description="Check the manifest, the tokenizer fingerprint and every shard fully (sizes, checksums, "
+        "token ids < vocab size). Exit 0 and 'ok: N shards, T tokens', or 1 and one line per problem.",
+    )
+    v.add_argument("directory", metavar="DIR")
+    v.set_defaults(func=_verify)
+
+    i = sub.add_parser(
+        "inspect", help="summarize a dataset",
+        description="Print the manifest summary and sentence-length percentiles; optionally decode the "
+        "first K documents.",
+    )
+    i.add_argument("directory", metavar="DIR")
+    i.add_argument("--decode", type=int, default=0, metavar="K", help="print the first K documents as text")
+    i.set_defaults(func=_inspect)
+    return parser
+
+
+def _build(args: argparse.Namespace) -> int:
+    from data_tools.build import BuildOptions, build
+
+    opts = BuildOptions(
+        inputs=args.input, output=args.output, vocab=args.vocab, train_vocab=args.train_vocab,
+        split_sentences=args.split_sentences, lowercase=args.lowercase,
+        shard_tokens=args.shard_tokens, progress=args.progress,
+        **({"workers": args.workers} if args.workers is not None else {}),
+    )
+    print(build(opts).summary())
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from data_tools.verify import verify_dataset
+
+    problems, manifest = verify_dataset(args.directory)
+    for line in problems:
+        print(f"error: {line}", file=sys.stderr)
+    if problems:
+        return 1
+    print(f"ok: {len(manifest.shards)} shards, {manifest.totals['tokens']} tokens")
+    return 0
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from data_tools.verify import inspect_dataset
+
+    inspect_dataset(args.directory, decode=args.decode)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except UserError as e:
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:  # stdout closed early (`inspect DIR --decode 9 | head`): not a failure
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

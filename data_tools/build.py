@@ -1,0 +1,475 @@
+"""Raw text -> tokenizer files + token shards + manifest.json (written last).
+
+Pipeline: the main process reads the inputs (:class:`data_tools.text.CorpusReader`)
+and cuts the stream of lines into chunks of about ``CHUNK_CHARS`` characters; worker
+processes split sentences and tokenize a chunk with one ``encode_batch`` call and
+return flat numpy arrays; the main process writes the results, in input order, into
+``shard_00000``, ``shard_00001``, ... A shard is closed at the first document end
+after it holds ``shard_tokens`` tokens, so documents never span shards.
+
+Design choices:
+
+* Determinism: chunks are cut by the main process from the input alone and results
+  are written in chunk order, so ``--workers`` changes speed, never bytes. The
+  manifest holds no timestamps and not the worker count. Vocabulary training is made
+  deterministic in :mod:`data_tools.tokenizer`.
+* The tokenizer is the bottleneck; everything else is numpy on whole chunks (no
+  Python loop per token). A document may span chunks (a 100 MB line arrives as 1 MiB
+  pieces), and the shard writer takes it sentence batch by sentence batch, so memory
+  is bounded by the chunks in flight (2 per worker), not by the largest document.
+* Crash safety and resume (R9): each shard is written under temporary names and
+  renamed into place; after each shard ``build.journal.json`` records (atomically) its
+  ShardInfo, the reader cursor after its last document and the counts so far, keyed by
+  a hash of the sources, the tokenizer and every option that shapes the output. A
+  rerun with the same key keeps each recorded shard whose files open, verify and match
+  the record, and resumes reading at the cursor after the last kept one; output is
+  byte-identical to an uninterrupted build. ``manifest.json`` is removed when a build
+  starts and written last; the journal is removed after it.
+* Errors: bad input raises :class:`UserError` (one line, exit 2); a failing write
+  (disk full) becomes a UserError naming the folder, after the shard writer has
+  removed its temporary files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing
+import os
+import re
+import sys
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from itertools import chain
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from data_tools.errors import UserError
+from data_tools.manifest import MANIFEST_NAME, Manifest, created_by, file_sha256
+from data_tools.shard_format import (
+    FORMAT_VERSION, MAX_SENTENCE_TOKENS, ShardError, ShardInfo, ShardReader, ShardWriter, token_dtype,
+)
+from data_tools.text import (
+    HEADING_RE, PIECE_BYTES, SENTENCE_SPLIT_RE, CorpusReader, Cursor, DocEnd, ReadStats,
+    check_inputs, split_sentences,
+)
+from data_tools.tokenizer import TokenizerSpec, install_tokenizer, read_vocab, train_vocab
+
+DEFAULT_SHARD_TOKENS = 1 << 26  # ~64M tokens: 128 MiB of uint16 per shard
+CHUNK_CHARS = 1 << 18  # characters per tokenization task: ~60k tokens, ~10 MB of Encodings
+_MAX_PARTS = 4096  # documents per chunk, bounds chunks of many empty documents
+JOURNAL_NAME = "build.journal.json"
+_SHARD_FILE = re.compile(r"^shard_(\d{5,})\.(bin|idx)(\.tmp)?$")
+
+
+def shard_name(index: int) -> str:
+    return f"shard_{index:05d}"
+
+
+@dataclass
+class BuildOptions:
+    inputs: list[str]
+    output: str
+    vocab: str | None = None  # vocab.txt or tokenizer.json to load
+    train_vocab: int | None = None  # or: train a WordPiece vocabulary of this size
+    workers: int = field(default_factory=lambda: len(os.sched_getaffinity(0)))
+    split_sentences: bool = False
+    lowercase: bool = True
+    shard_tokens: int = DEFAULT_SHARD_TOKENS
+    piece_bytes: int = PIECE_BYTES  # longest line read in one piece (shapes output)
+    progress: bool = True  # tqdm bars on stderr
+
+    def __post_init__(self):
+        if (self.vocab is None) == (self.train_vocab is None):
+            raise UserError("give exactly one of --vocab FILE or --train-vocab SIZE")
+        if self.workers < 1:
+            raise UserError(f"--workers must be at least 1, got {self.workers}")
+        if self.shard_tokens < 1:
+            raise UserError(f"--shard-tokens must be at least 1, got {self.shard_tokens}")
+        if self.piece_bytes < 64:
+            raise UserError(f"piece_bytes must be at least 64, got {self.piece_bytes}")
+        check_inputs(self.inputs)
+        if self.vocab is not None and not os.path.isfile(self.vocab):
+            raise UserError(f"vocabulary not found: {self.vocab}")
+        if os.path.exists(self.output) and not os.path.isdir(self.output):
+            raise UserError(f"--output {self.output} exists and is not a folder")
+
+
+@dataclass
+class Counts:
+    """Counts of the tokenizing side; with ReadStats they make the summary."""
+
+    documents_written: int = 0
+    skipped_empty: int = 0  # documents with no token at all
+    sentences: int = 0  # sentences written (a piece of a >65535-token sentence counts)
+    tokens: int = 0
+    empty_sentences: int = 0  # sentences with no token (only control characters...), dropped
+    long_sentences_split: int = 0  # sentences over 65535 tokens, written in pieces
+
+
+@dataclass
+class BuildResult:
+    directory: Path
+    manifest: Manifest
+    seconds: float
+    vocab_seconds: float
+    shards_reused: int
+
+    @property
+    def bytes_on_disk(self) -> int:
+        return sum(s.bin_bytes + s.idx_bytes for s in self.manifest.shards)
+
+    def summary(self) -> str:
+        m, st = self.manifest, self.manifest.stats
+        tokens = m.totals["tokens"]
+        skipped = st["documents_skipped"]
+        secs = max(self.seconds, 1e-9)
+        return "\n".join([
+            f"built {self.directory}: {len(m.shards)} shard(s) ({self.shards_reused} reused), "
+            f"vocab {m.vocab_size} ({m.token_dtype}), manifest.json written last",
+            f"documents: {st['documents_in']:,} in, {st['documents_written']:,} written, "
+            f"{sum(skipped.values()):,} skipped ({', '.join(f'{k}: {v:,}' for k, v in skipped.items())})",
+            f"sentences: {m.totals['sentences']:,} ({st['empty_sentences_dropped']:,} empty dropped, "
+            f"{st['long_sentences_split']:,} over 65535 tokens split); tokens: {tokens:,}",
+            f"input: {st['input_bytes']:,} bytes in {len(m.sources)} file(s), {st['lines']:,} lines, "
+            f"{st['headings_dropped']:,} headings dropped; invalid UTF-8 replaced: {st['invalid_utf8_replaced']:,}, "
+            f"NUL bytes removed: {st['nul_bytes_removed']:,}, CRLF lines: {st['crlf_lines']:,}, "
+            f"long lines cut: {st['long_lines_cut']:,}",
+            f"disk: {self.bytes_on_disk:,} bytes in shards ({self.bytes_on_disk / max(tokens, 1):.3f} bytes/token)",
+            f"time: {self.seconds:.2f} s (vocabulary {self.vocab_seconds:.2f} s), "
+            f"{st['input_bytes'] / secs / 1e6:.2f} MB/s, {tokens / secs:,.0f} tokens/s",
+        ])
+
+
+# -- tokenization (runs in worker processes, or in-process for --workers 1) --------------
+
+class _Tokenize:
+    """Lines of a chunk's parts -> flat arrays for the writer.
+
+    Returns tokens (n_tokens,) uint32, lengths (n_sentences,) int64 of the non-empty
+    sentences, and per part (n_parts,) int64: sentences kept, sentences dropped empty.
+    """
+
+    def __init__(self, tokenizer_json: str, split: bool):
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_str(tokenizer_json)
+        # encode_batch_fast (tokenizers >= 0.20) skips offset tracking, ~20% faster.
+        self.encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
+        self.split = split
+
+    def __call__(self, parts: list[list[str]]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        if self.split:
+            sentences: list[str] = []
+            per_part = []
+            for lines in parts:
+                n = len(sentences)
+                for line in lines:
+                    sentences += split_sentences(line)
+                per_part.append(len(sentences) - n)
+        else:
+            sentences = list(chain.from_iterable(parts))
+            per_part = [len(p) for p in parts]
+        encs = self.encode(sentences, add_special_tokens=False)
+        lengths = np.fromiter(map(len, encs), dtype=np.int64, count=len(encs))
+        tokens = np.fromiter(chain.from_iterable(e.ids for e in encs), dtype=np.uint32, count=int(lengths.sum()))
+        keep = lengths > 0
+        owner = np.repeat(np.arange(len(parts)), per_part)
+        kept = np.bincount(owner[keep], minlength=len(parts))
+        empty = np.bincount(owner[~keep], minlength=len(parts))
+        return tokens, lengths[keep], kept, empty
+
+
+_worker: _Tokenize | None = None
+
+
+def _init_worker(tokenizer_json: str, split: bool) -> None:
+    global _worker
+    # One rayon thread per worker process: N single-threaded workers beat N workers
+    # that each fight for every core.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    _worker = _Tokenize(tokenizer_json, split)
+
+
+def _tokenize_in_worker(parts: list[list[str]]):
+    return _worker(parts)
+
+
+@dataclass
+class _Chunk:
+    parts: list[list[str]]  # lines of consecutive documents (or pieces of one)
+    ends: list[DocEnd | None]  # per part: its document's end, or None if it continues
+    progress: int  # input bytes consumed when the chunk was cut
+
+
+def _chunks(reader: CorpusReader, chunk_chars: int) -> Iterator[_Chunk]:
+    parts: list[list[str]] = []
+    ends: list[DocEnd | None] = []
+    lines: list[str] = []
+    size = 0
+    for item in reader:
+        if isinstance(item, str):
+            lines.append(item)
+            size += len(item)
+            if size < chunk_chars:
+                continue
+            parts.append(lines)
+            ends.append(None)
+        else:
+            parts.append(lines)
+            ends.append(item)
+            if size < chunk_chars and len(parts) < _MAX_PARTS:
+                lines = []
+                continue
+        yield _Chunk(parts, ends, reader.progress)
+        parts, ends, lines, size = [], [], [], 0
+    if parts:
+        yield _Chunk(parts, ends, reader.progress)
+
+
+def _tokenized(chunks: Iterator[_Chunk], spec: TokenizerSpec, split: bool, workers: int):
+    """Yield (chunk, result) in chunk order, with at most 2 chunks per worker in flight."""
+    if workers == 1:
+        tokenize = _Tokenize(spec.tokenizer_json, split)
+        for c in chunks:
+            yield c, tokenize(c.parts)
+        return
+    ctx = multiprocessing.get_context("spawn")  # fork after tokenizers used threads can deadlock
+    with ctx.Pool(workers, initializer=_init_worker, initargs=(spec.tokenizer_json, split)) as pool:
+        pending: deque = deque()
+        for c in chunks:
+            pending.append((c, pool.apply_async(_tokenize_in_worker, (c.parts,))))
+            if len(pending) >= 2 * workers:
+                c0, r = pending.popleft()
+                yield c0, r.get()
+        while pending:
+            c0, r = pending.popleft()
+            yield c0, r.get()
+
+
+# -- resume journal ------------------------------------------------------------------------
+
+def _plan_key(sources: list[dict], spec: TokenizerSpec, opts: BuildOptions) -> str:
+    plan = {
+        "shard_format": FORMAT_VERSION, "created_by": created_by(), "sources": sources,
+        "tokenizer": spec.fingerprint, "lowercase": opts.lowercase,
+        "split_sentences": opts.split_sentences, "shard_tokens": opts.shard_tokens,
+        "piece_bytes": opts.piece_bytes,
+    }
+    return hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()
+
+
+def _write_json_atomic(path: Path, obj: object) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _resumable(directory: Path, key: str) -> list[dict]:
+    """Journal records of shards that can be kept as they are, in order."""
+    try:
+        journal = json.loads((directory / JOURNAL_NAME).read_text(encoding="utf-8"))
+        if journal.get("key") != key:
+            return []
+        records = journal["shards"]
+    except (OSError, ValueError, KeyError, AttributeError):
+        return []  # no journal, or one we cannot trust: build from the start
+    kept = []
+    for i, rec in enumerate(records):
+        try:
+            info = ShardInfo(**rec["info"])
+            Cursor.from_list(rec["cursor"]), ReadStats(**rec["read"]), Counts(**rec["counts"])
+            if info.name != shard_name(i):
+                break
+            with ShardReader(directory / info.name) as r:
+                if r.info() != info:
+                    break
+                r.verify()
+        except (ShardError, TypeError, KeyError, ValueError, IndexError):
+            break
+        kept.append(rec)
+    return kept
+
+
+def _remove_stale(directory: Path, keep_shards: int) -> None:
+    """Remove temporary files, and shard files numbered keep_shards or above."""
+    for p in directory.iterdir():
+        m = _SHARD_FILE.match(p.name)
+        if (m and (m.group(3) or int(m.group(1)) >= keep_shards)) or p.name in (
+            MANIFEST_NAME + ".tmp", JOURNAL_NAME + ".tmp"
+        ):
+            p.unlink()
+
+
+# -- the build -------------------------------------------------------------------------------
+
+def _text_lines(opts: BuildOptions, desc: str) -> Iterator[str]:
+    """The inputs' text lines, with a progress bar over input bytes."""
+    reader = CorpusReader(opts.inputs, piece_bytes=opts.piece_bytes)
+    with tqdm(total=reader.total_bytes, unit="B", unit_scale=True, desc=desc, file=sys.stderr,
+              disable=not opts.progress) as bar:
+        for n, item in enumerate(reader):
+            if isinstance(item, str):
+                yield item
+            if n % 4096 == 0:
+                bar.update(reader.progress - bar.n)
+        bar.update(reader.progress - bar.n)
+
+
+def _vocab(opts: BuildOptions) -> bytes:
+    """vocab.txt bytes, loaded or trained; writes nothing."""
+    if opts.vocab is not None:
+        return read_vocab(opts.vocab)
+    passes = iter(("vocab: alphabet", "vocab: train"))
+    return train_vocab(lambda: _text_lines(opts, next(passes)), opts.train_vocab, opts.lowercase)
+
+
+def build(opts: BuildOptions) -> BuildResult:
+    """Run a build; UserError for bad input and for write failures."""
+    t0 = time.perf_counter()
+    directory = Path(opts.output)
+    try:
+        # Everything that can fail on bad input comes before the first write to DIR,
+        # so a failed build never spoils a dataset already there.
+        sources = [{"path": p, "bytes": os.path.getsize(p), "sha256": file_sha256(p)} for p in opts.inputs]
+        vocab = _vocab(opts)
+        directory.mkdir(parents=True, exist_ok=True)
+        # From here on the folder is not a dataset until the new manifest lands.
+        (directory / MANIFEST_NAME).unlink(missing_ok=True)
+        _remove_stale(directory, keep_shards=1 << 62)
+        spec = install_tokenizer(directory, vocab, opts.lowercase)
+        t_vocab = time.perf_counter() - t0
+        key = _plan_key(sources, spec, opts)
+        records = _resumable(directory, key)
+        manifest = _write_shards(opts, directory, spec, key, records)
+        manifest.sources = sources
+        manifest.save(directory)
+        (directory / JOURNAL_NAME).unlink(missing_ok=True)
+    except OSError as e:
+        raise UserError(f"{directory}: build failed: {e}") from None
+    return BuildResult(directory, manifest, time.perf_counter() - t0, t_vocab, len(records))
+
+
+def _write_shards(opts: BuildOptions, directory: Path, spec: TokenizerSpec, key: str,
+                  records: list[dict]) -> Manifest:
+    if records:
+        last = records[-1]
+        reader = CorpusReader(opts.inputs, start=Cursor.from_list(last["cursor"]),
+                              stats=ReadStats(**last["read"]), piece_bytes=opts.piece_bytes)
+        counts = Counts(**last["counts"])
+    else:
+        reader = CorpusReader(opts.inputs, piece_bytes=opts.piece_bytes)
+        counts = Counts()
+    shards = [ShardInfo(**r["info"]) for r in records]
+    journal = {"key": key, "shards": list(records)}
+    bar = tqdm(total=reader.total_bytes, initial=reader.progress, unit="B", unit_scale=True,
+               desc="tokenize", file=sys.stderr, disable=not opts.progress)
+    writer: ShardWriter | None = None
+    doc_sentences = 0  # sentences of the open document so far
+    stream = _tokenized(_chunks(reader, CHUNK_CHARS), spec, opts.split_sentences, opts.workers)
+    try:
+        for chunk, (tokens, lengths, per_part, empty_per_part) in stream:
+            sent_at = np.zeros(len(per_part) + 1, dtype=np.int64)
+            np.cumsum(per_part, out=sent_at[1:])
+            tok_at = np.zeros(lengths.size + 1, dtype=np.int64)
+            np.cumsum(lengths, out=tok_at[1:])
+            for j, end in enumerate(chunk.ends):
+                # Counted per part, not per chunk: a shard may end inside a chunk, and
+                # the counts in its journal record must cover exactly what precedes it.
+                counts.empty_sentences += int(empty_per_part[j])
+                s0, s1 = sent_at[j], sent_at[j + 1]
+                if s1 > s0:
+                    counts.long_sentences_split += int((lengths[s0:s1] > MAX_SENTENCE_TOKENS).sum())
+                    if writer is None:
+                        writer = ShardWriter(directory / shard_name(len(shards)), spec.vocab_size)
+                    writer.add_sentences(tokens[tok_at[s0] : tok_at[s1]], lengths[s0:s1])
+                    doc_sentences += int(s1 - s0)
+                if end is None:
+                    continue
+                if doc_sentences:
+                    writer.end_document()
+                    counts.documents_written += 1
+                else:
+                    counts.skipped_empty += 1
+                doc_sentences = 0
+                if writer is not None and writer.num_tokens >= opts.shard_tokens:
+                    shards.append(_finish_shard(writer, counts, end, journal, directory))
+                    writer = None
+            bar.update(chunk.progress - bar.n)
+        if writer is not None:
+            end = DocEnd(Cursor(len(opts.inputs), 0, None), reader.stats)
+            shards.append(_finish_shard(writer, counts, end, journal, directory))
+            writer = None
+    finally:
+        stream.close()  # stops the worker pool on every path
+        if writer is not None:
+            writer.abort()
+        bar.close()
+    _remove_stale(directory, keep_shards=len(shards))
+
+    st = reader.stats
+    if counts.documents_written + counts.skipped_empty != st.documents:
+        raise RuntimeError(f"bug: {st.documents} documents in, but {counts.documents_written} written "
+                           f"+ {counts.skipped_empty} skipped")
+    if counts.documents_written == 0:
+        raise UserError(
+            f"empty corpus: no document written from {', '.join(opts.inputs)} "
+            f"({st.documents} documents in, {counts.skipped_empty} empty)"
+        )
+    return Manifest(
+        vocab_size=spec.vocab_size,
+        token_dtype=token_dtype(spec.vocab_size).name,
+        lowercase=spec.lowercase,
+        special_tokens=spec.special_tokens,
+        tokenizer_fingerprint=spec.fingerprint,
+        shards=shards,
+        totals={
+            "docs": sum(s.num_docs for s in shards),
+            "sentences": sum(s.num_sentences for s in shards),
+            "tokens": sum(s.num_tokens for s in shards),
+        },
+        build={
+            "vocab": {"train": opts.train_vocab} if opts.vocab is None else {"file": opts.vocab},
+            "lowercase": opts.lowercase,
+            "split_sentences": opts.split_sentences,
+            "sentence_split_re": SENTENCE_SPLIT_RE.pattern if opts.split_sentences else None,
+            "heading_re": HEADING_RE.pattern,
+            "shard_tokens": opts.shard_tokens,
+            "piece_bytes": opts.piece_bytes,
+        },
+        stats={
+            "documents_in": st.documents,
+            "documents_written": counts.documents_written,
+            "documents_skipped": {"empty": counts.skipped_empty},
+            "sentences": counts.sentences,
+            "tokens": counts.tokens,
+            "empty_sentences_dropped": counts.empty_sentences,
+            "long_sentences_split": counts.long_sentences_split,
+            "input_bytes": st.bytes,
+            "lines": st.lines,
+            "headings_dropped": st.headings,
+            "invalid_utf8_replaced": st.invalid_utf8,
+            "nul_bytes_removed": st.nul_bytes,
+            "crlf_lines": st.crlf_lines,
+            "long_lines_cut": st.long_lines_cut,
+        },
+    )
+
+
+def _finish_shard(writer: ShardWriter, counts: Counts, end: DocEnd, journal: dict, directory: Path) -> ShardInfo:
+    info = writer.close()
+    counts.sentences += info.num_sentences
+    counts.tokens += info.num_tokens
+    journal["shards"].append({
+        "info": info.to_dict(), "cursor": end.cursor.to_list(),
+        "read": end.stats.to_dict(), "counts": asdict(counts),
+    })
+    _write_json_atomic(directory / JOURNAL_NAME, journal)
+    return info

@@ -1,0 +1,290 @@
+"""Reading raw text: the input convention, cleaning, and the sentence splitter.
+
+Input convention (BERT's): plain UTF-8 text, or gzip when the name ends in ``.gz``;
+one sentence per line; a blank line between documents. Documents never span files.
+With ``--split-sentences`` a line may hold several sentences; :func:`split_sentences`
+cuts it.
+
+Headings (WikiText): a line matching ``HEADING_RE``, ``^\\s*(=+)\\s.*\\s\\1\\s*$``, is a
+heading and is never text. Its level is the number of ``=`` before its title
+(`` = Title = `` is 1, `` = = Section = = `` is 2). A level-1 heading (a title) ends
+the current document and starts a new one; deeper headings are dropped. A file whose
+first non-blank line is a title is read in *heading mode*: only titles separate its
+documents, blank lines do not (WikiText puts a blank line between every line).
+Otherwise the file is in *blank mode*: blank lines separate documents.
+
+Cleaning, each counted in :class:`ReadStats`:
+
+* invalid UTF-8 is decoded with U+FFFD replacement (``invalid_utf8`` counts the
+  replacement characters it introduced);
+* NUL bytes are removed (``nul_bytes``);
+* ``\\r\\n`` line ends become ``\\n`` (``crlf_lines``); a UTF-8 BOM at the start of a
+  file is dropped;
+* a line longer than ``piece_bytes`` (default 1 MiB) is read in pieces of at most that
+  many bytes, cut after the last space or tab in the piece (else at a UTF-8 character
+  boundary), so memory stays bounded whatever the line length (``long_lines_cut``).
+  Each piece is a line of its own from then on: without ``--split-sentences`` it is
+  one sentence; WordPiece works word by word, so cutting at whitespace changes no
+  token. Pieces of a cut line are never headings nor blank-line boundaries.
+
+Documents are counted when they open (``documents``). A document may end up with no
+text (a title with no paragraphs, a run of control characters); the build skips it
+with reason ``empty`` so that documents in = written + skipped always holds.
+
+:class:`CorpusReader` yields text lines (``str``, stripped, non-empty) and a
+:class:`DocEnd` after each document's last line. Every ``DocEnd`` carries a
+:class:`Cursor` from which reading resumes with the next document and a copy of the
+counts up to that point, which is what lets an interrupted build resume at a shard
+boundary with identical output and counts.
+"""
+
+from __future__ import annotations
+
+import copy
+import gzip
+import io
+import os
+import re
+import zlib
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+
+from data_tools.errors import UserError
+
+PIECE_BYTES = 1 << 20
+HEADING_RE = re.compile(r"^\s*(=+)\s.*\s\1\s*$")
+# Split after . ! or ? when whitespace follows and then an uppercase letter (ASCII or
+# Latin-1), a digit or an opening quote. Deterministic and dumb on purpose: "Mr. Smith"
+# splits, "e.g. the" does not, a closing quote after the period blocks the split.
+SENTENCE_SPLIT_RE = re.compile(r"(?<=[.!?])\s+(?=[A-Z0-9\u00C0-\u00D6\u00D8-\u00DE\"'\u201C\u2018])")
+_BOM = b"\xef\xbb\xbf"
+_REPLACEMENT = "\ufffd"
+_REPLACEMENT_BYTES = _REPLACEMENT.encode()
+
+
+def split_sentences(line: str) -> list[str]:
+    """Sentences of one line by ``SENTENCE_SPLIT_RE``, stripped, empty ones dropped."""
+    return [s for s in (p.strip() for p in SENTENCE_SPLIT_RE.split(line)) if s]
+
+
+def heading_level(line: str) -> int:
+    """0 for a text line, else the heading level (1 = title) per ``HEADING_RE``."""
+    s = line.strip()
+    if not s or s[0] != "=" or s[-1] != "=" or not HEADING_RE.match(s):
+        return 0
+    prefix = s[: len(s) - len(s.lstrip("= \t"))]
+    return prefix.count("=")
+
+
+@dataclass
+class ReadStats:
+    """Counts over everything read so far (all inputs)."""
+
+    files: int = 0  # files finished
+    bytes: int = 0  # uncompressed bytes read
+    lines: int = 0
+    documents: int = 0  # documents opened: the "documents in" of the summary
+    headings: int = 0  # heading lines dropped
+    invalid_utf8: int = 0  # U+FFFD characters introduced by decoding
+    nul_bytes: int = 0
+    crlf_lines: int = 0
+    long_lines_cut: int = 0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Cursor:
+    """Where to resume reading: input index, uncompressed byte offset, file mode."""
+
+    source: int
+    offset: int
+    mode: str | None  # "heading" | "blank" | None (not yet known: start of file)
+
+    def to_list(self) -> list:
+        return [self.source, self.offset, self.mode]
+
+    @classmethod
+    def from_list(cls, v: list) -> Cursor:
+        return cls(int(v[0]), int(v[1]), v[2])
+
+
+@dataclass(frozen=True)
+class DocEnd:
+    """Marks the end of a document in the reader's output."""
+
+    cursor: Cursor  # resume here to read the next document
+    stats: ReadStats  # counts up to and including this document
+
+
+def check_inputs(paths: list[str]) -> None:
+    """UserError for an input that is missing or not a regular file."""
+    if not paths:
+        raise UserError("no input files given")
+    for p in paths:
+        if not os.path.exists(p):
+            raise UserError(f"input not found: {p}")
+        if not os.path.isfile(p):
+            raise UserError(f"input is not a regular file: {p}")
+
+
+class _Source:
+    """One input file opened for line reading; ``raw_pos`` is the on-disk position."""
+
+    def __init__(self, path: str, offset: int):
+        self.path = path
+        self._raw = open(path, "rb", buffering=1 << 20)
+        if path.endswith(".gz"):
+            self.stream = gzip.GzipFile(fileobj=self._raw, mode="rb")
+        else:
+            self.stream = self._raw
+        if offset:
+            self.stream.seek(offset)  # gzip seeks by decompressing forward
+
+    @property
+    def raw_pos(self) -> int:
+        return self._raw.tell()
+
+    def close(self) -> None:
+        if self.stream is not self._raw:
+            self.stream.close()
+        self._raw.close()
+
+
+def _pieces(stream: io.BufferedIOBase, piece_bytes: int) -> Iterator[tuple[bytes, bool, bool]]:
+    """Yield (data, ends_line, part_of_cut_line); every data is at most piece_bytes."""
+    carry = b""
+    cut_line = False
+    while True:
+        want = piece_bytes - len(carry)
+        chunk = stream.readline(want)
+        at_eof = len(chunk) < want and not chunk.endswith(b"\n")
+        data = carry + chunk if carry else chunk
+        carry = chunk = b""  # hold no second copy while the piece is out
+        if not data:
+            return
+        if at_eof or data.endswith(b"\n"):  # a whole line, or the last one of the file
+            yield data, True, cut_line
+            cut_line = False
+            continue
+        cut = max(data.rfind(b" "), data.rfind(b"\t")) + 1
+        if cut == 0:  # no whitespace: cut before a UTF-8 lead byte, never inside a character
+            cut = len(data)
+            for back in range(1, 4):
+                if data[len(data) - back] & 0xC0 != 0x80:
+                    if data[len(data) - back] >= 0xC0:
+                        cut = len(data) - back
+                    break
+        yield data[:cut], False, True
+        carry = data[cut:]
+        cut_line = True
+
+
+class CorpusReader:
+    """Reads inputs in order as a stream of text lines and :class:`DocEnd` markers.
+
+    ``start`` and ``stats`` resume from a :class:`DocEnd` taken earlier; ``progress``
+    is the number of on-disk input bytes consumed (compressed bytes for ``.gz``).
+    """
+
+    def __init__(self, paths: list[str], *, start: Cursor | None = None,
+                 stats: ReadStats | None = None, piece_bytes: int = PIECE_BYTES):
+        if piece_bytes < 64:
+            raise ValueError("piece_bytes must be at least 64")
+        self.paths = list(paths)
+        self.start = start or Cursor(0, 0, None)
+        self.stats = copy.copy(stats) if stats is not None else ReadStats()
+        self.piece_bytes = piece_bytes
+        self._sizes = [os.path.getsize(p) for p in self.paths]
+        self._done_bytes = sum(self._sizes[: self.start.source])
+        self._source: _Source | None = None
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self._sizes)
+
+    @property
+    def progress(self) -> int:
+        here = self._source.raw_pos if self._source is not None else 0
+        return self._done_bytes + here
+
+    def __iter__(self) -> Iterator[str | DocEnd]:
+        for index in range(self.start.source, len(self.paths)):
+            first = index == self.start.source
+            offset = self.start.offset if first else 0
+            mode = self.start.mode if first else None
+            try:
+                yield from self._read_file(index, offset, mode)
+            except (OSError, EOFError, zlib.error) as e:  # gzip.BadGzipFile is an OSError
+                raise UserError(f"{self.paths[index]}: cannot read: {e}") from None
+            finally:
+                if self._source is not None:
+                    self._source.close()
+                    self._source = None
+            self._done_bytes += self._sizes[index]
+
+    def _read_file(self, index: int, offset: int, mode: str | None) -> Iterator[str | DocEnd]:
+        st = self.stats
+        src = self._source = _Source(self.paths[index], offset)
+        pos = offset
+        doc_open = False
+        for data, ends_line, cut_line in _pieces(src.stream, self.piece_bytes):
+            line_start, pos = pos, pos + len(data)
+            # Counts for this line are added after any DocEnd that precedes the line, so
+            # a DocEnd's copy never includes a line that resuming from it reads again.
+            n_bytes, n_nul, n_crlf = len(data), 0, 0
+            if line_start == 0 and data.startswith(_BOM):
+                data = data[len(_BOM):]
+            if ends_line and data.endswith(b"\n"):
+                data = data[:-1]
+                if data.endswith(b"\r"):
+                    data = data[:-1]
+                    n_crlf = 1
+            if b"\x00" in data:
+                n_nul = data.count(b"\x00")
+                data = data.replace(b"\x00", b"")
+            try:
+                text = data.decode("utf-8")
+                n_bad = 0
+            except UnicodeDecodeError:
+                text = data.decode("utf-8", errors="replace")
+                n_bad = text.count(_REPLACEMENT) - data.count(_REPLACEMENT_BYTES)
+            s = text.strip()
+            data = text = b""  # only s is needed from here: one copy of the piece, not three
+            level = heading_level(s) if not cut_line else 0
+            if level == 1 and doc_open:
+                doc_open = False
+                yield DocEnd(Cursor(index, line_start, mode), copy.copy(st))
+            st.bytes += n_bytes
+            st.nul_bytes += n_nul
+            st.crlf_lines += n_crlf
+            st.invalid_utf8 += n_bad
+            if ends_line:
+                st.lines += 1
+                if cut_line:
+                    st.long_lines_cut += 1
+            if not s and not cut_line:  # a blank line
+                if mode == "blank" and doc_open:
+                    doc_open = False
+                    yield DocEnd(Cursor(index, pos, mode), copy.copy(st))
+                continue
+            if mode is None:
+                mode = "heading" if level == 1 else "blank"
+            if not doc_open and s:
+                doc_open = True
+                st.documents += 1
+            if level:
+                st.headings += 1
+            elif s:
+                yield s
+        st.files += 1
+        if doc_open:
+            yield DocEnd(Cursor(index + 1, 0, None), copy.copy(st))
+
+
+def iter_text(paths: list[str], piece_bytes: int = PIECE_BYTES) -> Iterator[str]:
+    """Only the text lines of the inputs (for vocabulary training)."""
+    for item in CorpusReader(paths, piece_bytes=piece_bytes):
+        if isinstance(item, str):
+            yield item

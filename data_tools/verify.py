@@ -1,0 +1,103 @@
+"""Check a dataset folder completely (``verify``) and describe it (``inspect``).
+
+``verify`` reports every problem it finds, one line each, naming the file: the
+manifest, the tokenizer fingerprint, each shard's header against its manifest entry,
+and each shard's full contents (checksums, max token id < vocab size). ``inspect``
+opens the dataset the way training does (:func:`data_tools.manifest.open_dataset`) and
+summarizes it, optionally decoding the first documents.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import TextIO
+
+import numpy as np
+
+from data_tools.errors import ShardError
+from data_tools.manifest import Manifest, check_shard, check_tokenizer, open_dataset
+from data_tools.shard_format import ShardReader
+from data_tools.tokenizer import load_tokenizer
+
+
+def verify_dataset(directory: str | os.PathLike) -> tuple[list[str], Manifest | None]:
+    """Every problem found in DIR (empty when sound), and the manifest if it loaded."""
+    directory = Path(directory)
+    try:
+        manifest = Manifest.load(directory)
+    except ShardError as e:
+        return [str(e)], None
+    problems = check_tokenizer(directory, manifest)
+    for info in manifest.shards:
+        try:
+            with ShardReader(directory / info.name) as reader:
+                found = check_shard(reader, info, manifest)
+                if not found:
+                    reader.verify()
+                problems += found
+        except ShardError as e:
+            problems.append(str(e))
+    return problems, manifest
+
+
+def _percentiles(values: np.ndarray, qs=(50, 90, 99)) -> str:
+    if values.size == 0:
+        return "n/a"
+    p = np.percentile(values, qs)
+    parts = [f"p{q} {v:.0f}" for q, v in zip(qs, p, strict=True)]
+    return ", ".join(parts + [f"max {int(values.max())}", f"mean {values.mean():.1f}"])
+
+
+def inspect_dataset(directory: str | os.PathLike, decode: int = 0, out: TextIO | None = None) -> None:
+    """Print the dataset summary; with ``decode`` > 0 also its first documents as text."""
+    out = out or sys.stdout
+
+    def p(line: str) -> None:
+        print(line, file=out)
+
+    directory = Path(directory)
+    manifest, readers = open_dataset(directory)
+    try:
+        m = manifest
+        tokens = m.totals["tokens"]
+        bin_bytes = sum(s.bin_bytes for s in m.shards)
+        idx_bytes = sum(s.idx_bytes for s in m.shards)
+        lengths = np.concatenate([r.sentence_lengths for r in readers]) if readers else np.zeros(0)
+        per_doc = np.concatenate([np.diff(r.doc_bounds) for r in readers]) if readers else np.zeros(0)
+        st = m.stats
+        p(f"dataset:     {directory} (manifest v{m.format_version}, {m.created_by})")
+        p(f"shards:      {len(m.shards)}" + (f" ({m.shards[0].name} .. {m.shards[-1].name})" if m.shards else ""))
+        p(f"documents:   {m.totals['docs']:,}   sentences: {m.totals['sentences']:,}   tokens: {tokens:,}")
+        p(f"vocab:       {m.vocab_size:,} ({m.token_dtype}), {'lowercase' if m.lowercase else 'cased'}, "
+          f"tokenizer sha256 {m.tokenizer_fingerprint[:16]}")
+        p("special:     " + " ".join(f"{k}={v}" for k, v in m.special_tokens.items()))
+        p(f"disk:        {bin_bytes + idx_bytes:,} bytes = {(bin_bytes + idx_bytes) / max(tokens, 1):.3f} bytes/token "
+          f"(.bin {bin_bytes / max(tokens, 1):.3f}, .idx {idx_bytes / max(tokens, 1):.3f})")
+        p(f"sentence length (tokens): {_percentiles(lengths)}")
+        p(f"sentences per document:   {_percentiles(per_doc)}")
+        if st:
+            skipped = st.get("documents_skipped", {})
+            p(f"input:       {st.get('documents_in', '?'):,} documents in, {st.get('documents_written', '?'):,} written, "
+              f"skipped {skipped}; invalid UTF-8 {st.get('invalid_utf8_replaced')}, NUL {st.get('nul_bytes_removed')}, "
+              f"CRLF {st.get('crlf_lines')}, long lines cut {st.get('long_lines_cut')}")
+        for s in m.sources:
+            p(f"source:      {s.get('path')} ({s.get('bytes', 0):,} bytes, sha256 {str(s.get('sha256'))[:16]})")
+        p("build:       " + ", ".join(f"{k}={v}" for k, v in m.build.items() if not k.endswith("_re")))
+        if decode > 0:
+            tok = load_tokenizer(directory)
+            shown = 0
+            for r in readers:
+                for d in range(r.num_docs):
+                    if shown == decode:
+                        break
+                    sents = r.document(d)
+                    p(f"\n--- document {shown} ({r.prefix.name} #{d}: {len(sents)} sentences, "
+                      f"{sum(len(s) for s in sents)} tokens)")
+                    for s in sents:
+                        p(tok.decode(s.tolist(), skip_special_tokens=False))
+                    shown += 1
+    finally:
+        for r in readers:
+            r.close()
