@@ -27,7 +27,6 @@ import json
 import os
 import random
 import shutil
-import zlib
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +35,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
+from data_tools.atomic import file_crc32, fsync_path
 from data_tools.errors import UserError
 
 MARKER = "COMPLETE"
@@ -54,22 +54,6 @@ def step_dir_name(step: int) -> str:
 def _barrier() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
-
-
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _crc32(path: Path) -> int:
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            crc = zlib.crc32(chunk, crc)
-    return crc
 
 
 def full_fp32_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -139,17 +123,17 @@ def _commit(tmp: Path, final: Path) -> None:
     files = sorted(p for p in tmp.rglob("*") if p.is_file())
     listing = {}
     for p in files:
-        _fsync_path(p)
-        listing[str(p.relative_to(tmp))] = {"bytes": p.stat().st_size, "crc32": _crc32(p)}
+        fsync_path(p)
+        listing[str(p.relative_to(tmp))] = {"bytes": p.stat().st_size, "crc32": file_crc32(p)}
     marker = tmp / MARKER
     marker.write_text(json.dumps({"files": listing}, indent=1, sort_keys=True))
-    _fsync_path(marker)
+    fsync_path(marker)
     for d in sorted({p.parent for p in files} | {tmp}, key=lambda d: -len(d.parts)):
-        _fsync_path(d)
+        fsync_path(d)
     if final.exists():  # a save of the same step from an earlier, interrupted attempt
         shutil.rmtree(final)
     os.rename(tmp, final)
-    _fsync_path(final.parent)
+    fsync_path(final.parent)
 
 
 def _point_latest(root: Path, name: str) -> None:
@@ -158,7 +142,7 @@ def _point_latest(root: Path, name: str) -> None:
         link_tmp.unlink()
     link_tmp.symlink_to(name)
     os.replace(link_tmp, root / LATEST)
-    _fsync_path(root)
+    fsync_path(root)
 
 
 def _complete_steps(root: Path) -> list[Path]:
@@ -216,7 +200,7 @@ def verify(ckpt: Path) -> None:
             raise CheckpointError(f"{p}: missing from the checkpoint")
         if p.stat().st_size != want["bytes"]:
             raise CheckpointError(f"{p}: size {p.stat().st_size} bytes, the checkpoint recorded {want['bytes']}")
-        if _crc32(p) != want["crc32"]:
+        if file_crc32(p) != want["crc32"]:
             raise CheckpointError(f"{p}: checksum mismatch (the file changed after it was saved)")
 
 

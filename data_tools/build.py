@@ -48,6 +48,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from data_tools.atomic import atomic_write
 from data_tools.errors import UserError
 from data_tools.manifest import MANIFEST_NAME, Manifest, created_by, file_sha256
 from data_tools.shard_format import (
@@ -262,14 +263,8 @@ def _plan_key(sources: list[dict], spec: TokenizerSpec, opts: BuildOptions) -> s
     }
     return hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()
 
-
-def _write_json_atomic(path: Path, obj: object) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+def _write_json(path: Path, obj: object) -> None:
+    atomic_write(path, json.dumps(obj))
 
 
 def _resumable(directory: Path, key: str) -> list[dict]:
@@ -471,5 +466,5 @@ def _finish_shard(writer: ShardWriter, counts: Counts, end: DocEnd, journal: dic
         "info": info.to_dict(), "cursor": end.cursor.to_list(),
         "read": end.stats.to_dict(), "counts": asdict(counts),
     })
-    _write_json_atomic(directory / JOURNAL_NAME, journal)
+    _write_json(directory / JOURNAL_NAME, journal)
     return info

@@ -39,6 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
+from data_tools.atomic import atomic_write
 from data_tools.errors import ShardError
 from data_tools.shard_format import ShardInfo, ShardReader, token_dtype
 
@@ -107,28 +108,8 @@ class Manifest:
 
     def save(self, directory: str | os.PathLike) -> Path:
         """Write DIR/manifest.json atomically (tmp, fsync, os.replace, fsync DIR)."""
-        directory = Path(directory)
-        path = directory / MANIFEST_NAME
-        tmp = directory / (MANIFEST_NAME + ".tmp")
         text = json.dumps(self.to_dict(), indent=1) + "\n"
-        try:
-            with open(tmp, "w", encoding="utf-8") as f:
-                f.write(text)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
-            raise
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        return path
+        return atomic_write(Path(directory) / MANIFEST_NAME, text)
 
     @classmethod
     def load(cls, directory: str | os.PathLike) -> Manifest:

@@ -61,6 +61,7 @@ from pathlib import Path
 
 import numpy as np
 
+from data_tools.atomic import fsync_path
 from data_tools.errors import ShardError
 
 MAGIC = b"BERTDSI\x00"
@@ -109,14 +110,6 @@ def _split_long(lengths: np.ndarray) -> np.ndarray:
     last = np.cumsum(pieces) - 1
     out[last] = lengths - MAX_SENTENCE_TOKENS * (pieces - 1)
     return out
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class ShardWriter:
@@ -234,7 +227,7 @@ class ShardWriter:
                 os.fsync(f.fileno())
             os.replace(self._bin_tmp, self.bin_path)
             os.replace(self._idx_tmp, self.idx_path)
-            _fsync_dir(self.bin_path.parent)
+            fsync_path(self.bin_path.parent)
         except BaseException:
             self.abort()
             raise

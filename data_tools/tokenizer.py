@@ -37,6 +37,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from data_tools.atomic import fsync_path, write_synced
 from data_tools.errors import UserError
 
 SPECIAL_TOKENS = {"pad": "[PAD]", "unk": "[UNK]", "cls": "[CLS]", "sep": "[SEP]", "mask": "[MASK]"}
@@ -159,13 +160,6 @@ def train_vocab(lines: Callable[[], Iterable[str]], size: int, lowercase: bool) 
     return ("\n".join(by_id) + "\n").encode("utf-8")
 
 
-def _write_synced(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def install_tokenizer(directory: str | os.PathLike, vocab: bytes, lowercase: bool) -> TokenizerSpec:
     """Write the HF tokenizer files for ``vocab`` into DIR, each atomically."""
     from tokenizers import Tokenizer
@@ -175,7 +169,7 @@ def install_tokenizer(directory: str | os.PathLike, vocab: bytes, lowercase: boo
     tmp = directory / _TMP_DIR
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    _write_synced(tmp / "vocab.txt", vocab)
+    write_synced(tmp / "vocab.txt", vocab)
     # from_pretrained on a folder holding only vocab.txt builds the fast tokenizer the
     # same way in transformers 4 and 5 (5 ignores a vocab_file= constructor argument).
     hf = BertTokenizerFast.from_pretrained(str(tmp), do_lower_case=lowercase)
@@ -186,20 +180,15 @@ def install_tokenizer(directory: str | os.PathLike, vocab: bytes, lowercase: boo
                            f"vocab.txt of {len(expected)}: the HF files would not match the shards")
     hf.save_pretrained(str(tmp))
     # Older transformers rewrite vocab.txt from their dict; keep the exact input bytes.
-    _write_synced(tmp / "vocab.txt", vocab)
+    write_synced(tmp / "vocab.txt", vocab)
     if not (tmp / "special_tokens_map.json").exists():
         smap = {f"{k}_token": v for k, v in sorted(SPECIAL_TOKENS.items())}
-        _write_synced(tmp / "special_tokens_map.json", (json.dumps(smap, indent=2, sort_keys=True) + "\n").encode())
+        write_synced(tmp / "special_tokens_map.json", (json.dumps(smap, indent=2, sort_keys=True) + "\n").encode())
     for name in HF_FILES:
-        with open(tmp / name, "rb+") as f:
-            os.fsync(f.fileno())
+        fsync_path(tmp / name)
         os.replace(tmp / name, directory / name)
     shutil.rmtree(tmp)
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_path(directory)
 
     tokenizer_json = (directory / "tokenizer.json").read_text(encoding="utf-8")
     tok = Tokenizer.from_str(tokenizer_json)
