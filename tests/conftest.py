@@ -22,11 +22,15 @@ def cli_env() -> dict[str, str]:
     return env
 
 
-def run_cli(*args: str, timeout: float = 600, check: bool = True, nproc: int = 1) -> subprocess.CompletedProcess:
-    """Run ``python -m ARGS`` (under torchrun with ``nproc`` > 1) and return the finished process."""
+def run_cli(*args: str, timeout: float = 600, check: bool = True, nproc: int = 1,
+            launcher: str = "torchrun") -> subprocess.CompletedProcess:
+    """Run ``python -m ARGS`` (``nproc`` > 1: under torchrun or the deepspeed launcher)."""
     cmd = [sys.executable, "-m"]
-    if nproc > 1:
+    if nproc > 1 and launcher == "torchrun":
         cmd += ["torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m"]
+    elif nproc > 1:
+        port = str(20000 + os.getpid() % 20000)
+        cmd += ["deepspeed.launcher.runner", f"--num_gpus={nproc}", f"--master_port={port}", "--module"]
     proc = subprocess.run(cmd + list(args), capture_output=True, text=True, timeout=timeout, env=cli_env(), cwd=REPO)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(args)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"

@@ -9,12 +9,12 @@ from tests.conftest import run_cli
 REQUIRED = {"step", "loss", "lr", "tokens", "tokens_per_s", "mlm_acc", "nsp_acc", "grad_norm", "skipped_steps"}
 
 
-def _train(data, out, *extra, nproc=1):
+def _train(data, out, *extra, nproc=1, launcher="torchrun"):
     args = ["bert_ds.train", "--data", str(data["train"]), "--val-data", str(data["heldout"]), "--output", str(out),
             "--preset", "tiny", "--seq-len", "64", "--global-batch-size", "16", "--micro-batch-size", "8",
             "--lr", "3e-3", "--warmup-steps", "5", "--val-samples", "64", "--no-progress", "--no-tensorboard",
             "--num-workers", "0", *extra]
-    return run_cli(*args, nproc=nproc)
+    return run_cli(*args, nproc=nproc, launcher=launcher)
 
 
 def _records(out):
@@ -59,9 +59,10 @@ def test_resume_continues_with_identical_losses(sample_data, tmp_path):
     assert got == ref  # bitwise: same world size, RNG and data cursor restored
 
 
-def test_two_ranks_under_torchrun(sample_data, tmp_path):
+@pytest.mark.parametrize("launcher", ["torchrun", "deepspeed"])
+def test_two_ranks_under_a_launcher(sample_data, tmp_path, launcher):
     out = tmp_path / "run2"
-    _train(sample_data, out, "--steps", "6", nproc=2)
+    _train(sample_data, out, "--steps", "6", nproc=2, launcher=launcher)
     train, val = _records(out)
     assert [r["step"] for r in train] == list(range(1, 7))
     assert len(val) == 1
