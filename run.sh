@@ -90,7 +90,7 @@ pretrain() {
     export_accelerator
     local n; n=$(nproc_per_node)
     local args=(--data "$DATA_DIR/train" --val-data "$DATA_DIR/heldout" --output "$RUN_DIR/train"
-        --preset "$PRESET" --steps "$STEPS" "$@")
+        --preset "$PRESET" --steps "$STEPS" --lr "${LR:-2e-2}" --warmup-steps "${WARMUP:-30}" "$@")
     if [[ "$n" -gt 1 ]]; then
         python_ -m torch.distributed.run --standalone --nproc-per-node "$n" -m bert_ds.train "${args[@]}"
     else

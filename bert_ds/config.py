@@ -64,8 +64,8 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
-    name: Literal["adamw"] = "adamw"
-    lr: float = 1e-3  # peak learning rate, reached at the end of warm-up
+    name: Literal["lamb", "adamw"] = "lamb"  # LAMB: per-parameter trust ratios, also under ZeRO-1/2
+    lr: float = 6e-3  # peak learning rate after warm-up (NVIDIA's LAMB phase 1; AdamW wants ~10x less)
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-6
     weight_decay: float = 0.01  # not applied to biases and LayerNorm weights
@@ -76,7 +76,7 @@ class OptimConfig:
 
     def __post_init__(self) -> None:
         self.betas = tuple(self.betas)  # JSON gives a list
-        _check(self.name in ("adamw",), "optim.name", f"unknown optimizer {self.name!r} (known: adamw)")
+        _check(self.name in ("lamb", "adamw"), "optim.name", f"unknown optimizer {self.name!r} (known: lamb, adamw)")
         _check(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
         _check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "betas", f"must be two values in [0, 1), got {self.betas}")
         _check(self.eps > 0, "eps", f"must be > 0, got {self.eps}")
@@ -186,6 +186,15 @@ def deepspeed_config(cfg: TrainConfig, plan: BatchPlan) -> dict[str, Any]:
     clash = [k for k in _DERIVED_DS_KEYS if k in ds]
     if clash:
         raise ConfigError(f"{path}: sets {', '.join(clash)}, which bert-ds derives from the training config; remove them")
+    stage = ds.get("zero_optimization", {}).get("stage", 0)
+    if cfg.optim.name == "lamb" and stage == 3:
+        raise ConfigError(f"{path}: LAMB with per-parameter trust ratios supports ZeRO stages 0-2, not 3; "
+                          "use --optimizer adamw or a stage 0-2 config")
+    if cfg.optim.name == "lamb" and stage == 0 and precision_of(ds) != "fp32":
+        # DeepSpeed's stage-0 bf16/fp16 wrapper steps the optimizer once with zero gradients
+        # at start-up; for LAMB that step is w -= lr * w wherever weight decay is on.
+        raise ConfigError(f"{path}: LAMB needs ZeRO stage 1 or 2 with {precision_of(ds)} "
+                          "(stage 0 is fp32 only); use zero1_* or --optimizer adamw")
     ds.update(
         train_batch_size=plan.global_batch_size,
         train_micro_batch_size_per_gpu=plan.micro_batch_size,
@@ -193,6 +202,8 @@ def deepspeed_config(cfg: TrainConfig, plan: BatchPlan) -> dict[str, Any]:
         gradient_clipping=cfg.optim.grad_clip,
     )
     ds.setdefault("steps_per_print", 10**9)  # bert-ds does its own logging
+    # bert-ds always hands DeepSpeed its own optimizer; LAMB binds to ZeRO's partitions.
+    ds["zero_allow_untested_optimizer"] = True
     return ds
 
 

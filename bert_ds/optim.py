@@ -1,5 +1,8 @@
 """Optimizers and the learning-rate schedule.
 
+LAMB (``bert_ds.lamb``) is the default: per-parameter trust ratios, correct under ZeRO-1/2
+once bound to the engine's partitions (:func:`bind_to_engine`). AdamW is torch's.
+
 Weight decay is applied to matrices and embeddings only: biases and LayerNorm
 parameters (every 1-D tensor in BERT) are excluded, as in the original recipe.
 The schedule is BERT's: linear warm-up to the peak, then linear or polynomial decay
@@ -13,6 +16,7 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from bert_ds.config import OptimConfig
+from bert_ds.lamb import Lamb
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -26,6 +30,8 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
     groups = param_groups(model, cfg.weight_decay)
+    if cfg.name == "lamb":
+        return Lamb(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
     # DeepSpeed hands ZeRO partitions to the optimizer as flat fp32 tensors on the
     # device; the foreach implementation is the fast one for them on every backend.
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, foreach=True)
@@ -44,3 +50,10 @@ def lr_multiplier(step: int, cfg: OptimConfig, total_steps: int) -> float:
 
 def build_schedule(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int) -> LambdaLR:
     return LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg, total_steps))
+
+
+def bind_to_engine(optimizer: torch.optim.Optimizer, engine) -> None:
+    """After ``deepspeed.initialize``: let LAMB see which parameter each slice of ZeRO's
+    flat partitions belongs to (every rank, before the first step)."""
+    if isinstance(optimizer, Lamb):
+        optimizer.bind_zero_partitions(engine)

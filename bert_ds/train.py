@@ -34,7 +34,7 @@ from bert_ds.data import PretrainingDataset, PretrainingLoader, validation_batch
 from bert_ds.flops import datasheet_peak_tflops, training_flops
 from bert_ds.metrics import MetricsLogger
 from bert_ds.model import PRESETS, BertForPreTraining, model_preset
-from bert_ds.optim import build_optimizer, build_schedule
+from bert_ds.optim import bind_to_engine, build_optimizer, build_schedule
 from data_tools.errors import UserError
 
 
@@ -56,7 +56,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--mask-rate", type=float, default=d.mask_rate, help="share of tokens predicted by the MLM head")
     p.add_argument("--num-workers", type=int, default=d.num_workers, help="loader processes per rank")
     p.add_argument("--val-samples", type=int, default=d.val_samples, help="held-out samples per validation pass")
-    p.add_argument("--optimizer", default=o.name, choices=["adamw"], help="optimizer")
+    p.add_argument("--optimizer", default=o.name, choices=["lamb", "adamw"], help="optimizer")
     p.add_argument("--lr", type=float, default=o.lr, help="peak learning rate")
     p.add_argument("--weight-decay", type=float, default=o.weight_decay, help="decoupled weight decay")
     p.add_argument("--warmup-steps", type=int, default=o.warmup_steps, help="linear warm-up steps")
@@ -197,6 +197,7 @@ def run(cfg: TrainConfig, resume: bool, rank: int, world: int, device: torch.dev
         model=model, optimizer=optimizer, config=ds_cfg,
         lr_scheduler=lambda opt: build_schedule(opt, cfg.optim, cfg.steps),
     )
+    bind_to_engine(optimizer, engine)
     state = RunState(world_size=world)
     found = checkpoint.find_latest(ckpt_root) if resume else None
     if found is not None:

@@ -70,3 +70,12 @@ def test_train_config_round_trips_through_dict():
     assert again == cfg
     with pytest.raises(ConfigError, match="unknown TrainConfig"):
         TrainConfig.from_dict({**cfg.to_dict(), "stepz": 3})
+
+
+@pytest.mark.parametrize("ds_config,message", [("zero3_bf16.json", "not 3"), ("zero0_bf16.json", "stage 0 is fp32 only")])
+def test_lamb_refuses_engine_layouts_it_cannot_be_exact_under(ds_config, message):
+    cfg = _cfg(ds_config=ds_config, optim=OptimConfig(name="lamb"))
+    with pytest.raises(ConfigError, match=message):
+        deepspeed_config(cfg, BatchPlan.resolve(32, 32, 1))
+    cfg.optim = OptimConfig(name="adamw")
+    assert deepspeed_config(cfg, BatchPlan.resolve(32, 32, 1))["zero_allow_untested_optimizer"] is True

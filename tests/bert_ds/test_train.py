@@ -12,7 +12,7 @@ REQUIRED = {"step", "loss", "lr", "tokens", "tokens_per_s", "mlm_acc", "nsp_acc"
 def _train(data, out, *extra, nproc=1, launcher="torchrun"):
     args = ["bert_ds.train", "--data", str(data["train"]), "--val-data", str(data["heldout"]), "--output", str(out),
             "--preset", "tiny", "--seq-len", "64", "--global-batch-size", "16", "--micro-batch-size", "8",
-            "--lr", "3e-3", "--warmup-steps", "5", "--val-samples", "64", "--no-progress", "--no-tensorboard",
+            "--lr", "3e-2", "--warmup-steps", "5", "--val-samples", "64", "--no-progress", "--no-tensorboard",
             "--num-workers", "0", *extra]
     return run_cli(*args, nproc=nproc, launcher=launcher)
 

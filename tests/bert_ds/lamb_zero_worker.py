@@ -1,0 +1,190 @@
+"""Train a small model with LAMB under DeepSpeed ZeRO on CPU ranks; used by test_lamb.py.
+
+Run under torchrun (every rank)::
+
+    python -m torch.distributed.run --standalone --nproc-per-node N \\
+        -m tests.bert_ds.lamb_zero_worker --out RESULT.pt --runs zero1-fp32-lamb,zero2-fp32-naive,...
+
+A run name is ``zero{stage}-{precision}-{optimizer}``: precision ``fp32`` (no bf16/fp16
+section, so results compare exactly), ``bf16``, or ``bf16acc32`` (bf16 with fp32 gradient
+accumulation: DeepSpeed's BF16_Optimizer at stage 1); optimizer ``lamb`` (bert_ds.lamb.Lamb,
+bound after initialize) or ``naive`` (LambReference: one trust ratio per flat partition).
+bf16 runs get a non-finite input on one rank at ``OVERFLOW_STEP`` so DeepSpeed's
+overflow check skips that step. All runs of one launch share one process start-up.
+
+The model, data and recipe are defined here once and imported by the test, which
+trains the single-process reference on the concatenated global batches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+STEPS = 20
+GAS = 2            # micro-steps per optimizer step
+MICRO_ALL = 12     # samples per micro-step over all ranks: every world size (1, 2, 3) trains on the same data
+IN, HIDDEN, OUT = 11, 29, 7  # parameter sizes 319, 29, 29, 29, 203, 7: none divides by 2 or 3
+LR, BETAS, EPS, WEIGHT_DECAY = 0.02, (0.9, 0.999), 1e-6, 0.1
+CLIP = 1.5         # the global-batch gradient norms run 1.3-1.8: some steps are clipped, some not
+OVERFLOW_STEP = 7  # bf16 runs: one rank sees inf here and the whole step is skipped
+
+
+def build_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(IN, HIDDEN), nn.GELU(), nn.LayerNorm(HIDDEN), nn.Linear(HIDDEN, OUT))
+
+
+def param_groups(model: nn.Module) -> list[dict]:
+    """Matrices decay; biases and LayerNorm do not (as bert_ds.optim does)."""
+    params = list(model.parameters())
+    return [{"params": [p for p in params if p.ndim >= 2], "weight_decay": WEIGHT_DECAY},
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+
+
+def batches() -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs (STEPS, GAS, MICRO_ALL, IN) and labels (STEPS, GAS, MICRO_ALL).
+
+    Rank r of W at micro-step k of step s trains on rows ``[s, k, r*m:(r+1)*m]``,
+    m = MICRO_ALL // W; the reference on all of ``[s]``. Labels come from a fixed random
+    teacher, so the loss can fall.
+    """
+    g = torch.Generator().manual_seed(1234)
+    x = torch.randn(STEPS, GAS, MICRO_ALL, IN, generator=g)
+    teacher = torch.randn(IN, OUT, generator=g)
+    return x, (x @ teacher).argmax(-1)
+
+
+def ds_config(stage: int, precision: str, world: int) -> dict:
+    cfg = {
+        "train_micro_batch_size_per_gpu": MICRO_ALL // world,
+        "gradient_accumulation_steps": GAS,
+        "gradient_clipping": CLIP,
+        # The project's ds_configs settings, with buckets small enough to split this model.
+        "zero_optimization": {"stage": stage, "overlap_comm": True, "contiguous_gradients": True,
+                              "reduce_bucket_size": 200, "allgather_bucket_size": 200},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10 ** 9,
+        "wall_clock_breakdown": False,
+    }
+    if precision in ("bf16", "bf16acc32"):
+        cfg["bf16"] = {"enabled": True}
+        cfg["communication_data_type"] = "fp32"
+    if precision == "bf16acc32":
+        cfg["data_types"] = {"grad_accum_dtype": "fp32"}
+    return cfg
+
+
+def train(name: str, rank: int, world: int) -> dict:
+    import deepspeed
+    import torch.distributed as dist
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    from bert_ds.lamb import Lamb, LambReference
+
+    stage_name, precision, kind = name.split("-")
+    stage = int(stage_name.removeprefix("zero"))
+    model = build_model()
+    opt_cls = {"lamb": Lamb, "naive": LambReference}[kind]
+    optimizer = opt_cls(param_groups(model), lr=LR, betas=BETAS, eps=EPS)
+    step_calls: list[int] = []  # groups present in each optimizer.step() call DeepSpeed makes
+    optimizer.register_step_pre_hook(lambda opt, args, kwargs: step_calls.append(len(opt.param_groups)))
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
+                                           config=ds_config(stage, precision, world))
+    wrapper = engine.optimizer
+    if kind == "lamb":
+        bound = optimizer.bind_zero_partitions(engine)
+        assert bound == (len(optimizer.param_groups) if stage > 0 else 0), bound
+    stepped = [list(g["params"]) for g in optimizer.param_groups]  # what DeepSpeed left in the groups
+    fragments = [[(gi, pi, p.numel(), None if p._hp_mapping is None else
+                   (p._hp_mapping.hp_fragment_address.start, p._hp_mapping.hp_fragment_address.numel))
+                  for pi, p in enumerate(group)] for gi, group in enumerate(_lp_groups(wrapper))]
+
+    x_all, y_all = batches()
+    if precision != "fp32":
+        x_all[OVERFLOW_STEP, 0, -1, 0] = float("inf")  # a row of the last rank
+    micro = MICRO_ALL // world
+    mine = slice(rank * micro, (rank + 1) * micro)
+    dtype = next(engine.module.parameters()).dtype
+    losses, grad_norms = [], []
+    for s in range(STEPS):
+        step_loss = 0.0
+        for k in range(GAS):
+            loss = F.cross_entropy(engine(x_all[s, k, mine].to(dtype)).float(), y_all[s, k, mine])
+            engine.backward(loss)
+            engine.step()
+            step_loss += loss.item() / GAS
+        losses.append(step_loss)
+        norm = engine.get_global_grad_norm()  # None without ZeRO: DeepSpeed clips inside its own path
+        grad_norms.append(None if norm is None else float(norm))
+
+    # ZeRO keeps the fp32 master apart from the (maybe bf16) module; ZeRO-0 fp32 steps the module.
+    weights = [(p if stage == 0 else safe_get_full_fp32_param(p)).detach().clone() for p in engine.module.parameters()]
+    all_fragments = [None] * world
+    dist.all_gather_object(all_fragments, fragments)
+    result = {
+        "weights": weights,
+        "losses": losses,
+        "grad_norms": grad_norms,
+        "skipped_steps": engine.skipped_steps,
+        "step_calls": step_calls,
+        "wrapper": type(wrapper).__name__,
+        "client_is_stepped": (wrapper if stage == 0 else wrapper.optimizer) is optimizer,
+        "groups_hold_partitions": [len(g) == 1 and g[0] is part for g, part in zip(stepped, _partitions(wrapper))],
+        "model_params_stepped": [any(p is q for q in model.parameters()) for g in stepped for p in g],
+        "opt_steps": [optimizer.state[p]["step"] for g in stepped for p in g],
+        "fragments": all_fragments,
+    }
+    engine.destroy()
+    return result
+
+
+def _lp_groups(wrapper) -> list[list[torch.Tensor]]:
+    """The model parameters of each group (ZeRO-1/2 wrappers), [] for the others."""
+    for attr in ("bit16_groups", "bf16_groups"):
+        if hasattr(wrapper, attr):
+            return getattr(wrapper, attr)
+    return []
+
+
+def _partitions(wrapper) -> list[torch.Tensor]:
+    """The flat fp32 partition of each group (ZeRO-1/2 wrappers), [] for the others."""
+    for attr in ("single_partition_of_fp32_groups", "fp32_groups_flat_partition"):
+        if hasattr(wrapper, attr):
+            return getattr(wrapper, attr)
+    return []
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--runs", required=True, help="comma-separated run names")
+    args = parser.parse_args()
+
+    import deepspeed
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    deepspeed.init_distributed(dist_backend="gloo")
+    try:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        results = {name: train(name, rank, world) for name in args.runs.split(",")}
+        if rank == 0:
+            torch.save(results, args.out)
+    finally:
+        dist.destroy_process_group()
+    # Skip interpreter finalization: DeepSpeed keeps its gloo groups alive, and a gloo worker
+    # thread that drops the last reference to a finished collective's tensor while Python
+    # finalizes is killed inside C++ and aborts the rank (std::terminate, seen ~1 launch in 20).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
