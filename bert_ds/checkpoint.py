@@ -9,7 +9,7 @@ Layout of ``OUTPUT/checkpoints/``::
         train_config.json     the TrainConfig of the run
         train_state.json      step, data cursor, tokens seen, skipped steps
         rng/rank_00000.pt     Python, NumPy and torch generator states of each rank
-        tokenizer/            the dataset's tokenizer files
+        tokenizer/            the dataset's Hugging Face tokenizer files
         COMPLETE              written last: size and CRC32 of every file above
     latest -> step_00000100   a symlink, moved with os.replace after the folder is committed
 
@@ -37,6 +37,7 @@ from safetensors.torch import save_file
 
 from data_tools.atomic import file_crc32, fsync_path
 from data_tools.errors import UserError
+from data_tools.tokenizer import HF_FILES
 
 MARKER = "COMPLETE"
 LATEST = "latest"
@@ -104,8 +105,10 @@ def save(engine, root: Path, step: int, *, rank: int, model_config: dict, train_
         _write_json(tmp / "model_config.json", model_config)
         _write_json(tmp / "train_config.json", train_config)
         _write_json(tmp / "train_state.json", train_state)
-        if tokenizer_dir is not None:
-            shutil.copytree(tokenizer_dir, tmp / "tokenizer")
+        if tokenizer_dir is not None:  # the tokenizer files only, not the dataset beside them
+            (tmp / "tokenizer").mkdir()
+            for name in HF_FILES:
+                shutil.copy2(tokenizer_dir / name, tmp / "tokenizer" / name)
     _barrier()
     if rank == 0:
         _commit(tmp, final)

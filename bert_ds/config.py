@@ -44,16 +44,26 @@ def _check(cond: bool, name: str, msg: str) -> None:
 
 @dataclass
 class DataConfig:
-    train: str = ""  # dataset folder written by `data_tools build`
+    train: list[str] = field(default_factory=list)  # dataset folders written by `data_tools build`
+    weights: list[float] | None = None  # blend weights of `train` (None: equal)
     val: str | None = None  # held-out dataset folder (same tokenizer), or None
+    held_out: float = 0.0  # without `val`: this share of train[0]'s documents is held out instead
     max_seq_length: int = 128  # tokens per sample including [CLS] and two [SEP]
     short_seq_prob: float = 0.1  # BERT: this share of samples gets a shorter random target
     mask_rate: float = 0.15  # share of tokens chosen for the MLM loss
+    whole_word_mask: bool = False  # mask all WordPiece pieces of a chosen word together
     pair_task: Literal["nsp", "sop", "none"] = "nsp"  # second segment and its label
     num_workers: int = 1  # loader processes per rank; samples do not depend on it
     val_samples: int = 512  # held-out samples per validation pass (fixed, deterministic)
 
     def __post_init__(self) -> None:
+        if isinstance(self.train, str):
+            self.train = [self.train]
+        self.train = list(self.train)
+        _check(len(self.train) >= 1, "train", "at least one dataset folder is needed")
+        _check(self.weights is None or (len(self.weights) == len(self.train) and all(w > 0 for w in self.weights)),
+               "weights", f"need one positive weight per training dataset ({len(self.train)}), got {self.weights}")
+        _check(0.0 <= self.held_out < 1.0, "held_out", f"must be in [0, 1), got {self.held_out}")
         _check(8 <= self.max_seq_length <= 4096, "max_seq_length", f"must be in [8, 4096], got {self.max_seq_length}")
         _check(0.0 <= self.short_seq_prob <= 1.0, "short_seq_prob", f"must be in [0, 1], got {self.short_seq_prob}")
         _check(0.0 < self.mask_rate < 1.0, "mask_rate", f"must be in (0, 1), got {self.mask_rate}")

@@ -20,15 +20,20 @@ Design choices:
 
 from __future__ import annotations
 
+import hashlib
+import io
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
 from bert_ds.config import BatchPlan, DataConfig
+from data_tools.atomic import atomic_write
 from data_tools.errors import ShardError
 from data_tools.manifest import open_dataset
 from data_tools.shard_format import ShardReader
@@ -51,44 +56,97 @@ class SpecialTokens:
         return max(self.pad, self.unk, self.cls, self.sep, self.mask) + 1
 
 
-def build_sample_map(readers: list[ShardReader], max_num_tokens: int, short_seq_prob: float, seed: int) -> np.ndarray:
+# Sample maps are cached beside the data (or in ~/.cache when that is read-only); the key
+# holds every shard's header fingerprint, so a shard rewritten under the same path
+# gets a fresh map (RELIABILITY R10).
+_MAP_VERSION = 2
+_HELD_OUT_SALT = 0x9E3779B97F4A7C15  # Fibonacci hashing constant: spreads (shard, doc) evenly
+
+
+def held_out_documents(shard: int, num_docs: int, fraction: float) -> np.ndarray:
+    """Which documents of a shard belong to the held-out split: a fixed hash of (shard, doc)."""
+    if fraction <= 0:
+        return np.zeros(num_docs, dtype=bool)
+    docs = np.arange(num_docs, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        h = (docs + np.uint64(shard) * np.uint64(1 << 40)) * np.uint64(_HELD_OUT_SALT)
+    return (h >> np.uint64(11)).astype(np.float64) / float(1 << 53) < fraction
+
+
+def build_sample_map(readers: list[ShardReader], max_num_tokens: int, short_seq_prob: float, seed: int,
+                     split: Literal["all", "train", "held_out"] = "all", held_out: float = 0.0) -> np.ndarray:
     """BERT's chunking of documents into samples.
 
     Returns an int64 array (N, 5): shard, document, first sentence, end sentence
-    (exclusive), target length. Documents of a single empty sentence produce nothing.
+    (exclusive), target length. A chunk closes when its tokens reach the target or its
+    document ends; one ``searchsorted`` per chunk finds where, so the cost is per chunk,
+    not per sentence.
     """
     rng = np.random.default_rng([seed, _PERMUTATION_STREAM, 1])
     rows: list[tuple[int, int, int, int, int]] = []
     for s, reader in enumerate(readers):
-        lengths = reader.sentence_lengths
+        ends = np.cumsum(reader.sentence_lengths, dtype=np.int64)  # token end of each sentence
         bounds = reader.doc_bounds
-        for d in range(reader.num_docs):
-            target = _draw_target(rng, max_num_tokens, short_seq_prob)
-            start, filled = int(bounds[d]), 0
-            end_doc = int(bounds[d + 1])
-            for i in range(start, end_doc):
-                filled += int(lengths[i])
-                if i == end_doc - 1 or filled >= target:
-                    if filled > 0:
-                        rows.append((s, d, start, i + 1, target))
-                    start, filled = i + 1, 0
-                    target = _draw_target(rng, max_num_tokens, short_seq_prob)
+        keep = held_out_documents(s, reader.num_docs, held_out)
+        if split == "train":
+            keep = ~keep
+        elif split == "all":
+            keep[:] = True
+        for d in np.flatnonzero(keep):
+            first, last = int(bounds[d]), int(bounds[d + 1])
+            while first < last:
+                target = max_num_tokens
+                if rng.random() < short_seq_prob:
+                    target = int(rng.integers(2, max_num_tokens + 1))
+                base = int(ends[first - 1]) if first else 0
+                end = min(int(np.searchsorted(ends, base + target, side="left", sorter=None)) + 1, last)
+                rows.append((s, int(d), first, end, target))
+                first = end
     return np.asarray(rows, dtype=np.int64).reshape(-1, 5)
 
 
-def _draw_target(rng: np.random.Generator, max_num_tokens: int, short_seq_prob: float) -> int:
-    if rng.random() < short_seq_prob:
-        return int(rng.integers(2, max_num_tokens + 1))
-    return max_num_tokens
+def _cached_sample_map(path: Path, readers: list[ShardReader], max_num_tokens: int, cfg: DataConfig, seed: int,
+                       split: str) -> np.ndarray:
+    key_src = json.dumps([_MAP_VERSION, [r.fingerprint for r in readers], max_num_tokens, cfg.short_seq_prob,
+                          seed, split, cfg.held_out], sort_keys=True)
+    key = hashlib.sha256(key_src.encode()).hexdigest()[:24]
+    for folder in (path / ".cache", Path.home() / ".cache" / "bert-ds" / "sample-maps"):
+        cached = folder / f"samples-{key}.npy"
+        if cached.is_file():
+            try:
+                return np.load(cached)
+            except (OSError, ValueError):
+                pass  # damaged cache: rebuild it below
+    samples = build_sample_map(readers, max_num_tokens, cfg.short_seq_prob, seed, split, cfg.held_out)
+    for folder in (path / ".cache", Path.home() / ".cache" / "bert-ds" / "sample-maps"):
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            buf = io.BytesIO()
+            np.save(buf, samples)
+            atomic_write(folder / f"samples-{key}.npy", buf.getvalue())
+            break
+        except OSError:
+            continue  # read-only data folder: try the user cache
+    return samples
+
+
+def _sample_key(seed: int, epoch: int, index: int) -> np.ndarray:
+    """The Philox key of one sample: counter-based, so any sample is drawn independently."""
+    return np.array([index, (seed << 32) | epoch], dtype=np.uint64)
 
 
 class PretrainingDataset(Dataset):
     """Map-style dataset indexed by *global stream position* (epochs unrolled).
 
     ``dataset[p]`` is sample ``perm_e[p % N]`` of epoch ``e = p // N``.
+    ``split`` selects documents: all of them, or the train / held-out side of
+    ``DataConfig.held_out`` (a fixed share of documents, chosen by a hash).
     """
 
-    def __init__(self, path: str | Path, cfg: DataConfig, seed: int):
+    def __init__(self, path: str | Path, cfg: DataConfig, seed: int,
+                 split: Literal["all", "train", "held_out"] = "all"):
+        if not 0 <= seed < 2**32:
+            raise ShardError(f"seed must be in [0, 2^32), got {seed}")
         self.path = Path(path)
         self.cfg = cfg
         self.seed = seed
@@ -97,11 +155,12 @@ class PretrainingDataset(Dataset):
         self.special = SpecialTokens(**self.manifest.special_tokens)
         reserve = 3 if cfg.pair_task != "none" else 2  # [CLS] A [SEP] (B [SEP])
         self.max_num_tokens = cfg.max_seq_length - reserve
-        self.samples = build_sample_map(readers, self.max_num_tokens, cfg.short_seq_prob, seed)
+        self.samples = _cached_sample_map(self.path, readers, self.max_num_tokens, cfg, seed, split)
         if len(self.samples) == 0:
-            raise ShardError(f"{self.path}: the dataset has no non-empty documents")
-        self.num_docs_per_shard = np.array([r.num_docs for r in readers], dtype=np.int64)
-        self._readers: list[ShardReader] | None = readers
+            raise ShardError(f"{self.path}: no samples in the {split!r} split (no non-empty documents)")
+        self.doc_offset = np.concatenate([[0], np.cumsum([r.num_docs for r in readers])]).astype(np.int64)
+        self.continuation = _continuation_table(self.path, self.vocab_size) if cfg.whole_word_mask else None
+        self._readers: list[ShardReader] | None = None
         self._perm_epoch = -1
         self._perm = np.empty(0, dtype=np.int64)
 
@@ -112,9 +171,12 @@ class PretrainingDataset(Dataset):
         return state
 
     @property
-    def readers(self) -> list[ShardReader]:
+    def readers(self) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """Per shard: tokens as a plain ndarray view (no memmap slicing overhead), sentence
+        token offsets, and document bounds."""
         if self._readers is None:
-            self._readers = open_dataset(self.path)[1]
+            self._readers = [(r.tokens.view(np.ndarray), r.sentence_offsets, r.doc_bounds)
+                             for r in open_dataset(self.path)[1]]
         return self._readers
 
     @property
@@ -138,110 +200,212 @@ class PretrainingDataset(Dataset):
 
     def sample(self, epoch: int, index: int) -> dict[str, np.ndarray | int]:
         """Sample ``index`` of ``epoch``: a pure function of (seed, epoch, index)."""
-        rng = np.random.default_rng([self.seed, epoch, index])
-        shard, doc, first, end, target = (int(v) for v in self.samples[index])
-        reader = self.readers[shard]
-        sentences = [reader.sentence(i) for i in range(first, end)]
+        rng = np.random.Generator(np.random.Philox(key=_sample_key(self.seed, epoch, index)))
+        shard, doc, first, end, target = self.samples[index].tolist()
+        tokens, offsets, _ = self.readers[shard]
         task = self.cfg.pair_task
         if task == "none":
-            a, b, label = np.concatenate(sentences)[: self.max_num_tokens], None, -1
+            a = tokens[offsets[first]: min(offsets[end], offsets[first] + self.max_num_tokens)]
+            b, label = None, -1
         elif task == "nsp":
-            a, b, label = self._nsp_pair(rng, sentences, shard, doc, target)
+            a, b, label = self._nsp_pair(rng, shard, doc, first, end, target)
         else:
-            a, b, label = self._sop_pair(rng, sentences)
+            a, b, label = self._sop_pair(rng, shard, first, end)
         if b is not None:
             a, b = _truncate_pair(rng, a, b, self.max_num_tokens)
         ids, types = self._assemble(a, b)
         labels = self._mask(rng, ids)
         return {"input_ids": ids, "token_type_ids": types, "labels": labels, "next_sentence_label": label}
 
-    def _nsp_pair(self, rng, sentences, shard: int, doc: int, target: int):
-        n = len(sentences)
-        split = int(rng.integers(1, n)) if n >= 2 else 1
-        a = np.concatenate(sentences[:split])
+    def _nsp_pair(self, rng, shard: int, doc: int, first: int, end: int, target: int):
+        tokens, offsets, _ = self.readers[shard]
+        n = end - first
+        split = first + (int(rng.integers(1, n)) if n >= 2 else 1)
+        a = tokens[offsets[first]: offsets[split]]
         if n == 1 or rng.random() < 0.5:
-            b = self._random_segment(rng, shard, doc, max(1, target - len(a)))
-            return a, b, 1
-        return a, np.concatenate(sentences[split:]), 0
+            return a, self._random_segment(rng, shard, doc, max(1, target - len(a))), 1
+        return a, tokens[offsets[split]: offsets[end]], 0
 
     def _random_segment(self, rng, shard: int, doc: int, want: int) -> np.ndarray:
         """Sentences from a random start in another document, up to ``want`` tokens."""
-        total_docs = int(self.num_docs_per_shard.sum())
-        first_doc = np.concatenate([[0], np.cumsum(self.num_docs_per_shard)])
-        this = int(first_doc[shard]) + doc
+        total_docs = int(self.doc_offset[-1])
+        this = int(self.doc_offset[shard]) + doc
+        g = this
         for _ in range(10):  # a single-document corpus has no "other" document
             g = int(rng.integers(0, total_docs))
-            if g != this or total_docs == 1:
+            if g != this:
                 break
-        s = int(np.searchsorted(first_doc, g, side="right") - 1)
-        reader = self.readers[s]
-        d = g - int(first_doc[s])
-        lo, hi = int(reader.doc_bounds[d]), int(reader.doc_bounds[d + 1])
-        pieces, have = [], 0
-        for i in range(int(rng.integers(lo, hi)) if hi > lo else lo, hi):
-            pieces.append(reader.sentence(i))
-            have += len(pieces[-1])
-            if have >= want:
-                break
-        out = np.concatenate(pieces) if pieces else np.empty(0, dtype=np.int64)
-        # An empty segment would make a degenerate pair; fall back to [UNK].
-        return out if len(out) else np.array([self.special.unk])
+        s = int(np.searchsorted(self.doc_offset, g, side="right") - 1)
+        tokens, offsets, bounds = self.readers[s]
+        d = g - int(self.doc_offset[s])
+        lo, hi = int(bounds[d]), int(bounds[d + 1])
+        start = int(offsets[int(rng.integers(lo, hi))])
+        # whole sentences until `want` tokens are reached (the last one may overshoot)
+        stop = int(np.searchsorted(offsets[lo: hi + 1], start + want, side="left")) + lo
+        return tokens[start: int(offsets[min(stop, hi)])]
 
-    def _sop_pair(self, rng, sentences):
+    def _sop_pair(self, rng, shard: int, first: int, end: int):
         """ALBERT's sentence-order prediction: label 1 when the two halves are swapped."""
-        if len(sentences) >= 2:
-            split = int(rng.integers(1, len(sentences)))
-            a, b = np.concatenate(sentences[:split]), np.concatenate(sentences[split:])
-        else:
-            tokens = sentences[0]
-            split = int(rng.integers(1, len(tokens))) if len(tokens) >= 2 else 1
-            a, b = tokens[:split], tokens[split:]
-            if len(b) == 0:
-                b = np.array([self.special.unk])
+        tokens, offsets, _ = self.readers[shard]
+        lo, hi = int(offsets[first]), int(offsets[end])
+        if end - first >= 2:
+            cut = int(offsets[first + int(rng.integers(1, end - first))])
+        else:  # one sentence: cut it at a token (ALBERT needs two segments)
+            cut = lo + (int(rng.integers(1, hi - lo)) if hi - lo >= 2 else 1)
+        a, b = tokens[lo:cut], tokens[cut:hi]
+        if len(b) == 0:
+            b = np.array([self.special.unk])
         if rng.random() < 0.5:
             return b, a, 1
         return a, b, 0
 
     def _assemble(self, a: np.ndarray, b: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
         sp = self.special
-        parts = [[sp.cls], a, [sp.sep]]
-        types = [np.zeros(len(a) + 2, dtype=np.int64)]
+        n_a = len(a)
+        total = n_a + 2 + (len(b) + 1 if b is not None else 0)
+        ids = np.empty(total, dtype=np.int64)
+        types = np.zeros(total, dtype=np.int64)
+        ids[0], ids[1: n_a + 1], ids[n_a + 1] = sp.cls, a, sp.sep
         if b is not None:
-            parts += [b, [sp.sep]]
-            types.append(np.ones(len(b) + 1, dtype=np.int64))
-        return np.concatenate(parts).astype(np.int64), np.concatenate(types)
+            ids[n_a + 2: total - 1], ids[total - 1] = b, sp.sep
+            types[n_a + 2:] = 1
+        return ids, types
 
     def _mask(self, rng, ids: np.ndarray) -> np.ndarray:
-        """Dynamic 80/10/10 masking in place; returns the labels."""
+        """Dynamic 80/10/10 masking in place; returns the labels.
+
+        With whole-word masking, a word's continuation pieces (``##...``) are chosen
+        together with its first piece, until the token budget is reached.
+        """
         sp = self.special
-        candidates = np.flatnonzero((ids != sp.cls) & (ids != sp.sep))
+        is_candidate = (ids != sp.cls) & (ids != sp.sep)
+        candidates = np.flatnonzero(is_candidate)
         labels = np.full_like(ids, IGNORE_INDEX)
         if len(candidates) == 0:
             return labels
-        n = min(len(candidates), max(1, int(round(len(candidates) * self.cfg.mask_rate))))
-        chosen = np.sort(rng.choice(candidates, size=n, replace=False))
+        budget = min(len(candidates), max(1, int(round(len(candidates) * self.cfg.mask_rate))))
+        if self.continuation is None:
+            chosen = candidates[np.argpartition(rng.random(len(candidates)), budget - 1)[:budget]]
+        else:
+            chosen = self._whole_words(rng, ids, candidates, budget)
         labels[chosen] = ids[chosen]
-        action = rng.random(n)
+        action = rng.random(len(chosen))
         ids[chosen[action < 0.8]] = sp.mask
         swap = chosen[(action >= 0.8) & (action < 0.9)]
         ids[swap] = rng.integers(sp.first_regular, self.vocab_size, size=len(swap))
         return labels
 
+    def _whole_words(self, rng, ids: np.ndarray, candidates: np.ndarray, budget: int) -> np.ndarray:
+        # A word starts at a non-continuation piece, or right after [CLS]/[SEP] (a segment
+        # cut by truncation may open mid-word).
+        follows_special = np.ones(len(candidates), dtype=bool)
+        follows_special[1:] = candidates[1:] != candidates[:-1] + 1
+        starts = candidates[~self.continuation[ids[candidates]] | follows_special]  # (W,)
+        word_of = np.searchsorted(starts, candidates, side="right") - 1  # (C,) word index per candidate
+        order = rng.permutation(len(starts))
+        sizes = np.bincount(word_of[word_of >= 0], minlength=len(starts))[order]
+        take = order[: max(1, int(np.searchsorted(np.cumsum(sizes), budget, side="right")))]
+        return candidates[np.isin(word_of, take)]
+
+
+def _continuation_table(path: Path, vocab_size: int) -> np.ndarray:
+    """(V,) bool: True for WordPiece continuation tokens (``##...``), from the dataset's vocab.txt."""
+    table = np.zeros(vocab_size, dtype=bool)
+    lines = (path / "vocab.txt").read_text(encoding="utf-8").split("\n")
+    for i, token in enumerate(lines[:vocab_size]):
+        table[i] = token.startswith("##")
+    return table
+
 
 def _truncate_pair(rng, a: np.ndarray, b: np.ndarray, max_tokens: int) -> tuple[np.ndarray, np.ndarray]:
     """BERT's truncation: trim the longer segment, from a random end, one token at a time."""
+    excess = len(a) + len(b) - max_tokens
+    if excess <= 0:
+        return a, b
+    from_front = rng.random(excess) < 0.5
     a_lo, a_hi, b_lo, b_hi = 0, len(a), 0, len(b)
-    while (a_hi - a_lo) + (b_hi - b_lo) > max_tokens:
+    for front in from_front.tolist():
         if a_hi - a_lo > b_hi - b_lo:
-            if rng.random() < 0.5:
+            if front:
                 a_lo += 1
             else:
                 a_hi -= 1
-        elif rng.random() < 0.5:
+        elif front:
             b_lo += 1
         else:
             b_hi -= 1
     return a[a_lo:a_hi], b[b_lo:b_hi]
+
+
+class BlendedDataset(Dataset):
+    """Several datasets mixed by weight into one stream of positions.
+
+    Positions come in blocks of ``BLOCK``; in every block dataset i owns ``n_i``
+    positions (the largest-remainder rounding of ``w_i * BLOCK``), placed by a
+    permutation seeded with (seed, block). Dataset i's k-th position overall is its
+    own stream position k, so each component keeps its own epochs and its samples stay
+    pure functions of (seed, epoch, index); the blend adds no state to checkpoint.
+    """
+
+    BLOCK = 4096
+
+    def __init__(self, datasets: list[PretrainingDataset], weights: list[float], seed: int):
+        if len(datasets) != len(weights) or not datasets:
+            raise ShardError(f"{len(datasets)} datasets but {len(weights)} weights")
+        first = datasets[0]
+        for ds in datasets[1:]:
+            if ds.manifest.tokenizer_fingerprint != first.manifest.tokenizer_fingerprint:
+                raise ShardError(f"{ds.path}: built with another tokenizer than {first.path}; blended datasets must share one")
+        w = np.asarray(weights, dtype=np.float64) / float(np.sum(weights))
+        raw = w * self.BLOCK
+        counts = np.floor(raw).astype(np.int64)
+        counts[np.argsort(counts - raw)[: self.BLOCK - counts.sum()]] += 1  # largest remainders
+        if (counts == 0).any():
+            raise ShardError(f"a blend weight is below 1/{self.BLOCK} of the total: {weights}")
+        self.datasets, self.counts, self.seed = datasets, counts, seed
+        self.path, self.manifest, self.special = first.path, first.manifest, first.special
+        self.vocab_size = first.vocab_size
+        self.num_samples = int(sum(ds.num_samples for ds in datasets))
+        self._block_id, self._owner, self._rank = -1, np.empty(0, np.int64), np.empty(0, np.int64)
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def _block(self, b: int) -> tuple[np.ndarray, np.ndarray]:
+        if b != self._block_id:
+            owner = np.repeat(np.arange(len(self.counts)), self.counts)
+            np.random.default_rng([self.seed, _PERMUTATION_STREAM, 2, b]).shuffle(owner)
+            rank = np.empty_like(owner)
+            for i in range(len(self.counts)):
+                rank[owner == i] = np.arange(self.counts[i])
+            self._block_id, self._owner, self._rank = b, owner, rank
+        return self._owner, self._rank
+
+    def __getitem__(self, position: int) -> dict[str, np.ndarray | int]:
+        b, offset = divmod(int(position), self.BLOCK)
+        owner, rank = self._block(b)
+        i = int(owner[offset])
+        return self.datasets[i][b * int(self.counts[i]) + int(rank[offset])]
+
+
+def open_pretraining_data(cfg: DataConfig, seed: int) -> tuple[Dataset, PretrainingDataset | None]:
+    """The training stream (one dataset or a blend) and the held-out dataset, per ``cfg``.
+
+    Held out: ``cfg.val`` when given; else, with ``cfg.held_out > 0``, that share of the
+    first training dataset's documents (and training skips them); else none.
+    """
+    split = "train" if cfg.held_out > 0 and cfg.val is None else "all"
+    train = [PretrainingDataset(path, cfg, seed, split=split) for path in cfg.train]
+    stream = train[0] if len(train) == 1 else BlendedDataset(train, cfg.weights or [1.0] * len(train), seed)
+    if cfg.val is not None:
+        val = PretrainingDataset(cfg.val, cfg, seed)
+    elif cfg.held_out > 0:
+        val = PretrainingDataset(cfg.train[0], cfg, seed, split="held_out")
+    else:
+        return stream, None
+    if val.manifest.tokenizer_fingerprint != train[0].manifest.tokenizer_fingerprint:
+        raise ShardError(f"{val.path}: built with another tokenizer than {train[0].path}")
+    return stream, val
 
 
 def collate(samples: list[dict[str, np.ndarray | int]], pad_id: int) -> dict[str, torch.Tensor]:
@@ -293,7 +457,7 @@ class _RankPositions:
 class PretrainingLoader:
     """Micro-batches for one rank, resumable from a consumed-sample count."""
 
-    def __init__(self, dataset: PretrainingDataset, plan: BatchPlan, rank: int, consumed_samples: int = 0,
+    def __init__(self, dataset: PretrainingDataset | BlendedDataset, plan: BatchPlan, rank: int, consumed_samples: int = 0,
                  num_workers: int = 0):
         self.dataset, self.plan, self.rank = dataset, plan, rank
         self.consumed_samples = consumed_samples
@@ -349,5 +513,5 @@ def validation_batches(dataset: PretrainingDataset, samples: int, micro_batch: i
         yield collate([dataset[p % dataset.num_samples] for p in range(lo, lo + micro_batch)], pad)
 
 
-__all__ = ["IGNORE_INDEX", "PretrainingDataset", "PretrainingLoader", "SpecialTokens",
+__all__ = ["IGNORE_INDEX", "BlendedDataset", "open_pretraining_data", "PretrainingDataset", "PretrainingLoader", "SpecialTokens",
            "build_sample_map", "collate", "validation_batches"]

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from bert_ds import checkpoint
 from bert_ds.config import BatchPlan, DataConfig, OptimConfig, TrainConfig, deepspeed_config, precision_of
-from bert_ds.data import PretrainingDataset, PretrainingLoader, validation_batches
+from bert_ds.data import PretrainingDataset, PretrainingLoader, open_pretraining_data, validation_batches
 from bert_ds.flops import datasheet_peak_tflops, training_flops
 from bert_ds.metrics import MetricsLogger
 from bert_ds.model import PRESETS, BertForPreTraining, model_preset
@@ -42,8 +42,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bert_ds.train", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     d, o = DataConfig(), OptimConfig()
-    p.add_argument("--data", required=True, help="training dataset folder (from `data_tools build`)")
+    p.add_argument("--data", required=True, nargs="+", help="training dataset folder(s) (from `data_tools build`)")
+    p.add_argument("--data-weights", type=float, nargs="+", default=None, help="blend weights of several --data folders")
     p.add_argument("--val-data", default=None, help="held-out dataset folder built with the same vocabulary")
+    p.add_argument("--held-out", type=float, default=d.held_out,
+                   help="without --val-data: share of the first dataset's documents held out for validation")
+    p.add_argument("--whole-word-mask", action="store_true", help="mask every WordPiece of a chosen word")
     p.add_argument("--output", default="runs/train", help="run folder: metrics, TensorBoard, checkpoints")
     p.add_argument("--preset", default="mini", help=f"model size: {', '.join(PRESETS)}")
     p.add_argument("--kernels", default="auto", choices=["auto", "cuda", "torch"], help="fused CUDA kernels or the PyTorch path")
@@ -79,7 +83,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def config_from_args(args: argparse.Namespace, vocab_size: int) -> TrainConfig:
     model = model_preset(args.preset, vocab_size, kernels=args.kernels,
                          activation_checkpointing=args.activation_checkpointing)
-    data = DataConfig(train=args.data, val=args.val_data, max_seq_length=args.seq_len, pair_task=args.pair_task,
+    data = DataConfig(train=args.data, weights=args.data_weights, val=args.val_data, held_out=args.held_out,
+                      whole_word_mask=args.whole_word_mask, max_seq_length=args.seq_len, pair_task=args.pair_task,
                       mask_rate=args.mask_rate, num_workers=args.num_workers, val_samples=args.val_samples)
     optim = OptimConfig(name=args.optimizer, lr=args.lr, weight_decay=args.weight_decay,
                         warmup_steps=args.warmup_steps, decay=args.decay, grad_clip=args.grad_clip)
@@ -186,10 +191,7 @@ def run(cfg: TrainConfig, resume: bool, rank: int, world: int, device: torch.dev
     output = Path(cfg.output)
     ckpt_root = output / "checkpoints"
     torch.manual_seed(cfg.seed)
-    train_set = PretrainingDataset(cfg.data.train, cfg.data, cfg.seed)
-    val_set = PretrainingDataset(cfg.data.val, cfg.data, cfg.seed) if cfg.data.val else None
-    if val_set is not None and val_set.manifest.tokenizer_fingerprint != train_set.manifest.tokenizer_fingerprint:
-        raise UserError(f"{cfg.data.val}: built with another tokenizer than {cfg.data.train}")
+    train_set, val_set = open_pretraining_data(cfg.data, cfg.seed)
 
     model = BertForPreTraining(cfg.model).to(device)
     optimizer = build_optimizer(model, cfg.optim)
@@ -219,13 +221,13 @@ def run(cfg: TrainConfig, resume: bool, rank: int, world: int, device: torch.dev
         output.mkdir(parents=True, exist_ok=True)
         (output / "train_config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
     peak = datasheet_peak_tflops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
-    tokenizer_dir = Path(cfg.data.train)
+    tokenizer_dir = Path(cfg.data.train[0])  # every dataset of a run shares one tokenizer
 
     def save_now() -> Path:
         state.loader = loader.state_dict()
         return checkpoint.save(engine, ckpt_root, state.step, rank=rank, model_config=cfg.model.to_dict(),
                                train_config=cfg.to_dict(), train_state=state.__dict__,
-                               tokenizer_dir=_tokenizer_files(tokenizer_dir), keep_last=cfg.keep_last)
+                               tokenizer_dir=tokenizer_dir, keep_last=cfg.keep_last)
 
     losses: list[float] = []
     rates: list[float] = []
@@ -282,11 +284,6 @@ def run(cfg: TrainConfig, resume: bool, rank: int, world: int, device: torch.dev
     return summary
 
 
-def _tokenizer_files(data_dir: Path) -> Path | None:
-    """The dataset folder holds the tokenizer; copy only those files into checkpoints."""
-    return data_dir if (data_dir / "vocab.txt").is_file() else None
-
-
 def _float(x: Any) -> float:
     return float("nan") if x is None else float(x)
 
@@ -318,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         # Validate everything that needs no process group first: bad input fails fast.
         from data_tools.manifest import Manifest
 
-        vocab_size = Manifest.load(Path(args.data)).vocab_size
+        vocab_size = Manifest.load(Path(args.data[0])).vocab_size
         cfg = config_from_args(args, vocab_size)
         rank, world, device = init_distributed()
         summary = run(cfg, args.resume == "auto", rank, world, device)

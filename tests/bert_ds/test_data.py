@@ -126,3 +126,80 @@ def test_collate_pads_right_and_keeps_labels():
     assert b["input_ids"].tolist() == [[2, 5, 6, 3], [2, 7, 3, 0]]
     assert b["attention_mask"].tolist() == [[1, 1, 1, 1], [1, 1, 1, 0]]
     assert b["labels"][1, 3] == IGNORE_INDEX and b["next_sentence_label"].tolist() == [0, 1]
+
+
+def test_sample_map_covers_every_sentence_once(dataset):
+    readers = dataset.readers
+    covered = {s: np.zeros(len(readers[s][1]) - 1, dtype=int) for s in range(len(readers))}
+    for shard, doc, first, end, target in dataset.samples.tolist():
+        _, offsets, bounds = readers[shard]
+        assert bounds[doc] <= first < end <= bounds[doc + 1]
+        covered[shard][first:end] += 1
+        # a chunk closes as soon as it reaches its target, so without its last sentence it is short
+        assert offsets[end - 1] - offsets[first] < target
+    assert all((c == 1).all() for c in covered.values())
+
+
+def test_whole_word_masking_masks_all_pieces_of_a_word(sample_data):
+    cfg = DataConfig(train=str(sample_data["train"]), whole_word_mask=True)
+    ds = PretrainingDataset(sample_data["train"], cfg, seed=3)
+    cont = ds.continuation
+    assert cont.any()  # the sample vocabulary has ##pieces
+    partial = 0
+    for idx in range(300):
+        s = ds.sample(0, idx)
+        target = s["labels"] != IGNORE_INDEX
+        original = np.where(target, s["labels"], s["input_ids"])
+        special = np.isin(original, [ds.special.cls, ds.special.sep])
+        for i in range(1, len(original)):
+            if cont[original[i]] and not special[i - 1] and target[i] != target[i - 1]:
+                partial += 1
+    assert partial == 0
+
+
+def test_held_out_split_is_disjoint_and_deterministic(sample_data):
+    cfg = DataConfig(train=str(sample_data["train"]), held_out=0.2)
+    train = PretrainingDataset(sample_data["train"], cfg, seed=1, split="train")
+    held = PretrainingDataset(sample_data["train"], cfg, seed=1, split="held_out")
+    train_docs = {(s, d) for s, d in train.samples[:, :2].tolist()}
+    held_docs = {(s, d) for s, d in held.samples[:, :2].tolist()}
+    assert train_docs and held_docs and not train_docs & held_docs
+    total = train.readers and sum(len(r[2]) - 1 for r in train.readers)
+    assert len(train_docs | held_docs) == total
+    again = PretrainingDataset(sample_data["train"], cfg, seed=1, split="held_out")
+    assert np.array_equal(again.samples, held.samples)
+
+
+def test_blend_follows_weights_and_each_part_keeps_its_own_stream(sample_data):
+    from bert_ds.data import BlendedDataset
+
+    a = PretrainingDataset(sample_data["train"], DataConfig(train=str(sample_data["train"])), seed=5)
+    b = PretrainingDataset(sample_data["heldout"], DataConfig(train=str(sample_data["heldout"])), seed=5)
+    blend = BlendedDataset([a, b], [3.0, 1.0], seed=5)
+    owners = np.concatenate([blend._block(k)[0] for k in range(3)])
+    assert abs(np.mean(owners == 0) - 0.75) < 1e-3
+    # the k-th position owned by b is b's own stream position k
+    positions_of_b = np.flatnonzero(owners == 1)[:5]
+    for k, p in enumerate(positions_of_b):
+        assert _equal_samples(blend[int(p)], b[k])
+
+
+def test_sample_map_cache_is_rebuilt_when_a_shard_changes(sample_data, tmp_path):
+    import shutil
+
+    from bert_ds.data import _MAP_VERSION  # noqa: F401  (the cache format is versioned)
+
+    copy = tmp_path / "data"
+    shutil.copytree(sample_data["train"], copy, ignore=shutil.ignore_patterns(".cache"))
+    cfg = DataConfig(train=str(copy))
+    first = PretrainingDataset(copy, cfg, seed=0)
+    cached = list((copy / ".cache").glob("samples-*.npy"))
+    assert len(cached) == 1
+    # rebuild the shards from different text under the same path: a new key, a new map
+    from tests.conftest import SAMPLE, run_cli
+    shutil.rmtree(copy)
+    run_cli("data_tools", "build", "--input", str(SAMPLE / "test.txt"), "--output", str(copy),
+            "--vocab", str(sample_data["train"] / "vocab.txt"), "--split-sentences", "--workers", "1")
+    second = PretrainingDataset(copy, cfg, seed=0)
+    assert not np.array_equal(first.samples, second.samples)
+    assert len(second) == len(second.samples)
