@@ -16,6 +16,7 @@ folder holds a checkpoint resumes from it (``--resume never`` starts afresh).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import socket
@@ -38,10 +39,19 @@ from bert_ds.optim import bind_to_engine, build_optimizer, build_schedule
 from data_tools.errors import UserError
 
 
+class _Defaults:
+    """A dataclass's field defaults as attributes, without building (and validating) one."""
+
+    def __init__(self, cls: type):
+        for f in dataclasses.fields(cls):
+            if f.default is not dataclasses.MISSING:
+                setattr(self, f.name, f.default)
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bert_ds.train", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    d, o = DataConfig(), OptimConfig()
+    d, o = _Defaults(DataConfig), _Defaults(OptimConfig)
     p.add_argument("--data", required=True, nargs="+", help="training dataset folder(s) (from `data_tools build`)")
     p.add_argument("--data-weights", type=float, nargs="+", default=None, help="blend weights of several --data folders")
     p.add_argument("--val-data", default=None, help="held-out dataset folder built with the same vocabulary")
