@@ -1,11 +1,13 @@
 """Raw text -> tokenizer files + token shards + manifest.json (written last).
 
-Pipeline: the main process reads the inputs (:class:`data_tools.text.CorpusReader`)
-and cuts the stream of lines into chunks of about ``CHUNK_CHARS`` characters; worker
-processes split sentences and tokenize a chunk with one ``encode_batch`` call and
-return flat numpy arrays; the main process writes the results, in input order, into
-``shard_00000``, ``shard_00001``, ... A shard is closed at the first document end
-after it holds ``shard_tokens`` tokens, so documents never span shards.
+Pipeline: the main process reads the inputs (:class:`data_tools.text.CorpusReader`:
+text files, JSONL, Parquet, ``datasets`` tables) and cuts the stream of lines into
+chunks of about ``CHUNK_CHARS`` characters; worker processes split sentences (the
+lines of record inputs always, other lines with ``--split-sentences``), tokenize a
+chunk with one ``encode_batch`` call and return flat numpy arrays; the main process
+writes the results, in input order, into ``shard_00000``, ``shard_00001``, ... A shard
+is closed at the first document end after it holds ``shard_tokens`` tokens, so
+documents never span shards.
 
 Design choices:
 
@@ -50,13 +52,13 @@ from tqdm import tqdm
 
 from data_tools.atomic import atomic_write
 from data_tools.errors import UserError
-from data_tools.manifest import MANIFEST_NAME, Manifest, created_by, file_sha256
+from data_tools.manifest import MANIFEST_NAME, Manifest, created_by
 from data_tools.shard_format import (
     FORMAT_VERSION, MAX_SENTENCE_TOKENS, ShardError, ShardInfo, ShardReader, ShardWriter, token_dtype,
 )
+from data_tools.sources import RECORD_KINDS, check_inputs, input_kind, source_info
 from data_tools.text import (
-    HEADING_RE, PIECE_BYTES, SENTENCE_SPLIT_RE, CorpusReader, Cursor, DocEnd, ReadStats,
-    check_inputs, split_sentences,
+    HEADING_RE, PIECE_BYTES, SENTENCE_SPLIT_RE, CorpusReader, Cursor, DocEnd, ReadStats, split_sentences,
 )
 from data_tools.tokenizer import TokenizerSpec, install_tokenizer, read_vocab, train_vocab
 
@@ -83,6 +85,7 @@ class BuildOptions:
     shard_tokens: int = DEFAULT_SHARD_TOKENS
     piece_bytes: int = PIECE_BYTES  # longest line read in one piece (shapes output)
     progress: bool = True  # tqdm bars on stderr
+    text_field: str = "text"  # the field of JSONL / Parquet / datasets records that holds the text
 
     def __post_init__(self):
         if (self.vocab is None) == (self.train_vocab is None):
@@ -93,11 +96,20 @@ class BuildOptions:
             raise UserError(f"--shard-tokens must be at least 1, got {self.shard_tokens}")
         if self.piece_bytes < 64:
             raise UserError(f"piece_bytes must be at least 64, got {self.piece_bytes}")
-        check_inputs(self.inputs)
+        check_inputs(self.inputs, self.text_field)
         if self.vocab is not None and not os.path.isfile(self.vocab):
             raise UserError(f"vocabulary not found: {self.vocab}")
         if os.path.exists(self.output) and not os.path.isdir(self.output):
             raise UserError(f"--output {self.output} exists and is not a folder")
+
+    @property
+    def has_records(self) -> bool:
+        """Whether an input holds records (JSONL, Parquet, a datasets table)."""
+        return any(input_kind(p) in RECORD_KINDS for p in self.inputs)
+
+    def reader(self, **resume) -> CorpusReader:
+        """A reader of the inputs, from the start or from ``start=``, ``stats=``."""
+        return CorpusReader(self.inputs, piece_bytes=self.piece_bytes, text_field=self.text_field, **resume)
 
 
 @dataclass
@@ -151,30 +163,30 @@ class BuildResult:
 class _Tokenize:
     """Lines of a chunk's parts -> flat arrays for the writer.
 
-    Returns tokens (n_tokens,) uint32, lengths (n_sentences,) int64 of the non-empty
+    ``split[j]`` says whether the lines of part j are cut into sentences. Returns
+    tokens (n_tokens,) uint32, lengths (n_sentences,) int64 of the non-empty
     sentences, and per part (n_parts,) int64: sentences kept, sentences dropped empty.
     """
 
-    def __init__(self, tokenizer_json: str, split: bool):
+    def __init__(self, tokenizer_json: str):
         from tokenizers import Tokenizer
 
         tok = Tokenizer.from_str(tokenizer_json)
         # encode_batch_fast (tokenizers >= 0.20) skips offset tracking, ~20% faster.
         self.encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
-        self.split = split
 
-    def __call__(self, parts: list[list[str]]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        if self.split:
-            sentences: list[str] = []
-            per_part = []
-            for lines in parts:
-                n = len(sentences)
+    def __call__(self, parts: list[list[str]],
+                 split: list[bool]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        sentences: list[str] = []
+        per_part = []
+        for lines, cut in zip(parts, split, strict=True):
+            n = len(sentences)
+            if cut:
                 for line in lines:
                     sentences += split_sentences(line)
-                per_part.append(len(sentences) - n)
-        else:
-            sentences = list(chain.from_iterable(parts))
-            per_part = [len(p) for p in parts]
+            else:
+                sentences += lines
+            per_part.append(len(sentences) - n)
         encs = self.encode(sentences, add_special_tokens=False)
         lengths = np.fromiter(map(len, encs), dtype=np.int64, count=len(encs))
         tokens = np.fromiter(chain.from_iterable(e.ids for e in encs), dtype=np.uint32, count=int(lengths.sum()))
@@ -188,31 +200,35 @@ class _Tokenize:
 _worker: _Tokenize | None = None
 
 
-def _init_worker(tokenizer_json: str, split: bool) -> None:
+def _init_worker(tokenizer_json: str) -> None:
     global _worker
     # One rayon thread per worker process: N single-threaded workers beat N workers
     # that each fight for every core.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _worker = _Tokenize(tokenizer_json, split)
+    _worker = _Tokenize(tokenizer_json)
 
 
-def _tokenize_in_worker(parts: list[list[str]]):
-    return _worker(parts)
+def _tokenize_in_worker(parts: list[list[str]], split: list[bool]):
+    return _worker(parts, split)
 
 
 @dataclass
 class _Chunk:
     parts: list[list[str]]  # lines of consecutive documents (or pieces of one)
     ends: list[DocEnd | None]  # per part: its document's end, or None if it continues
+    split: list[bool]  # per part: cut its lines into sentences
     progress: int  # input bytes consumed when the chunk was cut
 
 
-def _chunks(reader: CorpusReader, chunk_chars: int) -> Iterator[_Chunk]:
+def _chunks(reader: CorpusReader, chunk_chars: int, split_sentences: bool) -> Iterator[_Chunk]:
     parts: list[list[str]] = []
     ends: list[DocEnd | None] = []
+    split: list[bool] = []
     lines: list[str] = []
     size = 0
     for item in reader:
+        # A part holds lines of one document, so of one input: the reader still reads
+        # that input when the part closes, at its DocEnd or at a cut.
         if isinstance(item, str):
             lines.append(item)
             size += len(item)
@@ -223,27 +239,28 @@ def _chunks(reader: CorpusReader, chunk_chars: int) -> Iterator[_Chunk]:
         else:
             parts.append(lines)
             ends.append(item)
-            if size < chunk_chars and len(parts) < _MAX_PARTS:
-                lines = []
-                continue
-        yield _Chunk(parts, ends, reader.progress)
-        parts, ends, lines, size = [], [], [], 0
+        split.append(split_sentences or reader.reading_records)
+        if ends[-1] is not None and size < chunk_chars and len(parts) < _MAX_PARTS:
+            lines = []
+            continue
+        yield _Chunk(parts, ends, split, reader.progress)
+        parts, ends, split, lines, size = [], [], [], [], 0
     if parts:
-        yield _Chunk(parts, ends, reader.progress)
+        yield _Chunk(parts, ends, split, reader.progress)
 
 
-def _tokenized(chunks: Iterator[_Chunk], spec: TokenizerSpec, split: bool, workers: int):
+def _tokenized(chunks: Iterator[_Chunk], spec: TokenizerSpec, workers: int):
     """Yield (chunk, result) in chunk order, with at most 2 chunks per worker in flight."""
     if workers == 1:
-        tokenize = _Tokenize(spec.tokenizer_json, split)
+        tokenize = _Tokenize(spec.tokenizer_json)
         for c in chunks:
-            yield c, tokenize(c.parts)
+            yield c, tokenize(c.parts, c.split)
         return
     ctx = multiprocessing.get_context("spawn")  # fork after tokenizers used threads can deadlock
-    with ctx.Pool(workers, initializer=_init_worker, initargs=(spec.tokenizer_json, split)) as pool:
+    with ctx.Pool(workers, initializer=_init_worker, initargs=(spec.tokenizer_json,)) as pool:
         pending: deque = deque()
         for c in chunks:
-            pending.append((c, pool.apply_async(_tokenize_in_worker, (c.parts,))))
+            pending.append((c, pool.apply_async(_tokenize_in_worker, (c.parts, c.split))))
             if len(pending) >= 2 * workers:
                 c0, r = pending.popleft()
                 yield c0, r.get()
@@ -260,6 +277,8 @@ def _plan_key(sources: list[dict], spec: TokenizerSpec, opts: BuildOptions) -> s
         "tokenizer": spec.fingerprint, "lowercase": opts.lowercase,
         "split_sentences": opts.split_sentences, "shard_tokens": opts.shard_tokens,
         "piece_bytes": opts.piece_bytes,
+        # Only where it shapes the output: journals of text-only builds stay valid.
+        **({"text_field": opts.text_field} if opts.has_records else {}),
     }
     return hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()
 
@@ -307,7 +326,7 @@ def _remove_stale(directory: Path, keep_shards: int) -> None:
 
 def _text_lines(opts: BuildOptions, desc: str) -> Iterator[str]:
     """The inputs' text lines, with a progress bar over input bytes."""
-    reader = CorpusReader(opts.inputs, piece_bytes=opts.piece_bytes)
+    reader = opts.reader()
     with tqdm(total=reader.total_bytes, unit="B", unit_scale=True, desc=desc, file=sys.stderr,
               disable=not opts.progress) as bar:
         for n, item in enumerate(reader):
@@ -333,7 +352,7 @@ def build(opts: BuildOptions) -> BuildResult:
     try:
         # Everything that can fail on bad input comes before the first write to DIR,
         # so a failed build never spoils a dataset already there.
-        sources = [{"path": p, "bytes": os.path.getsize(p), "sha256": file_sha256(p)} for p in opts.inputs]
+        sources = [source_info(p) for p in opts.inputs]
         vocab = _vocab(opts)
         directory.mkdir(parents=True, exist_ok=True)
         # From here on the folder is not a dataset until the new manifest lands.
@@ -356,11 +375,10 @@ def _write_shards(opts: BuildOptions, directory: Path, spec: TokenizerSpec, key:
                   records: list[dict]) -> Manifest:
     if records:
         last = records[-1]
-        reader = CorpusReader(opts.inputs, start=Cursor.from_list(last["cursor"]),
-                              stats=ReadStats(**last["read"]), piece_bytes=opts.piece_bytes)
+        reader = opts.reader(start=Cursor.from_list(last["cursor"]), stats=ReadStats(**last["read"]))
         counts = Counts(**last["counts"])
     else:
-        reader = CorpusReader(opts.inputs, piece_bytes=opts.piece_bytes)
+        reader = opts.reader()
         counts = Counts()
     shards = [ShardInfo(**r["info"]) for r in records]
     journal = {"key": key, "shards": list(records)}
@@ -368,7 +386,7 @@ def _write_shards(opts: BuildOptions, directory: Path, spec: TokenizerSpec, key:
                desc="tokenize", file=sys.stderr, disable=not opts.progress)
     writer: ShardWriter | None = None
     doc_sentences = 0  # sentences of the open document so far
-    stream = _tokenized(_chunks(reader, CHUNK_CHARS), spec, opts.split_sentences, opts.workers)
+    stream = _tokenized(_chunks(reader, CHUNK_CHARS, opts.split_sentences), spec, opts.workers)
     try:
         for chunk, (tokens, lengths, per_part, empty_per_part) in stream:
             sent_at = np.zeros(len(per_part) + 1, dtype=np.int64)
@@ -410,13 +428,17 @@ def _write_shards(opts: BuildOptions, directory: Path, spec: TokenizerSpec, key:
     _remove_stale(directory, keep_shards=len(shards))
 
     st = reader.stats
-    if counts.documents_written + counts.skipped_empty != st.documents:
+    skipped = {"empty": counts.skipped_empty}
+    if opts.has_records:  # the record inputs' own reasons, counted by the reader
+        skipped.update(missing_field=st.missing_field, not_string=st.not_string)
+    if counts.documents_written + sum(skipped.values()) != st.documents:
         raise RuntimeError(f"bug: {st.documents} documents in, but {counts.documents_written} written "
-                           f"+ {counts.skipped_empty} skipped")
+                           f"+ {skipped} skipped")
     if counts.documents_written == 0:
+        reasons = ", ".join(f"{n} {k.replace('_', ' ')}" for k, n in skipped.items() if n or k == "empty")
         raise UserError(
             f"empty corpus: no document written from {', '.join(opts.inputs)} "
-            f"({st.documents} documents in, {counts.skipped_empty} empty)"
+            f"({st.documents} documents in, {reasons})"
         )
     return Manifest(
         vocab_size=spec.vocab_size,
@@ -434,7 +456,8 @@ def _write_shards(opts: BuildOptions, directory: Path, spec: TokenizerSpec, key:
             "vocab": {"train": opts.train_vocab} if opts.vocab is None else {"file": opts.vocab},
             "lowercase": opts.lowercase,
             "split_sentences": opts.split_sentences,
-            "sentence_split_re": SENTENCE_SPLIT_RE.pattern if opts.split_sentences else None,
+            "sentence_split_re": SENTENCE_SPLIT_RE.pattern if opts.split_sentences or opts.has_records else None,
+            **({"text_field": opts.text_field} if opts.has_records else {}),
             "heading_re": HEADING_RE.pattern,
             "shard_tokens": opts.shard_tokens,
             "piece_bytes": opts.piece_bytes,
@@ -442,7 +465,7 @@ def _write_shards(opts: BuildOptions, directory: Path, spec: TokenizerSpec, key:
         stats={
             "documents_in": st.documents,
             "documents_written": counts.documents_written,
-            "documents_skipped": {"empty": counts.skipped_empty},
+            "documents_skipped": skipped,
             "sentences": counts.sentences,
             "tokens": counts.tokens,
             "empty_sentences_dropped": counts.empty_sentences,

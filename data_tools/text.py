@@ -27,6 +27,19 @@ Cleaning, each counted in :class:`ReadStats`:
   one sentence; WordPiece works word by word, so cutting at whitespace changes no
   token. Pieces of a cut line are never headings nor blank-line boundaries.
 
+Record inputs (JSONL, Parquet, ``datasets`` tables; see :mod:`data_tools.sources`) hold
+one document per record, in its text field (``--text-field``). A record holds
+paragraphs, not one sentence per line, so its lines are always cut into sentences by
+:func:`split_sentences` (by the build's workers; the reader yields the lines), with or
+without ``--split-sentences``. The text is split at ``\\n``; each line is cleaned like
+a file's line (a final ``\\r`` dropped and counted, NULs removed, cut into pieces of at
+most ``piece_bytes``); blank lines separate paragraphs, never documents, and no line
+is a heading. A record whose field is missing (or that is not a JSON object) is
+skipped and counted as ``missing_field``; one whose field is not a string (null, a
+number...) as ``not_string``. Both count as documents in. A record's resume position
+is in its :class:`Cursor` (``mode`` ``"record"``): the byte offset of the next JSONL
+line, or the index of the next row.
+
 Documents are counted when they open (``documents``). A document may end up with no
 text (a title with no paragraphs, a run of control characters); the build skips it
 with reason ``empty`` so that documents in = written + skipped always holds.
@@ -43,13 +56,13 @@ from __future__ import annotations
 import copy
 import gzip
 import io
-import os
 import re
 import zlib
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
 from data_tools.errors import UserError
+from data_tools.sources import BLANK, MISSING, input_kind, input_size, open_records
 
 PIECE_BYTES = 1 << 20
 HEADING_RE = re.compile(r"^\s*(=+)\s.*\s\1\s*$")
@@ -89,6 +102,8 @@ class ReadStats:
     nul_bytes: int = 0
     crlf_lines: int = 0
     long_lines_cut: int = 0
+    missing_field: int = 0  # records without the text field: skipped documents
+    not_string: int = 0  # records whose text field is not a string: skipped documents
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -96,11 +111,11 @@ class ReadStats:
 
 @dataclass(frozen=True)
 class Cursor:
-    """Where to resume reading: input index, uncompressed byte offset, file mode."""
+    """Where to resume reading: input index, position in it, file mode."""
 
     source: int
-    offset: int
-    mode: str | None  # "heading" | "blank" | None (not yet known: start of file)
+    offset: int  # uncompressed byte offset; for Parquet and datasets tables a row index
+    mode: str | None  # "heading" | "blank" | None (not yet known: start of file) | "record"
 
     def to_list(self) -> list:
         return [self.source, self.offset, self.mode]
@@ -116,17 +131,6 @@ class DocEnd:
 
     cursor: Cursor  # resume here to read the next document
     stats: ReadStats  # counts up to and including this document
-
-
-def check_inputs(paths: list[str]) -> None:
-    """UserError for an input that is missing or not a regular file."""
-    if not paths:
-        raise UserError("no input files given")
-    for p in paths:
-        if not os.path.exists(p):
-            raise UserError(f"input not found: {p}")
-        if not os.path.isfile(p):
-            raise UserError(f"input is not a regular file: {p}")
 
 
 class _Source:
@@ -186,19 +190,29 @@ class CorpusReader:
 
     ``start`` and ``stats`` resume from a :class:`DocEnd` taken earlier; ``progress``
     is the number of on-disk input bytes consumed (compressed bytes for ``.gz``).
+    ``text_field`` names the field that holds a record input's text.
     """
 
     def __init__(self, paths: list[str], *, start: Cursor | None = None,
-                 stats: ReadStats | None = None, piece_bytes: int = PIECE_BYTES):
+                 stats: ReadStats | None = None, piece_bytes: int = PIECE_BYTES,
+                 text_field: str = "text"):
         if piece_bytes < 64:
             raise ValueError("piece_bytes must be at least 64")
         self.paths = list(paths)
         self.start = start or Cursor(0, 0, None)
         self.stats = copy.copy(stats) if stats is not None else ReadStats()
         self.piece_bytes = piece_bytes
-        self._sizes = [os.path.getsize(p) for p in self.paths]
+        self.text_field = text_field
+        self._kinds = [input_kind(p) for p in self.paths]
+        self._sizes = [input_size(p) for p in self.paths]
         self._done_bytes = sum(self._sizes[: self.start.source])
-        self._source: _Source | None = None
+        self._source = None  # the open input: a _Source, or a sources record reader
+        self._index: int | None = None
+
+    @property
+    def reading_records(self) -> bool:
+        """Whether the line last yielded came from a record input (its lines hold paragraphs)."""
+        return self._index is not None and self._kinds[self._index] != "text"
 
     @property
     def total_bytes(self) -> int:
@@ -214,8 +228,12 @@ class CorpusReader:
             first = index == self.start.source
             offset = self.start.offset if first else 0
             mode = self.start.mode if first else None
+            self._index = index
             try:
-                yield from self._read_file(index, offset, mode)
+                if self._kinds[index] == "text":
+                    yield from self._read_file(index, offset, mode)
+                else:
+                    yield from self._read_records(index, offset)
             except (OSError, EOFError, zlib.error) as e:  # gzip.BadGzipFile is an OSError
                 raise UserError(f"{self.paths[index]}: cannot read: {e}") from None
             finally:
@@ -282,9 +300,53 @@ class CorpusReader:
         if doc_open:
             yield DocEnd(Cursor(index + 1, 0, None), copy.copy(st))
 
+    def _read_records(self, index: int, start: int) -> Iterator[str | DocEnd]:
+        st = self.stats
+        src = self._source = open_records(self.paths[index], self.text_field, start)
+        for pos, n_bytes, n_bad, value in src:
+            st.bytes += n_bytes
+            st.invalid_utf8 += n_bad
+            if value is BLANK:
+                continue
+            st.documents += 1
+            if value is MISSING:
+                st.missing_field += 1
+            elif not isinstance(value, str):
+                st.not_string += 1
+            else:
+                yield from self._record_lines(value)
+                yield DocEnd(Cursor(index, pos, "record"), copy.copy(st))
+        st.files += 1
 
-def iter_text(paths: list[str], piece_bytes: int = PIECE_BYTES) -> Iterator[str]:
+    def _record_lines(self, text: str) -> Iterator[str]:
+        """The non-blank lines of a record's text, cleaned as a file's lines are."""
+        st = self.stats
+        lines = text.split("\n")
+        if lines[-1] == "":  # a final newline ends the last line, it opens none
+            lines.pop()
+        st.lines += len(lines)
+        for line in lines:
+            if line.endswith("\r"):
+                line = line[:-1]
+                st.crlf_lines += 1
+            if "\x00" in line:
+                st.nul_bytes += line.count("\x00")
+                line = line.replace("\x00", "")
+            s = line.strip()
+            if not s:
+                continue
+            # 4 bytes per character at most: only a line that may be long is encoded.
+            if len(s) * 4 > self.piece_bytes and len(data := s.encode()) > self.piece_bytes:
+                st.long_lines_cut += 1
+                for piece, _, _ in _pieces(io.BytesIO(data), self.piece_bytes):
+                    if p := piece.decode().strip():
+                        yield p
+            else:
+                yield s
+
+
+def iter_text(paths: list[str], piece_bytes: int = PIECE_BYTES, text_field: str = "text") -> Iterator[str]:
     """Only the text lines of the inputs (for vocabulary training)."""
-    for item in CorpusReader(paths, piece_bytes=piece_bytes):
+    for item in CorpusReader(paths, piece_bytes=piece_bytes, text_field=text_field):
         if isinstance(item, str):
             yield item

@@ -262,7 +262,7 @@ def test_invalid_json_line_is_named(tmp_path, capsys):
     (lambda d: (d / "plain").mkdir() or str(d / "plain"), "input is a folder but not a datasets save_to_disk folder"),
     (lambda d: (d / "z.jsonl.gz").write_bytes(gzip.compress(b'{"text": "a"}\n' * 500)[:-30]) and str(d / "z.jsonl.gz"),
      "z.jsonl.gz: cannot read"),
-])
+], ids=["not-parquet", "parquet-no-column", "hf-no-column", "plain-folder", "truncated-gzip"])
 def test_bad_record_input_is_one_line_error_naming_it(tmp_path, capsys, make, message):
     src = make(tmp_path)
     assert message in _one_line_error(capsys, src, tmp_path)

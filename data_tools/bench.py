@@ -1,0 +1,358 @@
+"""``python -m data_tools bench``: the data pipeline's figures beside their goals.
+
+Everything is measured in one run, on one corpus, with the same number of worker
+processes (``--workers N``, default: the CPUs available), one measurement at a time:
+
+1. ``data_tools build`` throughput (MB/s of input, tokens/s) with ``--vocab`` given and
+   ``--split-sentences`` (the corpus holds paragraphs), against bare ``tokenizers``
+   (goal: build/bare >= 0.90). Fairness: both run N spawned single-threaded tokenizer
+   processes built from the same ``tokenizer.json`` and encode with
+   ``encode_batch_fast`` in batches of ``CHUNK_CHARS`` characters, and both are timed
+   from spawning their processes to their last result. The bare side does nothing
+   else: each process reads its own 1/N of the file's lines, encodes the non-blank
+   ones and counts tokens. The build also reads and cleans in its main process, splits
+   sentences, ships ids back and writes, hashes and verifies shards: that is the
+   overhead the ratio shows.
+2. The same build against the ``datasets`` recipe: ``Dataset.from_text`` ->
+   ``.map(BertTokenizerFast, batched=True, num_proc=N)`` -> ``save_to_disk`` with the
+   same vocabulary, no special tokens, ids only (goal: ours >= 1.5x).
+3. Bytes on disk per token of that build (shards: .bin + .idx), at the vocabulary size
+   ``--vocab-size`` (default BERT's 30,522; goal <= 2.2). The vocabulary is trained
+   with the build's trainer on up to two copies of the sample: the corpus is the
+   sample repeated, and WordPiece merges depend only on relative counts once every
+   pair passes the minimum frequency, so more copies change no entry. The bundled
+   sample has fewer distinct subwords than 30,522; the actual size is reported.
+4. Loader samples/s in one process (so per core) at sequence length 128 with NSP and
+   masking: ``bert_ds.data.PretrainingDataset(...)[i]`` for consecutive positions for
+   ``--loader-seconds`` (goal >= 20,000).
+5. Peak RSS of one build worker during figure 1 (goal < 2 GB per worker for a 1 GB
+   corpus). A worker holds at most 2 chunks of ``CHUNK_CHARS`` characters, whatever
+   the corpus size, so a smaller corpus measures the same peak; the corpus size is
+   reported beside it. With ``--workers 1`` the build tokenizes in its own process and
+   that process's peak (imports included) is reported.
+
+The default corpus is the bundled WikiText-2 sample (``data_tools/sample``) repeated to
+``--corpus-mb`` MB (decimal), written to a temporary folder that is removed at the end.
+Imports (``transformers``, ``datasets``, ``torch``) happen before each timer starts:
+they cost the same whatever the corpus size. The load average before and after is
+printed, as the figures depend on what else runs on the machine.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import resource
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+SAMPLE_DIR = Path(__file__).resolve().parent / "sample"
+SAMPLE_FILES = ("valid.txt", "test.txt")
+BERT_VOCAB_SIZE = 30522
+MB = 1e6
+
+
+@dataclass
+class Figure:
+    name: str
+    value: float
+    shown: str  # value as printed, with its unit
+    goal: str
+    met: bool
+    how: str  # the measurement behind it, one line
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "value": self.value, "shown": self.shown, "goal": self.goal, "met": self.met,
+                "how": self.how}
+
+
+# -- corpus and vocabulary -----------------------------------------------------------------
+
+def make_corpus(path: Path, size_bytes: int) -> tuple[int, float]:
+    """The sample repeated to at most size_bytes, cut at a line end; (bytes, copies)."""
+    sample = b"".join((SAMPLE_DIR / name).read_bytes() for name in SAMPLE_FILES)
+    written = 0
+    with open(path, "wb") as f:
+        while written < size_bytes:
+            piece = sample[: size_bytes - written]
+            if len(piece) < len(sample):
+                piece = piece[: piece.rfind(b"\n") + 1]
+                if not piece:
+                    break
+            f.write(piece)
+            written += len(piece)
+    return written, written / len(sample)
+
+
+def make_vocab(work: Path, corpus: Path, size: int) -> tuple[bytes, float, float]:
+    """WordPiece vocab.txt trained on up to two copies of the sample; (vocab, MB trained on, seconds)."""
+    from data_tools.text import iter_text
+    from data_tools.tokenizer import train_vocab
+
+    sample_bytes = sum((SAMPLE_DIR / name).stat().st_size for name in SAMPLE_FILES)
+    text = work / "vocab_corpus.txt"
+    with open(corpus, "rb") as src, open(text, "wb") as dst:
+        dst.write(src.read(2 * sample_bytes))  # the corpus starts with whole copies
+    t0 = time.perf_counter()
+    vocab = train_vocab(lambda: iter_text([str(text)]), size, lowercase=True)
+    seconds = time.perf_counter() - t0
+    trained_on = text.stat().st_size / MB
+    text.unlink()
+    return vocab, trained_on, seconds
+
+
+# -- child processes: each measurement runs in a fresh process ---------------------------------
+
+def _in_child(target, *args) -> dict:
+    """Run target(conn, *args) in a spawned, non-daemonic process (it starts pools of its own)."""
+    ctx = multiprocessing.get_context("spawn")
+    recv, send = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=target, args=(send, *args))
+    proc.start()
+    send.close()
+    try:
+        result = recv.recv()
+    except EOFError:
+        result = {"error": "the process died without a result"}
+    proc.join()
+    if "error" in result:
+        raise RuntimeError(f"bench: {target.__name__} failed: {result['error']}")
+    return result
+
+
+def _report(conn, fn, *args) -> None:
+    try:
+        conn.send(fn(*args))
+    except BaseException as e:
+        conn.send({"error": f"{type(e).__name__}: {e}"})
+        raise
+
+
+def _build_child(conn, corpus: str, output: str, vocab: str, workers: int) -> None:
+    _report(conn, _run_build, corpus, output, vocab, workers)
+
+
+def _run_build(corpus: str, output: str, vocab: str, workers: int) -> dict:
+    import transformers  # the build's tokenizer step imports it: a fixed cost, not timed
+
+    from data_tools.build import BuildOptions, build
+
+    opts = BuildOptions(inputs=[corpus], output=output, vocab=vocab, workers=workers, split_sentences=True,
+                        progress=False)
+    t0 = time.perf_counter()
+    result = build(opts)
+    seconds = time.perf_counter() - t0
+    # ru_maxrss is in KiB on Linux. RUSAGE_CHILDREN: the largest child waited for,
+    # i.e. the pool's workers, which the build joins before it returns.
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    workers_peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    m = result.manifest
+    return {
+        "seconds": seconds, "tokens": m.totals["tokens"], "input_bytes": m.stats["input_bytes"],
+        "bytes_on_disk": result.bytes_on_disk, "vocab_size": m.vocab_size, "token_dtype": m.token_dtype,
+        "documents": m.totals["docs"], "sentences": m.totals["sentences"],
+        "worker_peak_rss": workers_peak if workers > 1 else own, "main_peak_rss": own,
+    }
+
+
+_bare_encode = None
+
+
+def _bare_init(tokenizer_json: str) -> None:
+    global _bare_encode
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per process, as the build's workers
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_str(tokenizer_json)
+    _bare_encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
+
+
+def _bare_slice(path: str, start: int, end: int, batch_chars: int) -> int:
+    """Tokens of the lines whose first byte lies in [start, end)."""
+    tokens = 0
+    batch: list[str] = []
+    size = 0
+    with open(path, "rb", buffering=1 << 20) as f:
+        pos = start
+        if start:
+            f.seek(start - 1)
+            pos = start - 1 + len(f.readline())  # the line holding byte start-1 is the previous slice's
+        while pos < end:
+            line = f.readline()
+            if not line:
+                break
+            pos += len(line)
+            s = line.decode("utf-8", errors="replace").strip()
+            if s:
+                batch.append(s)
+                size += len(s)
+                if size >= batch_chars:
+                    tokens += sum(map(len, _bare_encode(batch, add_special_tokens=False)))
+                    batch, size = [], 0
+    if batch:
+        tokens += sum(map(len, _bare_encode(batch, add_special_tokens=False)))
+    return tokens
+
+
+def run_bare(corpus: str, tokenizer_json: str, workers: int) -> dict:
+    from data_tools.build import CHUNK_CHARS
+
+    size = os.path.getsize(corpus)
+    bounds = [size * k // workers for k in range(workers + 1)]
+    ctx = multiprocessing.get_context("spawn")
+    t0 = time.perf_counter()
+    with ctx.Pool(workers, initializer=_bare_init, initargs=(tokenizer_json,)) as pool:
+        counts = pool.starmap(_bare_slice, [(corpus, bounds[k], bounds[k + 1], CHUNK_CHARS) for k in range(workers)])
+    seconds = time.perf_counter() - t0
+    return {"seconds": seconds, "tokens": sum(counts), "input_bytes": size}
+
+
+def _datasets_child(conn, corpus: str, tokenizer_dir: str, work: str, workers: int) -> None:
+    _report(conn, _run_datasets, corpus, tokenizer_dir, work, workers)
+
+
+def _run_datasets(corpus: str, tokenizer_dir: str, work: str, workers: int) -> dict:
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # num_proc processes of one thread, as ours
+    import datasets
+    from transformers import BertTokenizerFast
+
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity_error()
+    tok = BertTokenizerFast.from_pretrained(tokenizer_dir)
+
+    def encode(batch):
+        return tok(batch["text"], add_special_tokens=False, return_attention_mask=False,
+                   return_token_type_ids=False)
+
+    t0 = time.perf_counter()
+    ds = datasets.Dataset.from_text(corpus, cache_dir=os.path.join(work, "cache"))
+    ids = ds.map(encode, batched=True, num_proc=workers if workers > 1 else None, remove_columns=["text"])
+    ids.save_to_disk(os.path.join(work, "saved"))
+    seconds = time.perf_counter() - t0
+    return {"seconds": seconds, "input_bytes": os.path.getsize(corpus), "rows": len(ids)}
+
+
+def run_loader(path: str, seconds: float) -> dict:
+    from bert_ds.config import DataConfig
+    from bert_ds.data import PretrainingDataset
+
+    t0 = time.perf_counter()
+    ds = PretrainingDataset(path, DataConfig(train=path, max_seq_length=128), seed=0)
+    init = time.perf_counter() - t0
+    n = 0
+    t0 = time.perf_counter()
+    while (elapsed := time.perf_counter() - t0) < seconds:
+        for i in range(n, n + 64):
+            ds[i]
+        n += 64
+    return {"samples": n, "seconds": elapsed, "samples_per_s": n / elapsed, "init_seconds": init,
+            "epoch_samples": len(ds), "cfg": {"max_seq_length": 128, "pair_task": ds.cfg.pair_task,
+                                                "mask_rate": ds.cfg.mask_rate}}
+
+
+# -- the run ---------------------------------------------------------------------------------------
+
+def run(corpus_mb: float, workers: int, vocab_size: int, loader_seconds: float,
+        log=lambda msg: print(msg, file=sys.stderr, flush=True)) -> dict:
+    """All measurements; the dict that --json writes."""
+    load_before = os.getloadavg()
+    with tempfile.TemporaryDirectory(prefix="data_tools_bench_") as tmp:
+        work = Path(tmp)
+        corpus = work / "corpus.txt"
+        corpus_bytes, copies = make_corpus(corpus, int(corpus_mb * MB))
+        log(f"bench: corpus {corpus_bytes / MB:.1f} MB ({copies:.2f} copies of the sample) in {work}")
+
+        vocab, vocab_mb, vocab_s = make_vocab(work, corpus, vocab_size)
+        (work / "vocab.txt").write_bytes(vocab)
+        log(f"bench: vocabulary trained in {vocab_s:.1f} s")
+
+        log(f"bench: 1. data_tools build, {workers} worker(s)")
+        shards = work / "shards"
+        b = _in_child(_build_child, str(corpus), str(shards), str(work / "vocab.txt"), workers)
+        log(f"bench: 1. bare tokenizers, {workers} process(es)")
+        bare = run_bare(str(corpus), (shards / "tokenizer.json").read_text(encoding="utf-8"), workers)
+        log(f"bench: 2. datasets from_text -> map -> save_to_disk, num_proc {workers}")
+        hf = _in_child(_datasets_child, str(corpus), str(shards), str(work / "hf"), workers)
+        log(f"bench: 4. loader for {loader_seconds:g} s")
+        loader = run_loader(str(shards), loader_seconds)
+    return {
+        "corpus": {"source": f"{SAMPLE_DIR} ({', '.join(SAMPLE_FILES)}) repeated", "bytes": corpus_bytes,
+                   "copies": round(copies, 3)},
+        "workers": workers,
+        "cpus": len(os.sched_getaffinity(0)),
+        "load_average_before": [round(x, 2) for x in load_before],
+        "load_average_after": [round(x, 2) for x in os.getloadavg()],
+        "vocab": {"requested": vocab_size, "size": b["vocab_size"], "token_dtype": b["token_dtype"],
+                  "trained_on_mb": round(vocab_mb, 3), "train_seconds": vocab_s},
+        "build": b,
+        "bare_tokenizers": bare,
+        "datasets": hf,
+        "loader": loader,
+    }
+
+
+def figures(r: dict) -> list[Figure]:
+    b, bare, hf, ld = r["build"], r["bare_tokenizers"], r["datasets"], r["loader"]
+    n = r["workers"]
+    mbs = b["input_bytes"] / b["seconds"] / MB
+    bare_mbs = bare["input_bytes"] / bare["seconds"] / MB
+    hf_mbs = hf["input_bytes"] / hf["seconds"] / MB
+    ratio, speedup = mbs / bare_mbs, mbs / hf_mbs
+    bpt = b["bytes_on_disk"] / b["tokens"]
+    rss = b["worker_peak_rss"]
+    corpus = r["corpus"]["bytes"] / MB
+    vocab = r["vocab"]
+    vocab_note = "" if vocab["size"] == vocab["requested"] else \
+        f" (asked {vocab['requested']:,}: the corpus has no more merges)"
+    return [
+        Figure("build / bare tokenizers", ratio, f"{ratio:.2f}", ">= 0.90", ratio >= 0.90,
+               f"build {mbs:.2f} MB/s, {b['tokens'] / b['seconds']:,.0f} tokens/s ({b['seconds']:.1f} s); "
+               f"bare tokenizers {bare_mbs:.2f} MB/s, {bare['tokens'] / bare['seconds']:,.0f} tokens/s "
+               f"({bare['seconds']:.1f} s); {n} process(es) each"),
+        Figure("build / datasets map+save_to_disk", speedup, f"{speedup:.2f}x", ">= 1.5x", speedup >= 1.5,
+               f"datasets {hf_mbs:.2f} MB/s ({hf['seconds']:.1f} s, num_proc {n}) vs build {mbs:.2f} MB/s"),
+        Figure("bytes on disk per token", bpt, f"{bpt:.3f}", "<= 2.2", bpt <= 2.2,
+               f"{b['bytes_on_disk']:,} bytes for {b['tokens']:,} tokens, vocab {vocab['size']:,}{vocab_note}, "
+               f"{b['token_dtype']}"),
+        Figure("loader samples/s per core", ld["samples_per_s"], f"{ld['samples_per_s']:,.0f}", ">= 20,000",
+               ld["samples_per_s"] >= 20_000,
+               f"{ld['samples']:,} samples in {ld['seconds']:.1f} s, one process, seq 128, NSP, masking "
+               f"(dataset opened in {ld['init_seconds']:.2f} s)"),
+        Figure("build worker peak RSS", rss / MB, f"{rss / MB:,.0f} MB", "< 2,000 MB", rss < 2e9,
+               f"on a {corpus:.1f} MB corpus (goal stated for 1 GB; a worker's memory does not grow with it)"
+               + ("; --workers 1: the build process itself" if n == 1 else
+                  f"; build main process {b['main_peak_rss'] / MB:,.0f} MB")),
+    ]
+
+
+def format_report(r: dict, figs: list[Figure]) -> str:
+    c = r["corpus"]
+    lines = [
+        f"corpus: {c['bytes'] / MB:.1f} MB = {c['copies']:g} copies of the bundled WikiText-2 sample; "
+        f"{r['workers']} worker(s) on {r['cpus']} CPU(s); load average {r['load_average_before'][0]:.2f} "
+        f"before, {r['load_average_after'][0]:.2f} after",
+        f"vocabulary: {r['vocab']['size']:,} entries (asked {r['vocab']['requested']:,}), trained on "
+        f"{r['vocab']['trained_on_mb']:.1f} MB in {r['vocab']['train_seconds']:.1f} s",
+        "",
+    ]
+    width = max(len(f.name) for f in figs) + 4
+    lines.append(f"{'figure':<{width}}{'measured':>14}  {'goal':<12}met")
+    for i, f in enumerate(figs, 1):
+        lines.append(f"{f'{i}. {f.name}':<{width}}{f.shown:>14}  {f.goal:<12}{'yes' if f.met else 'NO'}")
+    lines.append("")
+    lines += [f"{i}. {f.how}" for i, f in enumerate(figs, 1)]
+    return "\n".join(lines)
+
+
+def main(corpus_mb: float, workers: int, vocab_size: int, loader_seconds: float, json_path: str | None) -> int:
+    r = run(corpus_mb, workers, vocab_size, loader_seconds)
+    figs = figures(r)
+    r["figures"] = [f.to_dict() for f in figs]
+    print(format_report(r, figs))
+    if json_path:
+        Path(json_path).write_text(json.dumps(r, indent=2) + "\n", encoding="utf-8")
+    return 0
