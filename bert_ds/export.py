@@ -35,8 +35,10 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from bert_ds import checkpoint
 from bert_ds.errors import ConfigError, UserError
 from bert_ds.model import BertForPreTraining, ModelConfig
+from data_tools.atomic import fsync_path
 
 TIED_ALIASES = {
     # alias in the state dict -> the parameter it is tied to
@@ -110,10 +112,13 @@ def export_hf(state_dict: Mapping[str, torch.Tensor], config: ModelConfig,
 
 
 def export_checkpoint(ckpt_dir: Path, out_dir: Path) -> Path:
-    """Exports the checkpoint folder ``ckpt_dir`` (a ``latest`` link is followed) to ``out_dir``."""
-    ckpt = Path(os.path.realpath(ckpt_dir))
-    if not ckpt.is_dir():
-        raise ExportError(f"checkpoint folder {ckpt_dir} does not exist")
+    """Exports a checkpoint to ``out_dir``.
+
+    ``ckpt_dir`` is a checkpoint folder, ``checkpoints/latest`` or ``checkpoints/``; only a
+    complete checkpoint whose files match their recorded checksums is exported.
+    """
+    ckpt = checkpoint.resolve(Path(ckpt_dir))
+    checkpoint.verify(ckpt)
     weights, config_file, tokenizer_dir = (ckpt / "model.safetensors", ckpt / "model_config.json",
                                            ckpt / "tokenizer")
     for required in (weights, config_file, tokenizer_dir):
@@ -234,13 +239,8 @@ def _check_replaceable(out_dir: Path) -> None:
 def _fsync_folder(folder: Path) -> None:
     """Flushes the export's files and the folder entry, so the rename publishes complete files."""
     for path in folder.iterdir():
-        with open(path, "rb") as f:
-            os.fsync(f.fileno())
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        fsync_path(path)
+    fsync_path(folder)
 
 
 def _replace_folder(new: Path, dest: Path) -> None:

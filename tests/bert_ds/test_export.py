@@ -7,10 +7,11 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from bert_ds import export
+from bert_ds import checkpoint, export
 from bert_ds.errors import ConfigError, UserError
 from bert_ds.export import ExportError, export_checkpoint, export_hf, main
 from bert_ds.model import BertForPreTraining, ModelConfig
+from data_tools.atomic import file_crc32
 
 WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "cat", "sat", "on", "mat", "##s", "a", "dog"]
 
@@ -34,7 +35,15 @@ def _write_checkpoint(path, config: ModelConfig, *, with_tied_alias: bool = Fals
     (path / "model_config.json").write_text(json.dumps(config.to_dict()))
     tokenizer = transformers.BertTokenizerFast(vocab={word: i for i, word in enumerate(WORDS)})
     tokenizer.save_pretrained(path / "tokenizer")
+    _seal(path)
     return model
+
+
+def _seal(folder):
+    """The completion marker bert_ds.checkpoint writes last: size and CRC32 of every file."""
+    files = {str(p.relative_to(folder)): {"bytes": p.stat().st_size, "crc32": file_crc32(p)}
+             for p in sorted(folder.rglob("*")) if p.is_file()}
+    (folder / checkpoint.MARKER).write_text(json.dumps({"files": files}))
 
 
 @pytest.mark.parametrize("with_tied_alias", [False, True])
@@ -151,3 +160,17 @@ def test_cli_exports(tmp_path, capsys):
     assert main([str(tmp_path / "ckpt"), str(tmp_path / "hf")]) == 0
     assert (tmp_path / "hf" / "model.safetensors").is_file()
     assert "exported" in capsys.readouterr().out
+
+
+def test_export_refuses_a_damaged_or_unsealed_checkpoint(tmp_path):
+    _write_checkpoint(tmp_path / "ckpt", _config())
+    weights = tmp_path / "ckpt" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    weights.write_bytes(bytes(data))
+    with pytest.raises(UserError, match="model.safetensors: checksum mismatch"):
+        export_checkpoint(tmp_path / "ckpt", tmp_path / "hf")
+    (tmp_path / "ckpt" / checkpoint.MARKER).unlink()
+    with pytest.raises(UserError, match="no complete checkpoint"):
+        export_checkpoint(tmp_path / "ckpt", tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
