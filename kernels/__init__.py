@@ -1,9 +1,18 @@
 """Fused kernels for BERT and their plain-PyTorch references.
 
 Each op lives in ``kernels/<op>.py`` as ``<op>_ref()`` (the reference, plain
-PyTorch) and ``<op>(..., backend=...)`` (the public op, which runs the reference
-or the fused CUDA kernel). The backend is resolved once with
-:func:`resolve_backend` from a ``kernels: auto | cuda | torch`` setting.
+PyTorch), the autograd Function over the fused CUDA kernels, and ``<op>(...,
+backend=...)`` (the public op, which runs one or the other). The backend is resolved
+once with :func:`resolve_backend` from a ``kernels: auto | cuda | torch`` setting.
+
+- ``csrc/<op>.cu``: torch-free CUDA with ``extern "C"`` launchers (``csrc/launchers.h``);
+  ``csrc/bindings.cpp``: the torch module ``bert_ds_kernels`` over them.
+- ``_build.py``: the one loader (in-process -> prebuilt -> JIT build -> None with the
+  reason) and the per-op self-check verdicts (``selfcheck.py``).
+- ``python -m kernels.build``: build and self-check ahead of time.
+- ``python -m kernels.compile_check``: nvcc-only compile of every ``.cu`` for sm_80 and
+  sm_90 (CI, no GPU needed).
+- ``python -m kernels.bench``: the kernels against PyTorch at BERT shapes (GPU).
 """
 
 from kernels.attention import varlen_attention, varlen_attention_ref

@@ -10,12 +10,22 @@ at the cost of computing (and discarding) the pad query rows.
 
 Every sequence must have at least one token: a pad query row of an empty
 sequence would see no valid key and produce NaN.
+
+The fused path (``kernels/csrc/attention.cu``, FlashAttention-2 style) takes float16
+and bfloat16, head_dim 32 or 64, no dropout; it never forms the (S, S) scores, saves
+the per-row logsumexp for the backward and recomputes the probabilities there. Like
+the reference it trusts ``max_seqlen`` to bound every sequence (it sizes the grid).
 """
+
+import math
 
 import torch
 import torch.nn.functional as F
 
-from kernels.dispatch import Backend, require_extension
+from kernels.dispatch import Backend, fused_extension, runs_fused
+
+FUSED_DTYPES = (torch.float16, torch.bfloat16)
+FUSED_HEAD_DIMS = (32, 64)
 
 
 def varlen_attention_ref(
@@ -66,6 +76,40 @@ def varlen_attention(
     backend: Backend,
 ) -> torch.Tensor:
     """:func:`varlen_attention_ref` on the resolved ``backend``."""
-    if backend == "torch":
-        return varlen_attention_ref(q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale)
-    return require_extension(backend).varlen_attention(q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale)
+    if runs_fused("varlen_attention", backend, _unsupported(q, k, v, cu_seqlens, dropout_p)):
+        scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+        return FusedVarlenAttention.apply(q, k, v, cu_seqlens, max_seqlen, scale)
+    return varlen_attention_ref(q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale)
+
+
+def _unsupported(q, k, v, cu_seqlens, dropout_p) -> str:
+    """Why the fused kernel cannot take these inputs ("" if it can)."""
+    if dropout_p > 0.0:
+        return f"attention dropout (dropout_p={dropout_p}) is not supported; set attention_dropout=0"
+    if q.dtype not in FUSED_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        return f"{q.dtype}/{k.dtype}/{v.dtype} inputs (it takes float16 or bfloat16, all alike)"
+    if q.dim() != 3 or q.shape[-1] not in FUSED_HEAD_DIMS:
+        return f"head_dim {q.shape[-1]} (it takes {' or '.join(map(str, FUSED_HEAD_DIMS))})"
+    if cu_seqlens.dtype != torch.int32:
+        return f"{cu_seqlens.dtype} cu_seqlens (it takes int32)"
+    if not all(t.is_cuda for t in (q, k, v, cu_seqlens)):
+        return "its inputs are not all on a CUDA device"
+    return ""
+
+
+class FusedVarlenAttention(torch.autograd.Function):
+    """Varlen attention on the fused kernels: q, k, v (T, nh, hd), cu_seqlens (B+1,) int32."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens, max_seqlen, softmax_scale):
+        out, lse = fused_extension().varlen_attention_fwd(q, k, v, cu_seqlens, max_seqlen, 0.0, softmax_scale)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
+        ctx.max_seqlen, ctx.softmax_scale = max_seqlen, softmax_scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
+        dq, dk, dv = fused_extension().varlen_attention_bwd(dout, q, k, v, out, lse, cu_seqlens, ctx.max_seqlen,
+                                                            ctx.softmax_scale)
+        return dq, dk, dv, None, None, None

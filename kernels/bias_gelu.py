@@ -6,6 +6,10 @@ and write of it. The model therefore runs the GEMM without its bias and passes
 the bias here. ``approximate`` is "none" for the exact erf form (original BERT)
 or "tanh" for the tanh approximation, as in ``torch.nn.functional.gelu``. The
 arithmetic is done in fp32 and returned in the input dtype.
+
+The fused path (``kernels/csrc/bias_gelu.cu``) takes float32, float16 and bfloat16
+inputs, a bias of the input dtype or float32, any width, strided inputs (copied once
+to contiguous); its backward sums dbias over rows in fp32.
 """
 
 from typing import Literal
@@ -13,9 +17,10 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from kernels.dispatch import Backend, require_extension
+from kernels.dispatch import Backend, fused_extension, runs_fused
 
 Approximate = Literal["none", "tanh"]
+FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def bias_gelu_ref(x: torch.Tensor, bias: torch.Tensor, approximate: Approximate) -> torch.Tensor:
@@ -31,6 +36,35 @@ def bias_gelu(
     backend: Backend,
 ) -> torch.Tensor:
     """:func:`bias_gelu_ref` on the resolved ``backend``."""
-    if backend == "torch":
-        return bias_gelu_ref(x, bias, approximate)
-    return require_extension(backend).bias_gelu(x, bias, approximate)
+    if approximate not in ("none", "tanh"):
+        raise ValueError(f"approximate must be 'none' or 'tanh', got {approximate!r}")
+    if runs_fused("bias_gelu", backend, _unsupported(x, bias)):
+        return FusedBiasGelu.apply(x, bias, approximate)
+    return bias_gelu_ref(x, bias, approximate)
+
+
+def _unsupported(x, bias) -> str:
+    """Why the fused kernel cannot take these inputs ("" if it can)."""
+    if x.dtype not in FUSED_DTYPES:
+        return f"{x.dtype} input (it takes {', '.join(map(str, FUSED_DTYPES))})"
+    if bias.dtype not in (x.dtype, torch.float32):
+        return f"a {bias.dtype} bias for {x.dtype} input (it must be {x.dtype} or float32)"
+    if not (x.is_cuda and bias.is_cuda):
+        return "its inputs are not all on a CUDA device"
+    return ""
+
+
+class FusedBiasGelu(torch.autograd.Function):
+    """``gelu(x + bias)`` on the fused kernels; the same arguments as :func:`bias_gelu_ref`."""
+
+    @staticmethod
+    def forward(ctx, x, bias, approximate):
+        ctx.tanh = approximate == "tanh"
+        ctx.save_for_backward(x, bias)
+        return fused_extension().bias_gelu_fwd(x, bias, ctx.tanh)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, bias = ctx.saved_tensors
+        dx, dbias = fused_extension().bias_gelu_bwd(dy, x, bias, ctx.tanh)
+        return dx, dbias, None

@@ -7,6 +7,7 @@ same-dtype computation, plus a small atol.
 
 import logging
 import math
+import re
 
 import pytest
 import torch
@@ -216,10 +217,12 @@ def test_resolve_cuda_without_extension_says_why():
     extension, reason = load_extension()
     if extension is not None:
         pytest.skip("the fused CUDA extension loads here")
-    with pytest.raises(KernelUnavailable, match=reason) as caught:
+    with pytest.raises(KernelUnavailable, match=re.escape(reason)) as caught:
         resolve_backend("cuda")
     assert isinstance(caught.value, UserError)
-    if not torch.cuda.is_available():
+    if torch.version.cuda is None:
+        assert "CPU-only build" in reason
+    elif not torch.cuda.is_available():
         assert reason == "no CUDA device"
 
 
@@ -258,3 +261,56 @@ def test_ops_reject_unresolved_backend_names():
     x, weight, bias = _rand(2, 8, seed=1), _rand(8, seed=2), _rand(8, seed=3)
     with pytest.raises(ValueError, match="resolve_backend"):
         kernels.layer_norm(x, weight, bias, 1e-5, backend="auto")
+
+
+def test_bias_gelu_rejects_unknown_approximation():
+    with pytest.raises(ValueError, match="approximate"):
+        kernels.bias_gelu(_rand(2, 8, seed=1), _rand(8, seed=2), "sigmoid", backend="torch")
+
+
+@pytest.fixture
+def fake_extension(monkeypatch, caplog):
+    """A loaded extension whose layer_norm failed its self-check (the dispatch's view of it)."""
+    monkeypatch.setattr(dispatch, "load_extension", lambda: (object(), ""))
+    monkeypatch.setattr(dispatch, "op_verdicts",
+                        lambda: {"layer_norm": "y: error 1 > 2 x 0 + 0", "bias_gelu": "", "varlen_attention": ""})
+    monkeypatch.setattr(dispatch, "verdict_path", lambda: "/cache/selfcheck-sm90.json")
+    dispatch._auto_backend.cache_clear()
+    dispatch._log_fallback.cache_clear()
+    caplog.set_level(logging.INFO, logger="kernels.dispatch")
+    yield caplog
+    dispatch._auto_backend.cache_clear()
+    dispatch._log_fallback.cache_clear()
+
+
+def test_cuda_refuses_to_start_when_an_op_failed_its_self_check(fake_extension):
+    with pytest.raises(KernelUnavailable, match="layer_norm: y: error"):
+        resolve_backend("cuda")
+
+
+def test_auto_runs_the_reference_for_an_op_that_failed_its_self_check(fake_extension):
+    assert resolve_backend("auto") == "prefer_cuda"
+    warnings = [r.getMessage() for r in fake_extension.records if r.levelno == logging.WARNING]
+    assert any("layer_norm runs the PyTorch reference" in m for m in warnings)
+    assert not dispatch.runs_fused("layer_norm", "prefer_cuda")
+    assert dispatch.runs_fused("bias_gelu", "prefer_cuda")
+    with pytest.raises(KernelUnavailable, match="layer_norm cannot run fused"):
+        dispatch.runs_fused("layer_norm", "cuda")
+
+
+def test_inputs_a_kernel_cannot_take_are_an_error_under_cuda_and_a_logged_fallback_under_auto(fake_extension):
+    problem = "torch.float64 input"
+    with pytest.raises(KernelUnavailable, match=problem):
+        dispatch.runs_fused("bias_gelu", "cuda", problem)
+    for _ in range(3):
+        assert not dispatch.runs_fused("bias_gelu", "prefer_cuda", problem)
+    fallbacks = [r for r in fake_extension.records if problem in r.getMessage()]
+    assert len(fallbacks) == 1 and fallbacks[0].levelno == logging.WARNING
+
+
+def test_fused_attention_declines_dropout_and_host_tensors():
+    from kernels import attention
+
+    q, k, v, cu_seqlens = _varlen_inputs([3], num_heads=1, head_dim=64, dtype=torch.bfloat16)
+    assert "dropout" in attention._unsupported(q, k, v, cu_seqlens, 0.1)
+    assert "CUDA device" in attention._unsupported(q, k, v, cu_seqlens, 0.0)

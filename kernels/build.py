@@ -1,0 +1,55 @@
+"""Builds the fused CUDA extension ahead of time and self-checks it.
+
+    python -m kernels.build [--recheck] [--install DIR]
+
+Runs the loader of ``kernels/_build.py`` now rather than at the first model
+construction: the JIT build into ``~/.cache/bert-ds/kernels/<hash>`` (a later process
+only loads it) and the self-check on this GPU, whose verdicts it prints. ``--install
+DIR`` also copies the built module into DIR (e.g. site-packages), where the loader's
+"prebuilt" step finds it in processes that have no compiler or no cache: useful for
+images. A prebuilt module is used only with the sources and torch it was built for.
+
+Exit status 0 when the extension loads and every op passed; 1 otherwise (the reason
+is printed).
+"""
+
+import argparse
+import logging
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+from kernels import _build
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kernels.build", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--recheck", action="store_true", help="run the self-check again even if recorded")
+    parser.add_argument("--install", type=Path, default=None, metavar="DIR",
+                        help="copy the built module into DIR (a directory on sys.path)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+
+    extension, reason = _build.load_extension()
+    if extension is None:
+        print(f"fused CUDA kernels unavailable: {reason}", file=sys.stderr)
+        return 1
+    print(f"{_build.EXTENSION_NAME} {_build.source_hash()}: {extension.__file__}")
+    if args.recheck:
+        _build.verdict_path().unlink(missing_ok=True)
+    verdicts = _build.op_verdicts()
+    print(f"self-check on {torch.cuda.get_device_name()}:")
+    for op, why in sorted(verdicts.items()):
+        print(f"  {op:18s} {'ok' if not why else 'FAILED: ' + why}")
+    if args.install is not None:
+        args.install.mkdir(parents=True, exist_ok=True)
+        target = args.install / Path(extension.__file__).name
+        shutil.copy2(extension.__file__, target)
+        print(f"installed {target}")
+    return 1 if any(verdicts.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

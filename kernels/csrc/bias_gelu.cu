@@ -1,0 +1,191 @@
+// gelu(x + bias), erf or tanh form, forward and backward.
+//
+// Design:
+// - Elementwise and memory-bound, so the only goal is to touch each byte once with
+//   wide accesses: 16-byte vectors when the row width and every pointer allow it,
+//   scalar accesses otherwise (odd widths such as 1031 still work).
+// - Arithmetic in fp32 with the accurate erff/tanhf, whatever the storage dtype.
+// - Backward: dx = dy * gelu'(x + bias) and dbias = sum over rows of dx (fp32, the
+//   unrounded dx). A block owns 32 column vectors and a slab of rows; its 8 row
+//   groups meet in shared memory and the block writes one fp32 partial row; a column
+//   sum over the partial rows gives dbias. Deterministic, no atomics.
+#include <initializer_list>
+#include <type_traits>
+
+#include "common.cuh"
+
+namespace bds {
+namespace {
+
+constexpr int kFwdThreads = 256;
+constexpr int kBwdRowGroups = 8;  // threadIdx.y of the backward: rows handled side by side
+
+constexpr float kInvSqrt2 = 0.70710678118654752f;     // 1 / sqrt(2)
+constexpr float kInvSqrt2Pi = 0.39894228040143268f;   // 1 / sqrt(2 pi)
+constexpr float kSqrt2OverPi = 0.79788456080286536f;  // sqrt(2 / pi)
+constexpr float kTanhCubic = 0.044715f;
+
+template <bool kTanh>
+__device__ __forceinline__ float gelu(float h) {
+  if (kTanh) return 0.5f * h * (1.f + tanhf(kSqrt2OverPi * (h + kTanhCubic * h * h * h)));
+  return 0.5f * h * (1.f + erff(h * kInvSqrt2));
+}
+
+template <bool kTanh>
+__device__ __forceinline__ float gelu_grad(float h) {
+  if (kTanh) {
+    const float th = tanhf(kSqrt2OverPi * (h + kTanhCubic * h * h * h));
+    return 0.5f * (1.f + th) + 0.5f * h * (1.f - th * th) * kSqrt2OverPi * (1.f + 3.f * kTanhCubic * h * h);
+  }
+  return 0.5f * (1.f + erff(h * kInvSqrt2)) + h * kInvSqrt2Pi * expf(-0.5f * h * h);
+}
+
+// Grid-stride over kVec-element vectors of the flattened (rows, cols) tensor; cols % kVec == 0.
+template <typename T, typename BT, int kVec, bool kTanh>
+__global__ void __launch_bounds__(kFwdThreads)
+bias_gelu_fwd_kernel(const T* __restrict__ x, const BT* __restrict__ bias, T* __restrict__ y,
+                     int64_t num_vecs, int vecs_per_row) {
+  const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < num_vecs; i += stride) {
+    const int col = (int)(i % vecs_per_row) * kVec;
+    float v[kVec], b[kVec];
+    load_floats(x + i * kVec, v);
+    load_floats(bias + col, b);
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) v[j] = gelu<kTanh>(v[j] + b[j]);
+    store_floats(y + i * kVec, v);
+  }
+}
+
+// Block (32, kBwdRowGroups): x picks a column vector, y a row group. grid.x covers the
+// columns, grid.y the row slabs; blockIdx.y is the block's row of `parts`.
+template <typename T, typename BT, int kVec, bool kTanh>
+__global__ void __launch_bounds__(32 * kBwdRowGroups)
+bias_gelu_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x, const BT* __restrict__ bias,
+                     T* __restrict__ dx, float* __restrict__ parts, int64_t rows, int cols) {
+  // partial[r][j * 32 + lane]: element j of lane's vector, as summed by row group r;
+  // lane-minor so that both the writes and the final reads are conflict-free.
+  __shared__ float partial[kBwdRowGroups][32 * kVec];
+  const int col = (blockIdx.x * 32 + threadIdx.x) * kVec;
+  float acc[kVec] = {};
+  if (col < cols) {
+    float b[kVec];
+    load_floats(bias + col, b);
+    const int64_t row_stride = (int64_t)gridDim.y * kBwdRowGroups;
+    for (int64_t row = (int64_t)blockIdx.y * kBwdRowGroups + threadIdx.y; row < rows; row += row_stride) {
+      const int64_t offset = row * cols + col;
+      float v[kVec], d[kVec];
+      load_floats(x + offset, v);
+      load_floats(dy + offset, d);
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        d[j] *= gelu_grad<kTanh>(v[j] + b[j]);
+        acc[j] += d[j];
+      }
+      store_floats(dx + offset, d);
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) partial[threadIdx.y][j * 32 + threadIdx.x] = acc[j];
+  __syncthreads();
+  if (threadIdx.y == 0 && col < cols) {
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      float sum = 0.f;
+#pragma unroll
+      for (int r = 0; r < kBwdRowGroups; ++r) sum += partial[r][j * 32 + threadIdx.x];
+      parts[(int64_t)blockIdx.y * cols + col + j] = sum;
+    }
+  }
+}
+
+// ---------------------------------------------------------------- launch
+
+int bwd_parts(int64_t rows) {
+  // Row slabs of at least 64 rows (8 per thread), at most two per SM and column tile.
+  const int64_t wanted = (rows + 63) / 64;
+  const int64_t cap = 2LL * device_sm_count();
+  return (int)(wanted < 1 ? 1 : (wanted < cap ? wanted : cap));
+}
+
+bool all_aligned(std::initializer_list<const void*> pointers) {
+  for (const void* p : pointers)
+    if (!aligned_to(p, 16)) return false;
+  return true;
+}
+
+template <typename F>
+cudaError_t with_dtypes(int dtype, int bias_dtype, F&& f) {
+  return with_dtype(dtype, [&](auto t) -> cudaError_t {
+    using T = decltype(t);
+    if (bias_dtype == dtype) return f(t, T{});
+    if (bias_dtype == BDS_FLOAT32) return f(t, float{});
+    return cudaErrorInvalidValue;
+  });
+}
+
+// Calls f(std::integral_constant<int, kVec>, std::integral_constant<bool, kTanh>).
+template <int kWide, typename F>
+cudaError_t with_shape(bool wide, bool tanh_approx, F&& f) {
+  if (wide) {
+    return tanh_approx ? f(std::integral_constant<int, kWide>{}, std::true_type{})
+                       : f(std::integral_constant<int, kWide>{}, std::false_type{});
+  }
+  return tanh_approx ? f(std::integral_constant<int, 1>{}, std::true_type{})
+                     : f(std::integral_constant<int, 1>{}, std::false_type{});
+}
+
+}  // namespace
+}  // namespace bds
+
+using namespace bds;
+
+extern "C" cudaError_t bds_bias_gelu_fwd(const void* x, const void* bias, void* y, int64_t rows, int cols,
+                                         int tanh_approx, int dtype, int bias_dtype, cudaStream_t stream) {
+  if (cols <= 0 || rows < 0) return cudaErrorInvalidValue;
+  if (rows == 0) return cudaSuccess;
+  return with_dtypes(dtype, bias_dtype, [&](auto t, auto bt) -> cudaError_t {
+    using T = decltype(t);
+    using BT = decltype(bt);
+    constexpr int kWide = 16 / sizeof(T);
+    const bool wide = cols % kWide == 0 && all_aligned({x, bias, y});
+    return with_shape<kWide>(wide, tanh_approx != 0, [&](auto vec, auto tanh_form) -> cudaError_t {
+      constexpr int kVec = decltype(vec)::value;
+      const int64_t num_vecs = rows * cols / kVec;
+      const int64_t wanted = (num_vecs + kFwdThreads - 1) / kFwdThreads;
+      const int64_t cap = 16LL * device_sm_count();
+      const dim3 grid((unsigned)(wanted < cap ? wanted : cap));
+      bias_gelu_fwd_kernel<T, BT, kVec, decltype(tanh_form)::value><<<grid, kFwdThreads, 0, stream>>>(
+          static_cast<const T*>(x), static_cast<const BT*>(bias), static_cast<T*>(y), num_vecs, cols / kVec);
+      return cudaGetLastError();
+    });
+  });
+}
+
+extern "C" int bds_bias_gelu_bwd_parts(int64_t rows, int cols) {
+  (void)cols;
+  return bwd_parts(rows);
+}
+
+extern "C" cudaError_t bds_bias_gelu_bwd(const void* dy, const void* x, const void* bias, void* dx, void* dbias,
+                                         float* workspace, int parts, int64_t rows, int cols, int tanh_approx,
+                                         int dtype, int bias_dtype, cudaStream_t stream) {
+  if (cols <= 0 || rows < 0 || parts < 1) return cudaErrorInvalidValue;
+  return with_dtypes(dtype, bias_dtype, [&](auto t, auto bt) -> cudaError_t {
+    using T = decltype(t);
+    using BT = decltype(bt);
+    constexpr int kWide = 16 / sizeof(T);
+    const bool wide = cols % kWide == 0 && all_aligned({dy, x, bias, dx});
+    return with_shape<kWide>(wide, tanh_approx != 0, [&](auto vec, auto tanh_form) -> cudaError_t {
+      constexpr int kVec = decltype(vec)::value;
+      const int cols_per_block = 32 * kVec;
+      const dim3 grid((cols + cols_per_block - 1) / cols_per_block, parts), block(32, kBwdRowGroups);
+      bias_gelu_bwd_kernel<T, BT, kVec, decltype(tanh_form)::value><<<grid, block, 0, stream>>>(
+          static_cast<const T*>(dy), static_cast<const T*>(x), static_cast<const BT*>(bias),
+          static_cast<T*>(dx), workspace, rows, cols);
+      const cudaError_t err = cudaGetLastError();
+      if (err != cudaSuccess) return err;
+      return column_sum(workspace, parts, cols, static_cast<BT*>(dbias), stream);
+    });
+  });
+}

@@ -1,0 +1,331 @@
+// Torch bindings of the fused kernels: the extension module `bert_ds_kernels`.
+//
+// Each function is one forward or backward pass; the autograd Functions that pair
+// them live in kernels/<op>.py. Every function here
+//   - checks that tensors are CUDA tensors on one device, with supported dtypes and
+//     consistent shapes (TORCH_CHECK: a RuntimeError, ValueError for a bad value);
+//   - takes strided inputs and makes them contiguous explicitly (a no-op when they
+//     already are; otherwise one copy), so callers may pass views. The attention also
+//     copies a contiguous input whose data is not 16-byte aligned (a view at an odd
+//     offset), because its kernels read 16-byte vectors;
+//   - queues the launchers on the current stream of the inputs' device, with the GIL
+//     released, and raises a RuntimeError naming the CUDA error if a launch fails.
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/extension.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "launchers.h"
+
+#ifndef BDS_SOURCE_HASH
+#define BDS_SOURCE_HASH unknown
+#endif
+#define BDS_STRINGIFY_(x) #x
+#define BDS_STRINGIFY(x) BDS_STRINGIFY_(x)
+
+namespace {
+
+int dtype_code(at::ScalarType type) {
+  switch (type) {
+    case at::kFloat: return BDS_FLOAT32;
+    case at::kHalf: return BDS_FLOAT16;
+    case at::kBFloat16: return BDS_BFLOAT16;
+    default: TORCH_CHECK(false, "unsupported dtype ", type, " (float32, float16 or bfloat16)");
+  }
+  return -1;
+}
+
+void check_cuda(const at::Tensor& t, const char* name, const at::Device& device) {
+  TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor, got one on ", t.device());
+  TORCH_CHECK(t.device() == device, name, " is on ", t.device(), " but the other inputs are on ", device);
+}
+
+void check_launch(cudaError_t err, const char* what) {
+  TORCH_CHECK(err == cudaSuccess, what, " failed: ", cudaGetErrorString(err), " (", static_cast<int>(err), ")");
+}
+
+at::Tensor aligned_contiguous(const at::Tensor& t) {
+  at::Tensor out = t.contiguous();
+  if (reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 != 0) out = out.clone();
+  return out;
+}
+
+int checked_int(int64_t value, const char* what) {
+  TORCH_CHECK(value <= std::numeric_limits<int>::max(), what, " (", value, ") does not fit in 32 bits");
+  return static_cast<int>(value);
+}
+
+// ---------------------------------------------------------------- LayerNorm(x + residual)
+
+void check_layer_norm_params(const at::Tensor& x, const at::Tensor& weight, const char* weight_name) {
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) > 0, "x must have a non-empty last dimension, got shape ", x.sizes());
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(-1), weight_name, " must have shape (",
+              x.size(-1), ",), got ", weight.sizes());
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() || weight.scalar_type() == at::kFloat, weight_name,
+              " must have x's dtype (", x.scalar_type(), ") or float32, got ", weight.scalar_type());
+}
+
+// The residual may be fp32 under fp16/bf16 x: autocast over fp32 parameters produces that.
+void check_residual(const at::Tensor& residual, const at::Tensor& x) {
+  check_cuda(residual, "residual", x.device());
+  TORCH_CHECK(residual.sizes() == x.sizes(), "residual must have x's shape ", x.sizes(), ", got ", residual.sizes());
+  TORCH_CHECK(residual.scalar_type() == x.scalar_type() || residual.scalar_type() == at::kFloat,
+              "residual must have x's dtype (", x.scalar_type(), ") or float32, got ", residual.scalar_type());
+}
+
+int residual_code(const at::Tensor& residual, const at::Tensor& x) {
+  return dtype_code(residual.defined() ? residual.scalar_type() : x.scalar_type());
+}
+
+std::vector<at::Tensor> layer_norm_fwd(const at::Tensor& x_in, const at::Tensor& weight_in, const at::Tensor& bias_in,
+                                       const c10::optional<at::Tensor>& residual_in, double eps) {
+  const at::Device device = x_in.device();
+  check_cuda(x_in, "x", device);
+  check_cuda(weight_in, "weight", device);
+  check_cuda(bias_in, "bias", device);
+  check_layer_norm_params(x_in, weight_in, "weight");
+  TORCH_CHECK(bias_in.sizes() == weight_in.sizes() && bias_in.scalar_type() == weight_in.scalar_type(),
+              "bias must match weight in shape and dtype");
+  if (residual_in) check_residual(*residual_in, x_in);
+  const c10::cuda::CUDAGuard guard(device);
+  const at::Tensor x = x_in.contiguous(), weight = weight_in.contiguous(), bias = bias_in.contiguous();
+  const at::Tensor residual = residual_in ? residual_in->contiguous() : at::Tensor();
+  const int hidden = checked_int(x.size(-1), "hidden size");
+  const int64_t rows = x.numel() / hidden;
+  at::Tensor y = at::empty_like(x);
+  at::Tensor mean = at::empty({rows}, x.options().dtype(at::kFloat));
+  at::Tensor rstd = at::empty({rows}, x.options().dtype(at::kFloat));
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  cudaError_t err;
+  {
+    pybind11::gil_scoped_release no_gil;
+    err = bds_layer_norm_fwd(x.data_ptr(), residual.defined() ? residual.data_ptr() : nullptr, weight.data_ptr(),
+                             bias.data_ptr(), y.data_ptr(), mean.data_ptr<float>(), rstd.data_ptr<float>(), rows,
+                             hidden, static_cast<float>(eps), dtype_code(x.scalar_type()),
+                             residual_code(residual, x), dtype_code(weight.scalar_type()), stream);
+  }
+  check_launch(err, "layer_norm forward");
+  return {y, mean, rstd};
+}
+
+// Returns (dx, dweight, dbias, dresidual): dresidual is dx itself when the residual has x's
+// dtype, the same values in fp32 for an fp32 residual, undefined (None) without a residual.
+std::vector<at::Tensor> layer_norm_bwd(const at::Tensor& dy_in, const at::Tensor& x_in,
+                                       const c10::optional<at::Tensor>& residual_in, const at::Tensor& weight_in,
+                                       const at::Tensor& mean, const at::Tensor& rstd) {
+  const at::Device device = x_in.device();
+  check_cuda(dy_in, "dy", device);
+  check_cuda(x_in, "x", device);
+  check_cuda(weight_in, "weight", device);
+  check_cuda(mean, "mean", device);
+  check_cuda(rstd, "rstd", device);
+  check_layer_norm_params(x_in, weight_in, "weight");
+  TORCH_CHECK(dy_in.sizes() == x_in.sizes() && dy_in.scalar_type() == x_in.scalar_type(),
+              "dy must match x in shape and dtype");
+  const int hidden = checked_int(x_in.size(-1), "hidden size");
+  const int64_t rows = x_in.numel() / hidden;
+  TORCH_CHECK(mean.scalar_type() == at::kFloat && rstd.scalar_type() == at::kFloat && mean.numel() == rows &&
+                  rstd.numel() == rows,
+              "mean and rstd must be float32 with one value per row (the forward's outputs)");
+  if (residual_in) check_residual(*residual_in, x_in);
+  const c10::cuda::CUDAGuard guard(device);
+  const at::Tensor dy = dy_in.contiguous(), x = x_in.contiguous(), weight = weight_in.contiguous();
+  const at::Tensor residual = residual_in ? residual_in->contiguous() : at::Tensor();
+  const at::Tensor mean_c = mean.contiguous(), rstd_c = rstd.contiguous();
+  const int parts = bds_layer_norm_bwd_parts(rows, hidden);
+  at::Tensor workspace = at::empty({2 * (int64_t)parts * hidden}, x.options().dtype(at::kFloat));
+  at::Tensor dx = at::empty_like(x);
+  const bool separate_dresidual = residual.defined() && residual.scalar_type() != x.scalar_type();
+  at::Tensor dresidual = separate_dresidual ? at::empty_like(residual) : at::Tensor();
+  at::Tensor dweight = at::empty_like(weight), dbias = at::empty_like(weight);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  cudaError_t err;
+  {
+    pybind11::gil_scoped_release no_gil;
+    err = bds_layer_norm_bwd(dy.data_ptr(), x.data_ptr(), residual.defined() ? residual.data_ptr() : nullptr,
+                             weight.data_ptr(), mean_c.data_ptr<float>(), rstd_c.data_ptr<float>(), dx.data_ptr(),
+                             separate_dresidual ? dresidual.data_ptr() : nullptr, dweight.data_ptr(),
+                             dbias.data_ptr(), workspace.data_ptr<float>(), parts, rows, hidden,
+                             dtype_code(x.scalar_type()), residual_code(residual, x),
+                             dtype_code(weight.scalar_type()), stream);
+  }
+  check_launch(err, "layer_norm backward");
+  if (residual.defined() && !separate_dresidual) dresidual = dx;
+  return {dx, dweight, dbias, dresidual};
+}
+
+// ---------------------------------------------------------------- gelu(x + bias)
+
+void check_bias_gelu(const at::Tensor& x, const at::Tensor& bias) {
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) > 0, "x must have a non-empty last dimension, got shape ", x.sizes());
+  TORCH_CHECK(bias.dim() == 1 && bias.size(0) == x.size(-1), "bias must have shape (", x.size(-1), ",), got ",
+              bias.sizes());
+  TORCH_CHECK(bias.scalar_type() == x.scalar_type() || bias.scalar_type() == at::kFloat,
+              "bias must have x's dtype (", x.scalar_type(), ") or float32, got ", bias.scalar_type());
+}
+
+at::Tensor bias_gelu_fwd(const at::Tensor& x_in, const at::Tensor& bias_in, bool tanh_approx) {
+  const at::Device device = x_in.device();
+  check_cuda(x_in, "x", device);
+  check_cuda(bias_in, "bias", device);
+  check_bias_gelu(x_in, bias_in);
+  const c10::cuda::CUDAGuard guard(device);
+  const at::Tensor x = x_in.contiguous(), bias = bias_in.contiguous();
+  const int cols = checked_int(x.size(-1), "width");
+  at::Tensor y = at::empty_like(x);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  cudaError_t err;
+  {
+    pybind11::gil_scoped_release no_gil;
+    err = bds_bias_gelu_fwd(x.data_ptr(), bias.data_ptr(), y.data_ptr(), x.numel() / cols, cols, tanh_approx,
+                            dtype_code(x.scalar_type()), dtype_code(bias.scalar_type()), stream);
+  }
+  check_launch(err, "bias_gelu forward");
+  return y;
+}
+
+// Returns (dx, dbias).
+std::vector<at::Tensor> bias_gelu_bwd(const at::Tensor& dy_in, const at::Tensor& x_in, const at::Tensor& bias_in,
+                                      bool tanh_approx) {
+  const at::Device device = x_in.device();
+  check_cuda(dy_in, "dy", device);
+  check_cuda(x_in, "x", device);
+  check_cuda(bias_in, "bias", device);
+  check_bias_gelu(x_in, bias_in);
+  TORCH_CHECK(dy_in.sizes() == x_in.sizes() && dy_in.scalar_type() == x_in.scalar_type(),
+              "dy must match x in shape and dtype");
+  const c10::cuda::CUDAGuard guard(device);
+  const at::Tensor dy = dy_in.contiguous(), x = x_in.contiguous(), bias = bias_in.contiguous();
+  const int cols = checked_int(x.size(-1), "width");
+  const int64_t rows = x.numel() / cols;
+  const int parts = bds_bias_gelu_bwd_parts(rows, cols);
+  at::Tensor workspace = at::empty({(int64_t)parts * cols}, x.options().dtype(at::kFloat));
+  at::Tensor dx = at::empty_like(x), dbias = at::empty_like(bias);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  cudaError_t err;
+  {
+    pybind11::gil_scoped_release no_gil;
+    err = bds_bias_gelu_bwd(dy.data_ptr(), x.data_ptr(), bias.data_ptr(), dx.data_ptr(), dbias.data_ptr(),
+                            workspace.data_ptr<float>(), parts, rows, cols, tanh_approx, dtype_code(x.scalar_type()),
+                            dtype_code(bias.scalar_type()), stream);
+  }
+  check_launch(err, "bias_gelu backward");
+  return {dx, dbias};
+}
+
+// ---------------------------------------------------------------- varlen attention
+
+void check_attention_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const at::Tensor& cu_seqlens, int64_t max_seqlen) {
+  const at::Device device = q.device();
+  check_cuda(q, "q", device);
+  check_cuda(k, "k", device);
+  check_cuda(v, "v", device);
+  check_cuda(cu_seqlens, "cu_seqlens", device);
+  TORCH_CHECK(q.dim() == 3, "q must be (total_tokens, num_heads, head_dim), got shape ", q.sizes());
+  TORCH_CHECK(k.sizes() == q.sizes() && v.sizes() == q.sizes(), "q, k and v must have one shape, got ", q.sizes(),
+              ", ", k.sizes(), ", ", v.sizes());
+  TORCH_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16,
+              "the fused attention takes float16 or bfloat16, got ", q.scalar_type());
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
+              "q, k and v must have one dtype");
+  TORCH_CHECK(q.size(2) == 32 || q.size(2) == 64, "the fused attention takes head_dim 32 or 64, got ", q.size(2));
+  TORCH_CHECK(q.size(1) >= 1 && q.size(1) <= 65535, "num_heads must be in [1, 65535], got ", q.size(1));
+  TORCH_CHECK(cu_seqlens.dim() == 1 && cu_seqlens.numel() >= 1 && cu_seqlens.numel() - 1 <= 65535 &&
+                  cu_seqlens.scalar_type() == at::kInt,
+              "cu_seqlens must be a 1-D int32 tensor of batch + 1 <= 65536 offsets, got ", cu_seqlens.scalar_type(),
+              " of shape ", cu_seqlens.sizes());
+  TORCH_CHECK(max_seqlen >= 0 && max_seqlen <= std::numeric_limits<int>::max(), "max_seqlen must be >= 0, got ",
+              max_seqlen);
+  TORCH_CHECK(q.size(0) <= std::numeric_limits<int>::max(), "more than 2^31 tokens");
+}
+
+// Returns (out, lse); lse is (num_heads, total) float32.
+std::vector<at::Tensor> varlen_attention_fwd(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+                                             const at::Tensor& cu_seqlens_in, int64_t max_seqlen, double dropout_p,
+                                             double softmax_scale) {
+  TORCH_CHECK_VALUE(dropout_p == 0.0, "the fused varlen_attention has no dropout (dropout_p=", dropout_p,
+                    "): set attention_dropout to 0, or run kernels=torch");
+  check_attention_inputs(q_in, k_in, v_in, cu_seqlens_in, max_seqlen);
+  TORCH_CHECK_VALUE(std::isfinite(softmax_scale), "softmax_scale must be finite, got ", softmax_scale);
+  const c10::cuda::CUDAGuard guard(q_in.device());
+  const at::Tensor q = aligned_contiguous(q_in), k = aligned_contiguous(k_in), v = aligned_contiguous(v_in);
+  const at::Tensor cu_seqlens = cu_seqlens_in.contiguous();
+  const int64_t total = q.size(0), heads = q.size(1), head_dim = q.size(2);
+  at::Tensor out = at::empty_like(q);
+  at::Tensor lse = at::empty({heads, total}, q.options().dtype(at::kFloat));
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  cudaError_t err;
+  {
+    pybind11::gil_scoped_release no_gil;
+    err = bds_varlen_attention_fwd(q.data_ptr(), k.data_ptr(), v.data_ptr(), cu_seqlens.data_ptr<int>(),
+                                   out.data_ptr(), lse.data_ptr<float>(), (int)(cu_seqlens.numel() - 1), total,
+                                   (int)heads, (int)head_dim, (int)max_seqlen, static_cast<float>(softmax_scale),
+                                   dtype_code(q.scalar_type()), stream);
+  }
+  check_launch(err, "varlen_attention forward");
+  return {out, lse};
+}
+
+// Returns (dq, dk, dv).
+std::vector<at::Tensor> varlen_attention_bwd(const at::Tensor& dout_in, const at::Tensor& q_in,
+                                             const at::Tensor& k_in, const at::Tensor& v_in,
+                                             const at::Tensor& out_in, const at::Tensor& lse_in,
+                                             const at::Tensor& cu_seqlens_in, int64_t max_seqlen,
+                                             double softmax_scale) {
+  check_attention_inputs(q_in, k_in, v_in, cu_seqlens_in, max_seqlen);
+  const at::Device device = q_in.device();
+  check_cuda(dout_in, "dout", device);
+  check_cuda(out_in, "out", device);
+  check_cuda(lse_in, "lse", device);
+  TORCH_CHECK(dout_in.sizes() == q_in.sizes() && out_in.sizes() == q_in.sizes() &&
+                  dout_in.scalar_type() == q_in.scalar_type() && out_in.scalar_type() == q_in.scalar_type(),
+              "dout and out must match q in shape and dtype");
+  TORCH_CHECK(lse_in.scalar_type() == at::kFloat && lse_in.dim() == 2 && lse_in.size(0) == q_in.size(1) &&
+                  lse_in.size(1) == q_in.size(0),
+              "lse must be float32 of shape (num_heads, total) (the forward's output), got ", lse_in.sizes());
+  const c10::cuda::CUDAGuard guard(device);
+  const at::Tensor q = aligned_contiguous(q_in), k = aligned_contiguous(k_in), v = aligned_contiguous(v_in);
+  const at::Tensor dout = aligned_contiguous(dout_in), out = aligned_contiguous(out_in);
+  const at::Tensor lse = lse_in.contiguous(), cu_seqlens = cu_seqlens_in.contiguous();
+  const int64_t total = q.size(0), heads = q.size(1), head_dim = q.size(2);
+  at::Tensor dq = at::empty_like(q), dk = at::empty_like(q), dv = at::empty_like(q);
+  at::Tensor dq_accum = at::empty({total, heads, head_dim}, q.options().dtype(at::kFloat));
+  at::Tensor dsum = at::empty({heads, total}, q.options().dtype(at::kFloat));
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  cudaError_t err;
+  {
+    pybind11::gil_scoped_release no_gil;
+    err = bds_varlen_attention_bwd(dout.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
+                                   lse.data_ptr<float>(), cu_seqlens.data_ptr<int>(), dq.data_ptr(), dk.data_ptr(),
+                                   dv.data_ptr(), dq_accum.data_ptr<float>(), dsum.data_ptr<float>(),
+                                   (int)(cu_seqlens.numel() - 1), total, (int)heads, (int)head_dim, (int)max_seqlen,
+                                   static_cast<float>(softmax_scale), dtype_code(q.scalar_type()), stream);
+  }
+  check_launch(err, "varlen_attention backward");
+  return {dq, dk, dv};
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "bert-ds fused CUDA kernels: LayerNorm(x + residual), gelu(x + bias), varlen attention";
+  m.attr("source_hash") = BDS_STRINGIFY(BDS_SOURCE_HASH);
+  m.def("layer_norm_fwd", &layer_norm_fwd, "LayerNorm(x + residual) forward -> (y, mean, rstd)", py::arg("x"),
+        py::arg("weight"), py::arg("bias"), py::arg("residual"), py::arg("eps"));
+  m.def("layer_norm_bwd", &layer_norm_bwd, "LayerNorm(x + residual) backward -> (dx, dweight, dbias, dresidual)",
+        py::arg("dy"), py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("mean"), py::arg("rstd"));
+  m.def("bias_gelu_fwd", &bias_gelu_fwd, "gelu(x + bias) forward", py::arg("x"), py::arg("bias"),
+        py::arg("tanh_approx"));
+  m.def("bias_gelu_bwd", &bias_gelu_bwd, "gelu(x + bias) backward -> (dx, dbias)", py::arg("dy"), py::arg("x"),
+        py::arg("bias"), py::arg("tanh_approx"));
+  m.def("varlen_attention_fwd", &varlen_attention_fwd, "varlen attention forward -> (out, lse)", py::arg("q"),
+        py::arg("k"), py::arg("v"), py::arg("cu_seqlens"), py::arg("max_seqlen"), py::arg("dropout_p"),
+        py::arg("softmax_scale"));
+  m.def("varlen_attention_bwd", &varlen_attention_bwd, "varlen attention backward -> (dq, dk, dv)",
+        py::arg("dout"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"),
+        py::arg("cu_seqlens"), py::arg("max_seqlen"), py::arg("softmax_scale"));
+}

@@ -1,0 +1,185 @@
+// Device helpers shared by the kernels: dtype conversion, vector access, warp
+// reductions, the per-column reduction of fp32 partial sums, and the two tensor-core
+// instructions the attention uses (ldmatrix, mma.sync m16n8k16).
+//
+// Torch-free on purpose: these files build with nvcc alone (kernels/compile_check.py
+// runs on CPU-only CI). The PTX helpers are the only inline assembly; everything
+// that touches the hardware's fragment layouts goes through them.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "launchers.h"
+
+namespace bds {
+
+constexpr unsigned kFullMask = 0xffffffffu;
+
+// ----------------------------------------------------------------- dtype conversion
+
+template <typename T> __device__ __forceinline__ float to_float(T v);
+template <> __device__ __forceinline__ float to_float<float>(float v) { return v; }
+template <> __device__ __forceinline__ float to_float<__half>(__half v) { return __half2float(v); }
+template <> __device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <typename T> __device__ __forceinline__ T from_float(float v);
+template <> __device__ __forceinline__ float from_float<float>(float v) { return v; }
+template <> __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+
+// Calls f(T{}) with the C++ type for a BdsDtype code; unknown codes are an invalid value.
+template <typename F>
+inline cudaError_t with_dtype(int dtype, F&& f) {
+  switch (dtype) {
+    case BDS_FLOAT32: return f(float{});
+    case BDS_FLOAT16: return f(__half{});
+    case BDS_BFLOAT16: return f(__nv_bfloat16{});
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+// ----------------------------------------------------------------- vector access
+
+// N elements read or written as one access (16 bytes at most per instruction;
+// a 32-byte Vec<float, 8> becomes two). The pointer must be aligned to
+// min(16, sizeof(T) * N) bytes: launchers check before choosing a vector width.
+template <typename T, int N>
+struct __align__((sizeof(T) * N >= 16) ? 16 : sizeof(T) * N) Vec {
+  T v[N];
+};
+
+template <typename T, int N>
+__device__ __forceinline__ void load_floats(const T* src, float (&out)[N]) {
+  const Vec<T, N> packed = *reinterpret_cast<const Vec<T, N>*>(src);
+#pragma unroll
+  for (int i = 0; i < N; ++i) out[i] = to_float(packed.v[i]);
+}
+
+template <typename T, int N>
+__device__ __forceinline__ void store_floats(T* dst, const float (&in)[N]) {
+  Vec<T, N> packed;
+#pragma unroll
+  for (int i = 0; i < N; ++i) packed.v[i] = from_float<T>(in[i]);
+  *reinterpret_cast<Vec<T, N>*>(dst) = packed;
+}
+
+inline bool aligned_to(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+
+// ----------------------------------------------------------------- reductions
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(kFullMask, v, offset);
+  return v;
+}
+
+// out[c] = sum over p of parts[p * cols + c], for the fp32 per-block partial sums
+// that the backward kernels leave (LayerNorm dw/db, bias-GELU dbias). Block
+// (32, 8): x walks 32 adjacent columns (coalesced), y splits the partial rows.
+constexpr int kColumnSumRows = 8;
+
+template <typename OutT>
+__global__ void __launch_bounds__(32 * kColumnSumRows)
+column_sum_kernel(const float* __restrict__ parts, int num_parts, int cols, OutT* __restrict__ out) {
+  __shared__ float partial[kColumnSumRows][33];  // +1: no bank conflict on the transposed read
+  const int col = blockIdx.x * 32 + threadIdx.x;
+  float sum = 0.f;
+  if (col < cols) {
+    for (int p = threadIdx.y; p < num_parts; p += kColumnSumRows) sum += parts[(int64_t)p * cols + col];
+  }
+  partial[threadIdx.y][threadIdx.x] = sum;
+  __syncthreads();
+  if (threadIdx.y == 0 && col < cols) {
+#pragma unroll
+    for (int r = 1; r < kColumnSumRows; ++r) sum += partial[r][threadIdx.x];
+    out[col] = from_float<OutT>(sum);
+  }
+}
+
+template <typename OutT>
+inline cudaError_t column_sum(const float* parts, int num_parts, int cols, OutT* out, cudaStream_t stream) {
+  const dim3 grid((cols + 31) / 32), block(32, kColumnSumRows);
+  column_sum_kernel<OutT><<<grid, block, 0, stream>>>(parts, num_parts, cols, out);
+  return cudaGetLastError();
+}
+
+// Streaming multiprocessors of the current device, to size grid-stride grids.
+inline int device_sm_count() {
+  int device = 0, count = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || count <= 0) {
+    cudaGetLastError();  // do not leave a sticky error for the launch check to find
+    return 108;          // an A100's count: a reasonable grid if the query fails
+  }
+  return count;
+}
+
+// ----------------------------------------------------------------- tensor cores
+
+// Two floats as the packed 16-bit pair an mma operand register holds: `lo` is the
+// element with the smaller column (or row) index, in the low half.
+template <typename T> __device__ __forceinline__ uint32_t pack2(float lo, float hi);
+template <> __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
+  __nv_bfloat162 pair = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&pair);
+}
+template <> __device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
+  __half2 pair = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&pair);
+}
+
+#ifndef BDS_EMULATE  // tests/kernels/emu provides these for the CPU emulation of the kernels
+
+// Four 8x8 16-bit matrices from shared memory. Lanes 8i..8i+7 give the addresses of
+// the 8 rows (16 bytes each) of matrix i; register i of lane l then holds row l/4,
+// columns 2(l%4) and 2(l%4)+1 of matrix i. With `.trans`, matrix i is transposed
+// on the way: register i holds rows 2(l%4), 2(l%4)+1 of column l/4.
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* smem_row) {
+  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem_row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* smem_row) {
+  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem_row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// d += a * b for a 16x16 (row-major) by 16x8 (column-major) product, fp32 accumulators.
+// With g = lane / 4 and t = lane % 4:
+//   a[0]: A[g][2t..2t+1]    a[1]: A[g+8][2t..2t+1]   a[2]: A[g][2t+8..]   a[3]: A[g+8][2t+8..]
+//   b[0]: B[2t..2t+1][g]    b[1]: B[2t+8..2t+9][g]
+//   d[0], d[1]: D[g][2t], D[g][2t+1]                d[2], d[3]: D[g+8][2t], D[g+8][2t+1]
+template <typename T>
+__device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1);
+
+template <>
+__device__ __forceinline__ void mma_16816<__nv_bfloat16>(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                                         uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+template <>
+__device__ __forceinline__ void mma_16816<__half>(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+#endif  // BDS_EMULATE
+
+}  // namespace bds

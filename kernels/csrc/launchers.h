@@ -1,0 +1,78 @@
+// The C interface of the fused kernels: plain pointers, sizes and a stream.
+//
+// Torch-free, so that the .cu files compile with nvcc alone (CI checks that on a CPU
+// machine) and so that anything able to call C can drive them. bindings.cpp is the
+// torch side: it validates tensors, allocates outputs and workspaces, and calls these.
+//
+// Conventions for every launcher:
+//   - tensors are contiguous and row-major; `rows` is the product of the leading dims;
+//   - `dtype` / `weight_dtype` / `bias_dtype` are BdsDtype codes;
+//   - nothing is synchronised: work is queued on `stream` and the launch status is
+//     returned (cudaGetLastError after the last launch);
+//   - zero rows is valid and still writes the (zero) parameter gradients.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+enum BdsDtype { BDS_FLOAT32 = 0, BDS_FLOAT16 = 1, BDS_BFLOAT16 = 2 };
+
+// ---------------------------------------------------------------- LayerNorm(x + residual)
+// x, y: (rows, hidden) of `dtype`; residual (may be NULL): (rows, hidden) of `residual_dtype`;
+// weight, bias: (hidden,) of `weight_dtype`; the residual and weight dtypes equal `dtype` or
+// are fp32. mean, rstd: (rows,) fp32, saved for the backward.
+cudaError_t bds_layer_norm_fwd(const void* x, const void* residual, const void* weight, const void* bias,
+                               void* y, float* mean, float* rstd, int64_t rows, int hidden, float eps,
+                               int dtype, int residual_dtype, int weight_dtype, cudaStream_t stream);
+
+// Rows of fp32 partial sums the backward needs: pass a workspace of 2 * parts * hidden floats.
+int bds_layer_norm_bwd_parts(int64_t rows, int hidden);
+
+// dx: (rows, hidden) of `dtype`, the gradient of both x and residual; dresidual (may be NULL):
+// the same values in `residual_dtype` (pass it when that differs from `dtype`); dweight, dbias:
+// (hidden,) of `weight_dtype`, reduced in fp32 (per-warp partials, then a column sum).
+cudaError_t bds_layer_norm_bwd(const void* dy, const void* x, const void* residual, const void* weight,
+                               const float* mean, const float* rstd, void* dx, void* dresidual, void* dweight,
+                               void* dbias, float* workspace, int parts, int64_t rows, int hidden,
+                               int dtype, int residual_dtype, int weight_dtype, cudaStream_t stream);
+
+// ---------------------------------------------------------------- gelu(x + bias)
+// x, y: (rows, cols) of `dtype`; bias: (cols,) of `bias_dtype` (equal to `dtype`, or fp32).
+// tanh_approx: 0 = exact erf form, 1 = tanh approximation.
+cudaError_t bds_bias_gelu_fwd(const void* x, const void* bias, void* y, int64_t rows, int cols, int tanh_approx,
+                              int dtype, int bias_dtype, cudaStream_t stream);
+
+// Rows of fp32 partial sums the backward needs: pass a workspace of parts * cols floats.
+int bds_bias_gelu_bwd_parts(int64_t rows, int cols);
+
+// dx = dy * gelu'(x + bias); dbias = sum over rows of dx, accumulated in fp32.
+cudaError_t bds_bias_gelu_bwd(const void* dy, const void* x, const void* bias, void* dx, void* dbias,
+                              float* workspace, int parts, int64_t rows, int cols, int tanh_approx,
+                              int dtype, int bias_dtype, cudaStream_t stream);
+
+// ---------------------------------------------------------------- varlen attention
+// q, k, v, out: (total, num_heads, head_dim) of `dtype` (fp16 or bf16), head_dim 32 or 64;
+// cu_seqlens: (batch + 1,) int32 on the device, sequence b = rows cu_seqlens[b]:cu_seqlens[b+1];
+// every sequence is at most max_seqlen long. lse: (num_heads, total) fp32, the natural-log
+// sum of exp(scale * q.k) of each query row, saved for the backward.
+cudaError_t bds_varlen_attention_fwd(const void* q, const void* k, const void* v, const int* cu_seqlens,
+                                     void* out, float* lse, int batch, int64_t total, int num_heads,
+                                     int head_dim, int max_seqlen, float softmax_scale, int dtype,
+                                     cudaStream_t stream);
+
+// dq, dk, dv: like q. Workspaces (contents ignored, overwritten): dq_accum (total, num_heads,
+// head_dim) fp32, where the key blocks add their dq contributions; dsum (num_heads, total)
+// fp32, rowsum(dout * out).
+cudaError_t bds_varlen_attention_bwd(const void* dout, const void* q, const void* k, const void* v,
+                                     const void* out, const float* lse, const int* cu_seqlens,
+                                     void* dq, void* dk, void* dv, float* dq_accum, float* dsum,
+                                     int batch, int64_t total, int num_heads, int head_dim, int max_seqlen,
+                                     float softmax_scale, int dtype, cudaStream_t stream);
+
+#ifdef __cplusplus
+}
+#endif

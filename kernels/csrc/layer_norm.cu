@@ -1,0 +1,340 @@
+// LayerNorm(x + residual) * weight + bias, forward and backward.
+//
+// Design:
+// - One warp per row. Statistics are fp32 and two-pass (mean, then the mean of squared
+//   deviations), which is exact enough at eps = 1e-12 where E[x^2] - mean^2 is not.
+// - Fast path for hidden 768 and 1024 (BERT-Base/Large) with 16-byte-aligned tensors:
+//   each lane holds its 24 or 32 values in registers, read with 16-byte loads, so
+//   the row is read once. Any other size (or alignment) takes the general path: scalar,
+//   strided by lane, re-reading the row from L1/L2 between passes.
+// - The forward saves mean and rstd (fp32, per row); the backward recomputes
+//   xhat = (x + residual - mean) * rstd from the inputs rather than saving the sum,
+//   which costs the same traffic and keeps no extra activation alive.
+// - dweight/dbias are summed in fp32 in two stages: every warp accumulates its rows
+//   (grid-stride) into one row of a workspace, then column_sum reduces the workspace.
+//   No atomics, so the result is deterministic.
+// - The residual and the weights may be fp32 with fp16/bf16 input (autocast over fp32
+//   parameters feeds the first layer an fp32 residual). The gradient is written in the
+//   input's dtype, and also in the residual's when a dresidual buffer is passed, so an
+//   fp32 residual keeps an fp32 gradient as it would in the reference.
+#include <initializer_list>
+
+#include "common.cuh"
+
+namespace bds {
+namespace {
+
+constexpr int kWarpsPerBlock = 4;  // one row per warp, 4 rows in flight per block
+constexpr int kThreads = kWarpsPerBlock * 32;
+
+// ---------------------------------------------------------------- forward
+
+template <typename T, typename RT, typename WT, int H>
+__global__ void __launch_bounds__(kThreads)
+ln_fwd_registers(const T* __restrict__ x, const RT* __restrict__ residual, const WT* __restrict__ weight,
+                 const WT* __restrict__ bias, T* __restrict__ y, float* __restrict__ mean_out,
+                 float* __restrict__ rstd_out, int64_t rows, float eps) {
+  constexpr int kVec = 16 / sizeof(T);         // elements per 16-byte access
+  constexpr int kPerLane = H / (32 * kVec);    // accesses per lane
+  static_assert(H % (32 * kVec) == 0, "the register path needs hidden % (32 * vector width) == 0");
+  const int lane = threadIdx.x % 32;
+  const int64_t row = (int64_t)blockIdx.x * kWarpsPerBlock + threadIdx.x / 32;
+  if (row >= rows) return;
+  const int64_t offset = row * H;
+
+  // Access i of lane l covers columns (32 i + l) * kVec ..: the warp reads 512
+  // contiguous bytes per access.
+  float v[kPerLane][kVec];
+  float sum = 0.f;
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) {
+    const int col = (i * 32 + lane) * kVec;
+    load_floats(x + offset + col, v[i]);
+    if (residual != nullptr) {
+      float r[kVec];
+      load_floats(residual + offset + col, r);
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) v[i][j] += r[j];
+    }
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) sum += v[i][j];
+  }
+  const float mean = warp_sum(sum) * (1.f / H);
+  float squares = 0.f;
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i)
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) squares += (v[i][j] - mean) * (v[i][j] - mean);
+  const float rstd = rsqrtf(warp_sum(squares) * (1.f / H) + eps);
+
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) {
+    const int col = (i * 32 + lane) * kVec;
+    float w[kVec], b[kVec], out[kVec];
+    load_floats(weight + col, w);
+    load_floats(bias + col, b);
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) out[j] = (v[i][j] - mean) * rstd * w[j] + b[j];
+    store_floats(y + offset + col, out);
+  }
+  if (lane == 0) {
+    mean_out[row] = mean;
+    rstd_out[row] = rstd;
+  }
+}
+
+template <typename T, typename RT, typename WT>
+__global__ void __launch_bounds__(kThreads)
+ln_fwd_general(const T* __restrict__ x, const RT* __restrict__ residual, const WT* __restrict__ weight,
+               const WT* __restrict__ bias, T* __restrict__ y, float* __restrict__ mean_out,
+               float* __restrict__ rstd_out, int64_t rows, int hidden, float eps) {
+  const int lane = threadIdx.x % 32;
+  const int64_t row = (int64_t)blockIdx.x * kWarpsPerBlock + threadIdx.x / 32;
+  if (row >= rows) return;
+  const T* xr = x + row * hidden;
+  const RT* rr = residual == nullptr ? nullptr : residual + row * hidden;
+  auto value = [&](int j) { return rr == nullptr ? to_float(xr[j]) : to_float(xr[j]) + to_float(rr[j]); };
+
+  float sum = 0.f;
+  for (int j = lane; j < hidden; j += 32) sum += value(j);
+  const float mean = warp_sum(sum) / hidden;
+  float squares = 0.f;
+  for (int j = lane; j < hidden; j += 32) {
+    const float d = value(j) - mean;
+    squares += d * d;
+  }
+  const float rstd = rsqrtf(warp_sum(squares) / hidden + eps);
+  T* yr = y + row * hidden;
+  for (int j = lane; j < hidden; j += 32)
+    yr[j] = from_float<T>((value(j) - mean) * rstd * to_float(weight[j]) + to_float(bias[j]));
+  if (lane == 0) {
+    mean_out[row] = mean;
+    rstd_out[row] = rstd;
+  }
+}
+
+// ---------------------------------------------------------------- backward
+//
+// With xhat = (h - mean) * rstd, g = weight * dy and means over the row:
+//   dh = rstd * (g - mean(g) - xhat * mean(g * xhat)),   dweight = sum_rows dy * xhat,
+//   dbias = sum_rows dy.   dh is the gradient of both x and residual.
+
+template <typename T, typename RT, typename WT, int H>
+__global__ void __launch_bounds__(kThreads)
+ln_bwd_registers(const T* __restrict__ dy, const T* __restrict__ x, const RT* __restrict__ residual,
+                 const WT* __restrict__ weight, const float* __restrict__ mean, const float* __restrict__ rstd,
+                 T* __restrict__ dx, RT* __restrict__ dresidual, float* __restrict__ dweight_parts,
+                 float* __restrict__ dbias_parts, int64_t rows) {
+  constexpr int kVec = 16 / sizeof(T);
+  constexpr int kPerLane = H / (32 * kVec);
+  static_assert(H % (32 * kVec) == 0, "the register path needs hidden % (32 * vector width) == 0");
+  const int lane = threadIdx.x % 32;
+  const int warp = blockIdx.x * kWarpsPerBlock + threadIdx.x / 32;
+  const int num_warps = gridDim.x * kWarpsPerBlock;
+
+  // This lane's columns of dweight and dbias, summed over the warp's rows.
+  float dw[kPerLane][kVec] = {};
+  float db[kPerLane][kVec] = {};
+  for (int64_t row = warp; row < rows; row += num_warps) {
+    const int64_t offset = row * H;
+    const float mu = mean[row], rs = rstd[row];
+    float xhat[kPerLane][kVec], g[kPerLane][kVec];
+    float sum_g = 0.f, sum_g_xhat = 0.f;
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+      const int col = (i * 32 + lane) * kVec;
+      float d[kVec], w[kVec];
+      load_floats(x + offset + col, xhat[i]);
+      if (residual != nullptr) {
+        float r[kVec];
+        load_floats(residual + offset + col, r);
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) xhat[i][j] += r[j];
+      }
+      load_floats(dy + offset + col, d);
+      load_floats(weight + col, w);
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        xhat[i][j] = (xhat[i][j] - mu) * rs;
+        dw[i][j] += d[j] * xhat[i][j];
+        db[i][j] += d[j];
+        g[i][j] = w[j] * d[j];
+        sum_g += g[i][j];
+        sum_g_xhat += g[i][j] * xhat[i][j];
+      }
+    }
+    const float mean_g = warp_sum(sum_g) * (1.f / H);
+    const float mean_g_xhat = warp_sum(sum_g_xhat) * (1.f / H);
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+      const int col = (i * 32 + lane) * kVec;
+      float out[kVec];
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) out[j] = rs * (g[i][j] - mean_g - xhat[i][j] * mean_g_xhat);
+      store_floats(dx + offset + col, out);
+      if (dresidual != nullptr) store_floats(dresidual + offset + col, out);
+    }
+  }
+  // Every warp writes its workspace row, zeros included, so the column sum needs no memset.
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) {
+    const int col = (i * 32 + lane) * kVec;
+    store_floats(dweight_parts + (int64_t)warp * H + col, dw[i]);
+    store_floats(dbias_parts + (int64_t)warp * H + col, db[i]);
+  }
+}
+
+template <typename T, typename RT, typename WT>
+__global__ void __launch_bounds__(kThreads)
+ln_bwd_general(const T* __restrict__ dy, const T* __restrict__ x, const RT* __restrict__ residual,
+               const WT* __restrict__ weight, const float* __restrict__ mean, const float* __restrict__ rstd,
+               T* __restrict__ dx, RT* __restrict__ dresidual, float* __restrict__ dweight_parts,
+               float* __restrict__ dbias_parts, int64_t rows, int hidden) {
+  const int lane = threadIdx.x % 32;
+  const int warp = blockIdx.x * kWarpsPerBlock + threadIdx.x / 32;
+  const int num_warps = gridDim.x * kWarpsPerBlock;
+  // The warp's own workspace rows; lane l only ever touches columns l, l + 32, ...
+  float* dwp = dweight_parts + (int64_t)warp * hidden;
+  float* dbp = dbias_parts + (int64_t)warp * hidden;
+  for (int j = lane; j < hidden; j += 32) {
+    dwp[j] = 0.f;
+    dbp[j] = 0.f;
+  }
+  for (int64_t row = warp; row < rows; row += num_warps) {
+    const int64_t offset = row * hidden;
+    const float mu = mean[row], rs = rstd[row];
+    auto xhat_at = [&](int j) {
+      const float h = residual == nullptr ? to_float(x[offset + j])
+                                          : to_float(x[offset + j]) + to_float(residual[offset + j]);
+      return (h - mu) * rs;
+    };
+    float sum_g = 0.f, sum_g_xhat = 0.f;
+    for (int j = lane; j < hidden; j += 32) {
+      const float g = to_float(weight[j]) * to_float(dy[offset + j]);
+      sum_g += g;
+      sum_g_xhat += g * xhat_at(j);
+    }
+    const float mean_g = warp_sum(sum_g) / hidden;
+    const float mean_g_xhat = warp_sum(sum_g_xhat) / hidden;
+    for (int j = lane; j < hidden; j += 32) {
+      const float d = to_float(dy[offset + j]);
+      const float xhat = xhat_at(j);
+      const float dh = rs * (to_float(weight[j]) * d - mean_g - xhat * mean_g_xhat);
+      dx[offset + j] = from_float<T>(dh);
+      if (dresidual != nullptr) dresidual[offset + j] = from_float<RT>(dh);
+      dwp[j] += d * xhat;
+      dbp[j] += d;
+    }
+  }
+}
+
+// ---------------------------------------------------------------- launch
+
+bool register_path(int hidden, std::initializer_list<const void*> pointers) {
+  if (hidden != 768 && hidden != 1024) return false;
+  for (const void* p : pointers)
+    if (p != nullptr && !aligned_to(p, 16)) return false;
+  return true;
+}
+
+int bwd_blocks(int64_t rows) {
+  // Enough warps to fill the device; each sums the rows it visits into one workspace row.
+  const int64_t wanted = (rows + kWarpsPerBlock - 1) / kWarpsPerBlock;
+  const int64_t cap = 4LL * device_sm_count();
+  return (int)(wanted < 1 ? 1 : (wanted < cap ? wanted : cap));
+}
+
+// Calls f(T{}, RT{}, WT{}) for the (input, residual, weight) dtypes: the residual and the
+// weights have the input's dtype or are fp32 (autocast with fp32 parameters gives both).
+template <typename F>
+cudaError_t with_dtypes(int dtype, int residual_dtype, int weight_dtype, F&& f) {
+  return with_dtype(dtype, [&](auto t) -> cudaError_t {
+    using T = decltype(t);
+    auto with_weight = [&](auto rt) -> cudaError_t {
+      if (weight_dtype == dtype) return f(t, rt, T{});
+      if (weight_dtype == BDS_FLOAT32) return f(t, rt, float{});
+      return cudaErrorInvalidValue;
+    };
+    if (residual_dtype == dtype) return with_weight(T{});
+    if (residual_dtype == BDS_FLOAT32) return with_weight(float{});
+    return cudaErrorInvalidValue;
+  });
+}
+
+}  // namespace
+}  // namespace bds
+
+using namespace bds;
+
+extern "C" cudaError_t bds_layer_norm_fwd(const void* x, const void* residual, const void* weight, const void* bias,
+                                          void* y, float* mean, float* rstd, int64_t rows, int hidden, float eps,
+                                          int dtype, int residual_dtype, int weight_dtype, cudaStream_t stream) {
+  if (hidden <= 0 || rows < 0) return cudaErrorInvalidValue;
+  if (rows == 0) return cudaSuccess;
+  const bool fast = register_path(hidden, {x, residual, weight, bias, y});
+  if (residual == nullptr) residual_dtype = dtype;  // no residual: no extra instantiation
+  return with_dtypes(dtype, residual_dtype, weight_dtype, [&](auto t, auto rt, auto wt) -> cudaError_t {
+    using T = decltype(t);
+    using RT = decltype(rt);
+    using WT = decltype(wt);
+    const auto* xs = static_cast<const T*>(x);
+    const auto* rs = static_cast<const RT*>(residual);
+    const auto* ws = static_cast<const WT*>(weight);
+    const auto* bs = static_cast<const WT*>(bias);
+    auto* ys = static_cast<T*>(y);
+    const dim3 grid((unsigned)((rows + kWarpsPerBlock - 1) / kWarpsPerBlock));
+    if (fast && hidden == 768) {
+      ln_fwd_registers<T, RT, WT, 768><<<grid, kThreads, 0, stream>>>(xs, rs, ws, bs, ys, mean, rstd, rows, eps);
+    } else if (fast && hidden == 1024) {
+      ln_fwd_registers<T, RT, WT, 1024><<<grid, kThreads, 0, stream>>>(xs, rs, ws, bs, ys, mean, rstd, rows, eps);
+    } else {
+      ln_fwd_general<T, RT, WT><<<grid, kThreads, 0, stream>>>(xs, rs, ws, bs, ys, mean, rstd, rows, hidden, eps);
+    }
+    return cudaGetLastError();
+  });
+}
+
+extern "C" int bds_layer_norm_bwd_parts(int64_t rows, int hidden) {
+  (void)hidden;
+  return bwd_blocks(rows) * kWarpsPerBlock;
+}
+
+extern "C" cudaError_t bds_layer_norm_bwd(const void* dy, const void* x, const void* residual, const void* weight,
+                                          const float* mean, const float* rstd, void* dx, void* dresidual,
+                                          void* dweight, void* dbias, float* workspace, int parts, int64_t rows,
+                                          int hidden,
+                                          int dtype, int residual_dtype, int weight_dtype, cudaStream_t stream) {
+  if (hidden <= 0 || rows < 0 || parts < kWarpsPerBlock || parts % kWarpsPerBlock != 0)
+    return cudaErrorInvalidValue;
+  const bool fast = register_path(hidden, {dy, x, residual, weight, dx, dresidual, workspace});
+  float* dweight_parts = workspace;
+  float* dbias_parts = workspace + (int64_t)parts * hidden;
+  if (residual == nullptr) residual_dtype = dtype;
+  return with_dtypes(dtype, residual_dtype, weight_dtype, [&](auto t, auto rt, auto wt) -> cudaError_t {
+    using T = decltype(t);
+    using RT = decltype(rt);
+    using WT = decltype(wt);
+    const auto* dys = static_cast<const T*>(dy);
+    const auto* xs = static_cast<const T*>(x);
+    const auto* rs = static_cast<const RT*>(residual);
+    const auto* ws = static_cast<const WT*>(weight);
+    auto* dxs = static_cast<T*>(dx);
+    auto* drs = static_cast<RT*>(dresidual);
+    const dim3 grid(parts / kWarpsPerBlock);
+    if (fast && hidden == 768) {
+      ln_bwd_registers<T, RT, WT, 768><<<grid, kThreads, 0, stream>>>(dys, xs, rs, ws, mean, rstd, dxs, drs,
+                                                                  dweight_parts, dbias_parts, rows);
+    } else if (fast && hidden == 1024) {
+      ln_bwd_registers<T, RT, WT, 1024><<<grid, kThreads, 0, stream>>>(dys, xs, rs, ws, mean, rstd, dxs, drs,
+                                                                   dweight_parts, dbias_parts, rows);
+    } else {
+      ln_bwd_general<T, RT, WT><<<grid, kThreads, 0, stream>>>(dys, xs, rs, ws, mean, rstd, dxs, drs,
+                                                           dweight_parts, dbias_parts, rows, hidden);
+    }
+    cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+    err = column_sum(dweight_parts, parts, hidden, static_cast<WT*>(dweight), stream);
+    if (err != cudaSuccess) return err;
+    return column_sum(dbias_parts, parts, hidden, static_cast<WT*>(dbias), stream);
+  });
+}

@@ -1,0 +1,148 @@
+"""The fused kernels against their references on this device: the verdicts behind
+``kernels=cuda`` refusing to start and ``kernels=auto`` choosing per op (see
+``kernels/_build.py``, which runs this once per build and GPU architecture).
+
+Each check runs the op's autograd Function, forward and backward, on seeded random
+inputs (never zeros) in every dtype it takes and a few shapes, covering the fast and
+general paths, and compares the output and every gradient by flash-attention's rule:
+the kernel's error against the reference run on float32 inputs may be at most twice
+the error of the reference run in the input dtype, plus a tolerance proportional to
+the values' size. A check that raises fails with the exception's first line.
+
+The check runs in a clean context whatever its caller's: its own generator (the
+caller's RNG stream is untouched), gradients on, no autocast, no inference mode, TF32
+off (so that the float32 truth is float32).
+"""
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+
+from kernels.attention import FusedVarlenAttention, varlen_attention_ref
+from kernels.bias_gelu import FusedBiasGelu, bias_gelu_ref
+from kernels.layer_norm import FusedLayerNorm, layer_norm_ref
+
+# atol = TOLERANCE[dtype] * max(1, |truth|_max): room for the case where the same-dtype
+# reference is (nearly) exact, e.g. float32, or a sum the reference rounds only once.
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+Tensors = dict[str, torch.Tensor]
+
+
+def run_all() -> dict[str, str]:
+    """Per op, "" if its kernels pass, else what failed (at most three findings)."""
+    checks = {"layer_norm": _check_layer_norm, "bias_gelu": _check_bias_gelu,
+              "varlen_attention": _check_varlen_attention}
+    verdicts = {}
+    with _clean_context():
+        for op, check in checks.items():
+            try:
+                problems = check()
+            except Exception as error:  # a kernel that raises is a failed kernel; say how
+                message = str(error).strip().splitlines()
+                problems = [f"raised {type(error).__name__}: {message[0] if message else ''}"]
+            verdicts[op] = "; ".join(problems[:3])
+    return verdicts
+
+
+@contextlib.contextmanager
+def _clean_context() -> Iterator[None]:
+    """Whatever the caller had on (no_grad, inference_mode, autocast, TF32), the check runs without."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        with torch.inference_mode(False), torch.enable_grad(), torch.autocast("cuda", enabled=False):
+            yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+class _Inputs:
+    """Seeded normal tensors on the current CUDA device, from a private generator."""
+
+    def __init__(self, seed: int) -> None:
+        self.generator = torch.Generator(device="cuda").manual_seed(seed)
+
+    def __call__(self, *shape: int, dtype: torch.dtype, scale: float = 1.0, shift: float = 0.0) -> torch.Tensor:
+        x = torch.randn(*shape, generator=self.generator, device="cuda", dtype=torch.float32)
+        return (x * scale + shift).to(dtype)
+
+
+def _forward_backward(fn: Callable[..., torch.Tensor], leaves: Tensors, grad_out: torch.Tensor) -> Tensors:
+    """fn(**leaves) and the gradient of every leaf, for the upstream gradient grad_out."""
+    leaves = {name: t.detach().clone().requires_grad_() for name, t in leaves.items()}
+    out = fn(**leaves)
+    out.backward(grad_out.to(out.dtype))
+    return {"out": out.detach(), **{f"d{name}": t.grad for name, t in leaves.items()}}
+
+
+def _compare(case: str, fn_fused, fn_ref, leaves: Tensors, grad_out: torch.Tensor, dtype: torch.dtype) -> list[str]:
+    ours = _forward_backward(fn_fused, leaves, grad_out)
+    same_dtype = _forward_backward(fn_ref, leaves, grad_out)
+    truth = _forward_backward(fn_ref, {name: t.float() for name, t in leaves.items()}, grad_out.float())
+    problems = []
+    for name, value in ours.items():
+        if value is None or value.dtype != same_dtype[name].dtype or value.shape != truth[name].shape:
+            problems.append(f"{case} {name}: wrong dtype or shape")
+            continue
+        value, reference, exact = value.float(), same_dtype[name].float(), truth[name].float()
+        if not torch.isfinite(value).all():
+            problems.append(f"{case} {name}: non-finite values")
+            continue
+        err = (value - exact).abs().max().item()
+        reference_err = (reference - exact).abs().max().item()
+        atol = TOLERANCE[dtype] * max(1.0, exact.abs().max().item())
+        if err > 2.0 * reference_err + atol:
+            problems.append(f"{case} {name}: error {err:.3g} > 2 x reference {reference_err:.3g} + {atol:.3g}")
+    return problems
+
+
+def _check_layer_norm() -> list[str]:
+    rand = _Inputs(seed=0)
+    problems = []
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for rows, hidden, residual, weight_dtype in ((96, 768, True, dtype), (33, 1024, False, torch.float32),
+                                                     (17, 1023, True, dtype)):
+            leaves = {"x": rand(rows, hidden, dtype=dtype, scale=2.0, shift=0.5),
+                      "weight": rand(hidden, dtype=weight_dtype, shift=1.0),
+                      "bias": rand(hidden, dtype=weight_dtype, scale=0.5)}
+            if residual:
+                leaves["residual"] = rand(rows, hidden, dtype=dtype)
+            problems += _compare(
+                f"{dtype} ({rows}, {hidden}){' +residual' if residual else ''}",
+                lambda x, weight, bias, residual=None: FusedLayerNorm.apply(x, weight, bias, 1e-12, residual),
+                lambda x, weight, bias, residual=None: layer_norm_ref(x, weight, bias, 1e-12, residual),
+                leaves, rand(rows, hidden, dtype=dtype), dtype)
+    return problems
+
+
+def _check_bias_gelu() -> list[str]:
+    rand = _Inputs(seed=1)
+    problems = []
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for rows, cols, approximate in ((64, 3072, "none"), (9, 1031, "tanh"), (40, 256, "tanh")):
+            leaves = {"x": rand(rows, cols, dtype=dtype, scale=2.0), "bias": rand(cols, dtype=dtype)}
+            problems += _compare(
+                f"{dtype} ({rows}, {cols}) {approximate}",
+                lambda x, bias: FusedBiasGelu.apply(x, bias, approximate),
+                lambda x, bias: bias_gelu_ref(x, bias, approximate),
+                leaves, rand(rows, cols, dtype=dtype), dtype)
+    return problems
+
+
+def _check_varlen_attention() -> list[str]:
+    rand = _Inputs(seed=2)
+    problems = []
+    for dtype in (torch.float16, torch.bfloat16):
+        for lengths, heads, head_dim in (([1, 512, 77, 128], 3, 64), ([3, 65, 1], 2, 32)):
+            total, max_seqlen = sum(lengths), max(lengths)
+            offsets = torch.tensor([0, *lengths], device="cuda").cumsum(0).to(torch.int32)
+            scale = head_dim ** -0.5
+            leaves = {name: rand(total, heads, head_dim, dtype=dtype) for name in ("q", "k", "v")}
+            problems += _compare(
+                f"{dtype} lengths {lengths} heads {heads} head_dim {head_dim}",
+                lambda q, k, v: FusedVarlenAttention.apply(q, k, v, offsets, max_seqlen, scale),
+                lambda q, k, v: varlen_attention_ref(q, k, v, offsets, max_seqlen, 0.0, scale),
+                leaves, rand(total, heads, head_dim, dtype=dtype), dtype)
+    return problems

@@ -1,0 +1,326 @@
+// A CPU stand-in for the CUDA runtime, so that kernels/csrc/*.cu can be compiled as C++
+// (with -DBDS_EMULATE and this directory first on the include path) and their logic
+// tested on a machine without a GPU: tests/kernels/test_cuda_emulated.py.
+//
+// Model: one block at a time, its threads as cooperative fibers (ucontext) on one OS
+// thread. __syncthreads and the warp-synchronous operations are barriers among the
+// fibers; shuffles, ldmatrix and mma.sync exchange values through per-warp slots, and
+// ldmatrix/mma reproduce the fragment layouts of the PTX ISA ("Matrix fragments for
+// mma.m16n8k16", "ldmatrix"). __shared__ variables become function statics, shared by
+// the block's fibers. Kernel launches are rewritten to emu::launch by the test before
+// compiling (`k<<<grid, block, smem, stream>>>(args)` -> `::emu::launch(k, grid, ...)`).
+//
+// What it checks: indexing, tiling, masking, synchronisation (a missing barrier shows
+// up as a deadlock report or wrong values), fragment bookkeeping and the arithmetic.
+// What it cannot: timing, memory-model races between real concurrent warps, the real
+// hardware's accumulation order inside an mma, and device-only failure modes.
+#pragma once
+
+#define __shared__ static  // before host_defines.h, which leaves a defined __shared__ alone
+#define __launch_bounds__(...)
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <driver_types.h>
+#include <stdint.h>
+#include <ucontext.h>
+#include <vector_functions.h>
+#include <vector_types.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <tuple>
+#include <type_traits>
+#include <vector>
+
+// ----------------------------------------------------------------- runtime API subset
+
+// cudaError_t, cudaStream_t, cudaDeviceAttr: the real (host-compatible) declarations.
+inline cudaError_t cudaGetLastError() { return cudaSuccess; }
+inline cudaError_t cudaGetDevice(int* device) { *device = 0; return cudaSuccess; }
+inline cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr, int) { *value = 2; return cudaSuccess; }
+inline cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_t) {
+  std::memset(p, value, bytes);
+  return cudaSuccess;
+}
+
+inline float rsqrtf(float x) { return 1.f / std::sqrt(x); }
+
+// ----------------------------------------------------------------- fibers and barriers
+
+namespace emu {
+
+struct Barrier {
+  int alive = 0, arrived = 0;
+  unsigned generation = 0;
+};
+
+struct Warp {
+  Barrier barrier;
+  uint64_t value[32];
+  const void* address[32];
+  uint32_t regs[32][6];
+};
+
+struct Fiber {
+  ucontext_t context;
+  std::vector<char> stack;
+  dim3 thread_idx;
+  int linear = 0;
+  bool done = false;
+  bool at_block_barrier = false;  // waiting in __syncthreads for `block_generation` to pass
+  unsigned block_generation = 0;
+};
+
+struct State {
+  std::vector<Fiber> fibers;
+  ucontext_t scheduler;
+  int current = -1;
+  dim3 block_idx, block_dim, grid_dim;
+  Barrier block;
+  std::vector<Warp> warps;
+  std::function<void()> body;
+  long idle_yields = 0;  // yields since a barrier last opened or a fiber finished
+};
+
+inline State& state() {
+  static State s;
+  return s;
+}
+inline Fiber& me() { return state().fibers[state().current]; }
+inline int lane_id() { return me().linear % 32; }
+inline Warp& my_warp() { return state().warps[me().linear / 32]; }
+
+inline void yield() {
+  State& s = state();
+  if (++s.idle_yields > 4L * (long)s.fibers.size() + 64) {
+    std::fprintf(stderr, "emu: deadlock in block (%u, %u, %u): every live thread waits at a barrier that cannot open\n",
+                 s.block_idx.x, s.block_idx.y, s.block_idx.z);
+    std::abort();
+  }
+  swapcontext(&s.fibers[s.current].context, &s.scheduler);
+}
+
+inline void open(Barrier& b) {
+  b.arrived = 0;
+  ++b.generation;
+  state().idle_yields = 0;
+}
+
+inline void arrive_and_wait(Barrier& b) {
+  const unsigned generation = b.generation;
+  if (++b.arrived == b.alive) {
+    open(b);
+    return;
+  }
+  while (b.generation == generation) yield();
+}
+
+inline void leave(Barrier& b) {
+  --b.alive;
+  if (b.arrived > 0 && b.arrived == b.alive) open(b);
+}
+
+inline void block_sync() {
+  State& s = state();
+  Fiber& f = me();
+  f.at_block_barrier = true;
+  f.block_generation = s.block.generation;
+  arrive_and_wait(s.block);
+  f.at_block_barrier = false;
+}
+
+inline bool blocked(const Fiber& f) {
+  return f.done || (f.at_block_barrier && f.block_generation == state().block.generation);
+}
+
+// Warp-synchronous operations require the whole warp (they are all .sync.aligned or
+// full-mask here); a partial warp is a kernel bug.
+inline Warp& full_warp(const char* what) {
+  Warp& w = my_warp();
+  if (w.barrier.alive != 32) {
+    std::fprintf(stderr, "emu: %s with %d live lanes in the warp (needs 32)\n", what, w.barrier.alive);
+    std::abort();
+  }
+  return w;
+}
+inline void warp_sync() { arrive_and_wait(my_warp().barrier); }
+
+inline void fiber_entry() {
+  State& s = state();
+  s.body();
+  Fiber& f = me();
+  f.done = true;
+  leave(s.block);
+  leave(s.warps[f.linear / 32].barrier);
+  s.idle_yields = 0;
+  swapcontext(&f.context, &s.scheduler);
+}
+
+inline void run_block(dim3 block_idx) {
+  State& s = state();
+  s.block_idx = block_idx;
+  const int n = (int)(s.block_dim.x * s.block_dim.y * s.block_dim.z);
+  s.fibers.resize(n);
+  s.warps.assign((n + 31) / 32, Warp{});
+  s.block = Barrier{};
+  s.block.alive = n;
+  for (int i = 0; i < n; ++i) s.warps[i / 32].barrier.alive++;
+  for (int i = 0; i < n; ++i) {
+    Fiber& f = s.fibers[i];
+    f.stack.resize(1 << 18);
+    f.linear = i;
+    f.done = false;
+    f.thread_idx = dim3(i % s.block_dim.x, (i / s.block_dim.x) % s.block_dim.y, i / (s.block_dim.x * s.block_dim.y));
+    getcontext(&f.context);
+    f.context.uc_stack.ss_sp = f.stack.data();
+    f.context.uc_stack.ss_size = f.stack.size();
+    f.context.uc_link = nullptr;
+    makecontext(&f.context, fiber_entry, 0);
+  }
+  // Each warp runs as far as it can (to the next __syncthreads or its end) before the
+  // next warp starts, in forward order on even blocks and backward on odd ones: warps
+  // drift apart as much as the barriers allow, so a missing __syncthreads shows up as
+  // a read of shared memory another warp has not written yet (or has overwritten).
+  s.idle_yields = 0;
+  const int warps = (n + 31) / 32;
+  const bool backward = (block_idx.x + block_idx.y + block_idx.z) % 2 == 1;
+  for (bool live = true; live;) {
+    live = false;
+    for (int wi = 0; wi < warps; ++wi) {
+      const int w = backward ? warps - 1 - wi : wi;
+      for (bool ran = true; ran;) {
+        ran = false;
+        for (int i = 32 * w; i < n && i < 32 * (w + 1); ++i) {
+          if (blocked(s.fibers[i])) continue;
+          s.current = i;
+          swapcontext(&s.scheduler, &s.fibers[i].context);
+          ran = true;
+        }
+      }
+    }
+    for (int i = 0; i < n; ++i) live = live || !s.fibers[i].done;
+  }
+  s.current = -1;
+}
+
+template <typename... P, typename... A>
+void launch(void (*kernel)(P...), dim3 grid, dim3 block, size_t, cudaStream_t, A&&... args) {
+  State& s = state();
+  std::tuple<std::decay_t<P>...> params(static_cast<std::decay_t<P>>(args)...);
+  s.body = [&] { std::apply(kernel, params); };
+  s.grid_dim = grid;
+  s.block_dim = block;
+  for (unsigned z = 0; z < grid.z; ++z)
+    for (unsigned y = 0; y < grid.y; ++y)
+      for (unsigned x = 0; x < grid.x; ++x) run_block(dim3(x, y, z));
+}
+
+template <typename T>
+float decode(uint16_t bits) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    const uint32_t wide = (uint32_t)bits << 16;
+    float f;
+    std::memcpy(&f, &wide, 4);
+    return f;
+  } else {
+    __half h;
+    std::memcpy(&h, &bits, 2);
+    return __half2float(h);
+  }
+}
+
+}  // namespace emu
+
+#define threadIdx (::emu::me().thread_idx)
+#define blockIdx (::emu::state().block_idx)
+#define blockDim (::emu::state().block_dim)
+#define gridDim (::emu::state().grid_dim)
+
+inline void __syncthreads() { emu::block_sync(); }
+
+template <typename T>
+T __shfl_xor_sync(unsigned, T v, int lane_mask) {
+  static_assert(sizeof(T) <= 8, "shuffle of a value wider than 8 bytes");
+  emu::Warp& w = emu::full_warp("__shfl_xor_sync");
+  const int lane = emu::lane_id();
+  std::memcpy(&w.value[lane], &v, sizeof(T));
+  emu::warp_sync();
+  T out;
+  std::memcpy(&out, &w.value[lane ^ lane_mask], sizeof(T));
+  emu::warp_sync();
+  return out;
+}
+
+// Fibers switch only at barriers, so a plain add is atomic here.
+inline float atomicAdd(float* address, float value) {
+  const float old = *address;
+  *address = old + value;
+  return old;
+}
+
+// ----------------------------------------------------------------- tensor-core operations
+
+namespace bds {
+
+inline void emu_ldmatrix(uint32_t (&r)[4], const void* row_address, bool trans) {
+  emu::Warp& w = emu::full_warp("ldmatrix");
+  const int lane = emu::lane_id();
+  if (reinterpret_cast<uintptr_t>(row_address) % 16 != 0) {
+    std::fprintf(stderr, "emu: ldmatrix row address %p is not 16-byte aligned\n", row_address);
+    std::abort();
+  }
+  w.address[lane] = row_address;
+  emu::warp_sync();
+  for (int i = 0; i < 4; ++i) {
+    auto row = [&](int r8) { return static_cast<const uint16_t*>(w.address[8 * i + r8]); };
+    uint16_t lo, hi;
+    if (!trans) {  // row lane/4, columns 2(lane%4), 2(lane%4)+1
+      lo = row(lane / 4)[2 * (lane % 4)];
+      hi = row(lane / 4)[2 * (lane % 4) + 1];
+    } else {  // of the transpose: rows 2(lane%4), 2(lane%4)+1 of column lane/4
+      lo = row(2 * (lane % 4))[lane / 4];
+      hi = row(2 * (lane % 4) + 1)[lane / 4];
+    }
+    r[i] = (uint32_t)lo | ((uint32_t)hi << 16);
+  }
+  emu::warp_sync();
+}
+
+inline void ldmatrix_x4(uint32_t (&r)[4], const void* row_address) { emu_ldmatrix(r, row_address, false); }
+inline void ldmatrix_x4_trans(uint32_t (&r)[4], const void* row_address) { emu_ldmatrix(r, row_address, true); }
+
+template <typename T>
+void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  emu::Warp& w = emu::full_warp("mma.sync");
+  const int lane = emu::lane_id();
+  const uint32_t mine[6] = {a[0], a[1], a[2], a[3], b0, b1};
+  std::memcpy(w.regs[lane], mine, sizeof(mine));
+  emu::warp_sync();
+  float A[16][16], B[16][8];
+  auto lo = [](uint32_t r) { return emu::decode<T>((uint16_t)(r & 0xffffu)); };
+  auto hi = [](uint32_t r) { return emu::decode<T>((uint16_t)(r >> 16)); };
+  for (int l = 0; l < 32; ++l) {
+    const int g = l / 4, t = l % 4;
+    const uint32_t* r = w.regs[l];
+    A[g][2 * t] = lo(r[0]);         A[g][2 * t + 1] = hi(r[0]);
+    A[g + 8][2 * t] = lo(r[1]);     A[g + 8][2 * t + 1] = hi(r[1]);
+    A[g][2 * t + 8] = lo(r[2]);     A[g][2 * t + 9] = hi(r[2]);
+    A[g + 8][2 * t + 8] = lo(r[3]); A[g + 8][2 * t + 9] = hi(r[3]);
+    B[2 * t][g] = lo(r[4]);         B[2 * t + 1][g] = hi(r[4]);
+    B[2 * t + 8][g] = lo(r[5]);     B[2 * t + 9][g] = hi(r[5]);
+  }
+  const int g = lane / 4, t = lane % 4;
+  for (int e = 0; e < 4; ++e) {
+    const int row = g + 8 * (e / 2), col = 2 * t + (e & 1);
+    float sum = 0.f;
+    for (int k = 0; k < 16; ++k) sum += A[row][k] * B[k][col];
+    d[e] += sum;
+  }
+  emu::warp_sync();
+}
+
+}  // namespace bds

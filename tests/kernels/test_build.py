@@ -1,0 +1,141 @@
+"""The extension loader's logic, with the GPU and the compiler faked (CPU-only)."""
+
+import json
+import logging
+import sys
+
+import pytest
+import torch
+
+from kernels import _build
+
+
+@pytest.fixture
+def fresh_loader(monkeypatch, tmp_path):
+    """A loader that believes it runs on a CUDA torch with a device, its caches cleared and
+    its cache directory under tmp_path."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake H100")
+    for cached in (_build.load_extension, _build.op_verdicts, _build.source_hash):
+        cached.cache_clear()
+    sys.modules.pop(_build.EXTENSION_NAME, None)
+    yield tmp_path
+    sys.modules.pop(_build.EXTENSION_NAME, None)  # a fake module must not outlive its test
+    for cached in (_build.load_extension, _build.op_verdicts, _build.source_hash):
+        cached.cache_clear()
+
+
+def _install_fake_module(monkeypatch, tmp_path, source_hash: str) -> None:
+    (tmp_path / f"{_build.EXTENSION_NAME}.py").write_text(f"source_hash = {source_hash!r}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+
+def test_a_prebuilt_module_from_these_sources_is_used(fresh_loader, monkeypatch):
+    _install_fake_module(monkeypatch, fresh_loader, _build.source_hash())
+    module, reason = _build.load_extension()
+    assert module is not None and reason == "" and module.source_hash == _build.source_hash()
+
+
+def test_a_prebuilt_module_from_other_sources_is_ignored(fresh_loader, monkeypatch, caplog):
+    _install_fake_module(monkeypatch, fresh_loader, "0123456789abcdef")
+    monkeypatch.setattr(_build, "_jit_build", lambda: (None, "the build failed: stub"))
+    with caplog.at_level(logging.WARNING, logger="kernels._build"):
+        assert _build.load_extension() == (None, "the build failed: stub")
+    assert "built from other sources" in caplog.text
+
+
+def test_no_nvcc_is_a_reason(fresh_loader, monkeypatch):
+    from torch.utils import cpp_extension
+
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", None)
+    module, reason = _build.load_extension()
+    assert module is None and "nvcc not found" in reason
+
+
+def test_the_source_hash_covers_torch_and_the_sources(monkeypatch):
+    _build.source_hash.cache_clear()
+    first = _build.source_hash()
+    _build.source_hash.cache_clear()
+    monkeypatch.setattr(torch, "__version__", "0.0.0")
+    try:
+        assert _build.source_hash() != first
+    finally:
+        _build.source_hash.cache_clear()
+
+
+def test_the_first_error_line_is_reported():
+    text = ("Error building extension 'bert_ds_kernels': [1/4] nvcc ...\n"
+            "FAILED: attention.cuda.o\n"
+            "/x/attention.cu(12): error: identifier \"foo\" is undefined\n"
+            "1 error detected\n")
+    assert _build._first_error_line(text) == '/x/attention.cu(12): error: identifier "foo" is undefined'
+
+
+def test_verdicts_are_recorded_once_per_build_and_architecture(fresh_loader, monkeypatch):
+    from kernels import selfcheck
+
+    _install_fake_module(monkeypatch, fresh_loader, _build.source_hash())
+    runs = []
+    monkeypatch.setattr(selfcheck, "run_all", lambda: runs.append(1) or {"layer_norm": "", "bias_gelu": "bad"})
+    assert _build.op_verdicts() == {"layer_norm": "", "bias_gelu": "bad"}
+    recorded = json.loads(_build.verdict_path().read_text())
+    assert recorded["source_hash"] == _build.source_hash() and recorded["device"] == "Fake H100"
+    assert _build.verdict_path().name == "selfcheck-sm90.json"
+
+    _build.op_verdicts.cache_clear()  # a new process: reads the record, does not check again
+    assert _build.op_verdicts() == {"layer_norm": "", "bias_gelu": "bad"}
+    assert len(runs) == 1
+
+
+def test_no_verdicts_without_an_extension(monkeypatch):
+    monkeypatch.setattr(_build, "load_extension", lambda: (None, "no CUDA device"))
+    _build.op_verdicts.cache_clear()
+    try:
+        assert _build.op_verdicts() == {}
+    finally:
+        _build.op_verdicts.cache_clear()
+
+
+def test_the_selfcheck_rule_passes_the_reference_and_catches_a_wrong_kernel():
+    from kernels import selfcheck
+    from kernels.bias_gelu import bias_gelu_ref
+
+    generator = torch.Generator().manual_seed(0)
+    leaves = {"x": torch.randn(8, 33, generator=generator).bfloat16(),
+              "bias": torch.randn(33, generator=generator).bfloat16()}
+    grad = torch.randn(8, 33, generator=generator).bfloat16()
+
+    def reference(x, bias):
+        return bias_gelu_ref(x, bias, "none")
+
+    def wrong(x, bias):
+        return bias_gelu_ref(x, bias, "none") * 1.05
+
+    assert selfcheck._compare("case", reference, reference, leaves, grad, torch.bfloat16) == []
+    problems = selfcheck._compare("case", wrong, reference, leaves, grad, torch.bfloat16)
+    assert problems and problems[0].startswith("case out: error")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the checks would run")
+def test_a_check_that_raises_is_a_failed_verdict():
+    from kernels import selfcheck
+
+    verdicts = selfcheck.run_all()
+    assert set(verdicts) == {"layer_norm", "bias_gelu", "varlen_attention"}
+    assert all(v.startswith("raised ") for v in verdicts.values())
+
+
+def test_an_unwritable_cache_still_gives_verdicts(fresh_loader, monkeypatch, caplog):
+    from kernels import selfcheck
+
+    _install_fake_module(monkeypatch, fresh_loader, _build.source_hash())
+    blocker = fresh_loader / "not-a-directory"
+    blocker.write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))  # every path under it fails to be created
+    monkeypatch.setattr(selfcheck, "run_all", lambda: {"layer_norm": ""})
+    with caplog.at_level(logging.WARNING, logger="kernels._build"):
+        assert _build.op_verdicts() == {"layer_norm": ""}
+    assert "cannot record self-check verdicts" in caplog.text

@@ -1,0 +1,442 @@
+"""The CUDA kernels' own source, run on the CPU: logic tests without a GPU.
+
+``kernels/csrc/*.cu`` are compiled as C++ against ``tests/kernels/emu/cuda_runtime.h``
+(threads as fibers, warp shuffles, ldmatrix and mma.sync by the PTX fragment layouts)
+into a shared library whose ``extern "C"`` launchers are called through ctypes on CPU
+tensors, and compared with the references as the GPU tests do. This covers indexing,
+tiling, masking, barriers and the fast/general path choice on every CI run; it cannot
+cover timing, real concurrency or the hardware itself (tests/kernels/test_cuda_ops.py
+does, on a GPU). Skipped without g++ or the CUDA headers.
+"""
+
+import ctypes
+import importlib
+import math
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+import kernels
+from tests.kernels.helpers import (
+    ATOL, assert_close_to_reference, attention_per_sequence, cu_seqlens_of, gelu_fp64, gelu_same_dtype,
+    layer_norm_fp64, layer_norm_same_dtype, misaligned, rand,
+)
+
+CSRC = Path(__file__).resolve().parents[2] / "kernels" / "csrc"
+EMU = Path(__file__).resolve().parent / "emu"
+CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+# `kernel<...><<<grid, block, smem, stream>>>(args)` -> `::emu::launch(kernel<...>, grid, block, smem, stream, args)`
+LAUNCH = re.compile(r"([A-Za-z_][\w:]*(?:<[^<>;]*>)?)\s*<<<(.*?)>>>\s*\(", re.S)
+
+
+def _cuda_include() -> Path | None:
+    candidates = []
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        candidates.append(Path(nvcc).resolve().parent.parent / "include")
+    candidates += [Path("/usr/local/cuda/include")]
+    return next((c for c in candidates if (c / "cuda_bf16.h").exists()), None)
+
+
+@pytest.fixture(scope="module")
+def emu(tmp_path_factory):
+    include = _cuda_include()
+    if shutil.which("g++") is None or include is None:
+        pytest.skip("needs g++ and the CUDA headers (cuda_bf16.h)")
+    out = tmp_path_factory.mktemp("emu")
+    sources = []
+    for path in sorted(CSRC.glob("*.cu*")):  # the .cu files and the headers that launch kernels
+        text = LAUNCH.sub(lambda m: f"::emu::launch({m.group(1)}, {m.group(2)}, ", path.read_text())
+        assert "<<<" not in text, f"{path.name}: a kernel launch the emulation cannot rewrite"
+        name = f"{path.stem}.cpp" if path.suffix == ".cu" else path.name  # rewritten headers shadow csrc's
+        (out / name).write_text(text)
+        if path.suffix == ".cu":
+            sources.append(str(out / name))
+    library = out / "libbds_emu.so"
+    cmd = ["g++", "-std=c++17", "-O1", "-g0", "-shared", "-fPIC", "-fno-strict-aliasing", "-DBDS_EMULATE",
+           f"-I{EMU}", f"-I{CSRC}", f"-I{include}", *sources, "-o", str(library)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return Emulated(ctypes.CDLL(str(library)))
+
+
+GUARD = 64  # guard elements before and after every float buffer the kernels see
+SENTINEL = -7777.0  # the guard value of outputs: a stray write of anything (NaN included) changes it
+
+
+class Emulated:
+    """The launchers behind the API of the extension module (kernels/csrc/bindings.cpp):
+    same functions, arguments and results, inputs made contiguous the same way.
+
+    Every float buffer handed to a kernel sits between two guard zones: NaN around inputs,
+    so that a read out of bounds poisons the result (the tests check that outputs are
+    finite); a finite sentinel around outputs and workspaces (which start as NaN), so
+    that a write out of bounds shows when the guards are checked after the launch.
+    Deliberately misaligned inputs are passed as they are, to keep their misalignment.
+    """
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        P, I, L, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+        signatures = {
+            "bds_layer_norm_fwd": [P, P, P, P, P, P, P, L, I, F, I, I, I, P],
+            "bds_layer_norm_bwd_parts": [L, I],
+            "bds_layer_norm_bwd": [P, P, P, P, P, P, P, P, P, P, P, I, L, I, I, I, I, P],
+            "bds_bias_gelu_fwd": [P, P, P, L, I, I, I, I, P],
+            "bds_bias_gelu_bwd_parts": [L, I],
+            "bds_bias_gelu_bwd": [P, P, P, P, P, P, I, L, I, I, I, I, P],
+            "bds_varlen_attention_fwd": [P, P, P, P, P, P, I, L, I, I, I, F, I, P],
+            "bds_varlen_attention_bwd": [P, P, P, P, P, P, P, P, P, P, P, P, I, L, I, I, I, F, I, P],
+        }
+        for name, argtypes in signatures.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, ctypes.c_int
+        self.lib = lib
+        self.guards: list[tuple[torch.Tensor, torch.Tensor]] = []  # (buffer, its guard value)
+
+    def _guarded(self, t: torch.Tensor | None, guard: float = float("nan")) -> torch.Tensor | None:
+        """``t`` (made contiguous) between guard zones; misaligned tensors stay where they are."""
+        if t is None:
+            return None
+        t = t.contiguous()
+        if not t.is_floating_point() or t.data_ptr() % 16 != 0:
+            return t
+        buffer = torch.full((t.numel() + 2 * GUARD,), guard, dtype=t.dtype)
+        self.guards.append((buffer, buffer[:1].clone()))
+        return buffer[GUARD:GUARD + t.numel()].view(t.shape).copy_(t)
+
+    def _empty(self, *shape: int, dtype: torch.dtype) -> torch.Tensor:
+        return self._guarded(torch.full(shape, float("nan"), dtype=dtype), guard=SENTINEL)
+
+    def _call(self, name, *args):
+        err = getattr(self.lib, name)(*[a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args])
+        assert err == 0, f"{name} returned cudaError {err}"
+        for buffer, value in self.guards:
+            zones = torch.cat([buffer[:GUARD], buffer[-GUARD:]])
+            intact = zones.isnan().all() if value.isnan().all() else (zones == value).all()
+            assert intact, f"{name} wrote out of bounds"
+        self.guards.clear()
+
+    def layer_norm_fwd(self, x, weight, bias, residual, eps):
+        x, weight, bias, residual = map(self._guarded, (x, weight, bias, residual))
+        hidden = x.shape[-1]
+        rows = x.numel() // hidden
+        y = self._empty(*x.shape, dtype=x.dtype)
+        mean, rstd = self._empty(rows, dtype=torch.float32), self._empty(rows, dtype=torch.float32)
+        self._call("bds_layer_norm_fwd", x, residual, weight, bias, y, mean, rstd, rows, hidden, eps,
+                   CODES[x.dtype], CODES[(residual if residual is not None else x).dtype], CODES[weight.dtype], None)
+        return y, mean, rstd
+
+    def layer_norm_bwd(self, dy, x, residual, weight, mean, rstd):
+        dy, x, residual, weight, mean, rstd = map(self._guarded, (dy, x, residual, weight, mean, rstd))
+        hidden = x.shape[-1]
+        rows = x.numel() // hidden
+        parts = self.lib.bds_layer_norm_bwd_parts(rows, hidden)
+        workspace = self._empty(2 * parts * hidden, dtype=torch.float32)  # every part must be written
+        dx = self._empty(*x.shape, dtype=x.dtype)
+        dw, db = self._empty(hidden, dtype=weight.dtype), self._empty(hidden, dtype=weight.dtype)
+        separate = residual is not None and residual.dtype != x.dtype
+        dresidual = self._empty(*residual.shape, dtype=residual.dtype) if separate else None
+        self._call("bds_layer_norm_bwd", dy, x, residual, weight, mean, rstd, dx, dresidual, dw, db, workspace, parts,
+                   rows, hidden, CODES[x.dtype], CODES[(residual if residual is not None else x).dtype],
+                   CODES[weight.dtype], None)
+        return dx, dw, db, (dresidual if separate else dx if residual is not None else None)
+
+    def bias_gelu_fwd(self, x, bias, tanh_approx):
+        x, bias = self._guarded(x), self._guarded(bias)
+        y = self._empty(*x.shape, dtype=x.dtype)
+        self._call("bds_bias_gelu_fwd", x, bias, y, x.numel() // x.shape[-1], x.shape[-1], int(tanh_approx),
+                   CODES[x.dtype], CODES[bias.dtype], None)
+        return y
+
+    def bias_gelu_bwd(self, dy, x, bias, tanh_approx):
+        dy, x, bias = map(self._guarded, (dy, x, bias))
+        rows, cols = x.numel() // x.shape[-1], x.shape[-1]
+        parts = self.lib.bds_bias_gelu_bwd_parts(rows, cols)
+        workspace = self._empty(parts * cols, dtype=torch.float32)
+        dx, db = self._empty(*x.shape, dtype=x.dtype), self._empty(cols, dtype=bias.dtype)
+        self._call("bds_bias_gelu_bwd", dy, x, bias, dx, db, workspace, parts, rows, cols, int(tanh_approx),
+                   CODES[x.dtype], CODES[bias.dtype], None)
+        return dx, db
+
+    def varlen_attention_fwd(self, q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale):
+        assert dropout_p == 0.0, "the binding refuses dropout"
+        q, k, v = map(self._guarded, (q, k, v))
+        total, heads, head_dim = q.shape
+        out = self._empty(*q.shape, dtype=q.dtype)
+        lse = self._empty(heads, total, dtype=torch.float32)
+        self._call("bds_varlen_attention_fwd", q, k, v, cu_seqlens, out, lse, cu_seqlens.numel() - 1, total, heads,
+                   head_dim, max_seqlen, softmax_scale, CODES[q.dtype], None)
+        return out, lse
+
+    def varlen_attention_bwd(self, dout, q, k, v, out, lse, cu_seqlens, max_seqlen, softmax_scale):
+        dout, q, k, v, out, lse = map(self._guarded, (dout, q, k, v, out, lse))
+        total, heads, head_dim = q.shape
+        dq, dk, dv = (self._empty(*q.shape, dtype=q.dtype) for _ in range(3))
+        dq_accum = self._empty(total, heads, head_dim, dtype=torch.float32)
+        dsum = self._empty(heads, total, dtype=torch.float32)
+        self._call("bds_varlen_attention_bwd", dout, q, k, v, out, lse, cu_seqlens, dq, dk, dv, dq_accum, dsum,
+                   cu_seqlens.numel() - 1, total, heads, head_dim, max_seqlen, softmax_scale, CODES[q.dtype], None)
+        return dq, dk, dv
+
+
+def _fp64_grads(fn, inputs: dict, grad_out: torch.Tensor) -> dict:
+    leaves = {name: t.double().requires_grad_() for name, t in inputs.items()}
+    fn(**leaves).backward(grad_out.double())
+    return {name: t.grad for name, t in leaves.items()}
+
+
+def _same_dtype_grads(fn, inputs: dict, grad_out: torch.Tensor) -> dict:
+    leaves = {name: t.detach().clone().requires_grad_() for name, t in inputs.items()}
+    fn(**leaves).backward(grad_out)
+    return {name: t.grad for name, t in leaves.items()}
+
+
+# --------------------------------------------------------------------------- layer norm
+
+LN_CASES = [  # (rows, hidden, aligned): 768/1024 aligned take the register path, the rest the general one
+    (6, 768, True), (5, 1024, True), (3, 1023, True), (4, 7, True), (3, 768, False), (2, 64, True),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("rows,hidden,aligned", LN_CASES)
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_layer_norm(emu, dtype, rows, hidden, aligned, with_residual):
+    eps = 1e-5
+    inputs = {
+        "x": rand(rows, hidden, dtype=dtype, seed=1, scale=2.0, shift=0.3),
+        "weight": rand(hidden, dtype=dtype, seed=3, shift=1.0),
+        "bias": rand(hidden, dtype=dtype, seed=4),
+    }
+    if with_residual:
+        inputs["residual"] = rand(rows, hidden, dtype=dtype, seed=2)
+    if not aligned:
+        inputs = {name: misaligned(t) if t.dim() == 2 else t for name, t in inputs.items()}
+    grad_out = rand(rows, hidden, dtype=dtype, seed=5)
+
+    y, mean, rstd = emu.layer_norm_fwd(inputs["x"], inputs["weight"], inputs["bias"], inputs.get("residual"), eps)
+    dx, dw, db, dres = emu.layer_norm_bwd(grad_out, inputs["x"], inputs.get("residual"), inputs["weight"], mean, rstd)
+
+    def truth_fn(**t):
+        return layer_norm_fp64(eps=eps, **t)
+
+    def torch_fn(**t):
+        return layer_norm_same_dtype(eps=eps, **{k: v.float() if dtype == torch.float32 else v for k, v in t.items()})
+
+    atol = ATOL[dtype]
+    assert_close_to_reference("y", y, torch_fn(**inputs), truth_fn(**inputs), atol)
+    truth, same = _fp64_grads(truth_fn, inputs, grad_out), _same_dtype_grads(torch_fn, inputs, grad_out)
+    ours = {"x": dx, "weight": dw, "bias": db, "residual": dres}
+    for name in inputs:
+        assert_close_to_reference(f"d{name}", ours[name], same[name], truth[name], atol * rows)
+
+
+@pytest.mark.parametrize("hidden", [1024, 1023])
+def test_layer_norm_fp32_residual_and_weights_with_bf16_input(emu, hidden):
+    """What autocast over fp32 parameters passes: bf16 x, fp32 residual and weights."""
+    dtype = torch.bfloat16
+    inputs = {"x": rand(4, hidden, dtype=dtype, seed=1), "residual": rand(4, hidden, seed=5),
+              "weight": rand(hidden, seed=2, shift=1.0), "bias": rand(hidden, seed=3)}
+    grad_out = rand(4, hidden, dtype=dtype, seed=4)
+    y, mean, rstd = emu.layer_norm_fwd(inputs["x"], inputs["weight"], inputs["bias"], inputs["residual"], 1e-12)
+    dx, dw, db, dres = emu.layer_norm_bwd(grad_out, inputs["x"], inputs["residual"], inputs["weight"], mean, rstd)
+    assert y.dtype == dx.dtype == dtype and dw.dtype == db.dtype == dres.dtype == torch.float32
+
+    def reference(**t):
+        return kernels.layer_norm_ref(eps=1e-12, **t)
+
+    truth = _fp64_grads(lambda **t: layer_norm_fp64(eps=1e-12, **t), inputs, grad_out)
+    same = _same_dtype_grads(reference, inputs, grad_out)
+    expected = layer_norm_fp64(eps=1e-12, **inputs)
+    assert_close_to_reference("y", y, reference(**inputs), expected, ATOL[dtype])
+    for name, ours in (("x", dx), ("residual", dres), ("weight", dw), ("bias", db)):
+        assert_close_to_reference(f"d{name}", ours, same[name], truth[name],
+                                  ATOL[dtype] * max(1.0, truth[name].abs().max().item()))
+
+
+def test_layer_norm_zero_rows_gives_zero_parameter_grads(emu):
+    x, weight = torch.empty(0, 768), rand(768, seed=1)
+    dx, dw, db, _ = emu.layer_norm_bwd(torch.empty(0, 768), x, None, weight, torch.empty(0), torch.empty(0))
+    assert dx.shape == (0, 768) and torch.equal(dw, torch.zeros(768)) and torch.equal(db, torch.zeros(768))
+
+
+# --------------------------------------------------------------------------- bias + gelu
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("rows,cols,aligned", [(9, 1031, True), (70, 256, True), (3, 256, False), (5, 13, True)])
+@pytest.mark.parametrize("bias_fp32", [False, True])
+def test_bias_gelu(emu, dtype, approximate, rows, cols, aligned, bias_fp32):
+    if bias_fp32 and dtype == torch.float32:
+        pytest.skip("same case as bias_fp32=False")
+    x = rand(rows, cols, dtype=dtype, seed=1, scale=3.0)
+    if not aligned:
+        x = misaligned(x)
+    bias = rand(cols, dtype=torch.float32 if bias_fp32 else dtype, seed=2)
+    grad_out = rand(rows, cols, dtype=dtype, seed=3)
+    tanh = approximate == "tanh"
+
+    y = emu.bias_gelu_fwd(x, bias, tanh)
+    dx, dbias = emu.bias_gelu_bwd(grad_out, x, bias, tanh)
+    assert y.dtype == dx.dtype == dtype and dbias.dtype == bias.dtype
+
+    inputs = {"x": x, "bias": bias}
+    atol = ATOL[dtype]
+    assert_close_to_reference("y", y, gelu_same_dtype(x, bias, approximate), gelu_fp64(x, bias, approximate), atol)
+    truth = _fp64_grads(lambda x, bias: gelu_fp64(x, bias, approximate), inputs, grad_out)
+    same = _same_dtype_grads(lambda x, bias: gelu_same_dtype(x, bias, approximate), inputs, grad_out)
+    assert_close_to_reference("dx", dx, same["x"], truth["x"], atol)
+    assert_close_to_reference("dbias", dbias, same["bias"], truth["bias"], atol * rows)
+
+
+# --------------------------------------------------------------------------- attention
+
+ATTENTION_CASES = [  # (lengths, heads, head_dim)
+    ([1, 130, 64, 17], 2, 64),
+    ([65, 3], 1, 32),
+    ([200], 1, 64),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("lengths,heads,head_dim", ATTENTION_CASES)
+def test_varlen_attention(emu, dtype, lengths, heads, head_dim):
+    total, max_seqlen = sum(lengths), max(lengths)
+    scale = 1.0 / math.sqrt(head_dim)
+    inputs = {name: rand(total, heads, head_dim, dtype=dtype, seed=seed)
+              for name, seed in (("q", 1), ("k", 2), ("v", 3))}
+    grad_out = rand(total, heads, head_dim, dtype=dtype, seed=4)
+    cu_seqlens = cu_seqlens_of(lengths)
+
+    out, lse = emu.varlen_attention_fwd(inputs["q"], inputs["k"], inputs["v"], cu_seqlens, max_seqlen, 0.0, scale)
+    dq, dk, dv = emu.varlen_attention_bwd(grad_out, inputs["q"], inputs["k"], inputs["v"], out, lse, cu_seqlens,
+                                   max_seqlen, scale)
+
+    def truth_fn(q, k, v):
+        return attention_per_sequence(q, k, v, lengths, scale, upcast=True)
+
+    def torch_fn(q, k, v):
+        return attention_per_sequence(q, k, v, lengths, scale, upcast=False)
+
+    atol = ATOL[dtype]
+    assert_close_to_reference("out", out, torch_fn(**inputs), truth_fn(**inputs), atol)
+    # lse against its definition, per head and token
+    expected_lse, start = [], 0
+    for length in lengths:
+        qs, ks = (inputs[n][start:start + length].double().transpose(0, 1) for n in ("q", "k"))
+        expected_lse.append(torch.logsumexp(scale * qs @ ks.transpose(1, 2), dim=-1))  # (nh, L)
+        start += length
+    torch.testing.assert_close(lse.double(), torch.cat(expected_lse, dim=1), rtol=0, atol=1e-4)
+    truth, same = _fp64_grads(truth_fn, inputs, grad_out), _same_dtype_grads(torch_fn, inputs, grad_out)
+    for name, ours in (("q", dq), ("k", dk), ("v", dv)):
+        assert_close_to_reference(f"d{name}", ours, same[name], truth[name], atol)
+
+
+# --------------------------------------------------------------------------- public ops and model on the emulation
+
+@pytest.fixture
+def emulated_cuda(emu, monkeypatch):
+    """``backend="cuda"`` runs the ops' fused path (dispatch, autograd Functions) on the emulated
+    launchers, with CPU tensors: the Python glue is tested with the real kernel source."""
+    from kernels import dispatch
+
+    monkeypatch.setattr(dispatch, "load_extension", lambda: (emu, ""))
+    monkeypatch.setattr(dispatch, "op_verdicts", lambda: {op: "" for op in dispatch.OPS})
+    for op in dispatch.OPS:  # the inputs are on the CPU by design: waive that reason, and only that
+        module = importlib.import_module(f"kernels.{op.removeprefix('varlen_')}")
+
+        def unsupported(*args, _check=module._unsupported):
+            reason = _check(*args)
+            return "" if reason == "its inputs are not all on a CUDA device" else reason
+        monkeypatch.setattr(module, "_unsupported", unsupported)
+    return emu
+
+
+def _public_op_grads(fn, inputs, grad_out, dtype=None):
+    leaves = {name: (t.to(dtype) if dtype else t).detach().requires_grad_() for name, t in inputs.items()}
+    out = fn(**leaves)
+    out.backward(grad_out.to(out.dtype))
+    return out.detach(), {name: t.grad for name, t in leaves.items()}
+
+
+def test_public_ops_run_the_emulated_kernels_through_autograd(emulated_cuda):
+    import kernels
+
+    dtype = torch.bfloat16
+    atol = ATOL[dtype]
+    ln_inputs = {"x": rand(5, 768, dtype=dtype, seed=1, scale=2.0), "residual": rand(5, 768, dtype=dtype, seed=2),
+                 "weight": rand(768, dtype=dtype, seed=3, shift=1.0), "bias": rand(768, dtype=dtype, seed=4)}
+    gelu_inputs = {"x": rand(7, 256, dtype=dtype, seed=5, scale=2.0), "bias": rand(256, dtype=dtype, seed=6)}
+    lengths = [3, 70]
+    cu_seqlens = cu_seqlens_of(lengths)
+    attn_inputs = {n: rand(73, 2, 64, dtype=dtype, seed=s) for n, s in (("q", 7), ("k", 8), ("v", 9))}
+    cases = [
+        ("layer_norm", ln_inputs, lambda **t: kernels.layer_norm(eps=1e-12, backend="cuda", **t),
+         lambda **t: layer_norm_fp64(eps=1e-12, **t), lambda **t: layer_norm_same_dtype(eps=1e-12, **t)),
+        ("bias_gelu", gelu_inputs, lambda **t: kernels.bias_gelu(approximate="tanh", backend="cuda", **t),
+         lambda **t: gelu_fp64(approximate="tanh", **t), lambda **t: gelu_same_dtype(approximate="tanh", **t)),
+        ("varlen_attention", attn_inputs,
+         lambda **t: kernels.varlen_attention(cu_seqlens=cu_seqlens, max_seqlen=70, backend="cuda", **t),
+         lambda **t: attention_per_sequence(lengths=lengths, **t),
+         lambda **t: attention_per_sequence(lengths=lengths, upcast=False, **t)),
+    ]
+    for op, inputs, fused_fn, truth_fn, torch_fn in cases:
+        grad_out = rand(*fused_fn(**inputs).shape, dtype=dtype, seed=10)
+        out, grads = _public_op_grads(fused_fn, inputs, grad_out)
+        truth_out, truth_grads = _public_op_grads(truth_fn, inputs, grad_out, torch.float64)
+        same_out, same_grads = _public_op_grads(torch_fn, inputs, grad_out)
+        assert_close_to_reference(f"{op} out", out, same_out, truth_out, atol)
+        for name in inputs:
+            assert_close_to_reference(f"{op} d{name}", grads[name], same_grads[name], truth_grads[name],
+                                      atol * max(1.0, truth_grads[name].abs().max().item()))
+
+
+@pytest.mark.parametrize("precision", ["bf16 parameters", "bf16 autocast"])
+def test_tiny_model_trains_alike_on_the_emulated_kernels(emulated_cuda, precision):
+    """bf16 parameters: how DeepSpeed's bf16 mode runs the model. Autocast over fp32 parameters:
+    how bert_ds.bench runs it, which mixes dtypes at the ops (fp32 residuals, weights, biases)."""
+    import contextlib
+    import dataclasses
+
+    from bert_ds.model import BertForPreTraining, model_preset
+
+    vocab, seq_len = 128, 24
+    config = model_preset("tiny", vocab, max_position_embeddings=seq_len, hidden_dropout=0.0,
+                          attention_dropout=0.0, kernels="torch")
+    generator = torch.Generator().manual_seed(0)
+    lengths = torch.tensor([seq_len, 1, 9, 17])
+    mask = (torch.arange(seq_len)[None, :] < lengths[:, None]).long()
+    ids = torch.randint(5, vocab, (4, seq_len), generator=generator) * mask
+    types = (torch.arange(seq_len)[None, :] >= (lengths // 2)[:, None]).long() * mask
+    labels = torch.where((torch.rand(4, seq_len, generator=generator) < 0.3) & mask.bool(), ids, -100)
+    labels[0, 1] = ids[0, 1]
+    nsp = torch.tensor([0, 1, 1, 0])
+
+    torch.manual_seed(0)
+    state = BertForPreTraining(config).state_dict()
+    curves = {}
+    for kernels_choice in ("torch", "cuda"):
+        model = BertForPreTraining(dataclasses.replace(config, kernels=kernels_choice))
+        assert model.backend == kernels_choice
+        model.load_state_dict(state)
+        autocast = contextlib.nullcontext()
+        if precision == "bf16 parameters":
+            model.to(torch.bfloat16)
+        else:
+            autocast = torch.autocast("cpu", dtype=torch.bfloat16)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        curves[kernels_choice] = []
+        for _ in range(3):
+            with autocast:
+                loss = model(ids, types, mask, labels, nsp).loss
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            curves[kernels_choice].append(loss.item())
+    for fused, reference in zip(curves["cuda"], curves["torch"]):
+        assert abs(fused - reference) <= 0.02 * reference, curves
+    assert curves["cuda"][-1] < curves["cuda"][0], curves

@@ -1,0 +1,323 @@
+"""The fused CUDA kernels against the references, on a GPU (skipped without one).
+
+Every op and every gradient, by flash-attention's rule (helpers.assert_close_to_reference):
+the kernel's error against an fp64 reference is at most 2x the error of PyTorch's own
+computation in the same dtype, plus a small atol scaled to the values. Odd sizes,
+non-contiguous and misaligned inputs, fp32/fp16/bf16, fixed seeds, no zeros. Then the
+model: BertForPreTraining with kernels="cuda" against kernels="torch", 50 steps.
+
+On a GPU machine the extension must build: a build failure fails these tests (with
+the loader's reason) rather than skipping them.
+"""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+import kernels
+from kernels import _build
+from kernels.dispatch import KernelUnavailable
+from tests.kernels.helpers import (
+    assert_close_to_reference, attention_per_sequence, cu_seqlens_of, gelu_fp64, gelu_same_dtype, layer_norm_fp64,
+    layer_norm_same_dtype, misaligned, non_contiguous, rand, scaled_atol,
+)
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def extension():
+    module, reason = _build.load_extension()
+    assert module is not None, f"the fused CUDA extension does not load on this GPU machine: {reason}"
+    return module
+
+
+def _grads(fn, inputs: dict[str, torch.Tensor], grad_out: torch.Tensor, dtype: torch.dtype | None = None):
+    """fn(**inputs) and d(output . grad_out)/d(input) for each input; inputs cast to ``dtype`` if given."""
+    leaves = {}
+    for name, t in inputs.items():
+        leaf = (t.to(dtype) if dtype is not None else t).detach()
+        if not t.is_contiguous():  # keep the stride pattern the test chose
+            leaf = non_contiguous(leaf)
+        leaves[name] = leaf.requires_grad_()
+    out = fn(**leaves)
+    out.backward(grad_out.to(out.dtype))
+    return out.detach(), {name: t.grad for name, t in leaves.items()}
+
+
+def _check(label, fused, same_dtype, truth, dtype):
+    out, grads = fused
+    out_same, grads_same = same_dtype
+    out_truth, grads_truth = truth
+    assert out.dtype == out_same.dtype
+    assert_close_to_reference(f"{label} out", out, out_same, out_truth, scaled_atol(dtype, out_truth))
+    for name, grad in grads.items():
+        assert grad is not None and grad.dtype == grads_same[name].dtype, name
+        assert_close_to_reference(f"{label} d{name}", grad, grads_same[name], grads_truth[name],
+                                  scaled_atol(dtype, grads_truth[name]))
+
+
+def test_every_op_passed_its_self_check():
+    assert _build.op_verdicts() == {"layer_norm": "", "bias_gelu": "", "varlen_attention": ""}
+    assert kernels.resolve_backend("cuda") == "cuda"
+    assert kernels.resolve_backend("auto") == "prefer_cuda"
+
+
+# --------------------------------------------------------------------------- layer norm
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [768, 1024, 1023, 37, 4099])
+@pytest.mark.parametrize("with_residual", [True, False])
+@pytest.mark.parametrize("layout", ["contiguous", "strided", "misaligned"])
+def test_layer_norm(dtype, hidden, with_residual, layout):
+    rows, eps = 257, 1e-12
+    inputs = {"x": rand(rows, hidden, dtype=dtype, seed=1, scale=2.0, shift=0.5, device="cuda"),
+              "weight": rand(hidden, dtype=dtype, seed=3, shift=1.0, device="cuda"),
+              "bias": rand(hidden, dtype=dtype, seed=4, device="cuda")}
+    if with_residual:
+        inputs["residual"] = rand(rows, hidden, dtype=dtype, seed=2, device="cuda")
+    if layout == "strided":
+        inputs = {k: non_contiguous(v) if v.dim() == 2 else v for k, v in inputs.items()}
+    elif layout == "misaligned":
+        inputs = {k: misaligned(v) if v.dim() == 2 else v for k, v in inputs.items()}
+    grad_out = rand(rows, hidden, dtype=dtype, seed=5, device="cuda")
+
+    fused = _grads(lambda **t: kernels.layer_norm(eps=eps, backend="cuda", **t), inputs, grad_out)
+    same = _grads(lambda **t: layer_norm_same_dtype(eps=eps, **t), inputs, grad_out)
+    truth = _grads(lambda **t: layer_norm_fp64(eps=eps, **t), inputs, grad_out, torch.float64)
+    _check(f"layer_norm {dtype} {hidden}", fused, same, truth, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("hidden", [768, 1023])
+@pytest.mark.parametrize("residual_fp32", [False, True])
+def test_layer_norm_with_fp32_parameters(dtype, hidden, residual_fp32):
+    """What autocast over fp32 parameters passes: fp32 weights, and in the first layer an fp32 residual."""
+    inputs = {"x": rand(64, hidden, dtype=dtype, seed=1, device="cuda"),
+              "weight": rand(hidden, seed=2, shift=1.0, device="cuda"),
+              "bias": rand(hidden, seed=3, device="cuda"),
+              "residual": rand(64, hidden, dtype=torch.float32 if residual_fp32 else dtype, seed=4, device="cuda")}
+    grad_out = rand(64, hidden, dtype=dtype, seed=5, device="cuda")
+    fused = _grads(lambda **t: kernels.layer_norm(eps=1e-5, backend="cuda", **t), inputs, grad_out)
+    same = _grads(lambda **t: kernels.layer_norm_ref(eps=1e-5, **t), inputs, grad_out)
+    truth = _grads(lambda **t: layer_norm_fp64(eps=1e-5, **t), inputs, grad_out, torch.float64)
+    assert fused[1]["weight"].dtype == torch.float32
+    _check(f"layer_norm {dtype} x, fp32 params", fused, same, truth, dtype)
+
+
+def test_layer_norm_backward_is_deterministic():
+    x = rand(4096, 1024, dtype=torch.bfloat16, seed=1, device="cuda").requires_grad_()
+    weight = rand(1024, dtype=torch.bfloat16, seed=2, device="cuda").requires_grad_()
+    bias = rand(1024, dtype=torch.bfloat16, seed=3, device="cuda").requires_grad_()
+    grad_out = rand(4096, 1024, dtype=torch.bfloat16, seed=4, device="cuda")
+    runs = []
+    for _ in range(2):
+        x.grad = weight.grad = bias.grad = None
+        kernels.layer_norm(x, weight, bias, 1e-12, backend="cuda").backward(grad_out)
+        runs.append((x.grad.clone(), weight.grad.clone(), bias.grad.clone()))
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+# --------------------------------------------------------------------------- bias + gelu
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cols", [3072, 4096, 1031, 13])
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("layout", ["contiguous", "strided", "misaligned"])
+def test_bias_gelu(dtype, cols, approximate, layout):
+    rows = 129
+    inputs = {"x": rand(rows, cols, dtype=dtype, seed=1, scale=3.0, device="cuda"),
+              "bias": rand(cols, dtype=dtype, seed=2, device="cuda")}
+    if layout == "strided":
+        inputs["x"] = non_contiguous(inputs["x"])
+    elif layout == "misaligned":
+        inputs["x"] = misaligned(inputs["x"])
+    grad_out = rand(rows, cols, dtype=dtype, seed=3, device="cuda")
+    fused = _grads(lambda **t: kernels.bias_gelu(approximate=approximate, backend="cuda", **t), inputs, grad_out)
+    same = _grads(lambda **t: gelu_same_dtype(approximate=approximate, **t), inputs, grad_out)
+    truth = _grads(lambda **t: gelu_fp64(approximate=approximate, **t), inputs, grad_out, torch.float64)
+    _check(f"bias_gelu {dtype} {cols} {approximate}", fused, same, truth, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_bias_gelu_with_fp32_bias(dtype):
+    inputs = {"x": rand(64, 3072, dtype=dtype, seed=1, scale=3.0, device="cuda"),
+              "bias": rand(3072, seed=2, device="cuda")}
+    grad_out = rand(64, 3072, dtype=dtype, seed=3, device="cuda")
+    fused = _grads(lambda **t: kernels.bias_gelu(approximate="none", backend="cuda", **t), inputs, grad_out)
+    same = _grads(lambda **t: kernels.bias_gelu_ref(approximate="none", **t), inputs, grad_out)
+    truth = _grads(lambda **t: gelu_fp64(approximate="none", **t), inputs, grad_out, torch.float64)
+    assert fused[1]["bias"].dtype == torch.float32
+    _check(f"bias_gelu {dtype} x, fp32 bias", fused, same, truth, dtype)
+
+
+# --------------------------------------------------------------------------- attention
+
+ATTENTION_CASES = [  # (lengths, heads, head_dim)
+    ([1, 512, 77, 128, 3], 3, 64),  # 1 and 512 in one batch
+    ([512], 2, 64),
+    ([1], 1, 64),
+    ([13, 200, 64, 65, 129], 4, 32),
+    ([128] * 16, 12, 64),  # a BERT-Base-like block
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("lengths,heads,head_dim", ATTENTION_CASES)
+@pytest.mark.parametrize("softmax_scale", [None, 0.3])
+def test_varlen_attention(dtype, lengths, heads, head_dim, softmax_scale):
+    total, max_seqlen = sum(lengths), max(lengths)
+    cu_seqlens = cu_seqlens_of(lengths, device="cuda")
+    inputs = {name: rand(total, heads, head_dim, dtype=dtype, seed=seed, device="cuda")
+              for name, seed in (("q", 1), ("k", 2), ("v", 3))}
+    grad_out = rand(total, heads, head_dim, dtype=dtype, seed=4, device="cuda")
+
+    fused = _grads(lambda q, k, v: kernels.varlen_attention(q, k, v, cu_seqlens, max_seqlen,
+                                                            softmax_scale=softmax_scale, backend="cuda"),
+                   inputs, grad_out)
+    same = _grads(lambda q, k, v: attention_per_sequence(q, k, v, lengths, softmax_scale, upcast=False),
+                  inputs, grad_out)
+    truth = _grads(lambda q, k, v: attention_per_sequence(q, k, v, lengths, softmax_scale), inputs, grad_out,
+                   torch.float64)
+    _check(f"attention {dtype} {lengths}", fused, same, truth, dtype)
+
+
+@pytest.mark.parametrize("layout", ["packed_qkv", "misaligned"])
+def test_varlen_attention_takes_strided_and_misaligned_inputs(layout):
+    lengths, heads, head_dim, dtype = [5, 300, 1], 2, 64, torch.bfloat16
+    total = sum(lengths)
+    cu_seqlens = cu_seqlens_of(lengths, device="cuda")
+    qkv = rand(total, 3, heads, head_dim, dtype=dtype, seed=1, device="cuda")
+    if layout == "packed_qkv":  # q, k, v as views of one (T, 3, nh, hd) projection: not contiguous
+        q, k, v = qkv.unbind(1)
+        assert not q.is_contiguous()
+    else:
+        q, k, v = (misaligned(x.contiguous()) for x in qkv.unbind(1))
+    expected = kernels.varlen_attention(*(x.contiguous() for x in (q, k, v)), cu_seqlens, max(lengths),
+                                        backend="cuda")
+    torch.testing.assert_close(kernels.varlen_attention(q, k, v, cu_seqlens, max(lengths), backend="cuda"),
+                               expected, rtol=0, atol=0)
+
+
+def test_varlen_attention_refuses_dropout():
+    q, k, v = (rand(8, 1, 64, dtype=torch.bfloat16, seed=s, device="cuda") for s in (1, 2, 3))
+    cu_seqlens = cu_seqlens_of([8], device="cuda")
+    with pytest.raises(KernelUnavailable, match="dropout"):
+        kernels.varlen_attention(q, k, v, cu_seqlens, 8, dropout_p=0.1, backend="cuda")
+    with pytest.raises(ValueError, match="no dropout"):
+        _build.load_extension()[0].varlen_attention_fwd(q, k, v, cu_seqlens, 8, 0.1, 0.125)
+    # auto: the reference runs instead (it does dropout), with a warning
+    out = kernels.varlen_attention(q, k, v, cu_seqlens, 8, dropout_p=0.1, backend="prefer_cuda")
+    assert out.shape == q.shape
+
+
+def test_binding_rejects_host_tensors_and_wrong_shapes(extension):
+    x = rand(4, 768, seed=1)
+    with pytest.raises(RuntimeError, match="CUDA tensor"):
+        extension.layer_norm_fwd(x, x[0], x[0], None, 1e-5)
+    x = x.cuda()
+    with pytest.raises(RuntimeError, match="weight must have shape"):
+        extension.layer_norm_fwd(x, x[0, :100], x[0, :100], None, 1e-5)
+    q = rand(8, 1, 48, dtype=torch.bfloat16, seed=1, device="cuda")
+    with pytest.raises(RuntimeError, match="head_dim 32 or 64"):
+        extension.varlen_attention_fwd(q, q, q, cu_seqlens_of([8], device="cuda"), 8, 0.0, 0.1)
+
+
+# --------------------------------------------------------------------------- the model
+
+def _pretraining_batches(vocab: int, steps: int, batch: int, seq_len: int, seed: int = 0):
+    """Fixed right-padded batches with lengths from 1 to seq_len, 15% masked, on the GPU."""
+    generator = torch.Generator().manual_seed(seed)
+    batches = []
+    for _ in range(steps):
+        lengths = torch.randint(1, seq_len + 1, (batch,), generator=generator)
+        lengths[0] = seq_len
+        mask = (torch.arange(seq_len)[None, :] < lengths[:, None]).long()
+        ids = torch.randint(5, vocab, (batch, seq_len), generator=generator) * mask
+        types = (torch.arange(seq_len)[None, :] >= (lengths // 2)[:, None]).long() * mask
+        masked = (torch.rand(batch, seq_len, generator=generator) < 0.15) & mask.bool()
+        masked[0, 1] = True
+        labels = torch.where(masked, ids, -100)
+        nsp = torch.randint(0, 2, (batch,), generator=generator)
+        batches.append([t.cuda() for t in (ids, types, mask, labels, nsp)])
+    return batches
+
+
+def _loss_curve(config, state, batches, dtype):
+    from bert_ds.model import BertForPreTraining
+
+    model = BertForPreTraining(config).cuda()
+    model.load_state_dict(state)
+    model.to(dtype).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.01)
+    losses = []
+    for batch in batches:
+        loss = model(*batch).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("preset", ["tiny", "mini"])
+def test_model_loss_curve_matches_the_torch_path(preset):
+    from bert_ds.model import BertForPreTraining, model_preset
+
+    vocab, dtype = 1024, torch.bfloat16
+    config = model_preset(preset, vocab, hidden_dropout=0.0, attention_dropout=0.0, kernels="torch")
+    torch.manual_seed(0)
+    state = BertForPreTraining(config).state_dict()
+    batches = _pretraining_batches(vocab, steps=50, batch=16, seq_len=128)
+
+    fused_model = BertForPreTraining(dataclasses.replace(config, kernels="cuda"))
+    assert fused_model.backend == "cuda"
+    assert list(fused_model.state_dict()) == list(state)  # same checkpoint layout with kernels on or off
+
+    reference = _loss_curve(config, state, batches, dtype)
+    fused = _loss_curve(dataclasses.replace(config, kernels="cuda"), state, batches, dtype)
+    assert all(math.isfinite(x) for x in fused)
+    assert reference[-1] < reference[0] - 0.5, f"the model does not learn: {reference}"
+    assert abs(fused[0] - reference[0]) <= 0.01 * reference[0], (fused[0], reference[0])
+    gaps = [abs(a - b) / b for a, b in zip(fused, reference)]
+    assert max(gaps) <= 0.05 and sum(gaps) / len(gaps) <= 0.02, list(zip(fused, reference))
+
+
+def test_model_under_autocast_runs_every_op_fused():
+    """fp32 parameters under bf16 autocast (bert_ds.bench's CUDA precision): the ops see mixed dtypes."""
+    from bert_ds.model import BertForPreTraining, model_preset
+
+    config = model_preset("mini", 1024, hidden_dropout=0.0, attention_dropout=0.0, kernels="torch")
+    torch.manual_seed(0)
+    state = BertForPreTraining(config).state_dict()
+    batches = _pretraining_batches(1024, steps=5, batch=8, seq_len=128)
+    curves = {}
+    for choice in ("torch", "cuda"):
+        model = BertForPreTraining(dataclasses.replace(config, kernels=choice)).cuda()
+        model.load_state_dict(state)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        curves[choice] = []
+        for batch in batches:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(*batch).loss
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            curves[choice].append(loss.item())
+    for fused, reference in zip(curves["cuda"], curves["torch"]):
+        assert abs(fused - reference) <= 0.02 * reference, curves
+
+
+def test_model_in_float32_with_kernels_cuda_names_the_attention():
+    from bert_ds.model import BertForPreTraining, model_preset
+
+    model = BertForPreTraining(model_preset("tiny", 128, kernels="cuda")).cuda()
+    batch = _pretraining_batches(128, steps=1, batch=2, seq_len=16)[0]
+    with pytest.raises(KernelUnavailable, match="varlen_attention.*float32"):
+        model(*batch)

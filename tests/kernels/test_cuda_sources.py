@@ -1,0 +1,53 @@
+"""The CUDA sources compile with nvcc for sm_80 and sm_90 (CPU CI with a toolkit),
+and the extension's pieces agree with each other without building it."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kernels import compile_check
+
+REPO = Path(__file__).resolve().parents[2]
+CSRC = REPO / "kernels" / "csrc"
+
+
+def _run_compile_check(env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kernels.compile_check"], capture_output=True, text=True,
+                          cwd=REPO, env=env, timeout=900)
+
+
+@pytest.mark.skipif(compile_check.find_nvcc() is None, reason="nvcc not found")
+def test_every_kernel_compiles_for_sm80_and_sm90():
+    proc = _run_compile_check(dict(os.environ))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for source in CSRC.glob("*.cu"):
+        for arch in ("sm_80", "sm_90"):
+            assert re.search(rf"{source.name}\s+{arch}\s+\S+\s+ok", proc.stdout), (source.name, arch, proc.stdout)
+
+
+def test_compile_check_skips_without_nvcc():
+    env = {k: v for k, v in os.environ.items() if k not in ("CUDA_HOME", "CUDA_PATH")}
+    env["PATH"] = str(Path(sys.executable).parent)  # python, but no nvcc
+    proc = _run_compile_check(env)
+    assert proc.returncode == 0 and "skipping" in proc.stdout
+
+
+def test_bindings_call_every_launcher_declared_in_the_header():
+    declared = set(re.findall(r"\b(bds_\w+)\(", (CSRC / "launchers.h").read_text()))
+    bindings = (CSRC / "bindings.cpp").read_text()
+    defined = set()
+    for cu in CSRC.glob("*.cu"):
+        defined |= set(re.findall(r'extern "C" \w+ (bds_\w+)\(', cu.read_text()))
+    assert declared == defined, f"declared but not defined: {declared - defined}; undeclared: {defined - declared}"
+    assert not [name for name in declared if name not in bindings], "a launcher no binding calls"
+
+
+def test_extension_sources_are_all_in_the_build_list():
+    from kernels import _build
+
+    on_disk = {p.name for p in CSRC.iterdir() if p.suffix in (".cu", ".cpp")}
+    assert on_disk == set(_build.SOURCES)
