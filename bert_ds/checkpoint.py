@@ -5,6 +5,7 @@ Layout of ``OUTPUT/checkpoints/``::
     step_00000100/
         ds/state/...          DeepSpeed engine, optimizer and scheduler state (every rank)
         model.safetensors     full fp32 weights (master copy), Hugging Face parameter names
+        optimizer.safetensors full (unpartitioned) optimizer state per parameter, LR schedule
         model_config.json     bert_ds.model.ModelConfig
         train_config.json     the TrainConfig of the run
         train_state.json      step, data cursor, tokens seen, skipped steps
@@ -19,6 +20,22 @@ never a mix. Everything is written into ``.tmp-step_...``, fsynced, marked
 marker is never loaded, and a file whose CRC no longer matches is reported by name.
 ``model.safetensors`` lets `bert_ds.export` work without DeepSpeed or the world size
 the run had.
+
+Resuming on another world size (RELIABILITY R8): DeepSpeed's ZeRO-1/2 files hold one
+optimizer partition per rank, laid out for that world size. Rather than re-cutting
+DeepSpeed's flat partitions offline (its universal-checkpoint converter), every
+checkpoint also carries the world-size-free state: the fp32 master weights
+(``model.safetensors``) and each parameter's full optimizer state (``exp_avg``,
+``exp_avg_sq``, gathered the same way the weights are, with DeepSpeed's public
+``safe_get_full_optimizer_state``), plus the step counts and the LR schedule. Resuming
+on the world size of the save loads DeepSpeed's own files (bitwise exact, loss scaler
+and RNG included); on any other world size the engine is built fresh and given those
+tensors (``safe_set_full_*``), which is exact too, except that an fp16 loss scale
+starts over and dropout's RNG streams are per rank. The price is one more copy of the
+optimizer state per checkpoint (2 x fp32 model size for LAMB/AdamW).
+
+Fault injection: a save passes the points in :data:`SAVE_POINTS`; tests set
+:data:`fault_hook` to stop (or kill) the process at one of them.
 """
 
 from __future__ import annotations
@@ -27,13 +44,16 @@ import json
 import os
 import random
 import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from safetensors.torch import save_file
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from data_tools.atomic import file_crc32, fsync_path
 from data_tools.errors import UserError
@@ -41,7 +61,23 @@ from data_tools.tokenizer import HF_FILES
 
 MARKER = "COMPLETE"
 LATEST = "latest"
+WEIGHTS = "model.safetensors"
+OPTIMIZER = "optimizer.safetensors"
 _PREFIX = "step_"
+_TRASH = ".trash-"  # a pruned folder is renamed to this prefix first, so a crash mid-delete leaves no marked remains
+
+# The points a save passes, in order. "marked": COMPLETE written and synced, not yet
+# renamed; "renamed": the folder has its final name, `latest` still points at the old one.
+SAVE_POINTS = ("started", "engine_saved", "files_written", "marked", "renamed", "latest_moved", "pruned")
+
+# Test seam, not a setting: when set, called as fault_hook(point, final_folder) at every
+# point of SAVE_POINTS on every rank. Fault-injection tests make it raise or SIGKILL.
+fault_hook: Callable[[str, Path], None] | None = None
+
+
+def _reach(point: str, final: Path) -> None:
+    if fault_hook is not None:
+        fault_hook(point, final)
 
 
 class CheckpointError(UserError):
@@ -87,21 +123,31 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save(engine, root: Path, step: int, *, rank: int, model_config: dict, train_config: dict,
-         train_state: dict, tokenizer_dir: Path | None, keep_last: int) -> Path:
-    """Commit a checkpoint of ``step`` under ``root`` (collective: every rank calls it)."""
+         train_state: dict, tokenizer_dir: Path | None, keep_last: int,
+         optimizer: "OptimizerSnapshot | None" = None) -> Path:
+    """Commit a checkpoint of ``step`` under ``root`` (collective: every rank calls it).
+
+    ``optimizer``: the world-size-free optimizer state (:func:`optimizer_snapshot`, also
+    collective), written to ``optimizer.safetensors`` by rank 0.
+    """
     final = root / step_dir_name(step)
     tmp = root / f".tmp-{final.name}"
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # left by a crash during an earlier save
+        for debris in [*root.glob(".tmp-*"), *root.glob(f"{_TRASH}*")]:  # left by a crash in an earlier save
+            shutil.rmtree(debris, ignore_errors=True)
         tmp.mkdir()
         (tmp / "rng").mkdir()
     _barrier()
+    _reach("started", final)
     engine.save_checkpoint(str(tmp / "ds"), tag="state", save_latest=False)
+    _reach("engine_saved", final)
     torch.save(rng_state(), tmp / "rng" / f"rank_{rank:05d}.pt")
     weights = full_fp32_state_dict(engine.module)
     if rank == 0:
-        save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        save_file(weights, str(tmp / WEIGHTS), metadata={"format": "pt"})
+        if optimizer is not None:
+            optimizer.write(tmp / OPTIMIZER)
         _write_json(tmp / "model_config.json", model_config)
         _write_json(tmp / "train_config.json", train_config)
         _write_json(tmp / "train_state.json", train_state)
@@ -109,11 +155,14 @@ def save(engine, root: Path, step: int, *, rank: int, model_config: dict, train_
             (tmp / "tokenizer").mkdir()
             for name in HF_FILES:
                 shutil.copy2(tokenizer_dir / name, tmp / "tokenizer" / name)
+    _reach("files_written", final)
     _barrier()
     if rank == 0:
         _commit(tmp, final)
         _point_latest(root, final.name)
+        _reach("latest_moved", final)
         _prune(root, keep_last)
+    _reach("pruned", final)
     _barrier()
     return final
 
@@ -133,10 +182,21 @@ def _commit(tmp: Path, final: Path) -> None:
     fsync_path(marker)
     for d in sorted({p.parent for p in files} | {tmp}, key=lambda d: -len(d.parts)):
         fsync_path(d)
-    if final.exists():  # a save of the same step from an earlier, interrupted attempt
-        shutil.rmtree(final)
+    _reach("marked", final)
+    if final.exists():  # a save of the same step from an earlier attempt: out of the way first
+        _discard(final)
     os.rename(tmp, final)
     fsync_path(final.parent)
+    _reach("renamed", final)
+
+
+def _discard(folder: Path) -> None:
+    """Delete a checkpoint folder so that no crash leaves a marked, half-deleted folder behind."""
+    trash = folder.with_name(f"{_TRASH}{folder.name}")
+    shutil.rmtree(trash, ignore_errors=True)
+    os.rename(folder, trash)
+    fsync_path(folder.parent)
+    shutil.rmtree(trash)
 
 
 def _point_latest(root: Path, name: str) -> None:
@@ -159,7 +219,7 @@ def _prune(root: Path, keep_last: int) -> None:
     latest = (root / LATEST).resolve()
     for old in _complete_steps(root)[:-keep_last]:
         if old.resolve() != latest:
-            shutil.rmtree(old)
+            _discard(old)
 
 
 def find_latest(root: Path) -> Path | None:
@@ -207,15 +267,220 @@ def verify(ckpt: Path) -> None:
             raise CheckpointError(f"{p}: checksum mismatch (the file changed after it was saved)")
 
 
-def load(engine, ckpt: Path, *, rank: int, world_size: int) -> dict[str, Any]:
-    """Restore engine, optimizer, scheduler and this rank's RNG; returns train_state."""
-    verify(ckpt)
+def read_train_state(ckpt: Path) -> dict[str, Any]:
+    try:
+        return json.loads((ckpt / "train_state.json").read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{ckpt / 'train_state.json'}: unreadable ({e})") from None
+
+
+def load(engine, ckpt: Path, *, rank: int, world_size: int, verified: bool = False) -> dict[str, Any]:
+    """Restore weights, optimizer, LR schedule (and this rank's RNG on the same world size);
+    returns train_state. Collective: every rank calls it. ``verified``: the caller has just
+    run :func:`verify` (to fail before building an engine), so the files are not read twice."""
+    if not verified:
+        verify(ckpt)
+    state = read_train_state(ckpt)
+    saved_world = state.get("world_size")
+    if saved_world != world_size:
+        _load_portable(engine, ckpt, saved_world, world_size)
+        return state
     load_path, _ = engine.load_checkpoint(str(ckpt / "ds"), tag="state", load_optimizer_states=True,
                                           load_lr_scheduler_states=True)
     if load_path is None:
         raise CheckpointError(f"{ckpt / 'ds'}: DeepSpeed could not load the engine state")
-    state = json.loads((ckpt / "train_state.json").read_text())
     rng_file = ckpt / "rng" / f"rank_{rank:05d}.pt"
-    if state.get("world_size") == world_size and rng_file.is_file():
+    if rng_file.is_file():
         set_rng_state(torch.load(rng_file, weights_only=False))
     return state
+
+
+def _load_portable(engine, ckpt: Path, saved_world: int | None, world_size: int) -> None:
+    if not (ckpt / OPTIMIZER).is_file():
+        raise CheckpointError(f"{ckpt}: saved on {saved_world} rank(s) without {OPTIMIZER}, so it can only be "
+                              f"resumed on {saved_world} rank(s), not {world_size}")
+    _check_portable_engine(engine, ckpt)
+    install_weights(engine, load_file(str(ckpt / WEIGHTS)), source=ckpt / WEIGHTS)
+    OptimizerSnapshot.read(ckpt / OPTIMIZER).install(engine, source=ckpt / OPTIMIZER)
+
+
+def load_weights(engine, path: Path) -> Path:
+    """Initialize the engine's weights (fp32 master copy included) from a checkpoint folder or a
+    ``model.safetensors``; the optimizer and schedule stay fresh. Returns the file read."""
+    path = Path(path)
+    if path.suffix == ".safetensors":
+        file = path
+    else:
+        folder = resolve(path)
+        verify(folder)
+        file = folder / WEIGHTS
+    if not file.is_file():
+        raise CheckpointError(f"{file}: no such weights file")
+    _check_portable_engine(engine, file)
+    install_weights(engine, load_file(str(file)), source=file)
+    return file
+
+
+# --------------------------------------------------------------------------- world-size-free state
+
+def _partitioned(engine) -> bool:
+    """True under ZeRO-1/2 (and DeepSpeed's bf16 wrapper): fp32 master weights and optimizer
+    state live in per-rank flat partitions, reachable per parameter through ``_hp_mapping``."""
+    from deepspeed.runtime.base_optimizer import ZeROOptimizer
+
+    return isinstance(engine.optimizer, ZeROOptimizer)
+
+
+def _check_portable_engine(engine, source: Path) -> None:
+    if engine.zero_optimization_stage() == 3:
+        raise CheckpointError(f"{source}: loading full weights into a ZeRO-3 engine is not supported; "
+                              "use a ZeRO stage 0-2 config")
+    if not _partitioned(engine) and not isinstance(engine.optimizer, torch.optim.Optimizer):
+        raise CheckpointError(f"{source}: loading full weights needs ZeRO-0 in fp32 or ZeRO-1/2 "
+                              f"(this engine's optimizer is DeepSpeed's {type(engine.optimizer).__name__})")
+
+
+def _client_optimizer(engine) -> torch.optim.Optimizer:
+    """The optimizer bert-ds built; under ZeRO-1/2 its param groups hold DeepSpeed's flat partitions."""
+    return engine.optimizer.optimizer if _partitioned(engine) else engine.optimizer
+
+
+def install_weights(engine, weights: dict[str, torch.Tensor], *, source: Path) -> None:
+    """Set every parameter and, under ZeRO-1/2, its fp32 master fragment, from full fp32 tensors."""
+    from deepspeed.utils import safe_set_full_fp32_param
+
+    params = dict(engine.module.named_parameters())
+    missing, unexpected = sorted(set(params) - set(weights)), sorted(set(weights) - set(params))
+    if missing or unexpected:
+        raise CheckpointError(f"{source}: does not match the model (missing {missing[:3]}, unexpected {unexpected[:3]})")
+    with torch.no_grad():
+        for name, p in params.items():
+            w = weights[name]
+            if w.shape != p.shape:
+                raise CheckpointError(f"{source}: {name} has shape {tuple(w.shape)}, the model {tuple(p.shape)}")
+            p.copy_(w.to(device=p.device, dtype=p.dtype))
+            safe_set_full_fp32_param(p, w.to(device=p.device, dtype=torch.float32))
+
+
+@dataclass
+class OptimizerSnapshot:
+    """The optimizer state of every parameter, whole, in fp32: independent of the world size."""
+
+    tensors: dict[str, torch.Tensor]  # "<state key>/<parameter name>" -> tensor of the parameter's shape
+    scalars: list[dict[str, Any]]  # per param group: the non-tensor state (step counts), encoded
+    lr_scheduler: dict[str, Any]  # the scheduler's state_dict
+
+    def write(self, path: Path) -> None:
+        meta = {"scalars": self.scalars, "lr_scheduler": self.lr_scheduler}
+        save_file(self.tensors, str(path), metadata={"format": "pt", "bert_ds": json.dumps(meta)})
+
+    @classmethod
+    def read(cls, path: Path) -> "OptimizerSnapshot":
+        with safe_open(str(path), framework="pt") as f:
+            meta = json.loads(f.metadata()["bert_ds"])
+        return cls(load_file(str(path)), meta["scalars"], meta["lr_scheduler"])
+
+    def install(self, engine, *, source: Path) -> None:
+        """Give a freshly built engine this state (every rank, before the first step)."""
+        from deepspeed.utils import safe_set_full_optimizer_state
+
+        opt = _client_optimizer(engine)
+        if len(self.scalars) != len(opt.param_groups):
+            raise CheckpointError(f"{source}: {len(self.scalars)} param groups, the optimizer has {len(opt.param_groups)}")
+        keys = sorted({k.split("/", 1)[0] for k in self.tensors})
+        params = dict(engine.module.named_parameters())
+        full = {(key, name): self.tensors.get(f"{key}/{name}") for key in keys for name in params}
+        absent = [f"{key}/{name}" for (key, name), t in full.items() if t is None]
+        if absent:
+            raise CheckpointError(f"{source}: no optimizer state for {', '.join(absent[:3])}")
+        if _partitioned(engine):
+            # DeepSpeed creates the state at the first step; create it now and link each
+            # parameter's fragment to it, as DeepSpeed does after a step.
+            for i, group in enumerate(opt.param_groups):
+                flat = group["params"][0]
+                opt.state[flat] = {**{key: torch.zeros_like(flat) for key in keys}, **_decode(self.scalars[i])}
+            _link_fragments(opt, params)
+            for (key, name), t in full.items():
+                safe_set_full_optimizer_state(params[name], t.to(params[name].device), key)
+        else:
+            names = {id(p): n for n, p in params.items()}
+            for i, group in enumerate(opt.param_groups):
+                for p in group["params"]:
+                    opt.state[p] = {**{key: full[key, names[id(p)]].to(p.device).clone() for key in keys},
+                                    **_decode(self.scalars[i])}
+        sched = engine.lr_scheduler
+        sched.load_state_dict(self.lr_scheduler)
+        for group, lr in zip(opt.param_groups, sched.get_last_lr()):
+            group["lr"] = lr  # the scheduler sets it at its next step; this step needs it now
+
+
+def optimizer_snapshot(engine) -> OptimizerSnapshot | None:
+    """Gather the full optimizer state of every parameter (collective under ZeRO: every rank
+    calls it, in the same order). None before the optimizer's first step (it has no state)."""
+    from deepspeed.utils import safe_get_full_optimizer_state
+
+    if engine.zero_optimization_stage() == 3 or not (_partitioned(engine) or isinstance(engine.optimizer, torch.optim.Optimizer)):
+        return None  # no full-weight path for these layouts (see _check_portable_engine)
+    opt = _client_optimizer(engine)
+    params = dict(engine.module.named_parameters())
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: list[dict[str, Any]] = []
+    if _partitioned(engine):
+        flats = [g["params"][0] for g in opt.param_groups]
+        if any(f not in opt.state for f in flats):
+            return None
+        keys = sorted(k for k, v in opt.state[flats[0]].items() if torch.is_tensor(v) and v.shape == flats[0].shape)
+        _link_fragments(opt, params)
+        for key in keys:
+            for name, p in params.items():
+                tensors[f"{key}/{name}"] = safe_get_full_optimizer_state(p, key).float().cpu().clone()
+        scalars = [_encode({k: v for k, v in opt.state[f].items() if k not in keys}) for f in flats]
+    else:
+        names = {id(p): n for n, p in params.items()}
+        for group in opt.param_groups:
+            held = [p for p in group["params"] if p in opt.state]
+            if not held:
+                return None
+            first = opt.state[held[0]]
+            keys = [k for k, v in first.items() if torch.is_tensor(v) and v.shape == held[0].shape]
+            for p in held:
+                for key in keys:
+                    tensors[f"{key}/{names[id(p)]}"] = opt.state[p][key].float().cpu().clone()
+            scalars.append(_encode({k: v for k, v in first.items() if k not in keys}))
+    return OptimizerSnapshot(tensors, scalars, engine.lr_scheduler.state_dict())
+
+
+def _link_fragments(opt: torch.optim.Optimizer, params: dict[str, torch.nn.Parameter]) -> None:
+    """Point every parameter's ZeRO fragment at the optimizer state of its flat partition.
+
+    DeepSpeed links them once, after the first step of param group 0, while the other
+    groups have no state yet; so with two groups (decay / no decay) the second group's
+    fragments stay empty and ``safe_get_full_optimizer_state`` fails for them. Linking
+    again is idempotent (the links are views).
+    """
+    from deepspeed.utils import lazy_init_hp_params_optimizer_state
+
+    for i, group in enumerate(opt.param_groups):
+        members = [p for p in params.values() if p._hp_mapping is not None and p._hp_mapping.param_group_index == i]
+        lazy_init_hp_params_optimizer_state(members, group["params"][0], opt.state)
+
+
+def _encode(values: dict[str, Any]) -> dict[str, Any]:
+    """Scalar optimizer state as JSON: 0-d tensors keep their dtype (AdamW's step), numbers stay numbers."""
+    out = {}
+    for k, v in values.items():
+        if torch.is_tensor(v):
+            out[k] = {"tensor": str(v.dtype).removeprefix("torch."), "value": v.item()}
+        else:
+            out[k] = {"value": v}
+    return out
+
+
+def _decode(values: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    for k, v in values.items():
+        if "tensor" in v:
+            out[k] = torch.tensor(v["value"], dtype=getattr(torch, v["tensor"]))  # step counts stay on the host
+        else:
+            out[k] = v["value"]
+    return out

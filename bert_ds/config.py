@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import ds_configs
 from bert_ds.errors import ConfigError
 from bert_ds.model import ModelConfig
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-DS_CONFIG_DIR = REPO_ROOT / "ds_configs"
+DS_CONFIG_DIR = Path(ds_configs.__file__).resolve().parent  # in a checkout and in an installed wheel
 
 # Keys a DeepSpeed JSON may not set: they are derived from TrainConfig.
 _DERIVED_DS_KEYS = (
@@ -112,6 +112,9 @@ class TrainConfig:
     save_every: int = 0  # steps between checkpoints; 0 = only at the end
     keep_last: int = 3  # checkpoints kept; older ones are deleted after a commit
     exit_after: int = 0  # save and stop after this many steps of one invocation (time-limited jobs); 0 = off
+    init_from: str | None = None  # checkpoint folder or model.safetensors whose weights a fresh run starts from
+    max_bad_steps: int = 10  # this many non-finite steps in a row stop the run (exit 3); 0 = never stop
+    collective_timeout: float = 600.0  # seconds a rank waits on its peers before the job fails (exit 4)
     tensorboard: bool = True
     progress: bool = True  # a progress bar on rank 0
 
@@ -123,6 +126,9 @@ class TrainConfig:
         _check(self.val_every >= 0 and self.save_every >= 0, "val_every/save_every", "must be >= 0")
         _check(self.exit_after >= 0, "exit_after", f"must be >= 0, got {self.exit_after}")
         _check(self.keep_last >= 1, "keep_last", f"must be >= 1, got {self.keep_last}")
+        _check(self.max_bad_steps >= 0, "max_bad_steps", f"must be >= 0, got {self.max_bad_steps}")
+        # Ranks wait in barriers while rank 0 writes a checkpoint: the timeout must cover a save.
+        _check(self.collective_timeout >= 1, "collective_timeout", f"must be >= 1 second, got {self.collective_timeout}")
         _check(self.data.max_seq_length <= self.model.max_position_embeddings, "max_seq_length",
                f"{self.data.max_seq_length} exceeds the model's max_position_embeddings {self.model.max_position_embeddings}")
         resolve_ds_config_path(self.ds_config)

@@ -434,24 +434,28 @@ def collate(samples: list[dict[str, np.ndarray | int]], pad_id: int) -> dict[str
     return out
 
 
-class _RankPositions:
-    """Batch sampler: this rank's stream positions, one micro-batch at a time.
+def step_positions(plan: BatchPlan, rank: int, step_start: int) -> list[list[int]]:
+    """The stream positions of ``rank``'s micro-batches in the step that starts at ``step_start``.
 
     The optimizer step that starts at global position c covers [c, c + G); its
     micro-step m gives rank r the positions c + (m * W + r) * micro + [0, micro).
     """
+    micro = plan.micro_batch_size
+    return [list(range(lo, lo + micro))
+            for lo in (step_start + (m * plan.world_size + rank) * micro for m in range(plan.grad_accum))]
+
+
+class _RankPositions:
+    """Batch sampler: this rank's stream positions, one micro-batch at a time."""
 
     def __init__(self, plan: BatchPlan, rank: int, consumed: int):
         self.plan, self.rank, self.consumed = plan, rank, consumed
 
     def __iter__(self) -> Iterator[list[int]]:
-        p, micro = self.plan, self.plan.micro_batch_size
         step_start = self.consumed
         while True:
-            for m in range(p.grad_accum):
-                lo = step_start + (m * p.world_size + self.rank) * micro
-                yield list(range(lo, lo + micro))
-            step_start += p.global_batch_size
+            yield from step_positions(self.plan, self.rank, step_start)
+            step_start += self.plan.global_batch_size
 
 
 class PretrainingLoader:
@@ -513,5 +517,5 @@ def validation_batches(dataset: PretrainingDataset, samples: int, micro_batch: i
         yield collate([dataset[p % dataset.num_samples] for p in range(lo, lo + micro_batch)], pad)
 
 
-__all__ = ["IGNORE_INDEX", "BlendedDataset", "open_pretraining_data", "PretrainingDataset", "PretrainingLoader", "SpecialTokens",
+__all__ = ["IGNORE_INDEX", "step_positions", "BlendedDataset", "open_pretraining_data", "PretrainingDataset", "PretrainingLoader", "SpecialTokens",
            "build_sample_map", "collate", "validation_batches"]

@@ -1,0 +1,210 @@
+"""BERT's two-phase recipe (most steps at 128 tokens, then 512) from one JSON file.
+
+    python -m bert_ds.phases --config bert_ds/recipes/bert_base_two_phase.json
+    torchrun --nproc-per-node 8 -m bert_ds.phases --config FILE.json
+    python -m bert_ds.phases --config FILE.json --check     # validate and print the plan
+
+The file holds the run's output folder, the model (a preset plus field overrides), a
+base training configuration shared by every phase, and the phases in order, each with
+its name, steps and overrides of the base (``data`` and ``optim`` are merged key by key)::
+
+    {"output": "runs/bert-base",
+     "model": {"preset": "base"},
+     "base": {"data": {"train": ["..."]}, "optim": {"name": "lamb"}, "ds_config": "zero1_bf16.json"},
+     "phases": [{"name": "phase1", "steps": 7038, "data": {"max_seq_length": 128}, "optim": {"lr": 6e-3}},
+                {"name": "phase2", "steps": 1563, "data": {"max_seq_length": 512}, "optim": {"lr": 4e-3}}]}
+
+Design choices:
+- Every phase is an ordinary ``bert_ds.train`` run in ``OUTPUT/<phase name>`` with a
+  :class:`~bert_ds.config.TrainConfig` built and validated up front, so a typo in the
+  last phase fails before the first one starts (unknown keys are a ConfigError).
+- A phase after the first starts from the previous phase's final weights
+  (``model.safetensors``, fp32 master copy) with a fresh optimizer and LR schedule, so it
+  warms up again: what NVIDIA's and Google's BERT recipes do between the phases.
+- Rerunning the same command resumes: a phase whose final checkpoint exists is not rerun,
+  and a phase with checkpoints resumes from its newest one (its weights come from there,
+  not from the previous phase). A stop signal ends the command after the phase's checkpoint.
+- Exit statuses are those of ``bert_ds.train``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bert_ds import checkpoint
+from bert_ds.config import TrainConfig
+from bert_ds.errors import ConfigError
+from bert_ds.model import model_preset
+from bert_ds.train import _print_summary, guarded, run, training_session
+
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+_MERGED = ("data", "optim")  # sections a phase overrides key by key
+_SET_BY_PHASES = ("model", "output", "steps", "init_from")  # a phase's TrainConfig gets these from the plan
+_PHASE_MODEL_KEYS = ("activation_checkpointing", "kernels")  # all a phase may change about the model
+
+
+@dataclass
+class Phase:
+    name: str  # also the phase's folder under the plan's output
+    steps: int  # optimizer steps of this phase (its own count and schedule)
+    overrides: dict[str, Any]  # TrainConfig fields that differ from the base ("data"/"optim": partial)
+    model: dict[str, Any]  # subset of _PHASE_MODEL_KEYS
+
+    @classmethod
+    def from_dict(cls, d: Any, index: int) -> "Phase":
+        if not isinstance(d, dict):
+            raise ConfigError(f"phases[{index}]: must be an object, got {type(d).__name__}")
+        d = dict(d)
+        name, steps = d.pop("name", None), d.pop("steps", None)
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
+            raise ConfigError(f"phases[{index}]: name must be a folder-safe string, got {name!r}")
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps <= 0:
+            raise ConfigError(f"phase {name!r}: steps must be a positive integer, got {steps!r}")
+        model = d.pop("model", {})
+        bad = sorted(set(model) - set(_PHASE_MODEL_KEYS)) if isinstance(model, dict) else ["(not an object)"]
+        if bad:
+            raise ConfigError(f"phase {name!r}: a phase may change only {', '.join(_PHASE_MODEL_KEYS)} of the model, "
+                              f"not {', '.join(bad)} (the weights carry over between phases)")
+        clash = sorted(set(d) & set(_SET_BY_PHASES))
+        if clash:
+            raise ConfigError(f"phase {name!r}: {', '.join(clash)} is set by the phase plan, not by a phase")
+        return cls(name, steps, d, model)
+
+
+@dataclass
+class PhasePlan:
+    output: str  # each phase runs in output/<phase name>
+    model: dict[str, Any]  # {"preset": name, **ModelConfig overrides}; vocab_size comes from the data
+    base: dict[str, Any]  # TrainConfig fields shared by all phases (no model, output or steps)
+    phases: list[Phase]
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "PhasePlan":
+        if not isinstance(d, dict):
+            raise ConfigError("a phase plan must be a JSON object")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown, missing = sorted(set(d) - known), sorted(known - set(d))
+        if unknown or missing:
+            raise ConfigError(f"phase plan: {'unknown key(s) ' + ', '.join(unknown) if unknown else ''}"
+                              f"{'; ' if unknown and missing else ''}"
+                              f"{'missing key(s) ' + ', '.join(missing) if missing else ''}")
+        if not isinstance(d["model"], dict) or not isinstance(d["model"].get("preset"), str):
+            raise ConfigError('phase plan: "model" must be an object with a "preset" (tiny, mini, base, large)')
+        if not isinstance(d["base"], dict):
+            raise ConfigError('phase plan: "base" must be an object of training settings')
+        clash = sorted(set(d["base"]) & set(_SET_BY_PHASES))
+        if clash:
+            raise ConfigError(f"phase plan: base sets {', '.join(clash)}; that belongs to the plan or its phases")
+        if not isinstance(d["phases"], list) or not d["phases"]:
+            raise ConfigError('phase plan: "phases" must be a non-empty list')
+        phases = [Phase.from_dict(p, i) for i, p in enumerate(d["phases"])]
+        names = [p.name for p in phases]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"phase plan: phase names must be unique, got {names}")
+        return cls(str(d["output"]), dict(d["model"]), dict(d["base"]), phases)
+
+    @classmethod
+    def load(cls, path: Path) -> "PhasePlan":
+        try:
+            return cls.from_dict(json.loads(Path(path).read_text()))
+        except OSError as e:
+            raise ConfigError(f"{path}: cannot read the phase plan ({e.strerror})") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}: not valid JSON ({e})") from None
+
+    def first_dataset(self) -> Path:
+        train = self.base.get("data", {}).get("train")
+        first = train[0] if isinstance(train, list) and train else train
+        if not isinstance(first, str):
+            raise ConfigError('phase plan: base.data.train must name the training dataset folder(s)')
+        return Path(first)
+
+    def train_configs(self, vocab_size: int) -> list[TrainConfig]:
+        """Each phase's validated TrainConfig (init_from still unset: it is known once the previous phase ends)."""
+        preset = dict(self.model)
+        name = preset.pop("preset")
+        configs = []
+        for phase in self.phases:
+            d = {**self.base, **phase.overrides}
+            for section in _MERGED:
+                d[section] = {**self.base.get(section, {}), **phase.overrides.get(section, {})}
+            try:
+                model = model_preset(name, vocab_size, **{**preset, **phase.model})
+                configs.append(TrainConfig.from_dict({**d, "model": model.to_dict(), "steps": phase.steps,
+                                                      "output": str(Path(self.output) / phase.name)}))
+            except ConfigError as e:
+                raise ConfigError(f"phase {phase.name!r}: {e}") from None
+            except TypeError as e:  # a value of the wrong JSON type reaching a dataclass
+                raise ConfigError(f"phase {phase.name!r}: {e}") from None
+        return configs
+
+
+def finished_checkpoint(cfg: TrainConfig) -> Path | None:
+    """The phase's final checkpoint if it has one (the phase is done), else None."""
+    newest = checkpoint.find_latest(Path(cfg.output) / "checkpoints")
+    if newest is not None and checkpoint.read_train_state(newest).get("step", 0) >= cfg.steps:
+        return newest
+    return None
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bert_ds.phases", description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", required=True, help="phase plan JSON (see bert_ds/recipes/)")
+    p.add_argument("--check", action="store_true", help="validate the plan, print each phase's settings, and exit")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+
+    def body() -> None:
+        from data_tools.manifest import Manifest
+
+        plan = PhasePlan.load(Path(args.config))
+        configs = plan.train_configs(Manifest.load(plan.first_dataset()).vocab_size)
+        if args.check:
+            for phase, cfg in zip(plan.phases, configs):
+                print(f"{phase.name}: {cfg.steps} steps, seq {cfg.data.max_seq_length}, batch "
+                      f"{cfg.global_batch_size} (micro {cfg.micro_batch_size}), lr {cfg.optim.lr:g}, "
+                      f"warm-up {cfg.optim.warmup_steps}, {cfg.ds_config} -> {cfg.output}")
+            return
+        with training_session(configs[0].collective_timeout) as (rank, world, device, stop):
+            say = print if rank == 0 else (lambda *a, **k: None)
+            previous: Path | None = None
+            for phase, cfg in zip(plan.phases, configs):
+                done = finished_checkpoint(cfg)
+                if done is not None:
+                    say(f"[bert_ds.phases] {phase.name}: finished ({done}), not rerun", file=sys.stderr, flush=True)
+                    previous = done
+                    continue
+                if previous is not None:
+                    cfg = dataclasses.replace(cfg, init_from=str(previous))
+                say(f"[bert_ds.phases] {phase.name}: {cfg.steps} steps at seq {cfg.data.max_seq_length}"
+                    f"{', from ' + str(previous) if previous else ''}", file=sys.stderr, flush=True)
+                summary = run(cfg, True, rank, world, device, stop=stop)
+                if rank == 0:
+                    _print_summary(summary)
+                if summary["steps"] < cfg.steps:  # stopped by a signal or --exit_after: rerun to go on
+                    say(f"[bert_ds.phases] {phase.name}: stopped at step {summary['steps']}; rerun the same "
+                        "command to resume", file=sys.stderr, flush=True)
+                    return
+                previous = Path(summary["checkpoint"])
+                gc.collect()  # the phase's engine, before the next one is built
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+
+    return guarded(body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,135 @@
+"""The two-phase recipe (bert_ds.phases): plan validation in-process, and one real run
+whose second phase is killed and resumed."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from safetensors import safe_open
+
+from bert_ds import checkpoint
+from bert_ds.config import TrainConfig
+from bert_ds.errors import ConfigError
+from bert_ds.phases import PhasePlan
+from tests.conftest import REPO, cli_env, run_cli
+
+RECIPES = REPO / "bert_ds" / "recipes"
+
+
+def _tiny_plan(data: dict[str, Path], output: Path) -> dict:
+    plan = json.loads((RECIPES / "tiny_two_phase.json").read_text())
+    plan["output"] = str(output)
+    plan["base"]["data"]["train"] = [str(data["train"])]
+    return plan
+
+
+@pytest.mark.parametrize("recipe", sorted(p.name for p in RECIPES.glob("*.json")))
+def test_bundled_recipes_validate(recipe):
+    plan = PhasePlan.load(RECIPES / recipe)
+    configs = plan.train_configs(vocab_size=30522)
+    assert [c.steps for c in configs] == [p.steps for p in plan.phases]
+    assert all(isinstance(c, TrainConfig) for c in configs)
+    seq = [c.data.max_seq_length for c in configs]
+    print(f"phases: {recipe}: {len(configs)} phases, sequence lengths {seq}")
+    assert seq == sorted(seq)  # short sequences first, as in BERT's recipe
+
+
+def test_phase_overrides_merge_into_the_base():
+    plan = PhasePlan.load(RECIPES / "bert_base_two_phase.json")
+    one, two = plan.train_configs(vocab_size=30522)
+    assert (one.optim.lr, two.optim.lr) == (6e-3, 4e-3)
+    assert one.optim.decay == two.optim.decay == "poly"  # from the base, kept by both
+    assert one.data.train == two.data.train and two.data.max_seq_length == 512
+    assert Path(two.output) == Path(plan.output) / "phase2"
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda d: d.update(phasez=[]), "unknown key"),
+    (lambda d: d["phases"][1].update(stepz=3), "phase 'phase2': unknown TrainConfig field"),
+    (lambda d: d["phases"][1]["optim"].update(lrr=1.0), "phase 'phase2': unknown OptimConfig field"),
+    (lambda d: d["phases"][0].update(model={"hidden_size": 128}), "may change only"),
+    (lambda d: d["phases"][0].update(output="x"), "set by the phase plan"),
+    (lambda d: d["phases"][1].update(name="phase1"), "unique"),
+    (lambda d: d["phases"][0].update(steps=0), "positive integer"),
+    (lambda d: d["phases"][1]["data"].update(max_seq_length=4), "max_seq_length"),
+    (lambda d: d.update(phases=[]), "non-empty"),
+])
+def test_bad_plans_are_config_errors(edit, message):
+    d = json.loads((RECIPES / "tiny_two_phase.json").read_text())
+    edit(d)
+    with pytest.raises(ConfigError, match=message):
+        PhasePlan.from_dict(d).train_configs(vocab_size=2048)
+
+
+def test_check_prints_the_plan_and_a_typo_is_one_line(sample_data, tmp_path):
+    good, bad = tmp_path / "good.json", tmp_path / "bad.json"
+    plan = _tiny_plan(sample_data, tmp_path / "run")
+    good.write_text(json.dumps(plan))
+    proc = run_cli("bert_ds.phases", "--config", str(good), "--check")
+    assert "phase1: 6 steps, seq 64" in proc.stdout and "phase2: 6 steps, seq 128" in proc.stdout
+    plan["phases"][1]["warmup"] = 3
+    bad.write_text(json.dumps(plan))
+    proc = run_cli("bert_ds.phases", "--config", str(bad), "--check", check=False)
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(err) == 1 and "phase 'phase2'" in err[0] and "warmup" in err[0], proc.stderr
+
+
+def _records(out: Path) -> list[dict]:
+    path = out / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    lines = []
+    for line in path.read_text().splitlines():
+        try:
+            lines.append(json.loads(line))
+        except ValueError:  # being written
+            pass
+    return [r for r in lines if "split" not in r]
+
+
+def test_two_phases_run_and_a_crash_in_phase_two_resumes_phase_two(sample_data, tmp_path):
+    root = tmp_path / "run"
+    config = tmp_path / "plan.json"
+    config.write_text(json.dumps(_tiny_plan(sample_data, root)))
+    p1, p2 = root / "phase1", root / "phase2"
+    cmd = [sys.executable, "-m", "bert_ds.phases", "--config", str(config)]
+    with open(tmp_path / "first.log", "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=cli_env(), cwd=REPO)
+        deadline = time.monotonic() + 180
+        while not (_records(p2) and _records(p2)[-1]["step"] >= 3):
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "first.log").read_text()[-3000:]
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    first = (tmp_path / "first.log").read_text()
+    before = _records(p2)
+    phase1_lines = len(_records(p1))
+
+    second = run_cli("bert_ds.phases", "--config", str(config))
+    phase1_final = checkpoint.step_dir_name(6)
+    assert f"phase1: finished ({p1 / 'checkpoints' / phase1_final}" in second.stderr  # not rerun
+    assert len(_records(p1)) == phase1_lines == 6
+    assert f"initialized weights from {p1 / 'checkpoints' / phase1_final / 'model.safetensors'}" in first
+    assert f"resuming from {p2 / 'checkpoints'}" in second.stderr
+
+    after = _records(p2)[len(before):]
+    redone = {r["step"]: r["loss"] for r in after}
+    overlap = [r for r in before if r["step"] in redone]
+    lr1, lr2 = [r["lr"] for r in _records(p1)], [r["lr"] for r in _records(p2)]
+    with safe_open(str(p2 / "checkpoints" / "step_00000002" / checkpoint.OPTIMIZER), framework="pt") as f:
+        steps_at_2 = json.loads(f.metadata()["bert_ds"])["scalars"][0]["step"]["value"]
+    print(f"phases: phase 1 (seq 64, 6 steps) then phase 2 (seq 128) from its final weights, fresh optimizer "
+          f"(LAMB step count {steps_at_2} at phase-2 step 2) and re-warm-up (lr {lr1[-1]:.4g} -> {lr2[0]:.4g} -> "
+          f"{max(lr2):.4g}); SIGKILL in phase 2 at step {before[-1]['step']}: rerun skipped phase 1 and resumed "
+          f"phase 2 at step {after[0]['step']}; {sum(redone[r['step']] == r['loss'] for r in overlap)}/{len(overlap)} "
+          f"redone steps identical")
+    assert [r["step"] for r in _records(p2)[len(before):]][-1] == 6 and overlap
+    assert all(redone[r["step"]] == r["loss"] for r in overlap)
+    assert steps_at_2 == 2
+    assert lr2[0] == pytest.approx(1e-2 / 4) and max(lr2) == pytest.approx(1e-2)  # warm-up again, 4 steps
