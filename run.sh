@@ -8,15 +8,36 @@
 #   ./run.sh test [ARGS]     the test suite (pytest ARGS)
 #   ./run.sh setup           only create the environment
 #   ./run.sh prepare         sample corpus -> $DATA_DIR/{train,heldout} shards
-#   ./run.sh pretrain [ARGS] python -m bert_ds.train on $DATA_DIR; ARGS override the defaults
+#   ./run.sh pretrain [ARGS] python -m bert_ds.train on $DATA_DIR; ARGS override the defaults.
+#                            One node: NGPU processes via torchrun --standalone (one plain process
+#                            when NGPU is 1). Several nodes: run the same command on every node with
+#                            NNODES and MASTER_ADDR set; torchrun's c10d rendezvous at
+#                            MASTER_ADDR:MASTER_PORT gives each node its rank (the SLURM recipe in the
+#                            README does exactly this). With NODE_RANK also set, the ranks are fixed
+#                            instead (static rendezvous; MASTER_ADDR must be node 0).
+#   ./run.sh multinode [ARGS] the same training through the deepspeed launcher on the hosts listed
+#                            in $HOSTFILE ("hostname slots=GPUS" per line). Run it once, on the first
+#                            host: it starts the others over passwordless ssh (pdsh), so the repo and
+#                            $VENV must be at the same path on every host. Without ssh, run it on
+#                            every host with NODE_RANK=0,1,... set (deepspeed --no_ssh).
 #   ./run.sh export [CKPT] [OUT]  checkpoint folder -> Hugging Face directory
+#   ./run.sh bench [ARGS]    python -m bert_ds.bench: one training step of bert_ds vs transformers
+#   ./run.sh plot [RUN] [ARGS]  python -m bert_ds.plot: loss/accuracy curves of a run as a PNG
 #
 # Environment (defaults in brackets):
 #   RUN_DIR    [runs/sample]        where shards, checkpoints, metrics and the export go
 #   PRESET     [mini]               model preset: tiny, mini, base, large
 #   STEPS      [300]                optimizer steps of the main job
 #   NGPU       [all visible GPUs, or 1 process on CPU]  processes on this node
+#   NNODES     [1]                  pretrain: nodes in the job (> 1: multi-node rendezvous)
+#   NODE_RANK  [unset]              pretrain: fixed rank of this node; multinode: launch without ssh as this node
+#   MASTER_ADDR [pretrain: required when NNODES > 1; multinode: the first host of $HOSTFILE]  address of node 0
+#   MASTER_PORT [29500]             port of the rendezvous on MASTER_ADDR
+#   RDZV_ID    [bert-ds]            pretrain with NNODES > 1 and no NODE_RANK: the job's rendezvous id
+#   HOSTFILE   [hostfile]           multinode: the deepspeed hostfile
 #   VENV       [.venv]              the environment the first run creates
+#   SETUP      [auto]               auto: create or update $VENV as below; none: use $VENV/bin/python as it
+#                                   is (an environment a cluster image or CI provides)
 #   TORCH_SPEC [torch==2.13.0]      torch to install when none is importable
 #   TORCH_INDEX_URL [unset]         pip index for torch (e.g. the CPU-only wheel index)
 #
@@ -39,6 +60,7 @@ STEPS=${STEPS:-300}
 log() { printf '[run.sh] %s\n' "$*" >&2; }
 
 setup_env() {
+    [[ "${SETUP:-auto}" == none ]] && return
     local stamp="$VENV/.bert-ds-installed" want
     want=$(cat pyproject.toml run.sh | sha256sum | cut -d' ' -f1)
     if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
@@ -86,16 +108,42 @@ prepare() {
         --vocab "$DATA_DIR/train/vocab.txt" --split-sentences --workers 2
 }
 
+train_args() {
+    TRAIN_ARGS=(--data "$DATA_DIR/train" --val-data "$DATA_DIR/heldout" --output "$RUN_DIR/train"
+        --preset "$PRESET" --steps "$STEPS" --lr "${LR:-2e-2}" --warmup-steps "${WARMUP:-30}" "$@")
+}
+
 pretrain() {
     export_accelerator
-    local n; n=$(nproc_per_node)
-    local args=(--data "$DATA_DIR/train" --val-data "$DATA_DIR/heldout" --output "$RUN_DIR/train"
-        --preset "$PRESET" --steps "$STEPS" --lr "${LR:-2e-2}" --warmup-steps "${WARMUP:-30}" "$@")
-    if [[ "$n" -gt 1 ]]; then
-        python_ -m torch.distributed.run --standalone --nproc-per-node "$n" -m bert_ds.train "${args[@]}"
+    local n nnodes=${NNODES:-1}; n=$(nproc_per_node)
+    train_args "$@"
+    if [[ "$nnodes" -gt 1 && -n "${NODE_RANK:-}" ]]; then
+        python_ -m torch.distributed.run --nnodes "$nnodes" --node-rank "$NODE_RANK" --nproc-per-node "$n" \
+            --master-addr "${MASTER_ADDR:?MASTER_ADDR must name node 0 when NNODES > 1}" --master-port "${MASTER_PORT:-29500}" \
+            -m bert_ds.train "${TRAIN_ARGS[@]}"
+    elif [[ "$nnodes" -gt 1 ]]; then
+        python_ -m torch.distributed.run --nnodes "$nnodes" --nproc-per-node "$n" --rdzv-backend c10d \
+            --rdzv-endpoint "${MASTER_ADDR:?MASTER_ADDR must name node 0 when NNODES > 1}:${MASTER_PORT:-29500}" \
+            --rdzv-id "${RDZV_ID:-bert-ds}" -m bert_ds.train "${TRAIN_ARGS[@]}"
+    elif [[ "$n" -gt 1 ]]; then
+        python_ -m torch.distributed.run --standalone --nproc-per-node "$n" -m bert_ds.train "${TRAIN_ARGS[@]}"
     else
-        python_ -m bert_ds.train "${args[@]}"
+        python_ -m bert_ds.train "${TRAIN_ARGS[@]}"
     fi
+}
+
+multinode() {
+    local hostfile=${HOSTFILE:-hostfile}
+    if [[ ! -f "$hostfile" ]]; then
+        echo "run.sh: multinode needs a deepspeed hostfile ('hostname slots=GPUS' per line): $hostfile not found (set HOSTFILE)" >&2
+        exit 2
+    fi
+    export_accelerator
+    train_args "$@"
+    local launcher=(--hostfile "$hostfile" --master_port "${MASTER_PORT:-29500}")
+    [[ -n "${MASTER_ADDR:-}" ]] && launcher+=(--master_addr "$MASTER_ADDR")
+    [[ -n "${NODE_RANK:-}" ]] && launcher+=(--no_ssh --node_rank "$NODE_RANK")
+    python_ -m deepspeed.launcher.runner "${launcher[@]}" --module bert_ds.train "${TRAIN_ARGS[@]}"
 }
 
 export_hf() {
@@ -112,7 +160,10 @@ case "$mode" in
         python_ -m pytest "$@" ;;
     prepare) setup_env; prepare ;;
     pretrain) setup_env; pretrain "$@" ;;
+    multinode) setup_env; multinode "$@" ;;
     export) setup_env; export_hf "$@" ;;
+    bench) setup_env; export_accelerator; python_ -m bert_ds.bench "$@" ;;
+    plot) setup_env; python_ -m bert_ds.plot "${1:-$RUN_DIR/train}" "${@:2}" ;;
     main)
         setup_env
         prepare
@@ -120,5 +171,5 @@ case "$mode" in
         export_hf
         python_ -m bert_ds.demo "$RUN_DIR" ;;
     -h|--help|help) sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//' ;;
-    *) echo "run.sh: unknown mode '$mode' (modes: main, test, setup, prepare, pretrain, export; see ./run.sh --help)" >&2; exit 2 ;;
+    *) echo "run.sh: unknown mode '$mode' (modes: main, test, setup, prepare, pretrain, multinode, export, bench, plot; see ./run.sh --help)" >&2; exit 2 ;;
 esac

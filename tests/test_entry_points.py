@@ -6,7 +6,8 @@ import pytest
 
 from tests.conftest import REPO, run_cli
 
-MODULES = ["bert_ds.train", "bert_ds.export", "bert_ds.demo", "data_tools", "data_tools build",
+MODULES = ["bert_ds.train", "bert_ds.export", "bert_ds.demo", "bert_ds.plot", "bert_ds.bench", "bert_ds.phases", "bert_ds.bundle",
+           "data_tools", "data_tools build",
            "data_tools verify", "data_tools inspect"]
 
 

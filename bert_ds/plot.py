@@ -1,0 +1,143 @@
+"""Plot a training run's loss and accuracies against the optimizer step.
+
+    python -m bert_ds.plot RUN_DIR [--out FILE.png]
+
+Reads ``RUN_DIR/metrics.jsonl`` (written by :mod:`bert_ds.train`) and writes one PNG
+(default ``RUN_DIR/metrics.png``) with two panels: loss, and MLM / NSP accuracy, each
+with the training curve and the validation points (records with ``"split": "val"``).
+
+Design choices, and why:
+
+- **The later record of a step wins.** A resumed run appends to the same file and
+  re-runs the steps after its last checkpoint, so a step can appear twice; the later
+  line is the one the run continued from.
+- **Raw training values are drawn faint, with a moving average on top.** Per-step
+  losses of small batches are noisy; the average shows the trend, the faint line
+  shows the noise is not hidden.
+- **An unfinished last line is skipped**, so a run can be plotted while it writes;
+  a damaged line elsewhere is an error naming the line.
+- **Series that are absent or NaN are left out**, not drawn as gaps: ``--pair-task
+  none`` runs have no NSP accuracy, and a run without ``--val-data`` has no val points.
+- **Agg backend**, selected before pyplot is imported: no display is needed, and
+  importing this module never changes another program's backend.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+from data_tools.errors import UserError
+
+# (metric key, label) per panel; the colours pair train and val of one metric.
+_PANELS = (
+    ("loss", [("loss", "loss", "tab:blue")]),
+    ("accuracy", [("mlm_acc", "MLM accuracy", "tab:green"), ("nsp_acc", "NSP accuracy", "tab:orange")]),
+)
+
+
+class MetricsError(UserError):
+    """metrics.jsonl is missing, empty or unreadable."""
+
+
+def read_metrics(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Train and val records of a metrics.jsonl, each sorted by step, one record per step."""
+    if not path.is_file():
+        raise MetricsError(f"{path} does not exist (is the folder a bert_ds.train --output?)")
+    train: dict[int, dict[str, Any]] = {}
+    val: dict[int, dict[str, Any]] = {}
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                step = int(record["step"])
+            except (ValueError, KeyError, TypeError) as err:
+                if not line.endswith("\n"):
+                    break  # the last line of a run still writing (or killed mid-write): not yet a record
+                raise MetricsError(f"{path}:{number}: not a metrics record ({err})") from err
+            (val if record.get("split") == "val" else train)[step] = record
+    if not train and not val:
+        raise MetricsError(f"{path} holds no records")
+    return [train[s] for s in sorted(train)], [val[s] for s in sorted(val)]
+
+
+def moving_average(values: list[float], window: int) -> list[float]:
+    """Trailing mean over up to ``window`` values (shorter at the start)."""
+    out, total, queue = [], 0.0, []
+    for v in values:
+        queue.append(v)
+        total += v
+        if len(queue) > window:
+            total -= queue.pop(0)
+        out.append(total / len(queue))
+    return out
+
+
+def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
+    pairs = [(r["step"], float(r[key])) for r in records
+             if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+    return [p[0] for p in pairs], [p[1] for p in pairs]
+
+
+def plot_metrics(train: list[dict[str, Any]], val: list[dict[str, Any]], out: Path, title: str = "") -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), dpi=100)
+    window = max(1, len(train) // 25)
+    for ax, (ylabel, metrics) in zip(axes, _PANELS):
+        for key, label, colour in metrics:
+            steps, values = _series(train, key)
+            if steps:
+                if window > 1:
+                    ax.plot(steps, values, color=colour, alpha=0.25, linewidth=0.8)
+                    ax.plot(steps, moving_average(values, window), color=colour, linewidth=1.6,
+                            label=f"train {label} (mean of {window})")
+                else:
+                    ax.plot(steps, values, color=colour, linewidth=1.6, label=f"train {label}")
+            steps, values = _series(val, key)
+            if steps:
+                ax.plot(steps, values, color=colour, linestyle="--", marker="o", markersize=5,
+                        label=f"val {label}")
+        ax.set_xlabel("step")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    axes[1].set_ylim(0.0, 1.0)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, format="png")
+    plt.close(fig)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bert_ds.plot",
+                                     description="Plot loss and MLM/NSP accuracy (train and val) of a run's "
+                                                 "metrics.jsonl against the step, as a PNG.")
+    parser.add_argument("run_dir", metavar="RUN_DIR", type=Path, help="a bert_ds.train --output folder")
+    parser.add_argument("--out", type=Path, default=None, help="PNG to write (default: RUN_DIR/metrics.png)")
+    args = parser.parse_args(argv)
+    try:
+        train, val = read_metrics(args.run_dir / "metrics.jsonl")
+        out = plot_metrics(train, val, args.out or args.run_dir / "metrics.png", title=str(args.run_dir))
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {out} ({len(train)} train steps, {len(val)} validation passes)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

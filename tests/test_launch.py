@@ -1,0 +1,103 @@
+"""Multi-node launch modes of run.sh, as two "nodes" on one machine (CPU, gloo).
+
+Each test starts run.sh twice, once per node, the way a user starts it on each host:
+``pretrain`` with NNODES=2 (torchrun, static ranks or the c10d rendezvous that the SLURM
+recipe uses) and ``multinode`` (the deepspeed launcher, --no_ssh with NODE_RANK). One
+process per node, tiny model; both must exit 0 and rank 0's metrics.jsonl must hold
+every step.
+"""
+
+import json
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO, cli_env
+
+pytestmark = pytest.mark.distributed
+
+STEPS = 4
+TRAIN_ARGS = ["--preset", "tiny", "--seq-len", "64", "--global-batch-size", "16", "--micro-batch-size", "8",
+              "--lr", "3e-2", "--warmup-steps", "2", "--val-samples", "32", "--no-progress", "--no-tensorboard",
+              "--num-workers", "0", "--steps", str(STEPS)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def this_python(tmp_path):
+    """A VENV for run.sh whose python is the interpreter running the tests (SETUP=none: no install)."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    python = venv / "bin" / "python"
+    python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    python.chmod(0o755)
+    return venv
+
+
+def _launch_two_nodes(mode, env_per_node, venv, sample_data, out):
+    args = ["--data", str(sample_data["train"]), "--val-data", str(sample_data["heldout"]),
+            "--output", str(out), *TRAIN_ARGS]
+    procs = []
+    for node_env in env_per_node:
+        env = {**cli_env(), "VENV": str(venv), "SETUP": "none", "NGPU": "1", **node_env}
+        procs.append(subprocess.Popen([str(REPO / "run.sh"), mode, *args], cwd=REPO, env=env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    outputs = []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=300)[0])
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    for node, (proc, output) in enumerate(zip(procs, outputs)):
+        assert proc.returncode == 0, f"node {node} exited {proc.returncode}\n{output[-6000:]}"
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if "split" not in r]
+    assert [r["step"] for r in train] == list(range(1, STEPS + 1))
+    assert sum(r.get("split") == "val" for r in records) == 1
+    assert (out / "checkpoints" / "latest" / "COMPLETE").is_file()
+    return outputs
+
+
+@pytest.mark.parametrize("rendezvous", ["static", "c10d"])
+def test_pretrain_on_two_nodes_with_torchrun(sample_data, tmp_path, this_python, rendezvous):
+    port = str(_free_port())
+    common = {"NNODES": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "RDZV_ID": f"test-{port}"}
+    nodes = [{**common, "NODE_RANK": str(rank)} if rendezvous == "static" else common for rank in (0, 1)]
+    outputs = _launch_two_nodes("pretrain", nodes, this_python, sample_data, tmp_path / "run")
+    # rank 0 states the world: 2 ranks of 1 process each
+    assert any("x 2 ranks" in output for output in outputs), outputs[0][-3000:]
+
+
+def test_multinode_with_the_deepspeed_launcher_without_ssh(sample_data, tmp_path, this_python):
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node-a slots=1\nnode-b slots=1\n")
+    common = {"HOSTFILE": str(hostfile), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    outputs = _launch_two_nodes("multinode", [{**common, "NODE_RANK": "0"}, {**common, "NODE_RANK": "1"}],
+                                this_python, sample_data, tmp_path / "run")
+    assert any("x 2 ranks" in output for output in outputs), outputs[0][-3000:]
+
+
+def test_multinode_without_a_hostfile_is_a_one_line_error(tmp_path, this_python):
+    env = {**cli_env(), "VENV": str(this_python), "SETUP": "none", "HOSTFILE": str(tmp_path / "nope")}
+    proc = subprocess.run([str(REPO / "run.sh"), "multinode"], cwd=REPO, env=env, capture_output=True, text=True)
+    assert proc.returncode == 2
+    err = proc.stderr.strip().splitlines()
+    assert len(err) == 1 and "hostfile" in err[0] and "nope" in err[0]
+
+
+def test_pretrain_on_several_nodes_needs_master_addr(tmp_path, this_python):
+    env = {k: v for k, v in cli_env().items() if k != "MASTER_ADDR"}
+    env.update(VENV=str(this_python), SETUP="none", NNODES="2", RUN_DIR=str(tmp_path / "run"))
+    proc = subprocess.run([str(REPO / "run.sh"), "pretrain"], cwd=REPO, env=env, capture_output=True, text=True)
+    assert proc.returncode != 0 and "MASTER_ADDR must name node 0" in proc.stderr
+    assert not (tmp_path / "run").exists()  # stopped before anything started
