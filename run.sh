@@ -26,8 +26,8 @@
 #
 # Environment (defaults in brackets):
 #   RUN_DIR    [runs/sample]        where shards, checkpoints, metrics and the export go
-#   PRESET     [mini]               model preset: tiny, mini, base, large
-#   STEPS      [300]                optimizer steps of the main job
+#   PRESET     [tiny]               model preset: tiny, mini, base, large
+#   STEPS      [1500]               optimizer steps of the main job
 #   NGPU       [all visible GPUs, or 1 process on CPU]  processes on this node
 #   NNODES     [1]                  pretrain: nodes in the job (> 1: multi-node rendezvous)
 #   NODE_RANK  [unset]              pretrain: fixed rank of this node; multinode: launch without ssh as this node
@@ -54,8 +54,8 @@ SYS_PYTHON=${PYTHON:-python3}
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
 RUN_DIR=${RUN_DIR:-runs/sample}
 DATA_DIR=$RUN_DIR/data
-PRESET=${PRESET:-mini}
-STEPS=${STEPS:-300}
+PRESET=${PRESET:-tiny}
+STEPS=${STEPS:-1500}
 
 log() { printf '[run.sh] %s\n' "$*" >&2; }
 
@@ -110,7 +110,7 @@ prepare() {
 
 train_args() {
     TRAIN_ARGS=(--data "$DATA_DIR/train" --val-data "$DATA_DIR/heldout" --output "$RUN_DIR/train"
-        --preset "$PRESET" --steps "$STEPS" --lr "${LR:-2e-2}" --warmup-steps "${WARMUP:-30}" "$@")
+        --preset "$PRESET" --steps "$STEPS" --lr "${LR:-1e-2}" --warmup-steps "${WARMUP:-100}" "$@")
 }
 
 pretrain() {
