@@ -67,6 +67,7 @@ import numpy as np
 import torch
 
 from bert_ds.errors import ConfigError, UserError
+from data_tools.errors import report
 from bert_ds.flops import datasheet_peak_tflops, training_flops
 from bert_ds.model import PRESETS, BertForPreTraining, ModelConfig, model_preset
 
@@ -454,8 +455,7 @@ def main(argv: list[str] | None = None) -> int:
             vocab_size=args.vocab_size, data=args.data, seed=args.seed, probes=not args.no_probes)
         result = run(settings)
     except UserError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return report(err)
     print(markdown(result), flush=True)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)

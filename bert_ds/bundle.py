@@ -75,7 +75,7 @@ from packaging.utils import InvalidWheelFilename, canonicalize_name, parse_wheel
 from packaging.version import Version
 
 from data_tools.atomic import atomic_write
-from data_tools.errors import UserError
+from data_tools.errors import UserError, report
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 MARKER = ".bert-ds-bundle"  # an OUT_DIR holding it is an earlier bundle and may be rewritten
@@ -601,8 +601,7 @@ def main(argv: list[str] | None = None) -> int:
         target = make_target(args.python_version, args.platform or ["manylinux_2_28_x86_64"])
         wheels = make_bundle(args.out_dir, target, args.torch, args.extra_index_url)
     except UserError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return report(err)
     size = sum(w.stat().st_size for w in wheels)
     print(f"{len(wheels)} wheels, {size / 2**20:,.0f} MiB, in {args.out_dir}; install with "
           f"{args.out_dir / 'INSTALL.md'}")

@@ -13,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-from data_tools.errors import UserError
+from data_tools.errors import UserError, report
 
 SENTENCES = (
     "The European lobster is a species of [MASK] from the eastern Atlantic Ocean .",
@@ -62,8 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"export: {export_dir.resolve()}")
         return 0
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return report(e)
 
 
 if __name__ == "__main__":

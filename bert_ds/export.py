@@ -37,6 +37,7 @@ from safetensors.torch import load_file, save_file
 
 from bert_ds import checkpoint
 from bert_ds.errors import ConfigError, UserError
+from data_tools.errors import report
 from bert_ds.model import BertForPreTraining, ModelConfig
 from data_tools.atomic import fsync_path
 
@@ -276,8 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         out = export_checkpoint(args.checkpoint_dir, args.out_dir)
     except UserError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return report(err)
     print(f"exported {args.checkpoint_dir} to {out}")
     return 0
 

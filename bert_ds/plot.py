@@ -31,7 +31,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from data_tools.errors import UserError
+from data_tools.errors import UserError, report
 
 # (metric key, label) per panel; the colours pair train and val of one metric.
 _PANELS = (
@@ -133,8 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         train, val = read_metrics(args.run_dir / "metrics.jsonl")
         out = plot_metrics(train, val, args.out or args.run_dir / "metrics.png", title=str(args.run_dir))
     except UserError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return report(err)
     print(f"wrote {out} ({len(train)} train steps, {len(val)} validation passes)")
     return 0
 

@@ -59,9 +59,7 @@ from bert_ds.metrics import MetricsLogger
 from bert_ds.model import PRESETS, BertForPreTraining, model_preset
 from bert_ds.optim import bind_to_engine, build_optimizer, build_schedule
 from bert_ds.signals import EXIT_RANK_FAILURE, StopRequest
-from data_tools.errors import UserError
-
-EXIT_USER_ERROR = 2
+from data_tools.errors import EXIT_USER_ERROR, UserError
 EXIT_BAD_STEPS = 3
 
 

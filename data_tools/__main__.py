@@ -20,7 +20,7 @@ import argparse
 import os
 import sys
 
-from data_tools.errors import UserError
+from data_tools.errors import UserError, report
 
 
 def _positive_float(text: str) -> float:
@@ -163,8 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except UserError as e:
-        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
-        return 2
+        return report(e)
     except BrokenPipeError:  # stdout closed early (`inspect DIR --decode 9 | head`): not a failure
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0

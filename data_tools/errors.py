@@ -6,6 +6,10 @@ class, print ``error: <message>`` and exit with status 2. Anything else is a bug
 keeps its traceback.
 """
 
+import sys
+
+EXIT_USER_ERROR = 2  # the exit status of every entry point for bad input
+
 
 class UserError(Exception):
     """Bad input the user can fix: the message says what is wrong and where."""
@@ -13,3 +17,9 @@ class UserError(Exception):
 
 class ShardError(UserError):
     """A token shard or dataset manifest is missing, damaged or inconsistent."""
+
+
+def report(err: Exception | str) -> int:
+    """Print ``error: <message>`` as one line on stderr; return :data:`EXIT_USER_ERROR`."""
+    print(f"error: {' '.join(str(err).split())}", file=sys.stderr, flush=True)
+    return EXIT_USER_ERROR
