@@ -21,7 +21,7 @@
 #                            $VENV must be at the same path on every host. Without ssh, run it on
 #                            every host with NODE_RANK=0,1,... set (deepspeed --no_ssh).
 #   ./run.sh export [CKPT] [OUT]  checkpoint folder -> Hugging Face directory
-#   ./run.sh bench [ARGS]    python -m bert_ds.bench: one training step of bert_ds vs transformers
+#   ./run.sh bench [ARGS]    python -m bert_ds.bench: training throughput of bert_ds vs transformers
 #   ./run.sh plot [RUN] [ARGS]  python -m bert_ds.plot: loss/accuracy curves of a run as a PNG
 #
 # Environment (defaults in brackets):

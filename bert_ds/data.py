@@ -462,10 +462,13 @@ class PretrainingLoader:
     """Micro-batches for one rank, resumable from a consumed-sample count."""
 
     def __init__(self, dataset: PretrainingDataset | BlendedDataset, plan: BatchPlan, rank: int, consumed_samples: int = 0,
-                 num_workers: int = 0):
+                 num_workers: int = 0, pin_memory: bool = False):
         self.dataset, self.plan, self.rank = dataset, plan, rank
         self.consumed_samples = consumed_samples
         self.num_workers = num_workers
+        # Page-locked batches let the host-to-GPU copy run asynchronously (non_blocking=True);
+        # from pageable memory that copy blocks the host until it is done.
+        self.pin_memory = pin_memory
         self._iter: Iterator[dict[str, torch.Tensor]] | None = None
 
     def _make_iter(self) -> Iterator[dict[str, torch.Tensor]]:
@@ -475,6 +478,7 @@ class PretrainingLoader:
             batch_sampler=_RankPositions(self.plan, self.rank, self.consumed_samples),
             collate_fn=lambda samples: collate(samples, pad),
             num_workers=self.num_workers,
+            pin_memory=self.pin_memory,
             # The loader draws a base seed when an iterator starts; its own generator keeps that
             # draw off the global RNG, which drives dropout and must resume exactly.
             generator=torch.Generator().manual_seed(self.dataset.seed),

@@ -326,7 +326,8 @@ def run(cfg: TrainConfig, resume: bool, rank: int, world: int, device: torch.dev
     elif cfg.init_from:
         source = checkpoint.load_weights(engine, Path(cfg.init_from))
         notes.append(f"initialized weights from {source} (fresh optimizer and schedule)")
-    loader = PretrainingLoader(train_set, plan, rank, num_workers=cfg.data.num_workers)
+    loader = PretrainingLoader(train_set, plan, rank, num_workers=cfg.data.num_workers,
+                               pin_memory=device.type == "cuda")
     if state.loader:
         loader.load_state_dict(state.loader)
 

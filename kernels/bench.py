@@ -33,7 +33,6 @@ Design choices, and why:
 import argparse
 import json
 import math
-import subprocess
 import sys
 import warnings
 from collections.abc import Callable
@@ -43,7 +42,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kernels import _build
+from kernels import _build, probes
 from kernels.attention import varlen_attention, varlen_attention_ref
 from kernels.bias_gelu import bias_gelu, bias_gelu_ref
 from kernels.layer_norm import layer_norm, layer_norm_ref
@@ -55,7 +54,7 @@ OPS = ("layer_norm", "bias_gelu", "varlen_attention")
 HEAD_DIM = 64
 
 
-# --------------------------------------------------------------------------- timing and probes
+# --------------------------------------------------------------------------- timing
 
 def time_ms(fn: Callable[[], Any], reps: int, warmup: int = 3) -> float:
     """Milliseconds per call: best of three rounds of ``reps`` back-to-back calls."""
@@ -71,18 +70,6 @@ def time_ms(fn: Callable[[], Any], reps: int, warmup: int = 3) -> float:
         end.synchronize()
         best = min(best, start.elapsed_time(end) / reps)
     return best
-
-
-def probes(reps: int) -> dict[str, float]:
-    """The device's copy bandwidth (GB/s, read + write) and bf16 matmul rate (TFLOP/s), measured now."""
-    src = torch.randn(256 * 2**20, device="cuda")  # 1 GiB of fp32
-    dst = torch.empty_like(src)
-    copy_ms = time_ms(lambda: dst.copy_(src), reps)
-    n = 8192
-    a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    matmul_ms = time_ms(lambda: a @ b, reps)
-    del src, dst, a, b
-    return {"copy_gb_per_s": 2 * 256 * 2**20 * 4 / copy_ms / 1e6, "matmul_tflops": 2 * n**3 / matmul_ms / 1e9}
 
 
 def forward_backward(fn: Callable[..., torch.Tensor], inputs: list[torch.Tensor], grad: torch.Tensor):
@@ -201,7 +188,7 @@ def measure(fn: Callable[[], Any], reps: int) -> tuple[float | None, str]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     dtype = DTYPES[args.dtype]
-    device = probes(args.reps)
+    device = probes.measure(torch.device("cuda"))
     rows = []
 
     def add(op, model, shape, impl, pass_, ms, why, amount, unit):
@@ -235,27 +222,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         forward_backward(fn, [t.detach().requires_grad_() for t in inputs], grad)
                     ms, why = measure(call, args.reps)
                     add(op, model, shape, impl, pass_, ms, why, nbytes[pass_], "GB/s")
-    return {"environment": environment(), "dtype": args.dtype, "tokens": args.tokens, "device_probes": device,
+    return {"environment": probes.environment(torch.device("cuda")), "dtype": args.dtype, "tokens": args.tokens, "device_probes": device,
             "rows": rows}
-
-
-def environment() -> dict[str, Any]:
-    repo = Path(__file__).resolve().parents[1]
-
-    def command(*cmd: str) -> str | None:
-        try:
-            out = subprocess.run(cmd, capture_output=True, text=True, cwd=repo, timeout=30)
-        except (OSError, subprocess.TimeoutExpired):
-            return None
-        return out.stdout.strip() if out.returncode == 0 else None
-
-    dirty = command("git", "status", "--porcelain", "--untracked-files=no")
-    driver = command("nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader")
-    capability = ".".join(map(str, torch.cuda.get_device_capability()))
-    return {"device": torch.cuda.get_device_name(), "capability": capability,
-            "driver": driver.splitlines()[0] if driver else None, "torch": torch.__version__,
-            "cuda": torch.version.cuda, "git_commit": command("git", "rev-parse", "HEAD"),
-            "git_dirty": None if dirty is None else bool(dirty), "extension_source_hash": _build.source_hash()}
 
 
 def markdown(result: dict[str, Any]) -> str:

@@ -97,6 +97,58 @@ __device__ __forceinline__ void accumulators_as_a(uint32_t (&a)[4], const float 
   a[3] = pack2<T>(hi[2], hi[3]);
 }
 
+// Warp tile products, the same three shapes in both passes. A warp owns a strip of 16
+// rows; `float acc[NT][4]` is that strip times 8 NT columns in the mma D layout (n8 tile
+// nt: rows g, g + 8, columns 2t, 2t + 1). B comes from a shared tile, `stride` elements
+// per row. The sizes are template parameters so that every loop unrolls fully and the
+// fragment arrays stay in registers.
+
+// acc (16 x 8 NT) += A B^T over k = 16 KT: a[kk] the A operand of k step kk, B^T the first
+// 8 NT rows of a tile stored rows = n, cols = k (S = Q K^T, P^T = K Q^T, dP^T = V dO^T).
+template <typename T, int NT, int KT>
+__device__ __forceinline__ void mma_abt(float (&acc)[NT][4], const uint32_t (&a)[KT][4], const T* tile, int stride,
+                                        int lane) {
+#pragma unroll
+  for (int kk = 0; kk < KT; ++kk) {
+#pragma unroll
+    for (int np = 0; np < NT / 2; ++np) {
+      uint32_t b[4];
+      ldmatrix_x4(b, b_rows_n(tile, stride, np * 16, kk * 16, lane));
+      mma_16816<T>(acc[2 * np], a[kk], b[0], b[1]);
+      mma_16816<T>(acc[2 * np + 1], a[kk], b[2], b[3]);
+    }
+  }
+}
+
+// acc (16 x 8 NT) += A B over one k step: `a` a 16 x 16 A operand, B rows k0 .. k0 + 15
+// of a tile stored rows = k, cols = n (ldmatrix .trans). One step at a time because the
+// callers make A on the fly (accumulators_as_a, or dS read transposed for dQ = dS K).
+template <typename T, int NT>
+__device__ __forceinline__ void mma_ab_step(float (&acc)[NT][4], const uint32_t (&a)[4], const T* tile, int stride,
+                                            int k0, int lane) {
+#pragma unroll
+  for (int np = 0; np < NT / 2; ++np) {
+    uint32_t b[4];
+    ldmatrix_x4_trans(b, b_rows_k(tile, stride, np * 16, k0, lane));
+    mma_16816<T>(acc[2 * np], a, b[0], b[1]);
+    mma_16816<T>(acc[2 * np + 1], a, b[2], b[3]);
+  }
+}
+
+// acc (16 x 8 NT) += P B over k = 8 PT: P the accumulator of an earlier product, turned
+// into A operands in registers (accumulators_as_a), B a tile stored rows = k, cols = n
+// (O += P V, dV += P^T dO, dK += dS^T Q).
+template <typename T, int NT, int PT>
+__device__ __forceinline__ void mma_pb(float (&acc)[NT][4], const float (&p)[PT][4], const T* tile, int stride,
+                                       int lane) {
+#pragma unroll
+  for (int j = 0; j < PT / 2; ++j) {
+    uint32_t pa[4];
+    accumulators_as_a<T>(pa, p[2 * j], p[2 * j + 1]);
+    mma_ab_step<T>(acc, pa, tile, stride, j * 16, lane);
+  }
+}
+
 // ---------------------------------------------------------------- forward
 
 // (kThreads, 2): without a minimum-blocks hint ptxas 13 caps the sm_90 build at 128
@@ -139,16 +191,7 @@ attention_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* 
     __syncthreads();
 
     float s[kBlockN / 8][4] = {};  // S for 16 queries x 64 keys
-#pragma unroll
-    for (int kk = 0; kk < HD / 16; ++kk) {
-#pragma unroll
-      for (int np = 0; np < kBlockN / 16; ++np) {
-        uint32_t kb[4];
-        ldmatrix_x4(kb, b_rows_n(sK, kStride, np * 16, kk * 16, lane));
-        mma_16816<T>(s[2 * np], qa[kk], kb[0], kb[1]);
-        mma_16816<T>(s[2 * np + 1], qa[kk], kb[2], kb[3]);
-      }
-    }
+    mma_abt(s, qa, sK, kStride, lane);
 
     // Online softmax. Every tile holds at least one real key (n0 < len), so the new
     // max is finite and exp2(old - new) is 0 on the first tile, never NaN.
@@ -185,18 +228,7 @@ attention_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* 
     }
 
     // O += P V: k runs over the tile's 64 keys, 16 per mma.
-#pragma unroll
-    for (int j = 0; j < kBlockN / 16; ++j) {
-      uint32_t pa[4];
-      accumulators_as_a<T>(pa, s[2 * j], s[2 * j + 1]);
-#pragma unroll
-      for (int dp = 0; dp < HD / 16; ++dp) {
-        uint32_t vb[4];
-        ldmatrix_x4_trans(vb, b_rows_k(sV, kStride, dp * 16, j * 16, lane));
-        mma_16816<T>(acc[2 * dp], pa, vb[0], vb[1]);
-        mma_16816<T>(acc[2 * dp + 1], pa, vb[2], vb[3]);
-      }
-    }
+    mma_pb(acc, s, sV, kStride, lane);
   }
 
 #pragma unroll
@@ -289,16 +321,7 @@ attention_bwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* 
 
     // P^T = exp2(scale_log2 * K Q^T - lse_log2): 16 keys x 64 queries.
     float p[kBlockM / 8][4] = {};
-#pragma unroll
-    for (int kk = 0; kk < HD / 16; ++kk) {
-#pragma unroll
-      for (int np = 0; np < kBlockM / 16; ++np) {
-        uint32_t qb[4];
-        ldmatrix_x4(qb, b_rows_n(sQ, kStride, np * 16, kk * 16, lane));
-        mma_16816<T>(p[2 * np], ka[kk], qb[0], qb[1]);
-        mma_16816<T>(p[2 * np + 1], ka[kk], qb[2], qb[3]);
-      }
-    }
+    mma_abt(p, ka, sQ, kStride, lane);
 #pragma unroll
     for (int nt = 0; nt < kBlockM / 8; ++nt) {
 #pragma unroll
@@ -309,31 +332,11 @@ attention_bwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* 
     }
 
     // dV += P^T dO: k runs over the 64 queries.
-#pragma unroll
-    for (int j = 0; j < kBlockM / 16; ++j) {
-      uint32_t pa[4];
-      accumulators_as_a<T>(pa, p[2 * j], p[2 * j + 1]);
-#pragma unroll
-      for (int dp = 0; dp < HD / 16; ++dp) {
-        uint32_t ob[4];
-        ldmatrix_x4_trans(ob, b_rows_k(sdO, kStride, dp * 16, j * 16, lane));
-        mma_16816<T>(dv_acc[2 * dp], pa, ob[0], ob[1]);
-        mma_16816<T>(dv_acc[2 * dp + 1], pa, ob[2], ob[3]);
-      }
-    }
+    mma_pb(dv_acc, p, sdO, kStride, lane);
 
     // dP^T = V dO^T: 16 keys x 64 queries, k runs over the head dim.
     float dpt[kBlockM / 8][4] = {};
-#pragma unroll
-    for (int kk = 0; kk < HD / 16; ++kk) {
-#pragma unroll
-      for (int np = 0; np < kBlockM / 16; ++np) {
-        uint32_t ob[4];
-        ldmatrix_x4(ob, b_rows_n(sdO, kStride, np * 16, kk * 16, lane));
-        mma_16816<T>(dpt[2 * np], va[kk], ob[0], ob[1]);
-        mma_16816<T>(dpt[2 * np + 1], va[kk], ob[2], ob[3]);
-      }
-    }
+    mma_abt(dpt, va, sdO, kStride, lane);
 
     // dS^T = P^T * (dP^T - D), in place of P^T (softmax_scale comes at the end).
 #pragma unroll
@@ -343,18 +346,7 @@ attention_bwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* 
     }
 
     // dK += dS^T Q: k runs over the 64 queries.
-#pragma unroll
-    for (int j = 0; j < kBlockM / 16; ++j) {
-      uint32_t da[4];
-      accumulators_as_a<T>(da, p[2 * j], p[2 * j + 1]);
-#pragma unroll
-      for (int dp = 0; dp < HD / 16; ++dp) {
-        uint32_t qb[4];
-        ldmatrix_x4_trans(qb, b_rows_k(sQ, kStride, dp * 16, j * 16, lane));
-        mma_16816<T>(dk_acc[2 * dp], da, qb[0], qb[1]);
-        mma_16816<T>(dk_acc[2 * dp + 1], da, qb[2], qb[3]);
-      }
-    }
+    mma_pb(dk_acc, p, sQ, kStride, lane);
 
     // dS^T to shared memory, rows = this warp's keys: dQ needs all 64 keys of a query.
 #pragma unroll
@@ -373,13 +365,7 @@ attention_bwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* 
     for (int j = 0; j < kBlockN / 16; ++j) {
       uint32_t da[4];
       ldmatrix_x4_trans(da, a_cols(sdS, kSStride, warp * 16, j * 16, lane));
-#pragma unroll
-      for (int dp = 0; dp < HD / 16; ++dp) {
-        uint32_t kb[4];
-        ldmatrix_x4_trans(kb, b_rows_k(sK, kStride, dp * 16, j * 16, lane));
-        mma_16816<T>(dq[2 * dp], da, kb[0], kb[1]);
-        mma_16816<T>(dq[2 * dp + 1], da, kb[2], kb[3]);
-      }
+      mma_ab_step(dq, da, sK, kStride, j * 16, lane);
     }
 #pragma unroll
     for (int i = 0; i < 2; ++i) {

@@ -1,4 +1,4 @@
-"""bert_ds.bench: the smoke run prints a full table, the batches look like the loader's."""
+"""bert_ds.bench: the three variants in one run, their figures, the goals and the projection."""
 
 import json
 import re
@@ -7,49 +7,137 @@ import numpy as np
 import pytest
 import torch
 
-from bert_ds.bench import FULL_LENGTH_PROB, synthetic_length, synthetic_sample
+from bert_ds import bench
+from bert_ds.bench import FULL_LENGTH_PROB, SyntheticPretraining, synthetic_length, synthetic_sample
+from bert_ds.projection import ANCHOR, anchor_mfu, hours_minutes, project
+from kernels.dispatch import KernelUnavailable
 from tests.conftest import run_cli
 
-SMOKE = ["bert_ds.bench", "--device", "cpu", "--preset", "tiny", "--steps", "2", "--warmup", "1",
-         "--batch-size", "8", "--threads", "1"]
+SMOKE = ["--device", "cpu", "--preset", "tiny", "--steps", "2", "--warmup", "1", "--batch-size", "8"]
 
 
-def _table_rows(stdout):
-    rows = [line for line in stdout.splitlines() if line.startswith("| ") and not line.startswith("| model")]
+def _table_rows(text):
+    rows = [line for line in text.splitlines() if line.startswith("| (")]
     return [[cell.strip() for cell in row.strip("|").split("|")] for row in rows]
 
 
-def test_smoke_prints_the_table_with_positive_numbers(tmp_path):
-    proc = run_cli(*SMOKE, "--json", str(tmp_path / "bench.json"))
-    rows = _table_rows(proc.stdout)
-    assert [row[0].split()[0] for row in rows] == ["bert_ds", "transformers"]
-    for row in rows:
-        numbers = [float(cell.replace(",", "").rstrip("%")) for cell in row[1:] if cell != "n/a"]
-        assert len(numbers) >= 5 and all(x > 0 for x in numbers), row
-    speedup = float(re.search(r"\*\*([0-9.]+)x\*\*", proc.stdout).group(1))
-    assert speedup > 0
+def _number(cell):
+    return float(cell.replace(",", "").rstrip("%x").removesuffix(" GiB"))
 
-    result = json.loads((tmp_path / "bench.json").read_text())
+
+def test_smoke_runs_the_three_variants_and_writes_json_and_markdown(tmp_path):
+    proc = run_cli("bert_ds.bench", *SMOKE, "--threads", "1", "--json", str(tmp_path / "b.json"),
+                   "--markdown", str(tmp_path / "b.md"))
+    assert (tmp_path / "b.md").read_text().strip() == proc.stdout.strip()
+    rows = _table_rows(proc.stdout.split("## Projection")[0])
+    assert [row[0][:3] for row in rows] == ["(a)", "(b)", "(c)"]
+    for row in rows:  # ms/step, tokens/s, vs (c), data wait, TFLOP/s, MFU vs matmul: all measured, all > 0
+        assert all(_number(row[i]) > 0 for i in (2, 3, 4, 6, 8)), row
+        assert row[7] == "n/a" and row[9] == "n/a"  # no datasheet peak, no per-variant memory on a CPU
+
+    result = json.loads((tmp_path / "b.json").read_text())
     assert result["settings"]["steps"] == 2 and result["settings"]["warmup"] == 1
-    assert result["loss_check"]["abs_diff"] < 1e-3  # same weights, same batch: same loss
-    for figures in result["results"].values():
-        assert figures["ms_per_step"] > 0 and figures["real_tokens_per_s"] > 0 and figures["useful_tflops"] > 0
+    (config,) = result["configs"]
+    figures = config["results"]
+    assert set(figures) == {"a", "b", "c"} and figures["a"]["kernels"] == "torch (no CUDA device)"
+    losses = [x["first_batch_loss"] for x in figures.values()]
+    assert max(losses) - min(losses) < 1e-3  # same weights, same batch: same loss
+    for x in figures.values():
+        assert 0 <= x["data_wait_share"] < 1 and x["data_wait_ms_per_step"] >= 0
+        assert x["compute_ms_per_step_min"] <= x["ms_per_step"]  # compute is part of the timed wall
+        assert x["real_tokens_per_s"] == pytest.approx(config["batches"]["real_tokens_per_step"] / x["ms_per_step"] * 1e3)
+    assert figures["c"]["speedup_vs_transformers"] == 1.0
+    assert figures["a"]["speedup_vs_transformers"] == pytest.approx(
+        figures["a"]["real_tokens_per_s"] / figures["c"]["real_tokens_per_s"])
+    # Unpadded with a sparse decoder, bert_ds does less work than the padded dense model.
+    assert config["batches"]["padded_dense_gflop_per_step"] > config["batches"]["useful_gflop_per_step"]
     assert result["probes"]["matmul_tflops"] > 0 and result["probes"]["copy_gb_per_s"] > 0
+    assert result["environment"]["git_commit"] and result["goals"] == []  # goals are for a GPU
+    assert result["projection"]["variants"] == {}  # no datasheet peak on a CPU: nothing to carry to an A100
+    assert "10 h 38 min" in proc.stdout and "No projection: no MFU against a datasheet bf16 peak" in proc.stdout
 
 
-def test_batches_from_real_shards(sample_data):
-    proc = run_cli(*SMOKE, "--data", str(sample_data["train"]), "--no-probes")
-    assert "real shards" in proc.stdout and "vocab 2,048" in proc.stdout
-    assert all(float(row[3].replace(",", "")) > 0 for row in _table_rows(proc.stdout))
+def test_two_sequence_lengths_in_one_run_from_real_shards(sample_data, tmp_path):
+    bench.main(["--device", "cpu", "--preset", "tiny", "--steps", "2", "--warmup", "1", "--tokens-per-step", "512",
+                "--seq-len", "32,64", "--data", str(sample_data["train"]), "--workers", "1", "--variants", "b,c",
+                "--no-probes", "--json", str(tmp_path / "b.json")])
+    result = json.loads((tmp_path / "b.json").read_text())
+    assert [(c["seq_len"], c["batch_size"]) for c in result["configs"]] == [(32, 16), (64, 8)]
+    for config in result["configs"]:
+        assert config["source"].startswith("real shards") and config["vocab_size"] == 2048
+        assert set(config["results"]) == {"b", "c"}
+        assert config["batches"]["mean_real_length"] <= config["seq_len"]
+        assert all(x["mfu_vs_matmul"] is None for x in config["results"].values())  # --no-probes
 
 
 def test_bf16_autocast_path_runs(tmp_path):
-    """The CUDA default (bf16 autocast for both models), exercised on the CPU."""
-    run_cli(*SMOKE, "--precision", "bf16", "--steps", "1", "--no-probes", "--json", str(tmp_path / "b.json"))
+    """The CUDA default (bf16 autocast for every variant), exercised on the CPU."""
+    bench.main([*SMOKE, "--precision", "bf16", "--steps", "1", "--no-probes", "--json", str(tmp_path / "b.json")])
     result = json.loads((tmp_path / "b.json").read_text())
     assert result["settings"]["precision"] == "bf16"
-    assert result["loss_check"]["abs_diff"] < 0.05  # bf16 rounding, same model
-    assert all(x["ms_per_step"] > 0 for x in result["results"].values())
+    losses = [x["first_batch_loss"] for x in result["configs"][0]["results"].values()]
+    assert max(losses) - min(losses) < 0.05  # bf16 rounding, same model
+
+
+def test_a_variant_that_cannot_run_fused_is_reported_and_the_others_still_run(monkeypatch):
+    real = bench.build_variant
+
+    def build(v, *args):
+        if v.key == "a":
+            raise KernelUnavailable("kernels=cuda: varlen_attention cannot run fused: head_dim 80")
+        return real(v, *args)
+
+    monkeypatch.setattr(bench, "build_variant", build)
+    result = bench.run(bench.settings_from(bench.parse_args(SMOKE)))
+    figures = result["configs"][0]["results"]
+    assert "head_dim 80" in figures["a"]["not_run"] and figures["b"]["real_tokens_per_s"] > 0
+    text = bench.markdown(result)
+    assert "| (a) bert_ds: fused kernels, unpadded, sparse MLM decoder, LAMB | not run: kernels=cuda" in text
+
+
+def test_goals_compare_the_measured_figures_with_the_targets():
+    def config(seq, speedup, mfu):
+        return {"preset": "base", "seq_len": seq, "results": {"a": {"speedup_vs_transformers": speedup,
+                                                                   "mfu_vs_datasheet_bf16": mfu}}}
+
+    result = {"settings": {"device": "cuda"}, "configs": [config(128, 2.6, 0.45), config(512, 2.9, 0.5)]}
+    assert [(g["measured"], g["met"]) for g in bench.goals(result)] == [
+        ("2.60x", True), ("45.0%", False), ("2.90x", False)]
+    not_run = {"preset": "base", "seq_len": 128, "results": {"a": {"not_run": "no extension"}}}
+    assert bench.goals({**result, "configs": [not_run]}) == [
+        {"goal": "(a) at seq 128", "measured": "not run: no extension", "met": False}]
+    assert bench.goals({**result, "settings": {"device": "cpu"}}) == []
+
+
+def test_projection_carries_each_measured_gpu_mfu_to_the_anchor_run():
+    batches = {"real_tokens_per_step": 16000, "sum_sq_len_per_step": 16000 * 124, "masked_per_step": 2350}
+    results = {"a": {"not_run": "no extension"}, "b": {"mfu_vs_datasheet_bf16": 0.40},
+               "c": {"mfu_vs_datasheet_bf16": 0.10}}
+    result = {"environment": {"device": "NVIDIA H100"},
+              "configs": [{"preset": "base", "seq_len": 512, "batches": batches, "results": {}},
+                          {"preset": "base", "seq_len": 128, "batches": batches, "results": results}]}
+    p = bench.projection(result)
+    assert p["from"]["seq_len"] == 128 and set(p["variants"]) == {"b", "c"}  # the anchor's seq; (a) did not run
+    assert p["variants"]["b"]["seconds"] == pytest.approx(p["variants"]["c"]["seconds"] / 4)
+    assert p["variants"]["b"]["speedup"] == pytest.approx(0.40 / p["anchor_mfu"])
+    text = "\n".join(bench.projection_markdown(p))
+    assert f"| (b) | 40.0% | {p['variants']['b']['tokens_per_s_per_gpu']:,.0f} |" in text
+
+
+def test_projection_arithmetic_reproduces_the_anchor():
+    assert hours_minutes(ANCHOR.seconds) == "10 h 38 min"
+    assert ANCHOR.tokens_per_s_per_gpu == pytest.approx(35.2e9 / 38280 / 8)
+    per_token = 0.545e9
+    same = project(anchor_mfu(per_token), per_token)
+    assert same["seconds"] == pytest.approx(ANCHOR.seconds) and same["speedup"] == pytest.approx(1.0)
+    twice = project(2 * anchor_mfu(per_token), per_token)
+    assert twice["seconds"] == pytest.approx(ANCHOR.seconds / 2)
+    # 50% MFU on a 312 TFLOP/s A100 at 0.545 GFLOP/token: 286k tokens/s per GPU, 35.2B tokens in 4.27 h.
+    half = project(0.5, per_token)
+    assert half["tokens_per_s_per_gpu"] == pytest.approx(0.5 * 312e12 / per_token)
+    assert hours_minutes(half["seconds"]) == "4 h 16 min"
+    with pytest.raises(ValueError):
+        project(0.0, per_token)
 
 
 def test_synthetic_lengths_mimic_the_loader():
@@ -71,9 +159,27 @@ def test_synthetic_sample_is_a_masked_nsp_pair():
     assert (ids[masked] == 4).all()
 
 
+def test_synthetic_samples_depend_only_on_seed_and_position():
+    a, b = SyntheticPretraining(64, 1000, seed=3), SyntheticPretraining(64, 1000, seed=3)
+    assert all(np.array_equal(a[p]["input_ids"], b[p]["input_ids"]) for p in (0, 7, 10**6))
+    assert not np.array_equal(a[0]["input_ids"], SyntheticPretraining(64, 1000, seed=4)[0]["input_ids"])
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--variants", "a,x"], "--variants"),
+    (["--seq-len", "128,abc"], "--seq-len"),
+    (["--seq-len", "1024"], "--seq-len"),
+    (["--preset", "huge"], "preset"),
+    (["--data", "/nonexistent/data"], "--data"),
+])
+def test_bad_settings_are_one_line_errors(args, message, capsys):
+    assert bench.main([*SMOKE, *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and message in err[0]
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
-def test_cuda_without_a_gpu_is_a_one_line_error():
-    proc = run_cli(*SMOKE, "--device", "cuda", check=False)
-    assert proc.returncode == 2
-    err = proc.stderr.strip().splitlines()
+def test_cuda_without_a_gpu_is_a_one_line_error(capsys):
+    assert bench.main([*SMOKE, "--device", "cuda"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:") and "CUDA" in err[0]

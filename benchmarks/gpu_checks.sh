@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Every check of bert-ds that needs a GPU, in one command, with its results in one folder:
+#
+#   benchmarks/gpu_checks.sh [OUT_DIR]     (default: benchmarks/results/<gpu>-<yyyy-mm-dd>)
+#
+#   1. python -m kernels.build                       build the extension, self-check every op
+#   2. pytest tests/kernels/test_cuda_ops.py          every fused op and gradient against its reference
+#   3. python -m kernels.bench                        each op against torch eager / compile / SDPA
+#   4. python -m bert_ds.bench                        (a) fused, (b) torch, (c) transformers at
+#                                                     BERT-Base seq 128 and 512, and the projection
+#
+# Run it from the repository root with a Python that has torch (CUDA), transformers, tokenizers,
+# safetensors and numpy; neither DeepSpeed nor datasets is needed. Every step runs even if an
+# earlier one failed; the exit status is the number of steps that failed. Extra arguments for
+# the model bench go in BENCH_ARGS (e.g. BENCH_ARGS="--preset base,large").
+set -u -o pipefail
+cd "$(dirname "$0")/.."
+python=${PYTHON:-python3}
+# The model in the device name: "NVIDIA H100 80GB HBM3" -> H100, "NVIDIA A100-SXM4-80GB" -> A100.
+gpu=$("$python" -c '
+import re, torch
+if torch.cuda.is_available():
+    name = torch.cuda.get_device_name().removeprefix("NVIDIA ")
+    print((re.search(r"\b[A-Z]+\d+\w*", name) or re.search(r"\w+", name)).group(0))' 2>/dev/null)
+if [[ -z $gpu ]]; then
+    echo "gpu_checks.sh: no CUDA device is visible to $python" >&2
+    exit 2
+fi
+out=${1:-benchmarks/results/$gpu-$(date +%Y-%m-%d)}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+failed=0
+step() {  # step NAME COMMAND...: run, keep stdout+stderr in OUT/NAME.log, count a failure
+    local name=$1; shift
+    echo "== $name: $*"
+    "$@" 2>&1 | tee "$out/$name.log" || { echo "== $name FAILED"; failed=$((failed + 1)); }
+}
+step kernels_build "$python" -m kernels.build
+step test_cuda_ops "$python" -m pytest -q -rs tests/kernels/test_cuda_ops.py
+step kernels_bench "$python" -m kernels.bench --json "$out/kernels_bench.json"
+# shellcheck disable=SC2086  # BENCH_ARGS is a list of words
+step bench "$python" -m bert_ds.bench --json "$out/bench.json" --markdown "$out/bench.md" ${BENCH_ARGS:-}
+echo "== results in $out ($failed step(s) failed)"
+exit "$failed"
