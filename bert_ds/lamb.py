@@ -39,6 +39,7 @@ Design choices, and why:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
@@ -322,18 +323,23 @@ class Lamb(torch.optim.Optimizer):
             grads.append(p.grad), exp_avgs.append(state["exp_avg"]), exp_avg_sqs.append(state["exp_avg_sq"])
             steps.append(state["step"])
 
-        torch._foreach_mul_(exp_avgs, beta1)
-        torch._foreach_add_(exp_avgs, grads, alpha=1 - beta1)
+        torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)  # m + (1 - b1)(g - m): one pass instead of two
         torch._foreach_mul_(exp_avg_sqs, beta2)
         torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
-        updates = torch._foreach_div(exp_avgs, [1 - beta1 ** t for t in steps])
-        denom = torch._foreach_div(exp_avg_sqs, [1 - beta2 ** t for t in steps])
-        torch._foreach_sqrt_(denom)
-        torch._foreach_add_(denom, group["eps"])
-        torch._foreach_div_(updates, denom)
-        del denom
+        # (m / c1) / (sqrt(v / c2) + eps) = m * (sqrt(c2) / c1) / (sqrt(v) + eps sqrt(c2)), with c the
+        # bias corrections: the corrections ride on per-tensor scalars, which saves two passes
+        # over the moments (memory traffic is the whole cost of this step).
+        c1 = [1 - beta1 ** t for t in steps]
+        sqrt_c2 = [math.sqrt(1 - beta2 ** t) for t in steps]
+        denom = torch._foreach_sqrt(exp_avg_sqs)
+        torch._foreach_add_(denom, [group["eps"] * s for s in sqrt_c2])
+        step_sizes = [s / c for s, c in zip(sqrt_c2, c1)]
         if group["weight_decay"] != 0:
-            torch._foreach_add_(updates, params, alpha=group["weight_decay"])
+            updates = torch._foreach_mul(params, group["weight_decay"])
+            torch._foreach_addcdiv_(updates, exp_avgs, denom, step_sizes)
+        else:
+            updates = torch._foreach_div(exp_avgs, denom)
+            torch._foreach_mul_(updates, step_sizes)
         return updates
 
     def _scale_flat_updates(self, flats: list[torch.Tensor], updates: list[torch.Tensor], lr: float) -> None:
