@@ -69,7 +69,12 @@ HEADING_RE = re.compile(r"^\s*(=+)\s.*\s\1\s*$")
 # Split after . ! or ? when whitespace follows and then an uppercase letter (ASCII or
 # Latin-1), a digit or an opening quote. Deterministic and dumb on purpose: "Mr. Smith"
 # splits, "e.g. the" does not, a closing quote after the period blocks the split.
-SENTENCE_SPLIT_RE = re.compile(r"(?<=[.!?])\s+(?=[A-Z0-9\u00C0-\u00D6\u00D8-\u00DE\"'\u201C\u2018])")
+_SPLIT_AFTER = ".!?"
+_SPLIT_BEFORE = r"(?=[A-Z0-9\u00C0-\u00D6\u00D8-\u00DE\"'\u201C\u2018])"
+SENTENCE_SPLIT_RE = re.compile(r"(?<=[" + _SPLIT_AFTER + r"])\s+" + _SPLIT_BEFORE)
+# The same cuts, one pattern per mark: a pattern that starts with a literal lets the
+# regex engine skip ahead to it, ~5x faster than trying the lookbehind at every position.
+_SPLIT_AFTER_EACH = [re.compile(re.escape(mark) + r"\s+" + _SPLIT_BEFORE) for mark in _SPLIT_AFTER]
 _BOM = b"\xef\xbb\xbf"
 _REPLACEMENT = "\ufffd"
 _REPLACEMENT_BYTES = _REPLACEMENT.encode()
@@ -78,6 +83,21 @@ _REPLACEMENT_BYTES = _REPLACEMENT.encode()
 def split_sentences(line: str) -> list[str]:
     """Sentences of one line by ``SENTENCE_SPLIT_RE``, stripped, empty ones dropped."""
     return [s for s in (p.strip() for p in SENTENCE_SPLIT_RE.split(line)) if s]
+
+
+def mark_sentences(text: str, marker: str) -> tuple[str, int]:
+    """``SENTENCE_SPLIT_RE.subn(marker, text)``, faster: (text with marker at each cut, cuts).
+
+    One pass per mark gives the same cuts as one pass over all three, provided the
+    marker holds no mark and no whitespace: a run of whitespace follows exactly one
+    character, so the passes replace different runs, and a replaced run leaves no
+    whitespace behind for a later pass to match.
+    """
+    cuts = 0
+    for pattern, mark in zip(_SPLIT_AFTER_EACH, _SPLIT_AFTER):
+        text, n = pattern.subn(mark + marker, text)
+        cuts += n
+    return text, cuts
 
 
 def heading_level(line: str) -> int:

@@ -203,3 +203,27 @@ def test_sample_map_cache_is_rebuilt_when_a_shard_changes(sample_data, tmp_path)
     second = PretrainingDataset(copy, cfg, seed=0)
     assert not np.array_equal(first.samples, second.samples)
     assert len(second) == len(second.samples)
+
+
+def test_reused_generator_draws_as_a_fresh_philox(dataset):
+    """sample() resets one kept generator per thread instead of building Philox(key) per
+    sample: it must be in the very state a fresh one starts in, whatever came before."""
+    import pickle
+
+    from bert_ds.data import _sample_key
+
+    rng = dataset._rng.keyed(_sample_key(7, 0, 1))
+    rng.random(17), rng.integers(0, 9, size=5)  # leave it mid-buffer, as a sample does
+    for key in (_sample_key(7, 0, 3), _sample_key(7, 2, 3), _sample_key(0, 1, 2**40)):
+        fresh = np.random.Generator(np.random.Philox(key=key))
+        kept = dataset._rng.keyed(key)
+        a, b = kept.bit_generator.state, fresh.bit_generator.state
+        assert {k: a[k] for k in ("buffer_pos", "has_uint32", "uinteger")} == \
+            {k: b[k] for k in ("buffer_pos", "has_uint32", "uinteger")}
+        assert np.array_equal(a["buffer"], b["buffer"])
+        assert all(np.array_equal(a["state"][k], b["state"][k]) for k in ("counter", "key"))
+        assert np.array_equal(kept.random(7), fresh.random(7))
+        assert kept.integers(1, 1000) == fresh.integers(1, 1000)
+    copy = pickle.loads(pickle.dumps(dataset))  # loader workers get a copy with a generator of its own
+    for idx in (0, 4, len(dataset) - 1):
+        assert _equal_samples(copy.sample(1, idx), dataset.sample(1, idx))

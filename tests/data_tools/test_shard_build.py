@@ -305,3 +305,48 @@ def test_damaged_manifest_is_one_shard_error_naming_it(sample, tmp_path, corrupt
         Manifest.load(tmp_path)
     assert str(e.value).startswith(f"{tmp_path / MANIFEST_NAME}: ")
     assert message in str(e.value)
+
+
+# -- sentences joined into few tokenizer inputs ----------------------------------------------
+
+# Lines as the reader yields them (stripped, non-empty), with what could break joining
+# sentences by a special token: control characters only (a sentence with no token),
+# accents and combining marks, final sigma, CJK, words over 100 characters, other
+# special tokens, and splits before quotes, digits and accented capitals.
+TRICKY_LINES = [
+    "Plain one. Two sentences here!", "\x01\x02", "\u0301", "e\u0301te\u0301. E\u0301te\u0301 ended.",
+    "ΟΔΟΣ. ΑΣ? Σ ends here", "中文字。 Next one. 中", "x" * 130 + ". Y" + "y" * 120,
+    "Mr. Smith met Dr. Who? \"Yes.\" 'No.' “Maybe.” 3 times. Élan. Øre.", "[MASK] and [CLS] stay. [UNK]",
+    "Ends with a stop. \x1c\x1f", "tab\tseparated.\tNext\u00a0one.\u3000Third", "?!.",
+]
+
+
+def _tokenize_both_ways(directory, parts, split):
+    from data_tools.build import _Tokenize
+
+    tok = _Tokenize((Path(directory) / "tokenizer.json").read_text(encoding="utf-8"))
+    assert tok.can_join
+    return tok, tok._joined(parts, split), tok._one_by_one(parts, split)
+
+
+def test_sentences_joined_by_a_special_token_encode_as_one_by_one(sample):
+    out, _ = sample
+    lines = TRICKY_LINES * 3 + SAMPLE.read_text(encoding="utf-8").split("\n")[:300]
+    lines = [s for s in (line.strip() for line in lines) if s]
+    parts = [lines[:7], [], lines[7:40], lines[40:41], lines[41:]]
+    for split in ([True] * 5, [False] * 5, [True, False, True, False, True]):
+        _, joined, one_by_one = _tokenize_both_ways(out, parts, split)
+        assert joined is not None
+        for a, b in zip(joined, one_by_one, strict=True):
+            assert a.dtype == b.dtype and np.array_equal(a, b)
+        assert joined[3].sum() > 0  # the control-character lines gave empty sentences
+
+
+def test_text_holding_the_marker_is_encoded_one_by_one(sample):
+    out, _ = sample
+    parts = [["A sentence. Then [SEP] in the text. End."], ["Another document."]]
+    tok, joined, one_by_one = _tokenize_both_ways(out, parts, [True, True])
+    assert joined is None  # the marker count gives it away
+    for a, b in zip(tok(parts, [True, True]), one_by_one, strict=True):
+        assert np.array_equal(a, b)
+    assert list(one_by_one[2]) == [3, 1]

@@ -8,7 +8,9 @@ import tracemalloc
 import pytest
 
 from data_tools.errors import UserError
-from data_tools.text import CorpusReader, DocEnd, heading_level, iter_text, split_sentences
+from data_tools.text import (
+    SENTENCE_SPLIT_RE, CorpusReader, DocEnd, heading_level, iter_text, mark_sentences, split_sentences,
+)
 
 
 def read_docs(paths, **kw):
@@ -36,6 +38,14 @@ def read_docs(paths, **kw):
 ])
 def test_split_sentences(line, expected):
     assert split_sentences(line) == expected
+
+
+@pytest.mark.parametrize("text", [
+    "One. Two! Three? four.", "A.  B!\tC?\u00a0D.\u3000E", "?! ?. .? Z", "...  A!!! B??? C", "x.\nY! \n Z",
+    'He said . " Go home . " Then 1990 came .', "End. [SEP]Next. É. ‘q’. “Q”. 'a'. \"b\".", "no cut here. e.g. this",
+])
+def test_mark_sentences_cuts_where_the_split_regex_does(text):
+    assert mark_sentences(text, "[SEP]") == SENTENCE_SPLIT_RE.subn("[SEP]", text)
 
 
 @pytest.mark.parametrize("line, level", [
