@@ -503,7 +503,7 @@ def _fmt(x: float | None, spec: str, suffix: str = "") -> str:
 def markdown(r: dict[str, Any]) -> str:
     s, env = r["settings"], r["environment"]
     lines = [
-        f"# BERT pretraining throughput: bert_ds against transformers",
+        "# BERT pretraining throughput: bert_ds against transformers",
         "",
         f"- device: {env['device']}" + (f" (driver {env['driver']}, CUDA {env['cuda']})" if env.get("driver") else "")
         + f"; torch {env['torch']}; commit {(env['git_commit'] or '?')[:12]}{' (dirty)' if env['git_dirty'] else ''}",

@@ -1,7 +1,6 @@
 """bert_ds.bench: the three variants in one run, their figures, the goals and the projection."""
 
 import json
-import re
 
 import numpy as np
 import pytest
