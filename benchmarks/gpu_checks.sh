@@ -8,9 +8,11 @@
 #   3. python -m kernels.bench                        each op against torch eager / compile / SDPA
 #   4. python -m bert_ds.bench                        (a) fused, (b) torch, (c) transformers at
 #                                                     BERT-Base seq 128 and 512, and the projection
+#   5. ./run.sh (the main job, MAIN_STEPS steps)      only where DeepSpeed imports: training on the
+#                                                     GPU under ZeRO-1 bf16 with LAMB, export, fill-mask
 #
 # Run it from the repository root with a Python that has torch (CUDA), transformers, tokenizers,
-# safetensors and numpy; neither DeepSpeed nor datasets is needed. Every step runs even if an
+# safetensors and numpy; steps 1-4 need neither DeepSpeed nor datasets. Every step runs even if an
 # earlier one failed; the exit status is the number of steps that failed. Extra arguments for
 # the model bench go in BENCH_ARGS (e.g. BENCH_ARGS="--preset base,large").
 set -u -o pipefail
@@ -40,5 +42,12 @@ step test_cuda_ops "$python" -m pytest -q -rs tests/kernels/test_cuda_ops.py
 step kernels_bench "$python" -m kernels.bench --json "$out/kernels_bench.json"
 # shellcheck disable=SC2086  # BENCH_ARGS is a list of words
 step bench "$python" -m bert_ds.bench --json "$out/bench.json" --markdown "$out/bench.md" ${BENCH_ARGS:-}
+if "$python" -c 'import deepspeed' >/dev/null 2>&1; then
+    run_dir=$(mktemp -d)
+    step main_job env VENV="$("$python" -c 'import sys; print(sys.prefix)')" SETUP=none RUN_DIR="$run_dir" \
+        STEPS="${MAIN_STEPS:-300}" ./run.sh
+else
+    echo "== main_job skipped: DeepSpeed does not import in $python (carry its wheel to run it)"
+fi
 echo "== results in $out ($failed step(s) failed)"
 exit "$failed"
