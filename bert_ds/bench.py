@@ -78,7 +78,7 @@ from bert_ds.config import BatchPlan
 from bert_ds.data import IGNORE_INDEX, PretrainingLoader, SpecialTokens, collate
 from bert_ds.errors import ConfigError, UserError
 from bert_ds.flops import datasheet_peak_tflops, training_flops
-from bert_ds.model import PRESETS, BertForPreTraining, ModelConfig, model_preset
+from bert_ds.model import PRESETS, BertForPreTraining, ModelConfig, model_preset, pretraining_inputs
 from bert_ds.projection import ANCHOR, anchor_mfu, hours_minutes, project
 from data_tools.errors import report
 from kernels import probes
@@ -244,9 +244,7 @@ def padded_dense_flops(cfg: ModelConfig, batch_size: int, width: int) -> float:
 # --------------------------------------------------------------------------- variants
 
 def bert_ds_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    return model(input_ids=batch["input_ids"], token_type_ids=batch["token_type_ids"],
-                 attention_mask=batch["attention_mask"], masked_lm_labels=batch["labels"],
-                 next_sentence_label=batch["next_sentence_label"]).loss
+    return model(**pretraining_inputs(batch)).loss
 
 
 def transformers_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -415,6 +415,14 @@ class PreTrainingOutput:
     nsp_count: torch.Tensor | None = None  # () int64: sequences
 
 
+def pretraining_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | None]:
+    """A batch of ``bert_ds.data.collate`` as :meth:`BertForPreTraining.forward`'s keyword
+    arguments (no NSP labels when the data has no pair task)."""
+    return {"input_ids": batch["input_ids"], "token_type_ids": batch["token_type_ids"],
+            "attention_mask": batch["attention_mask"], "masked_lm_labels": batch["labels"],
+            "next_sentence_label": batch.get("next_sentence_label")}
+
+
 class BertForPreTraining(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()

@@ -56,7 +56,7 @@ from bert_ds.data import (PretrainingDataset, PretrainingLoader, open_pretrainin
 from bert_ds.errors import ConfigError
 from bert_ds.flops import datasheet_peak_tflops, training_flops
 from bert_ds.metrics import MetricsLogger
-from bert_ds.model import PRESETS, BertForPreTraining, model_preset
+from bert_ds.model import PRESETS, BertForPreTraining, model_preset, pretraining_inputs
 from bert_ds.optim import bind_to_engine, build_optimizer, build_schedule
 from bert_ds.signals import EXIT_RANK_FAILURE, StopRequest
 from data_tools.errors import EXIT_USER_ERROR, UserError
@@ -261,9 +261,7 @@ def _to(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch
 
 
 def _forward(engine, batch: dict[str, torch.Tensor]):
-    return engine(input_ids=batch["input_ids"], token_type_ids=batch["token_type_ids"],
-                  attention_mask=batch["attention_mask"], masked_lm_labels=batch["labels"],
-                  next_sentence_label=batch.get("next_sentence_label"))
+    return engine(**pretraining_inputs(batch))
 
 
 def _ratio(a: float, b: float) -> float:
