@@ -75,6 +75,9 @@ class DataConfig:
 @dataclass
 class OptimConfig:
     name: Literal["lamb", "adamw"] = "lamb"  # LAMB: per-parameter trust ratios, also under ZeRO-1/2
+    # nvidia: the trust ratio only where weight decay is non-zero (NVIDIA's BERT recipe);
+    # paper: on every tensor (the LAMB paper). See bert_ds/lamb.py.
+    lamb_variant: Literal["nvidia", "paper"] = "nvidia"
     lr: float = 6e-3  # peak learning rate after warm-up (NVIDIA's LAMB phase 1; AdamW wants ~10x less)
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-6
@@ -87,6 +90,8 @@ class OptimConfig:
     def __post_init__(self) -> None:
         self.betas = tuple(self.betas)  # JSON gives a list
         _check(self.name in ("lamb", "adamw"), "optim.name", f"unknown optimizer {self.name!r} (known: lamb, adamw)")
+        _check(self.lamb_variant in ("nvidia", "paper"), "lamb_variant",
+               f"must be nvidia or paper, got {self.lamb_variant!r}")
         _check(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
         _check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "betas", f"must be two values in [0, 1), got {self.betas}")
         _check(self.eps > 0, "eps", f"must be > 0, got {self.eps}")

@@ -7,6 +7,16 @@ The math, shared by both implementations here::
     r = ||w|| / ||u||  (1 when either norm is 0)
     w = w - lr * r * u
 
+Two variants, by name (``variant=``):
+
+- ``"nvidia"`` (the default): NVIDIA's BERT LAMB, as apex ``FusedLAMB`` and the MLPerf BERT
+  submissions run it (``use_nvlamb=False``): the trust ratio only where weight decay is
+  non-zero; biases and LayerNorm parameters (weight decay 0) take the plain Adam step
+  ``w = w - lr * u``. Why it matters: a bias starts at 0, so its first step (r = 1)
+  moves it by about lr per element, and from then on r = ||w|| / ||u|| is about lr, each
+  step about lr^2: under the ratio, biases stay essentially untrained.
+- ``"paper"``: the LAMB paper's rule, every tensor adapted by its own ratio.
+
 Design choices, and why:
 
 - **No clipping or gradient pre-normalisation inside.** DeepSpeed unscales (fp16) and
@@ -41,7 +51,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Iterable, Literal, Sequence
 
 import torch
 import torch.distributed as dist
@@ -49,7 +59,12 @@ import torch.distributed as dist
 _CHUNK = 1024  # elements summed in fp32 before the fp64 sum; keeps the norm error ~1e-8
 
 
-def _check_hyperparameters(lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
+LambVariant = Literal["nvidia", "paper"]
+VARIANTS: tuple[str, ...] = ("nvidia", "paper")
+
+
+def _check_hyperparameters(lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
+                           variant: str) -> None:
     if not lr >= 0.0:
         raise ValueError(f"lr must be >= 0, got {lr}")
     if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
@@ -58,6 +73,13 @@ def _check_hyperparameters(lr: float, betas: tuple[float, float], eps: float, we
         raise ValueError(f"eps must be > 0, got {eps}")
     if not weight_decay >= 0.0:
         raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {', '.join(VARIANTS)}, got {variant!r}")
+
+
+def _adapts(weight_decay: float, variant: str) -> bool:
+    """Whether a tensor stepped with this weight decay gets a trust ratio (see the variants above)."""
+    return variant == "paper" or weight_decay != 0
 
 
 def _trust_ratio(w_norm: torch.Tensor, u_norm: torch.Tensor) -> torch.Tensor:
@@ -71,10 +93,10 @@ def _trust_ratio(w_norm: torch.Tensor, u_norm: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def lamb_reference_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                         step: int, *, lr: float, betas: tuple[float, float], eps: float,
-                        weight_decay: float) -> None:
+                        weight_decay: float, variant: LambVariant = "nvidia") -> None:
     """One LAMB step on one tensor, in place. ``step`` counts steps including this one (1-based).
 
-    The whole tensor gets one trust ratio; norms are taken in fp64.
+    Where the variant adapts it, the whole tensor gets one trust ratio; norms are taken in fp64.
     """
     beta1, beta2 = betas
     exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
@@ -84,6 +106,9 @@ def lamb_reference_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.
     update = m_hat / (v_hat.sqrt() + eps)
     if weight_decay != 0:
         update = update + weight_decay * param
+    if not _adapts(weight_decay, variant):
+        param.sub_(update * lr)
+        return
     ratio = _trust_ratio(torch.linalg.vector_norm(param, dtype=torch.float64),
                          torch.linalg.vector_norm(update, dtype=torch.float64))
     param.sub_(update * (lr * ratio).to(param.dtype))
@@ -92,13 +117,14 @@ def lamb_reference_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.
 class LambReference(torch.optim.Optimizer):
     """Textbook LAMB, one tensor at a time: the definition :class:`Lamb` is tested against.
 
-    Each tensor in ``params`` gets its own trust ratio. Handed to DeepSpeed ZeRO it is
-    therefore the naive LAMB with one ratio per flat partition.
+    Each tensor in ``params`` that the variant adapts gets its own trust ratio. Handed to
+    DeepSpeed ZeRO it is therefore the naive LAMB with one ratio per flat partition.
     """
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-6, weight_decay: float = 0.0):
-        _check_hyperparameters(lr, betas, eps, weight_decay)
+                 eps: float = 1e-6, weight_decay: float = 0.0, variant: LambVariant = "nvidia"):
+        _check_hyperparameters(lr, betas, eps, weight_decay, variant)
+        self.variant = variant
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
 
     @torch.no_grad()
@@ -119,7 +145,7 @@ class LambReference(torch.optim.Optimizer):
                 state["step"] += 1
                 lamb_reference_step(p, p.grad, state["exp_avg"], state["exp_avg_sq"], state["step"],
                                     lr=group["lr"], betas=group["betas"], eps=group["eps"],
-                                    weight_decay=group["weight_decay"])
+                                    weight_decay=group["weight_decay"], variant=self.variant)
         return loss
 
 
@@ -184,7 +210,7 @@ class Lamb(torch.optim.Optimizer):
     """LAMB with ``torch._foreach_*`` ops and one trust ratio per model parameter.
 
     Param groups carry their own ``weight_decay``; put biases and LayerNorm weights in a
-    group with 0. Ordinary parameters get one ratio per tensor. Flat tensors that hold
+    group with 0 (under the default ``variant="nvidia"`` that group takes plain Adam steps). Ordinary parameters get one ratio per tensor. Flat tensors that hold
     fragments of several parameters get per-parameter ratios once bound, either by
     :meth:`bind_zero_partitions` (DeepSpeed) or :meth:`bind_flat_tensor` (any layout).
 
@@ -198,8 +224,9 @@ class Lamb(torch.optim.Optimizer):
     """
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-6, weight_decay: float = 0.0):
-        _check_hyperparameters(lr, betas, eps, weight_decay)
+                 eps: float = 1e-6, weight_decay: float = 0.0, variant: LambVariant = "nvidia"):
+        _check_hyperparameters(lr, betas, eps, weight_decay, variant)
+        self.variant = variant
         self._given: set[int] = set()               # ids of tensors stepped with one ratio each
         self._layouts: dict[int, _FlatLayout] = {}  # id of a bound flat tensor -> its layout
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
@@ -297,8 +324,14 @@ class Lamb(torch.optim.Optimizer):
         if not params:
             return
         updates = self._adam_updates(group, params)
-        plain_updates, flat_updates = updates[:len(plain)], updates[len(plain):]
         lr = group["lr"]
+        if not _adapts(group["weight_decay"], self.variant):
+            # Same decision on every rank (the group's settings are), so no rank waits on a
+            # norm all-reduce the others skip.
+            torch._foreach_mul_(updates, lr)
+            torch._foreach_sub_(params, updates)
+            return
+        plain_updates, flat_updates = updates[:len(plain)], updates[len(plain):]
         if plain:
             ratio = _trust_ratio(torch.stack(torch._foreach_norm(plain)),
                                  torch.stack(torch._foreach_norm(plain_updates)))
@@ -377,4 +410,4 @@ def _zero_partitions(wrapper) -> list[tuple[list[torch.Tensor], torch.Tensor, ob
                      "and ZeRO-1/2 in any precision")
 
 
-__all__ = ["Lamb", "LambReference", "lamb_reference_step"]
+__all__ = ["VARIANTS", "Lamb", "LambReference", "LambVariant", "lamb_reference_step"]

@@ -1,7 +1,8 @@
 """Optimizers and the learning-rate schedule.
 
 LAMB (``bert_ds.lamb``) is the default: per-parameter trust ratios, correct under ZeRO-1/2
-once bound to the engine's partitions (:func:`bind_to_engine`). AdamW is torch's.
+once bound to the engine's partitions (:func:`bind_to_engine`), in NVIDIA's BERT variant
+(no ratio where weight decay is 0) unless ``lamb_variant="paper"``. AdamW is torch's.
 
 Weight decay is applied to matrices and embeddings only: biases and LayerNorm
 parameters (every 1-D tensor in BERT) are excluded, as in the original recipe.
@@ -31,7 +32,7 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
     groups = param_groups(model, cfg.weight_decay)
     if cfg.name == "lamb":
-        return Lamb(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
+        return Lamb(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, variant=cfg.lamb_variant)
     # DeepSpeed hands ZeRO partitions to the optimizer as flat fp32 tensors on the
     # device; the foreach implementation is the fast one for them on every backend.
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, foreach=True)

@@ -105,6 +105,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--num-workers", type=int, default=d.num_workers, help="loader processes per rank")
     p.add_argument("--val-samples", type=int, default=d.val_samples, help="held-out samples per validation pass")
     p.add_argument("--optimizer", default=o.name, choices=["lamb", "adamw"], help="optimizer")
+    p.add_argument("--lamb-variant", default=o.lamb_variant, choices=["nvidia", "paper"],
+                   help="LAMB's trust ratio: nvidia (only where weight decay is non-zero, NVIDIA's BERT recipe) "
+                        "or paper (every tensor)")
     p.add_argument("--lr", type=float, default=o.lr, help="peak learning rate")
     p.add_argument("--weight-decay", type=float, default=o.weight_decay, help="decoupled weight decay")
     p.add_argument("--warmup-steps", type=int, default=o.warmup_steps, help="linear warm-up steps")
@@ -146,7 +149,7 @@ def config_from_args(args: argparse.Namespace, vocab_size: int) -> TrainConfig:
     data = DataConfig(train=args.data, weights=args.data_weights, val=args.val_data, held_out=args.held_out,
                       whole_word_mask=args.whole_word_mask, max_seq_length=args.seq_len, pair_task=args.pair_task,
                       mask_rate=args.mask_rate, num_workers=args.num_workers, val_samples=args.val_samples)
-    optim = OptimConfig(name=args.optimizer, lr=args.lr, weight_decay=args.weight_decay,
+    optim = OptimConfig(name=args.optimizer, lamb_variant=args.lamb_variant, lr=args.lr, weight_decay=args.weight_decay,
                         warmup_steps=args.warmup_steps, decay=args.decay, grad_clip=args.grad_clip)
     return TrainConfig(model=model, data=data, optim=optim, output=args.output, steps=args.steps,
                        global_batch_size=args.global_batch_size, micro_batch_size=args.micro_batch_size,

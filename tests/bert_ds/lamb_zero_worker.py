@@ -5,10 +5,11 @@ Run under torchrun (every rank)::
     python -m torch.distributed.run --standalone --nproc-per-node N \\
         -m tests.bert_ds.lamb_zero_worker --out RESULT.pt --runs zero1-fp32-lamb,zero2-fp32-naive,...
 
-A run name is ``zero{stage}-{precision}-{optimizer}``: precision ``fp32`` (no bf16/fp16
+A run name is ``zero{stage}-{precision}-{optimizer}[-{variant}]``: precision ``fp32`` (no bf16/fp16
 section, so results compare exactly), ``bf16``, or ``bf16acc32`` (bf16 with fp32 gradient
 accumulation: DeepSpeed's BF16_Optimizer at stage 1); optimizer ``lamb`` (bert_ds.lamb.Lamb,
-bound after initialize) or ``naive`` (LambReference: one trust ratio per flat partition).
+bound after initialize) or ``naive`` (LambReference: one trust ratio per flat partition);
+variant ``nvidia`` (the default) or ``paper`` (see bert_ds/lamb.py).
 bf16 runs get a non-finite input on one rank at ``OVERFLOW_STEP`` so DeepSpeed's
 overflow check skips that step. All runs of one launch share one process start-up.
 
@@ -87,11 +88,12 @@ def train(name: str, rank: int, world: int) -> dict:
 
     from bert_ds.lamb import Lamb, LambReference
 
-    stage_name, precision, kind = name.split("-")
+    stage_name, precision, kind, *rest = name.split("-")
+    variant = rest[0] if rest else "nvidia"
     stage = int(stage_name.removeprefix("zero"))
     model = build_model()
     opt_cls = {"lamb": Lamb, "naive": LambReference}[kind]
-    optimizer = opt_cls(param_groups(model), lr=LR, betas=BETAS, eps=EPS)
+    optimizer = opt_cls(param_groups(model), lr=LR, betas=BETAS, eps=EPS, variant=variant)
     step_calls: list[int] = []  # groups present in each optimizer.step() call DeepSpeed makes
     optimizer.register_step_pre_hook(lambda opt, args, kwargs: step_calls.append(len(opt.param_groups)))
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,

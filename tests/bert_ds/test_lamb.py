@@ -1,5 +1,6 @@
-"""LAMB: the foreach implementation against the textbook one, and per-parameter trust
-ratios under DeepSpeed ZeRO-1/2 on 1, 2 and 3 CPU ranks against one process.
+"""LAMB: both variants (NVIDIA's BERT LAMB, the default, and the paper's) against a float64
+from-the-formula reference, the foreach implementation against the textbook one, and
+per-parameter trust ratios under DeepSpeed ZeRO-1/2 on 1, 2 and 3 CPU ranks against one process.
 
 The distributed tests launch ``tests/bert_ds/lamb_zero_worker.py`` once per world size
 (all runs of that size in one launch) and compare its final fp32 weights with
@@ -22,19 +23,22 @@ from bert_ds.lamb import Lamb, LambReference, _flat_layout, lamb_reference_step
 from tests.bert_ds import lamb_zero_worker as worker
 from tests.conftest import REPO, cli_env
 
-FP32_RUNS = [f"zero{stage}-fp32-{kind}" for stage in (1, 2) for kind in ("lamb", "naive")]
-BF16_RUNS = ["zero1-bf16-lamb", "zero2-bf16-lamb", "zero1-bf16acc32-lamb"]
-RUNS = {1: FP32_RUNS + ["zero0-fp32-lamb"], 2: FP32_RUNS + BF16_RUNS, 3: FP32_RUNS}
+FP32_RUNS = [f"zero{stage}-fp32-{kind}" for stage in (1, 2) for kind in ("lamb", "naive", "lamb-paper")]
+# bf16 runs use the paper's variant, which puts a trust ratio on every parameter: the
+# per-parameter ratios on DeepSpeed's bf16 paths are what they check.
+BF16_RUNS = ["zero1-bf16-lamb-paper", "zero2-bf16-lamb-paper", "zero1-bf16acc32-lamb-paper"]
+RUNS = {1: FP32_RUNS + ["zero0-fp32-lamb"], 2: FP32_RUNS + BF16_RUNS + ["zero1-fp32-naive-paper"], 3: FP32_RUNS}
 
 
 def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return max((x - y).abs().max().item() for x, y in zip(a, b, strict=True))
 
 
-def _train_single_process(opt_cls, steps: int = worker.STEPS, clip: float | None = None, skip: tuple[int, ...] = ()):
+def _train_single_process(opt_cls, steps: int = worker.STEPS, clip: float | None = None, skip: tuple[int, ...] = (),
+                          variant: str = "nvidia"):
     """The worker's model and recipe in one process on the global batches; returns (weights, grad norms)."""
     model = worker.build_model()
-    opt = opt_cls(worker.param_groups(model), lr=worker.LR, betas=worker.BETAS, eps=worker.EPS)
+    opt = opt_cls(worker.param_groups(model), lr=worker.LR, betas=worker.BETAS, eps=worker.EPS, variant=variant)
     x, y = worker.batches()
     norms = []
     for s in range(steps):
@@ -55,11 +59,84 @@ def _train_single_process(opt_cls, steps: int = worker.STEPS, clip: float | None
 
 
 @functools.cache
-def _reference(skip: tuple[int, ...] = ()):
-    return _train_single_process(LambReference, clip=worker.CLIP, skip=skip)
+def _reference(skip: tuple[int, ...] = (), variant: str = "nvidia"):
+    return _train_single_process(LambReference, clip=worker.CLIP, skip=skip, variant=variant)
+
+
+def _lamb_from_the_formula(w0: list[torch.Tensor], grads: list[list[torch.Tensor]], decays: list[float], *,
+                           lr: float, betas: tuple[float, float], eps: float, adapt_all: bool) -> list[torch.Tensor]:
+    """LAMB written out from its definition in float64, one tensor and one step at a time.
+
+    Independent of bert_ds.lamb: the paper's update (You et al., 2019, Algorithm 2, with
+    Adam's bias correction and decoupled weight decay); NVIDIA's BERT LAMB drops the trust
+    ratio where the weight decay is 0 (apex FusedLAMB, use_nvlamb=False).
+    """
+    b1, b2 = betas
+    out = []
+    for w, wd, gs in zip(w0, decays, zip(*grads), strict=True):
+        w = w.double().clone()
+        m, v = torch.zeros_like(w), torch.zeros_like(w)
+        for t, g in enumerate(gs, start=1):
+            g = g.double()
+            m = b1 * m + (1 - b1) * g
+            v = b2 * v + (1 - b2) * g * g
+            u = (m / (1 - b1 ** t)) / ((v / (1 - b2 ** t)).sqrt() + eps) + wd * w
+            w_norm, u_norm = w.norm().item(), u.norm().item()
+            ratio = w_norm / u_norm if (adapt_all or wd != 0) and w_norm > 0 and u_norm > 0 else 1.0
+            w = w - lr * ratio * u
+        out.append(w)
+    return out
 
 
 # --------------------------------------------------------------------------- one process
+
+
+@pytest.mark.parametrize("variant", ["nvidia", "paper"])
+@pytest.mark.parametrize("opt_cls", [Lamb, LambReference])
+def test_lamb_variants_match_the_float64_formula_over_many_steps(opt_cls, variant):
+    """200 steps of seeded gradients on tensors shaped like BERT's: a matrix and a bias that
+    decay, a bias and a LayerNorm weight (at 0 and at 1) that do not."""
+    g = torch.Generator().manual_seed(3)
+    w0 = [torch.randn(13, 7, generator=g) * 0.2, torch.randn(7, generator=g) * 0.1, torch.zeros(7), torch.ones(7)]
+    decays = [0.01, 0.01, 0.0, 0.0]
+    grads = [[torch.randn(w.shape, generator=g) * (1 + i % 5) for w in w0] for i in range(200)]
+    params = [w.clone().requires_grad_() for w in w0]
+    opt = opt_cls([{"params": [p], "weight_decay": wd} for p, wd in zip(params, decays)],
+                  lr=0.01, betas=(0.9, 0.999), eps=1e-6, variant=variant)
+    for step_grads in grads:
+        for p, grad in zip(params, step_grads):
+            p.grad = grad.clone()
+        opt.step()
+    want = _lamb_from_the_formula(w0, grads, decays, lr=0.01, betas=(0.9, 0.999), eps=1e-6,
+                                  adapt_all=variant == "paper")
+    for p, w, start in zip(params, want, w0):
+        assert (p.detach().double() - w).abs().max().item() <= 1e-5 * max(1.0, w.abs().max().item())
+        assert (w - start.double()).abs().max().item() > 1e-3  # every tensor moved far beyond the tolerance
+    other = _lamb_from_the_formula(w0, grads, decays, lr=0.01, betas=(0.9, 0.999), eps=1e-6,
+                                   adapt_all=variant != "paper")
+    # The variants differ exactly on the tensors without weight decay, and by far more than the tolerance.
+    assert max((p.detach().double() - w).abs().max().item() for p, w in zip(params[2:], other[2:])) > 1e-2
+
+
+def test_the_default_variant_is_nvidias_and_leaves_biases_trainable():
+    """Under the paper's rule a bias that starts at 0 hardly moves after its first step
+    (its ratio ||w|| / ||u|| is about lr); NVIDIA's rule gives it plain Adam steps."""
+    assert Lamb([torch.zeros(1, requires_grad=True)]).variant == "nvidia"
+    moved = {}
+    for variant in ("nvidia", "paper"):
+        bias = torch.zeros(64, requires_grad=True)
+        opt = Lamb([{"params": [bias], "weight_decay": 0.0}], lr=0.01, variant=variant)
+        g = torch.Generator().manual_seed(0)
+        for _ in range(50):
+            bias.grad = torch.randn(64, generator=g) + 1.0
+            opt.step()
+        moved[variant] = bias.detach().abs().mean().item()
+    assert moved["nvidia"] > 10 * moved["paper"], moved
+
+
+def test_an_unknown_variant_is_refused():
+    with pytest.raises(ValueError, match="variant"):
+        Lamb([torch.zeros(1, requires_grad=True)], variant="nvlamb")
 
 
 def test_foreach_lamb_matches_reference_over_20_steps_with_decay_groups():
@@ -93,7 +170,7 @@ def test_trust_ratio_is_one_when_a_norm_is_zero():
     zero_w.grad = torch.tensor([1.0, -2.0, 3.0, 0.5])
     zero_u = torch.full((3,), 2.0, requires_grad=True)  # ||update|| = 0: nothing moves, no NaN
     zero_u.grad = torch.zeros(3)
-    Lamb([{"params": [zero_w, zero_u], "weight_decay": 0.0}], lr=0.1).step()
+    Lamb([{"params": [zero_w, zero_u], "weight_decay": 0.0}], lr=0.1, variant="paper").step()
     # Adam's first step is sign(g) * |g| / (|g| + eps).
     expected = -0.1 * zero_w.grad / (zero_w.grad.abs() + 1e-6)
     torch.testing.assert_close(zero_w.detach(), expected, rtol=0, atol=1e-7)
@@ -207,9 +284,10 @@ def zero_runs(tmp_path_factory):
 @pytest.mark.distributed
 @pytest.mark.parametrize("world", [1, 2, 3])
 @pytest.mark.parametrize("stage", [1, 2])
-def test_zero_lamb_matches_single_process_reference(zero_runs, world, stage):
-    ref_weights, ref_norms = _reference()
-    run = zero_runs(world)[f"zero{stage}-fp32-lamb"]
+@pytest.mark.parametrize("variant", ["nvidia", "paper"])
+def test_zero_lamb_matches_single_process_reference(zero_runs, world, stage, variant):
+    ref_weights, ref_norms = _reference(variant=variant)
+    run = zero_runs(world)[f"zero{stage}-fp32-lamb" + ("-paper" if variant == "paper" else "")]
     # Same global gradient before clipping: sharding, accumulation and loss scaling agree.
     assert run["grad_norms"] == pytest.approx(ref_norms, rel=1e-5)
     assert any(n > worker.CLIP for n in ref_norms) and any(n < worker.CLIP for n in ref_norms)
@@ -277,7 +355,7 @@ def test_bf16_trains_skips_the_overflow_step_and_tracks_the_reference(zero_runs,
     assert run["step_calls"] == ([2] * applied if "acc32" in run_name else [1] * (2 * applied))
     assert all(torch.isfinite(w).all() for w in run["weights"])
     assert sum(run["losses"][-3:]) / 3 < sum(run["losses"][:3]) / 3 - 0.2
-    ref_weights, _ = _reference(skip=(worker.OVERFLOW_STEP,))
+    ref_weights, _ = _reference(skip=(worker.OVERFLOW_STEP,), variant="paper")
     diff = _max_diff(run["weights"], ref_weights)
-    naive = _max_diff(runs["zero1-fp32-naive"]["weights"], _reference()[0])
+    naive = _max_diff(runs["zero1-fp32-naive-paper"]["weights"], _reference(variant="paper")[0])
     assert diff <= 2e-2 and diff < naive / 10, (diff, naive)
