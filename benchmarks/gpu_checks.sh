@@ -10,6 +10,10 @@
 #                                                     BERT-Base seq 128 and 512, and the projection
 #   5. ./run.sh (the main job, MAIN_STEPS steps)      only where DeepSpeed imports: training on the
 #                                                     GPU under ZeRO-1 bf16 with LAMB, export, fill-mask
+#   6. python -m bert_ds.train --preset base          only where DeepSpeed imports: BERT-Base at seq 128
+#                                                     through the engine path a user runs (ZeRO-1, bf16,
+#                                                     LAMB, kernels=auto) for BASE_STEPS steps; its real
+#                                                     tokens/s and MFU (summary in train_base_summary.json)
 #
 # Run it from the repository root with a Python that has torch (CUDA), transformers, tokenizers,
 # safetensors and numpy; steps 1-4 need neither DeepSpeed nor datasets. Every step runs even if an
@@ -46,6 +50,11 @@ if "$python" -c 'import deepspeed' >/dev/null 2>&1; then
     run_dir=$(mktemp -d)
     step main_job env VENV="$("$python" -c 'import sys; print(sys.prefix)')" SETUP=none RUN_DIR="$run_dir" \
         STEPS="${MAIN_STEPS:-300}" ./run.sh
+    step train_base "$python" -m bert_ds.train --data "$run_dir/data/train" --output "$run_dir/base" \
+        --preset base --seq-len 128 --micro-batch-size "${BASE_MICRO:-64}" --global-batch-size "${BASE_MICRO:-64}" \
+        --steps "${BASE_STEPS:-60}" --ds-config zero1_bf16.json --optimizer lamb --kernels auto \
+        --no-progress --no-tensorboard
+    cp "$run_dir/base/summary.json" "$out/train_base_summary.json" 2>/dev/null || true
 else
     echo "== main_job skipped: DeepSpeed does not import in $python (carry its wheel to run it)"
 fi

@@ -361,6 +361,7 @@ def run(cfg: TrainConfig, resume: bool, rank: int, world: int, device: torch.dev
 
     losses: list[float] = []
     rates: list[float] = []
+    mfus: list[float] = []  # on GPUs (where the peak is known), one per good step
     val: dict[str, float] = {}
     stopped_by: str | None = None
     saved_at = state.step if found else -1
@@ -434,6 +435,8 @@ def run(cfg: TrainConfig, resume: bool, rank: int, world: int, device: torch.dev
                 if not bad:
                     losses.append(loss_value)
                     rates.append(record["tokens_per_s"])
+                    if "mfu" in record:
+                        mfus.append(record["mfu"])
                 if s["stop"] > 0:
                     stop.acknowledge()
                     stopped_by = stop.signal_name or "a signal to another rank"
@@ -459,7 +462,7 @@ def run(cfg: TrainConfig, resume: bool, rank: int, world: int, device: torch.dev
         log.close()
         if sample_log is not None:
             sample_log.close()
-    summary = _summary(state, losses, rates, val, final_ckpt, stopped_by, save_s)
+    summary = _summary(state, losses, rates, mfus, val, final_ckpt, stopped_by, save_s)
     if rank == 0:
         (output / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
@@ -606,13 +609,15 @@ def _loss_scale(engine) -> float:
     return float(scale) if scale is not None else 1.0
 
 
-def _summary(state: RunState, losses: list[float], rates: list[float], val: dict[str, float],
+def _summary(state: RunState, losses: list[float], rates: list[float], mfus: list[float], val: dict[str, float],
              ckpt: Path, stopped_by: str | None, save_s: float) -> dict[str, Any]:
     k = max(1, min(10, len(losses) // 5))
     warm = rates[k:] or rates  # the first steps include start-up and are excluded
+    warm_mfu = mfus[k:] or mfus
     return {
         "steps": state.step, "tokens": state.tokens,
         "tokens_per_s": sum(warm) / len(warm) if warm else float("nan"),
+        "mfu": sum(warm_mfu) / len(warm_mfu) if warm_mfu else None,
         "loss_first": sum(losses[:k]) / k if losses else float("nan"),
         "loss_last": sum(losses[-k:]) / k if losses else float("nan"),
         "val": val, "checkpoint": str(ckpt), "skipped_steps": state.skipped_steps,
@@ -686,6 +691,8 @@ def _print_summary(s: dict[str, Any]) -> None:
         f"real tokens/s    {s['tokens_per_s']:,.0f} (warm-up steps excluded)",
         f"loss             {s['loss_first']:.3f} -> {s['loss_last']:.3f}",
     ]
+    if s["mfu"] is not None:
+        lines.append(f"MFU              {s['mfu']:.1%} of the datasheet dense bf16 peak (bert_ds/flops.py accounting)")
     if val:
         lines.append(f"held-out         MLM acc {val['mlm_acc']:.3f}, NSP acc {val['nsp_acc']:.3f}, "
                      f"MLM loss {val['mlm_loss']:.3f}")

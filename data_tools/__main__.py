@@ -1,6 +1,6 @@
 """``python -m data_tools {build,verify,inspect,bench}``: raw text -> token shards, and checks.
 
-    build    --input FILE... --output DIR (--vocab FILE | --train-vocab SIZE)
+    build    --input FILE... --output DIR (--vocab FILE | --train-vocab SIZE) [--overwrite]
              [--workers N] [--split-sentences] [--[no-]lowercase] [--shard-tokens N]
              [--text-field NAME]     FILE: text (.gz), .jsonl(.gz), .parquet, a datasets
                                      folder, or hf:NAME[:CONFIG][@SPLIT]
@@ -65,7 +65,11 @@ def _parser() -> argparse.ArgumentParser:
                    "default train; needs the network or the local cache)")
     b.add_argument("--text-field", default="text", metavar="NAME",
                    help="the field of JSONL, Parquet and datasets records that holds the text (default: text)")
-    b.add_argument("--output", required=True, metavar="DIR", help="dataset folder (created; reruns resume)")
+    b.add_argument("--output", required=True, metavar="DIR",
+                   help="dataset folder (created; a rerun of the same build resumes it or, finished, leaves it "
+                        "as it is; anything else there is refused without --overwrite)")
+    b.add_argument("--overwrite", action="store_true",
+                   help="replace a dataset of other inputs or options in DIR, or build into a non-empty folder")
     b.add_argument("--vocab", metavar="FILE", help="existing vocab.txt or WordPiece tokenizer.json")
     b.add_argument("--train-vocab", type=_positive_int, metavar="SIZE",
                    help="train a WordPiece vocabulary of SIZE entries on the inputs")
@@ -125,7 +129,7 @@ def _build(args: argparse.Namespace) -> int:
     opts = BuildOptions(
         inputs=args.input, output=args.output, vocab=args.vocab, train_vocab=args.train_vocab,
         split_sentences=args.split_sentences, lowercase=args.lowercase,
-        shard_tokens=args.shard_tokens, progress=args.progress, text_field=args.text_field,
+        shard_tokens=args.shard_tokens, progress=args.progress, text_field=args.text_field, overwrite=args.overwrite,
         **({"workers": args.workers} if args.workers is not None else {}),
     )
     print(build(opts).summary())

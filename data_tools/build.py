@@ -29,6 +29,14 @@ Design choices:
   the record, and resumes reading at the cursor after the last kept one; output is
   byte-identical to an uninterrupted build. ``manifest.json`` is removed when a build
   starts and written last; the journal is removed after it.
+* A build never replaces data it was not asked to (R12). The same key, recorded in the
+  manifest, tells a finished build of the same inputs and options (nothing to do) from
+  anything else. Into a folder holding a finished dataset of other inputs or options,
+  an interrupted build of other ones, or files that are no dataset, a build refuses
+  with one line unless ``overwrite`` is set, and decides that before its first write
+  (and, where the folder's own record allows, before training a vocabulary). The
+  journal is written before anything else, so a folder a build was killed in is
+  always recognised as that build's.
 * Errors: bad input raises :class:`UserError` (one line, exit 2); a failing write
   (disk full) becomes a UserError naming the folder, after the shard writer has
   removed its temporary files.
@@ -63,7 +71,7 @@ from data_tools.text import (
     HEADING_RE, PIECE_BYTES, SENTENCE_SPLIT_RE, CorpusReader, Cursor, DocEnd, ReadStats, mark_sentences,
     split_sentences,
 )
-from data_tools.tokenizer import TokenizerSpec, install_tokenizer, read_vocab, train_vocab
+from data_tools.tokenizer import TokenizerSpec, install_tokenizer, read_vocab, train_vocab, vocab_fingerprint
 
 DEFAULT_SHARD_TOKENS = 1 << 26  # ~64M tokens: 128 MiB of uint16 per shard
 CHUNK_CHARS = 1 << 18  # characters per tokenization task: ~60k tokens, ~10 MB of Encodings
@@ -89,6 +97,7 @@ class BuildOptions:
     piece_bytes: int = PIECE_BYTES  # longest line read in one piece (shapes output)
     progress: bool = True  # tqdm bars on stderr
     text_field: str = "text"  # the field of JSONL / Parquet / datasets records that holds the text
+    overwrite: bool = False  # replace whatever DIR holds (a dataset of other inputs, other files' neighbours)
 
     def __post_init__(self):
         if (self.vocab is None) == (self.train_vocab is None):
@@ -134,12 +143,16 @@ class BuildResult:
     seconds: float
     vocab_seconds: float
     shards_reused: int
+    already_built: bool = False  # DIR held this very build, finished: nothing was written
 
     @property
     def bytes_on_disk(self) -> int:
         return sum(s.bin_bytes + s.idx_bytes for s in self.manifest.shards)
 
     def summary(self) -> str:
+        if self.already_built:
+            return (f"{self.directory} is already built from these inputs and options "
+                    f"({len(self.manifest.shards)} shard(s), {self.manifest.totals['tokens']:,} tokens); nothing to do")
         m, st = self.manifest, self.manifest.stats
         tokens = m.totals["tokens"]
         skipped = st["documents_skipped"]
@@ -375,10 +388,10 @@ class _Workers:
 
 # -- resume journal ------------------------------------------------------------------------
 
-def _plan_key(sources: list[dict], spec: TokenizerSpec, opts: BuildOptions) -> str:
+def _plan_key(sources: list[dict], vocab: bytes, opts: BuildOptions) -> str:
     plan = {
         "shard_format": FORMAT_VERSION, "created_by": created_by(), "sources": sources,
-        "tokenizer": spec.fingerprint, "lowercase": opts.lowercase,
+        "tokenizer": vocab_fingerprint(vocab), "lowercase": opts.lowercase,
         "split_sentences": opts.split_sentences, "shard_tokens": opts.shard_tokens,
         "piece_bytes": opts.piece_bytes,
         # Only where it shapes the output: journals of text-only builds stay valid.
@@ -416,6 +429,50 @@ def _resumable(directory: Path, key: str) -> list[dict]:
     return kept
 
 
+@dataclass(frozen=True)
+class _Existing:
+    """What a build finds in its output folder before it writes anything."""
+    kind: str  # "nothing", "dataset" (a manifest), "interrupted" (a journal)
+    key: str | None = None  # the plan key recorded there (None: not recorded or unreadable)
+    sources: list | None = None  # a dataset's recorded sources
+    shards: int = 0
+    tokens: int = 0
+
+
+def _existing(directory: Path, overwrite: bool) -> _Existing:
+    """Reads the folder's record; refuses a non-empty folder that holds no build (R12)."""
+    if not directory.is_dir() or not any(directory.iterdir()):
+        return _Existing("nothing")
+    if (directory / MANIFEST_NAME).exists():
+        try:
+            manifest = Manifest.load(directory)
+            return _Existing("dataset", manifest.build.get("plan_key"), manifest.sources, len(manifest.shards),
+                             manifest.totals.get("tokens", 0))
+        except ShardError:
+            return _Existing("dataset")  # damaged: no record to match, so only --overwrite replaces it
+    try:
+        journal = json.loads((directory / JOURNAL_NAME).read_text(encoding="utf-8"))
+        return _Existing("interrupted", journal.get("key") if isinstance(journal, dict) else None)
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError):
+        return _Existing("interrupted")
+    if not overwrite:
+        raise UserError(f"{directory} is not empty and holds no bert-ds dataset; choose a new or empty "
+                        "--output, or pass --overwrite to build into it")
+    return _Existing("nothing")
+
+
+def _refuse_other(directory: Path, existing: _Existing) -> None:
+    if existing.kind == "dataset":
+        what = (f"a finished dataset ({existing.shards} shard(s), {existing.tokens:,} tokens)"
+                if existing.shards else "a dataset whose manifest does not load")
+        raise UserError(f"{directory} already holds {what} built from other inputs or options; "
+                        "choose another --output, or pass --overwrite to replace it")
+    raise UserError(f"{directory} holds an interrupted build of other inputs or options; rerun that "
+                    "build to finish it, choose another --output, or pass --overwrite to replace it")
+
+
 def _remove_stale(directory: Path, keep_shards: int) -> None:
     """Remove temporary files, and shard files numbered keep_shards or above."""
     for p in directory.iterdir():
@@ -450,26 +507,38 @@ def _vocab(opts: BuildOptions) -> bytes:
 
 
 def build(opts: BuildOptions) -> BuildResult:
-    """Run a build; UserError for bad input and for write failures."""
+    """Run a build; UserError for bad input, for a folder it must not replace, and for write failures."""
     t0 = time.perf_counter()
     directory = Path(opts.output)
     try:
         # Everything that can fail on bad input comes before the first write to DIR,
         # so a failed build never spoils a dataset already there.
         sources = [source_info(p) for p in opts.inputs]
+        existing = _existing(directory, opts.overwrite)
+        if existing.kind == "dataset" and existing.sources != sources and not opts.overwrite:
+            _refuse_other(directory, existing)  # decided before a vocabulary is trained
         vocab = _vocab(opts)
+        key = _plan_key(sources, vocab, opts)
+        if existing.kind == "dataset" and existing.key == key:
+            manifest = Manifest.load(directory)
+            return BuildResult(directory, manifest, time.perf_counter() - t0, 0.0, len(manifest.shards),
+                               already_built=True)
+        if existing.kind != "nothing" and existing.key != key and not opts.overwrite:
+            _refuse_other(directory, existing)
         with _Workers(opts.workers) as workers:
             directory.mkdir(parents=True, exist_ok=True)
-            # From here on the folder is not a dataset until the new manifest lands.
+            records = _resumable(directory, key)
+            # From here on the folder is not a dataset until the new manifest lands; the
+            # journal comes first, so a build killed at any later point is recognised.
             (directory / MANIFEST_NAME).unlink(missing_ok=True)
+            _write_json(directory / JOURNAL_NAME, {"key": key, "shards": records})
             _remove_stale(directory, keep_shards=1 << 62)
             spec = install_tokenizer(directory, vocab, opts.lowercase)
             workers.start(directory, spec)
             t_vocab = time.perf_counter() - t0
-            key = _plan_key(sources, spec, opts)
-            records = _resumable(directory, key)
             manifest = _write_shards(opts, directory, spec, key, records, workers)
         manifest.sources = sources
+        manifest.build["plan_key"] = key
         manifest.save(directory)
         (directory / JOURNAL_NAME).unlink(missing_ok=True)
     except OSError as e:

@@ -160,6 +160,11 @@ def train_vocab(lines: Callable[[], Iterable[str]], size: int, lowercase: bool) 
     return ("\n".join(by_id) + "\n").encode("utf-8")
 
 
+def vocab_fingerprint(vocab: bytes) -> str:
+    """The identity of a vocabulary: what shards and models are matched by."""
+    return hashlib.sha256(vocab).hexdigest()
+
+
 def install_tokenizer(directory: str | os.PathLike, vocab: bytes, lowercase: bool) -> TokenizerSpec:
     """Write the HF tokenizer files for ``vocab`` into DIR, each atomically."""
     from tokenizers import Tokenizer
@@ -197,7 +202,7 @@ def install_tokenizer(directory: str | os.PathLike, vocab: bytes, lowercase: boo
         tokenizer_json=tokenizer_json,
         vocab_size=len(entries),
         special_tokens=special,
-        fingerprint=hashlib.sha256(vocab).hexdigest(),
+        fingerprint=vocab_fingerprint(vocab),
         lowercase=lowercase,
     )
 
