@@ -84,6 +84,10 @@ class CheckpointError(UserError):
     """A checkpoint is missing, incomplete or damaged."""
 
 
+class NonFiniteWeightsError(Exception):
+    """The weights to save hold inf or NaN: nothing is committed, the newest checkpoint stays (R16)."""
+
+
 def step_dir_name(step: int) -> str:
     return f"{_PREFIX}{step:08d}"
 
@@ -132,6 +136,14 @@ def save(engine, root: Path, step: int, *, rank: int, model_config: dict, train_
     """
     final = root / step_dir_name(step)
     tmp = root / f".tmp-{final.name}"
+    # Gathered (collectively) before anything is written: every rank holds the same full
+    # weights, so every rank reaches the same verdict and none waits at a barrier alone.
+    weights = full_fp32_state_dict(engine.module)
+    poisoned = next((name for name, w in weights.items() if not torch.isfinite(w).all()), None)
+    if poisoned is not None:
+        newest = find_latest(root)
+        raise NonFiniteWeightsError(f"step {step}: the weights hold inf or NaN (first in {poisoned}); nothing was "
+                                    f"saved; newest checkpoint: {newest if newest else 'none'}")
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         for debris in [*root.glob(".tmp-*"), *root.glob(f"{_TRASH}*")]:  # left by a crash in an earlier save
@@ -143,7 +155,6 @@ def save(engine, root: Path, step: int, *, rank: int, model_config: dict, train_
     engine.save_checkpoint(str(tmp / "ds"), tag="state", save_latest=False)
     _reach("engine_saved", final)
     torch.save(rng_state(), tmp / "rng" / f"rank_{rank:05d}.pt")
-    weights = full_fp32_state_dict(engine.module)
     if rank == 0:
         save_file(weights, str(tmp / WEIGHTS), metadata={"format": "pt"})
         if optimizer is not None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -35,6 +36,13 @@ _DERIVED_DS_KEYS = (
     "optimizer",
     "scheduler",
 )
+
+
+MAX_LR = 10.0  # far above any BERT recipe (LAMB peaks near 1e-2, Adam near 1e-4): a larger value is a typo
+
+
+def _finite(x: float) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
 
 
 def _check(cond: bool, name: str, msg: str) -> None:
@@ -92,13 +100,20 @@ class OptimConfig:
         _check(self.name in ("lamb", "adamw"), "optim.name", f"unknown optimizer {self.name!r} (known: lamb, adamw)")
         _check(self.lamb_variant in ("nvidia", "paper"), "lamb_variant",
                f"must be nvidia or paper, got {self.lamb_variant!r}")
-        _check(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
-        _check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "betas", f"must be two values in [0, 1), got {self.betas}")
-        _check(self.eps > 0, "eps", f"must be > 0, got {self.eps}")
-        _check(self.weight_decay >= 0, "weight_decay", f"must be >= 0, got {self.weight_decay}")
+        # Every number in range and finite: an inf or 1e300 learning rate would start a run that
+        # writes NaN weights into its checkpoints (R16).
+        _check(_finite(self.lr) and 0 < self.lr <= MAX_LR, "lr", f"must be a finite number in (0, {MAX_LR:g}], got {self.lr}")
+        _check(len(self.betas) == 2 and all(_finite(b) and 0 <= b < 1 for b in self.betas), "betas",
+               f"must be two values in [0, 1), got {self.betas}")
+        _check(_finite(self.eps) and 0 < self.eps < 1, "eps", f"must be a finite number in (0, 1), got {self.eps}")
+        _check(_finite(self.weight_decay) and 0 <= self.weight_decay <= 1, "weight_decay",
+               f"must be a finite number in [0, 1], got {self.weight_decay}")
         _check(self.warmup_steps >= 0, "warmup_steps", f"must be >= 0, got {self.warmup_steps}")
         _check(self.decay in ("linear", "poly", "constant"), "decay", f"must be linear, poly or constant, got {self.decay!r}")
-        _check(self.grad_clip >= 0, "grad_clip", f"must be >= 0, got {self.grad_clip}")
+        _check(_finite(self.poly_power) and self.poly_power > 0, "poly_power",
+               f"must be a finite number > 0, got {self.poly_power}")
+        _check(_finite(self.grad_clip) and self.grad_clip >= 0, "grad_clip",
+               f"must be a finite number >= 0 (0: off), got {self.grad_clip}")
 
 
 @dataclass

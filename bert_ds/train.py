@@ -647,7 +647,7 @@ def guarded(body: Callable[[], None]) -> int:
     except UserError as e:
         status = EXIT_USER_ERROR
         message = str(e)
-    except BadStepsError as e:
+    except (BadStepsError, checkpoint.NonFiniteWeightsError) as e:
         status = EXIT_BAD_STEPS
         message = str(e)
     except RankFailure as e:

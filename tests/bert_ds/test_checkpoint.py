@@ -70,3 +70,18 @@ def test_weights_are_saved_in_fp32_under_module_names(tmp_path):
     final = _save(tmp_path, 10)
     weights = load_file(final / "model.safetensors")
     assert set(weights) == {"weight", "bias"} and all(t.dtype == torch.float32 for t in weights.values())
+
+
+def test_non_finite_weights_are_never_committed(tmp_path):
+    """R16: a save of inf/NaN weights commits nothing and names the step and the newest checkpoint."""
+    good = _save(tmp_path, 10)
+    engine = _Engine()
+    with torch.no_grad():
+        engine.module.bias[1] = float("nan")
+    with pytest.raises(checkpoint.NonFiniteWeightsError) as e:
+        checkpoint.save(engine, tmp_path, 20, rank=0, model_config={}, train_config={}, train_state={"step": 20},
+                        tokenizer_dir=None, keep_last=3)
+    assert str(e.value) == (f"step 20: the weights hold inf or NaN (first in bias); nothing was saved; newest "
+                            f"checkpoint: {good.resolve()}")
+    assert checkpoint.find_latest(tmp_path) == good.resolve()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_00000010"]

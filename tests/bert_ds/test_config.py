@@ -59,6 +59,29 @@ def test_optim_config_validation(kw, field):
         OptimConfig(**kw)
 
 
+INF, NAN = float("inf"), float("nan")
+
+
+@pytest.mark.parametrize("kw,field", [
+    ({"lr": INF}, "lr"), ({"lr": 1e300}, "lr"), ({"lr": NAN}, "lr"), ({"weight_decay": INF}, "weight_decay"),
+    ({"weight_decay": 2.0}, "weight_decay"), ({"eps": INF}, "eps"), ({"betas": (0.9, NAN)}, "betas"),
+    ({"grad_clip": INF}, "grad_clip"), ({"poly_power": INF}, "poly_power"),
+])
+def test_r16_hyperparameters_must_be_finite_and_in_range(kw, field):
+    with pytest.raises(ConfigError, match=f"^{field}: must be"):
+        OptimConfig(**kw)
+
+
+def test_r16_a_non_finite_learning_rate_is_one_line_before_training(sample_data, tmp_path):
+    from tests.conftest import run_cli
+
+    proc = run_cli("bert_ds.train", "--data", str(sample_data["train"]), "--output", str(tmp_path / "run"),
+                   "--preset", "tiny", "--lr", "inf", check=False, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == "error: lr: must be a finite number in (0, 10], got inf"
+    assert not (tmp_path / "run").exists()
+
+
 def test_seq_len_beyond_position_table_is_rejected():
     with pytest.raises(ConfigError, match="max_position_embeddings"):
         TrainConfig(model=model_preset("tiny", 1000), data=DataConfig(train="x", max_seq_length=1024))
