@@ -3,7 +3,9 @@
 Rank 0 writes ``metrics.jsonl`` (one JSON object per optimizer step, and one per
 validation pass with ``"split": "val"``), TensorBoard scalars, and a progress bar.
 Other ranks get a logger that does nothing, so call sites need no rank checks.
-Lines are flushed as they are written: a crashed run keeps its metrics.
+Lines are flushed as they are written: a crashed run keeps its metrics, and a line the
+crash cut short is removed when the run resumes (:func:`drop_partial_line`), so the
+resumed run's records never run on from a fragment.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ class MetricsLogger:
         if not enabled:
             return
         output.mkdir(parents=True, exist_ok=True)
+        cut = drop_partial_line(output / "metrics.jsonl")
         # Appending keeps the history of a resumed run in one file.
         self._file = open(output / "metrics.jsonl", "a", encoding="utf-8")
         if tensorboard:
@@ -36,6 +39,8 @@ class MetricsLogger:
         if progress:
             self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
                              file=sys.stderr, dynamic_ncols=True, mininterval=0.5)
+        if cut:
+            self.print(f"metrics.jsonl: removed {cut} bytes of a last line cut short by an earlier crash")
 
     def log_step(self, record: dict[str, Any]) -> None:
         if not self.enabled:
@@ -83,6 +88,35 @@ class MetricsLogger:
         if self._file is not None:
             self._file.close()
         self._file = self._tb = self._bar = None
+
+
+def drop_partial_line(path: Path) -> int:
+    """Truncate ``path`` after its last newline; returns the bytes removed (0: nothing to do).
+
+    A record is one line written with its newline in one flushed write, so only the
+    last line can be incomplete, and only after a crash.
+    """
+    try:
+        with open(path, "rb+") as f:
+            size = f.seek(0, 2)
+            if size == 0:
+                return 0
+            keep, block = size, 1 << 16
+            while keep > 0:  # find the last newline, reading backwards
+                start = max(0, keep - block)
+                f.seek(start)
+                chunk = f.read(keep - start)
+                if size == keep and chunk.endswith(b"\n"):
+                    return 0
+                newline = chunk.rfind(b"\n")
+                if newline >= 0:
+                    keep = start + newline + 1
+                    break
+                keep = start
+            f.truncate(keep)
+            return size - keep
+    except FileNotFoundError:
+        return 0
 
 
 def _fmt(v: Any) -> str:

@@ -15,7 +15,9 @@ Design choices, and why:
   losses of small batches are noisy; the average shows the trend, the faint line
   shows the noise is not hidden.
 - **An unfinished last line is skipped**, so a run can be plotted while it writes;
-  a damaged line elsewhere is an error naming the line.
+  a damaged line elsewhere (a crash mid-write in a run older than the repair on resume,
+  a disk error) is skipped with one warning naming it, so one bad line never hides a
+  whole run. A file with no record at all (empty, binary) is a one-line error.
 - **Series that are absent or NaN are left out**, not drawn as gaps: ``--pair-task
   none`` runs have no NSP accuracy, and a run without ``--val-data`` has no val points.
 - **Agg backend**, selected before pyplot is imported: no display is needed, and
@@ -50,20 +52,28 @@ def read_metrics(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]
         raise MetricsError(f"{path} does not exist (is the folder a bert_ds.train --output?)")
     train: dict[int, dict[str, Any]] = {}
     val: dict[int, dict[str, Any]] = {}
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-                step = int(record["step"])
-            except (ValueError, KeyError, TypeError) as err:
-                if not line.endswith("\n"):
-                    break  # the last line of a run still writing (or killed mid-write): not yet a record
-                raise MetricsError(f"{path}:{number}: not a metrics record ({err})") from err
-            (val if record.get("split") == "val" else train)[step] = record
+    damaged: list[int] = []
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                    step = int(record["step"])
+                except (ValueError, KeyError, TypeError):
+                    if line.endswith("\n"):  # else: the last line of a run still writing, not yet a record
+                        damaged.append(number)
+                    continue
+                (val if record.get("split") == "val" else train)[step] = record
+    except OSError as err:
+        raise MetricsError(f"{path}: cannot read ({err.strerror or err})") from None
     if not train and not val:
-        raise MetricsError(f"{path} holds no records")
+        extra = f" ({len(damaged)} line(s) that are not metrics records)" if damaged else ""
+        raise MetricsError(f"{path} holds no records{extra}")
+    if damaged:
+        print(f"warning: {path}: skipped {len(damaged)} damaged line(s) (line {', '.join(map(str, damaged[:5]))}"
+              f"{', ...' if len(damaged) > 5 else ''})", file=sys.stderr)
     return [train[s] for s in sorted(train)], [val[s] for s in sorted(val)]
 
 
@@ -116,9 +126,13 @@ def plot_metrics(train: list[dict[str, Any]], val: list[dict[str, Any]], out: Pa
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, format="png")
-    plt.close(fig)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(out, format="png")
+    except OSError as err:
+        raise MetricsError(f"cannot write {out}: {err.strerror or err}") from None
+    finally:
+        plt.close(fig)
     return out
 
 

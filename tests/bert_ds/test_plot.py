@@ -66,12 +66,14 @@ def test_resumed_run_keeps_the_later_record_of_a_repeated_step(tmp_path):
     (None, "does not exist"),
     ("", "holds no records"),
     ("\n\n", "holds no records"),
-    ('{"step": 1, "loss": 2.0}\n{"step": 2, "lo\n{"step": 3, "loss": 2.0}\n', "metrics.jsonl:2"),
+    (b"\x89PNG\r\n\x1a\n\x00\xff\xfe binary \x00\n\x01\x02", "holds no records (3 line(s) that are not metrics records)"),
 ])
 def test_missing_empty_or_damaged_file_is_a_one_line_error(tmp_path, capsys, content, message):
     run = tmp_path / "run"
     run.mkdir()
-    if content is not None:
+    if isinstance(content, bytes):
+        (run / "metrics.jsonl").write_bytes(content)
+    elif content is not None:
         (run / "metrics.jsonl").write_text(content)
     assert main([str(run)]) == 2
     err = capsys.readouterr().err
@@ -88,3 +90,31 @@ def test_unfinished_last_line_of_a_live_run_is_skipped(tmp_path):
 
 def test_moving_average():
     assert moving_average([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
+
+
+def test_a_damaged_line_is_skipped_with_one_warning(tmp_path, capsys):
+    """R13: a line cut by a crash inside the file (a run that resumed before the repair
+    existed) costs that line, not the whole plot."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo{"step": 3, "loss": 1.8}\n'
+                                       '{"step": 4, "loss": 1.7}\n')
+    assert main([str(run)]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"warning: {run / 'metrics.jsonl'}: skipped 1 damaged line(s) (line 2)"]
+    train, _ = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in train] == [1, 4]
+
+
+@pytest.mark.parametrize("target", ["folder", "under_a_file"])
+def test_an_output_that_cannot_be_written_is_a_one_line_error(tmp_path, capsys, target):
+    run = _write_run(tmp_path / "run", steps=5, val_every=5)
+    out = tmp_path / "out"
+    if target == "folder":
+        out.mkdir()
+    else:  # a path whose parent is a file: no user, root included, can create it
+        out.write_text("a file")
+        out = out / "curves.png"
+    assert main([str(run), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: cannot write {out}: ") and err.count("\n") == 1
