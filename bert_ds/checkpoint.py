@@ -55,7 +55,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from data_tools.atomic import file_crc32, fsync_path
+from data_tools.atomic import as_umask_allows, file_crc32, fsync_path
 from data_tools.errors import UserError
 from data_tools.tokenizer import HF_FILES
 
@@ -86,6 +86,12 @@ class CheckpointError(UserError):
 
 class NonFiniteWeightsError(Exception):
     """The weights to save hold inf or NaN: nothing is committed, the newest checkpoint stays (R16)."""
+
+
+def save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    """safetensors' save_file, with the permissions the umask allows (it writes 0600)."""
+    save_file(tensors, str(path), metadata=metadata)
+    as_umask_allows(path)
 
 
 def step_dir_name(step: int) -> str:
@@ -156,7 +162,7 @@ def save(engine, root: Path, step: int, *, rank: int, model_config: dict, train_
     _reach("engine_saved", final)
     torch.save(rng_state(), tmp / "rng" / f"rank_{rank:05d}.pt")
     if rank == 0:
-        save_file(weights, str(tmp / WEIGHTS), metadata={"format": "pt"})
+        save_safetensors(weights, tmp / WEIGHTS, metadata={"format": "pt"})
         if optimizer is not None:
             optimizer.write(tmp / OPTIMIZER)
         _write_json(tmp / "model_config.json", model_config)
@@ -165,7 +171,7 @@ def save(engine, root: Path, step: int, *, rank: int, model_config: dict, train_
         if tokenizer_dir is not None:  # the tokenizer files only, not the dataset beside them
             (tmp / "tokenizer").mkdir()
             for name in HF_FILES:
-                shutil.copy2(tokenizer_dir / name, tmp / "tokenizer" / name)
+                shutil.copyfile(tokenizer_dir / name, tmp / "tokenizer" / name)
     _reach("files_written", final)
     _barrier()
     if rank == 0:
@@ -383,7 +389,7 @@ class OptimizerSnapshot:
 
     def write(self, path: Path) -> None:
         meta = {"scalars": self.scalars, "lr_scheduler": self.lr_scheduler}
-        save_file(self.tensors, str(path), metadata={"format": "pt", "bert_ds": json.dumps(meta)})
+        save_safetensors(self.tensors, path, metadata={"format": "pt", "bert_ds": json.dumps(meta)})
 
     @classmethod
     def read(cls, path: Path) -> "OptimizerSnapshot":

@@ -33,13 +33,13 @@ from typing import Mapping
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from bert_ds import checkpoint
 from bert_ds.errors import ConfigError, UserError
 from data_tools.errors import report
 from bert_ds.model import BertForPreTraining, ModelConfig
-from data_tools.atomic import fsync_path
+from data_tools.atomic import as_umask_allows, fsync_path
 
 TIED_ALIASES = {
     # alias in the state dict -> the parameter it is tied to
@@ -97,10 +97,11 @@ def export_hf(state_dict: Mapping[str, torch.Tensor], config: ModelConfig,
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f"{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
+        as_umask_allows(tmp)
         hf_config.save_pretrained(tmp)
         tensors = {name: tensor.detach().to(device="cpu", dtype=torch.float32).contiguous()
                    for name, tensor in full_state.items() if name not in TIED_ALIASES}
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        checkpoint.save_safetensors(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
         if tokenizer_dir is not None:
             _copy_tokenizer(Path(tokenizer_dir), tmp)
         _check_round_trip(full_state, config, tmp)
@@ -178,7 +179,7 @@ def _copy_tokenizer(tokenizer_dir: Path, dest: Path) -> None:
     for path in files:
         if path.name in _EXPORT_FILES:
             raise ExportError(f"tokenizer folder {tokenizer_dir} holds {path.name}, which the export writes")
-        shutil.copy2(path, dest / path.name)
+        shutil.copyfile(path, dest / path.name)  # a new file, with the umask's permissions (not the source's)
 
 
 def _check_round_trip(state_dict: Mapping[str, torch.Tensor], config: ModelConfig, export_dir: Path) -> None:

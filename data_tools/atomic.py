@@ -45,6 +45,30 @@ def atomic_write(path: str | os.PathLike, data: bytes | str) -> Path:
     return path
 
 
+def process_umask() -> int:
+    """The umask in force, read without changing it where Linux tells it (/proc), else the
+    classic set-and-restore."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def as_umask_allows(path: str | os.PathLike) -> None:
+    """Give a file 0666, a folder 0777, less the umask: what open() and mkdir() give.
+
+    tempfile.mkdtemp (0700) and safetensors (0600) make owner-only files, so an export or
+    a checkpoint shared with a team would answer "Permission denied" to everyone else (R7).
+    """
+    base = 0o777 if os.path.isdir(path) else 0o666
+    os.chmod(path, base & ~process_umask())
+
+
 def file_crc32(path: str | os.PathLike) -> int:
     """zlib CRC32 of a file, read in bounded blocks."""
     crc = 0

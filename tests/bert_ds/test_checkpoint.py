@@ -85,3 +85,14 @@ def test_non_finite_weights_are_never_committed(tmp_path):
                             f"checkpoint: {good.resolve()}")
     assert checkpoint.find_latest(tmp_path) == good.resolve()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_00000010"]
+
+
+def test_checkpoint_files_follow_the_umask(tmp_path):
+    """R7: safetensors writes 0600; a checkpoint is readable as the umask allows (here 022: by all)."""
+    old = os.umask(0o022)
+    try:
+        final = _save(tmp_path, 10)
+    finally:
+        os.umask(old)
+    assert (final / "model.safetensors").stat().st_mode & 0o777 == 0o644
+    assert final.stat().st_mode & 0o777 == 0o755

@@ -71,6 +71,21 @@ def test_export_loads_in_transformers_with_same_logits(tmp_path, with_tied_alias
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "hf"]  # no temporary folders left
 
 
+@pytest.mark.parametrize("umask,file_mode,dir_mode", [(0o022, 0o644, 0o755), (0o077, 0o600, 0o700)])
+def test_export_follows_the_umask(tmp_path, umask, file_mode, dir_mode):
+    """R7: a teammate can read an export exactly as far as the exporter's umask allows."""
+    import os
+
+    _write_checkpoint(tmp_path / "ckpt", _config())
+    old = os.umask(umask)
+    try:
+        out = export_checkpoint(tmp_path / "ckpt", tmp_path / "hf")
+    finally:
+        os.umask(old)
+    assert out.stat().st_mode & 0o777 == dir_mode
+    assert {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()} == {p.name: file_mode for p in out.iterdir()}
+
+
 def test_export_follows_latest_link_and_replaces_earlier_export(tmp_path):
     _write_checkpoint(tmp_path / "step-1", _config())
     (tmp_path / "latest").symlink_to(tmp_path / "step-1")
