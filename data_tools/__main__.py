@@ -11,13 +11,17 @@
                                bytes/token, loader samples/s, worker memory) beside their goals
 
 Bad input (a missing file, an empty corpus, conflicting options) prints one line
-``error: ...`` to stderr and exits 2; argparse's own usage errors also exit 2.
+``error: ...`` to stderr and exits 2; argparse's own usage errors also exit 2. A build
+stopped by Ctrl-C or SIGTERM prints one line and exits 128 + the signal (130, 143),
+keeping its finished shards for a rerun to resume.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import sys
 
 from data_tools.errors import UserError, report
@@ -132,8 +136,41 @@ def _build(args: argparse.Namespace) -> int:
         shard_tokens=args.shard_tokens, progress=args.progress, text_field=args.text_field, overwrite=args.overwrite,
         **({"workers": args.workers} if args.workers is not None else {}),
     )
-    print(build(opts).summary())
+    with _stop_signals_raise():
+        try:
+            result = build(opts)
+        except _Interrupted as stop:
+            print(f"stopped by {stop.signal.name}: finished shards are kept in {opts.output}; rerun the same "
+                  "command to resume", file=sys.stderr, flush=True)
+            return 128 + stop.signal
+    print(result.summary())
     return 0
+
+
+class _Interrupted(BaseException):
+    """A stop signal arrived (a BaseException, like KeyboardInterrupt: no handler for errors catches it)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signal = signal.Signals(signum)
+
+
+@contextlib.contextmanager
+def _stop_signals_raise():
+    """SIGINT (Ctrl-C) and SIGTERM end a build through its cleanup: the shard being written
+    is removed, the workers are stopped, finished shards stay for the rerun to resume (R13).
+    A second signal during that cleanup ends the process at once."""
+    def stop(signum, frame):
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, signal.SIG_DFL)
+        raise _Interrupted(signum)
+
+    saved = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
 
 
 def _verify(args: argparse.Namespace) -> int:

@@ -47,8 +47,10 @@ from __future__ import annotations
 import hashlib
 import json
 import multiprocessing
+import multiprocessing.connection
 import os
 import re
+import signal
 import sys
 import time
 from collections import deque
@@ -62,6 +64,7 @@ from tqdm import tqdm
 
 from data_tools.atomic import atomic_write
 from data_tools.errors import UserError
+from data_tools.locking import LOCK_NAME, FolderLock
 from data_tools.manifest import MANIFEST_NAME, Manifest, created_by
 from data_tools.shard_format import (
     FORMAT_VERSION, MAX_SENTENCE_TOKENS, ShardError, ShardInfo, ShardReader, ShardWriter, token_dtype,
@@ -77,6 +80,10 @@ DEFAULT_SHARD_TOKENS = 1 << 26  # ~64M tokens: 128 MiB of uint16 per shard
 CHUNK_CHARS = 1 << 18  # characters per tokenization task: ~60k tokens, ~10 MB of Encodings
 _MAX_PARTS = 4096  # documents per chunk, bounds chunks of many empty documents
 JOURNAL_NAME = "build.journal.json"
+class WorkerDied(UserError):
+    """A tokenizer process ended without its result (killed, out of memory)."""
+
+
 _SHARD_FILE = re.compile(r"^shard_(\d{5,})\.(bin|idx)(\.tmp)?$")
 
 
@@ -282,21 +289,23 @@ class _Tokenize:
         return _per_part(tokens, lengths, owners, len(parts))
 
 
-_worker: _Tokenize | None = None
-
-
-def _init_worker(tokenizer_paths) -> None:
-    global _worker
+def _worker_main(conn) -> None:
+    """A tokenizing process: the tokenizer path first, then (parts, split) tasks until None."""
+    # Ctrl-C in a terminal reaches the whole process group; the main process decides what
+    # happens (it stops the workers itself), so a worker never dies mid-message of it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     # One rayon thread per worker process: N single-threaded workers beat N workers
     # that each fight for every core.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    # Spawned before the tokenizer is installed (see _Workers): wait for its path.
-    path = Path(tokenizer_paths.get())
-    _worker = _Tokenize(path.read_text(encoding="utf-8"))
-
-
-def _tokenize_in_worker(parts: list[list[str]], split: list[bool]):
-    return _worker(parts, split)
+    try:
+        path = conn.recv()  # spawned before the tokenizer is installed (see _Workers)
+        if path is None:
+            return
+        tokenize = _Tokenize(Path(path).read_text(encoding="utf-8"))
+        while (task := conn.recv()) is not None:
+            conn.send(tokenize(*task))
+    except (EOFError, BrokenPipeError):  # the main process is gone: nothing left to do
+        pass
 
 
 @dataclass
@@ -339,51 +348,88 @@ def _chunks(reader: CorpusReader, chunk_chars: int, split_sentences: bool) -> It
 class _Workers:
     """The tokenizing processes of a build (none with ``--workers 1``).
 
+    Chunk i goes to worker i mod N over that worker's own pipe, so results come back in
+    chunk order without any reordering. Unlike a multiprocessing.Pool this sees a worker
+    that died (its sentinel fires while its result is awaited: one line, not a hang), and
+    stops in bounded time on every path: workers are killed and reaped on exit, never left
+    holding a queue lock the way Pool.terminate can wait on forever.
+
     They are spawned before the tokenizer is installed: a fresh process takes a few
     tenths of a second to import numpy and tokenizers, and that now overlaps the main
-    process's own set-up. Each then waits in its initializer for :meth:`start` to
-    send the path of the installed ``tokenizer.json``, the one that encodes the shards.
+    process's own set-up. :meth:`start` then sends each the path of the installed
+    ``tokenizer.json``, the one that encodes the shards.
     """
 
     def __init__(self, count: int):
         self.count = count
         self._local: _Tokenize | None = None
-        self._pool = self._paths = None
+        self._procs: list = []
+        self._conns: list = []
         if count > 1:
             ctx = multiprocessing.get_context("spawn")  # fork after tokenizers used threads can deadlock
-            self._paths = ctx.SimpleQueue()
-            self._pool = ctx.Pool(count, initializer=_init_worker, initargs=(self._paths,))
+            for _ in range(count):
+                mine, theirs = ctx.Pipe()
+                proc = ctx.Process(target=_worker_main, args=(theirs,), daemon=True)
+                proc.start()
+                theirs.close()
+                self._procs.append(proc)
+                self._conns.append(mine)
 
     def start(self, directory: Path, spec: TokenizerSpec) -> None:
-        if self._pool is None:
+        if not self._procs:
             self._local = _Tokenize(spec.tokenizer_json)
             return
-        for _ in range(self.count):  # one each: every initializer takes exactly one
-            self._paths.put(str(directory / "tokenizer.json"))
+        for conn in self._conns:
+            conn.send(str(directory / "tokenizer.json"))
 
     def tokenized(self, chunks: Iterator[_Chunk]) -> Iterator[tuple[_Chunk, tuple]]:
-        """Yield (chunk, result) in chunk order, with at most 2 chunks per worker in flight."""
-        if self._pool is None:
+        """Yield (chunk, result) in chunk order, one chunk in flight per worker.
+
+        One, not more: a worker blocked sending a large result while the main process is
+        blocked sending it the next chunk would wait on each other forever. A worker gets
+        its next chunk as soon as its result is in, before the main process writes that
+        result out, so it does not idle while the shards are written.
+        """
+        if not self._procs:
             for c in chunks:
                 yield c, self._local(c.parts, c.split)
             return
-        pending: deque = deque()
-        for c in chunks:
-            pending.append((c, self._pool.apply_async(_tokenize_in_worker, (c.parts, c.split))))
-            if len(pending) >= 2 * self.count:
-                c0, r = pending.popleft()
-                yield c0, r.get()
+        pending: deque = deque()  # (chunk, worker index), oldest first
+        for i, c in enumerate(chunks):
+            w = i % self.count
+            if len(pending) == self.count:  # worker w holds chunk i - count, the oldest
+                c0, _ = pending.popleft()
+                result = self._result(w)
+                self._conns[w].send((c.parts, c.split))
+                pending.append((c, w))
+                yield c0, result
+            else:
+                self._conns[w].send((c.parts, c.split))
+                pending.append((c, w))
         while pending:
-            c0, r = pending.popleft()
-            yield c0, r.get()
+            c0, w = pending.popleft()
+            yield c0, self._result(w)
+
+    def _result(self, w: int):
+        conn, proc = self._conns[w], self._procs[w]
+        multiprocessing.connection.wait([conn, proc.sentinel])
+        if not conn.poll():  # the sentinel fired: the worker is gone and nothing more will come
+            proc.join()
+            raise WorkerDied(f"a tokenizer worker process died (exit status {proc.exitcode}); finished "
+                             "shards are kept, rerun the same command to resume")
+        return conn.recv()
 
     def __enter__(self) -> _Workers:
         return self
 
     def __exit__(self, *exc) -> None:
-        if self._pool is not None:
-            self._pool.terminate()  # also stops workers still waiting for a tokenizer
-            self._pool.join()
+        for conn in self._conns:
+            conn.close()  # a worker waiting for work sees EOF and ends
+        for proc in self._procs:
+            proc.join(timeout=1.0 if exc[0] is None else 0.0)
+            if proc.is_alive():  # busy (or interrupted mid-task): its result is not needed
+                proc.kill()
+                proc.join()
 
 
 # -- resume journal ------------------------------------------------------------------------
@@ -441,7 +487,7 @@ class _Existing:
 
 def _existing(directory: Path, overwrite: bool) -> _Existing:
     """Reads the folder's record; refuses a non-empty folder that holds no build (R12)."""
-    if not directory.is_dir() or not any(directory.iterdir()):
+    if not directory.is_dir() or not any(p.name != LOCK_NAME for p in directory.iterdir()):
         return _Existing("nothing")
     if (directory / MANIFEST_NAME).exists():
         try:
@@ -519,31 +565,40 @@ def build(opts: BuildOptions) -> BuildResult:
             _refuse_other(directory, existing)  # decided before a vocabulary is trained
         vocab = _vocab(opts)
         key = _plan_key(sources, vocab, opts)
-        if existing.kind == "dataset" and existing.key == key:
-            manifest = Manifest.load(directory)
-            return BuildResult(directory, manifest, time.perf_counter() - t0, 0.0, len(manifest.shards),
-                               already_built=True)
-        if existing.kind != "nothing" and existing.key != key and not opts.overwrite:
-            _refuse_other(directory, existing)
-        with _Workers(opts.workers) as workers:
-            directory.mkdir(parents=True, exist_ok=True)
-            records = _resumable(directory, key)
-            # From here on the folder is not a dataset until the new manifest lands; the
-            # journal comes first, so a build killed at any later point is recognised.
-            (directory / MANIFEST_NAME).unlink(missing_ok=True)
-            _write_json(directory / JOURNAL_NAME, {"key": key, "shards": records})
-            _remove_stale(directory, keep_shards=1 << 62)
-            spec = install_tokenizer(directory, vocab, opts.lowercase)
-            workers.start(directory, spec)
-            t_vocab = time.perf_counter() - t0
-            manifest = _write_shards(opts, directory, spec, key, records, workers)
-        manifest.sources = sources
-        manifest.build["plan_key"] = key
-        manifest.save(directory)
-        (directory / JOURNAL_NAME).unlink(missing_ok=True)
+        with FolderLock(directory, "a data_tools build"):
+            # Again under the lock, which decides: another build may have finished meanwhile.
+            existing = _existing(directory, opts.overwrite)
+            if existing.kind == "dataset" and existing.key == key:
+                manifest = Manifest.load(directory)
+                return BuildResult(directory, manifest, time.perf_counter() - t0, 0.0, len(manifest.shards),
+                                   already_built=True)
+            if existing.kind != "nothing" and existing.key != key and not opts.overwrite:
+                _refuse_other(directory, existing)
+            manifest, records, t_vocab = _build_locked(opts, directory, sources, vocab, key, t0)
     except OSError as e:
         raise UserError(f"{directory}: build failed: {e}") from None
     return BuildResult(directory, manifest, time.perf_counter() - t0, t_vocab, len(records))
+
+
+def _build_locked(opts: BuildOptions, directory: Path, sources: list[dict], vocab: bytes, key: str,
+                  t0: float) -> tuple[Manifest, list[dict], float]:
+    """The build proper, in a folder this process holds; returns (manifest, reused records, set-up seconds)."""
+    with _Workers(opts.workers) as workers:
+        records = _resumable(directory, key)
+        # From here on the folder is not a dataset until the new manifest lands; the
+        # journal comes first, so a build killed at any later point is recognised.
+        (directory / MANIFEST_NAME).unlink(missing_ok=True)
+        _write_json(directory / JOURNAL_NAME, {"key": key, "shards": records})
+        _remove_stale(directory, keep_shards=1 << 62)
+        spec = install_tokenizer(directory, vocab, opts.lowercase)
+        workers.start(directory, spec)
+        t_vocab = time.perf_counter() - t0
+        manifest = _write_shards(opts, directory, spec, key, records, workers)
+    manifest.sources = sources
+    manifest.build["plan_key"] = key
+    manifest.save(directory)
+    (directory / JOURNAL_NAME).unlink(missing_ok=True)
+    return manifest, records, t_vocab
 
 
 def _write_shards(opts: BuildOptions, directory: Path, spec: TokenizerSpec, key: str,
