@@ -443,7 +443,7 @@ class BertForPreTraining(nn.Module):
         export checks).
         """
         if (unpadded is None) == (attention_mask is None):
-            raise ValueError("pass either attention_mask (and masked_lm_labels) or unpadded, not both")
+            raise ValueError("pass exactly one of attention_mask (with masked_lm_labels) and unpadded")
         if unpadded is None:
             unpadded = unpad(attention_mask, masked_lm_labels)
         elif masked_lm_labels is not None:
@@ -484,6 +484,6 @@ class BertForPreTraining(nn.Module):
 
 
 def _count(n: int, device: torch.device) -> torch.Tensor:
-    """() int64 on ``device``, filled there: ``torch.tensor(n, device=...)`` would copy from
-    pageable host memory, which blocks until the device has caught up."""
+    """() int64 on ``device``, filled there: ``torch.tensor(n, device=...)`` would copy it from
+    host memory and then wait for everything queued on the device to finish."""
     return torch.full((), n, dtype=torch.int64, device=device)

@@ -245,9 +245,9 @@ def test_forward_takes_the_layout_one_way_only():
     model = BertForPreTraining(_config())
     input_ids, token_type_ids, attention_mask, labels, _ = _batch(seed=9)
     unpadded = unpad(attention_mask, labels)
-    with pytest.raises(ValueError, match="either attention_mask"):
+    with pytest.raises(ValueError, match="exactly one of attention_mask"):
         model(input_ids, token_type_ids)
-    with pytest.raises(ValueError, match="either attention_mask"):
+    with pytest.raises(ValueError, match="exactly one of attention_mask"):
         model(input_ids, token_type_ids, attention_mask, unpadded=unpadded)
     with pytest.raises(ValueError, match="unpadded.masked_labels"):
         model(input_ids, token_type_ids, masked_lm_labels=labels, unpadded=unpadded)
