@@ -1,11 +1,11 @@
-"""bert_ds.model against transformers' BertForPreTraining with identical weights."""
+"""bert_ds.model against transformers' BertForPreTraining with identical weights, and its
+training path free of host syncs."""
 
 import dataclasses
 
 import pytest
 import torch
 import transformers
-
 from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
@@ -268,29 +268,50 @@ def _compiled_keeping_graphs(model):
     return torch.compile(model, fullgraph=True, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep)), graphs
 
 
-def _data_dependent_nodes(graphs) -> list[str]:
-    """Ops whose result has a size or value the host learns only from the device: what
-    ``.item()``, ``.tolist()``, ``.nonzero()`` or a boolean-mask index become in a graph.
+_INDEXING = (torch.ops.aten.index.Tensor, torch.ops.aten.index_put.default)
+_VALUE_DEPENDENT = (torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output)
 
-    ``fullgraph=True`` alone does not refuse them: the compiler captures them with
-    placeholders for the unknown sizes (unbacked symbols), which is what this looks for.
+
+def _host_reads(graphs) -> list[str]:
+    """Ops of the graphs that need device values on the host: a result whose size depends
+    on values (``.nonzero()``, a boolean-mask index) or a value read back (``.item()``,
+    ``.tolist()``).
+
+    ``fullgraph=True`` alone does not refuse them: the compiler captures them and learns
+    the sizes at run time, and once a later op ties such a size to a known one, no size in
+    the graph shows it any more. So the ops themselves are looked at.
     """
-    return [str(node.target) for graph in graphs for node in graph.graph.nodes
-            if free_unbacked_symbols(node.meta.get("val"))]
+    found = []
+    for graph in graphs:
+        for node in graph.graph.nodes:
+            if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+                continue
+            if node.target in _INDEXING:  # tagged for boolean indices; integer ones gather or scatter
+                reads = any(isinstance(i, torch.fx.Node) and i.meta["val"].dtype == torch.bool for i in node.args[1])
+            else:
+                reads = any(tag in node.target.tags for tag in _VALUE_DEPENDENT)
+            if reads or free_unbacked_symbols(node.meta.get("val")):
+                found.append(str(node.target))
+    return found
 
 
-def test_graph_check_sees_data_dependent_sizes():
-    """The check below can fail: a boolean-mask index and a nonzero are caught."""
-    for fn in (lambda x: x[x > 0].sum(), lambda x: x.nonzero().sum()):
-        torch._dynamo.reset()
-        compiled, graphs = _compiled_keeping_graphs(fn)
-        compiled(torch.randn(8))
-        assert _data_dependent_nodes(graphs)
+@pytest.mark.parametrize("fn", [
+    lambda x, y: x[x > 0].sum(),
+    lambda x, y: x.nonzero().sum(),
+    lambda x, y: (x[x > 0] * y).sum(),  # the mask's count is tied to y's known size
+    lambda x, y: x.masked_fill(x > 0, 0.0).index_put((x > 1,), y.new_zeros(())).sum(),
+], ids=["mask-index", "nonzero", "mask-index-sized", "mask-index-put"])
+def test_graph_check_sees_host_reads(fn):
+    """The check below can fail."""
+    torch._dynamo.reset()
+    compiled, graphs = _compiled_keeping_graphs(fn)
+    compiled(torch.tensor([1.0, -1.0, 2.0, -3.0, 4.0]), torch.ones(3))
+    assert _host_reads(graphs)
 
 
 def test_training_forward_compiles_whole_and_matches_eager():
     """The training path (layout precomputed by the loader) compiles into one graph, whose
-    forward and backward have no data-dependent size, and computes what eager does."""
+    forward and backward read no device value on the host, and computes what eager does."""
     config = _config(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64)
     torch.manual_seed(0)
     model = BertForPreTraining(config).train()  # dropout 0: eager and compiled compute the same function
@@ -305,7 +326,7 @@ def test_training_forward_compiles_whole_and_matches_eager():
         loss.backward()
         results.append((loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}))
     assert len(graphs) == 2  # one forward graph, one backward graph
-    assert _data_dependent_nodes(graphs) == []
+    assert _host_reads(graphs) == []
     (compiled_loss, compiled_grads), (eager_loss, eager_grads) = results
     # The same fp32 ops on the same values: at most rounding apart (they come out equal here).
     torch.testing.assert_close(compiled_loss, eager_loss, rtol=0, atol=1e-6)
