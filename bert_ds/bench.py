@@ -75,7 +75,7 @@ import torch
 from torch.utils.data import Dataset
 
 from bert_ds.config import BatchPlan
-from bert_ds.data import IGNORE_INDEX, PretrainingLoader, SpecialTokens, collate
+from bert_ds.data import IGNORE_INDEX, Batch, PretrainingLoader, SpecialTokens, collate, to_device
 from bert_ds.errors import ConfigError, UserError
 from bert_ds.flops import datasheet_peak_tflops, training_flops
 from bert_ds.model import PRESETS, BertForPreTraining, ModelConfig, model_preset, pretraining_inputs
@@ -224,10 +224,10 @@ def open_samples(s: BenchSettings, seq_len: int) -> tuple[Dataset, str]:
             f"real shards: {s.data}")
 
 
-def batch_counts(batch: dict[str, torch.Tensor]) -> dict[str, int]:
+def batch_counts(batch: Batch) -> dict[str, int]:
     lengths = batch["attention_mask"].sum(dim=1)
     return {"tokens": int(lengths.sum()), "sum_sq_len": int((lengths ** 2).sum()),
-            "masked": int((batch["labels"] != IGNORE_INDEX).sum()), "padded_tokens": batch["input_ids"].numel(),
+            "masked": batch["masked_labels"].numel(), "padded_tokens": batch["input_ids"].numel(),
             "full_length": int((lengths == batch["input_ids"].shape[1]).sum()), "width": batch["input_ids"].shape[1]}
 
 
@@ -243,11 +243,11 @@ def padded_dense_flops(cfg: ModelConfig, batch_size: int, width: int) -> float:
 
 # --------------------------------------------------------------------------- variants
 
-def bert_ds_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+def bert_ds_loss(model, batch: Batch) -> torch.Tensor:
     return model(**pretraining_inputs(batch)).loss
 
 
-def transformers_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+def transformers_loss(model, batch: Batch) -> torch.Tensor:
     return model(input_ids=batch["input_ids"], token_type_ids=batch["token_type_ids"],
                  attention_mask=batch["attention_mask"], labels=batch["labels"],
                  next_sentence_label=batch["next_sentence_label"]).loss
@@ -308,7 +308,7 @@ def time_variant(model, loss_fn, optimizer, loader: PretrainingLoader, s: BenchS
             t_start, c_start = time.perf_counter(), time.process_time()
             data_wait, marks = 0.0, []
         t0 = time.perf_counter()
-        batch = {k: v.to(device, non_blocking=True) for k, v in loader.next_step()[0].items()}
+        batch = to_device(loader.next_step()[0], device, non_blocking=True)
         data_wait += time.perf_counter() - t0
         begin = torch.cuda.Event(enable_timing=True) if cuda else time.perf_counter()
         if cuda:
@@ -330,7 +330,7 @@ def time_variant(model, loss_fn, optimizer, loader: PretrainingLoader, s: BenchS
     return Timings(wall, data_wait, steps, cpu)
 
 
-def first_batch_loss(model, loss_fn, batch: dict[str, torch.Tensor], autocast) -> float:
+def first_batch_loss(model, loss_fn, batch: Batch, autocast) -> float:
     """The loss of one batch without dropout: the same weights and inputs give the same loss."""
     model.eval()
     with torch.no_grad(), autocast():
@@ -351,7 +351,7 @@ def run_config(s: BenchSettings, preset: str, seq_len: int, device: torch.device
     weights = BertForPreTraining(dataclasses.replace(cfg, kernels="torch")).state_dict()
     batches_at = [list(range(i * batch_size, (i + 1) * batch_size)) for i in range(s.warmup + s.steps)]
     timed = [batch_counts(collate([samples[p] for p in positions], pad)) for positions in batches_at[s.warmup:]]
-    first = {k: v.to(device) for k, v in collate([samples[p] for p in batches_at[0]], pad).items()}
+    first = to_device(collate([samples[p] for p in batches_at[0]], pad), device)
     plan = BatchPlan.resolve(batch_size, batch_size, world_size=1)
 
     tokens = sum(c["tokens"] for c in timed)

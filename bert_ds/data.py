@@ -16,6 +16,9 @@ Design choices:
 - Batches are padded to the longest sample of the micro-batch; the model unpads
   once, so padding costs only the copy. Labels follow Hugging Face: -100 where a
   token is not a prediction target, ``next_sentence_label`` 0 = true next.
+- The collate also computes where the real and the masked tokens go once padding is
+  removed (:func:`bert_ds.padding.unpad`), here on the host and in the loader's worker
+  processes, so the model never has to ask the GPU for a length or a count.
 """
 
 from __future__ import annotations
@@ -34,12 +37,13 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from bert_ds.config import BatchPlan, DataConfig
+from bert_ds.padding import IGNORE_INDEX, unpad
 from data_tools.atomic import atomic_write
 from data_tools.errors import ShardError
 from data_tools.manifest import open_dataset
 from data_tools.shard_format import ShardReader
 
-IGNORE_INDEX = -100  # label of tokens that are not MLM targets (PyTorch / HF convention)
+Batch = dict[str, torch.Tensor | int]  # what collate returns: tensors, and max_seqlen as a host int
 _PERMUTATION_STREAM = 0x5EED  # keeps the shuffle generator apart from the per-sample ones
 
 
@@ -442,8 +446,13 @@ def open_pretraining_data(cfg: DataConfig, seed: int) -> tuple[Dataset, Pretrain
     return stream, val
 
 
-def collate(samples: list[dict[str, np.ndarray | int]], pad_id: int) -> dict[str, torch.Tensor]:
-    """Pad to the longest sample. Returns (B, S) int64 tensors and (B,) NSP labels."""
+def collate(samples: list[dict[str, np.ndarray | int]], pad_id: int) -> Batch:
+    """Pad to the longest sample.
+
+    Returns (B, S) int64 ``input_ids``, ``token_type_ids``, ``attention_mask``, ``labels``,
+    (B,) ``next_sentence_label`` (when every sample has one), and the unpadded layout's
+    fields (:meth:`bert_ds.padding.Unpadded.batch_fields`; ``max_seqlen`` a host int).
+    """
     width = max(len(s["input_ids"]) for s in samples)
     batch = len(samples)
     ids = np.full((batch, width), pad_id, dtype=np.int64)
@@ -465,7 +474,15 @@ def collate(samples: list[dict[str, np.ndarray | int]], pad_id: int) -> dict[str
     nsp = np.array([s["next_sentence_label"] for s in samples], dtype=np.int64)
     if (nsp >= 0).all():
         out["next_sentence_label"] = torch.from_numpy(nsp)
+    out.update(unpad(out["attention_mask"], out["labels"]).batch_fields())
     return out
+
+
+def to_device(batch: Batch, device: torch.device,
+              non_blocking: bool = False) -> Batch:
+    """The batch's tensors on ``device``; host values (``max_seqlen``) stay on the host."""
+    return {k: v.to(device, non_blocking=non_blocking) if isinstance(v, torch.Tensor) else v
+            for k, v in batch.items()}
 
 
 def step_positions(plan: BatchPlan, rank: int, step_start: int) -> list[list[int]]:
@@ -503,9 +520,9 @@ class PretrainingLoader:
         # Page-locked batches let the host-to-GPU copy run asynchronously (non_blocking=True);
         # from pageable memory that copy blocks the host until it is done.
         self.pin_memory = pin_memory
-        self._iter: Iterator[dict[str, torch.Tensor]] | None = None
+        self._iter: Iterator[Batch] | None = None
 
-    def _make_iter(self) -> Iterator[dict[str, torch.Tensor]]:
+    def _make_iter(self) -> Iterator[Batch]:
         pad = self.dataset.special.pad
         loader = DataLoader(
             self.dataset,
@@ -521,7 +538,7 @@ class PretrainingLoader:
         )
         return iter(loader)
 
-    def next_step(self) -> list[dict[str, torch.Tensor]]:
+    def next_step(self) -> list[Batch]:
         """The grad_accum micro-batches of the next optimizer step for this rank."""
         if self._iter is None:
             self._iter = self._make_iter()
@@ -545,7 +562,7 @@ class PretrainingLoader:
 
 
 def validation_batches(dataset: PretrainingDataset, samples: int, micro_batch: int, rank: int,
-                       world_size: int) -> Iterator[dict[str, torch.Tensor]]:
+                       world_size: int) -> Iterator[Batch]:
     """A fixed held-out set (epoch 0's first positions), the same number of batches on every rank."""
     per_round = micro_batch * world_size
     rounds = -(-samples // per_round)
@@ -555,5 +572,5 @@ def validation_batches(dataset: PretrainingDataset, samples: int, micro_batch: i
         yield collate([dataset[p % dataset.num_samples] for p in range(lo, lo + micro_batch)], pad)
 
 
-__all__ = ["IGNORE_INDEX", "step_positions", "BlendedDataset", "open_pretraining_data", "PretrainingDataset", "PretrainingLoader", "SpecialTokens",
-           "build_sample_map", "collate", "validation_batches"]
+__all__ = ["IGNORE_INDEX", "Batch", "step_positions", "BlendedDataset", "open_pretraining_data", "PretrainingDataset", "PretrainingLoader", "SpecialTokens",
+           "build_sample_map", "collate", "to_device", "validation_batches"]

@@ -39,6 +39,7 @@ from bert_ds import checkpoint
 from bert_ds.errors import ConfigError, UserError
 from data_tools.errors import report
 from bert_ds.model import BertForPreTraining, ModelConfig
+from bert_ds.padding import gather_tokens, unpad
 from data_tools.atomic import as_umask_allows, fsync_path
 
 TIED_ALIASES = {
@@ -197,10 +198,11 @@ def _check_round_trip(state_dict: Mapping[str, torch.Tensor], config: ModelConfi
     theirs.eval()
 
     input_ids, token_type_ids, attention_mask = _probe_batch(config)
+    unpadded = unpad(attention_mask)
     with torch.no_grad():
-        our_out = ours(input_ids, token_type_ids, attention_mask)
+        our_out = ours(input_ids, token_type_ids, unpadded=unpadded)
         their_out = theirs(input_ids=input_ids, token_type_ids=token_type_ids, attention_mask=attention_mask)
-    their_mlm = their_out.prediction_logits[attention_mask.bool()]  # (T, V), packed like ours
+    their_mlm = gather_tokens(their_out.prediction_logits, unpadded.token_indices)  # (T, V), packed like ours
     diff = max((our_out.mlm_logits - their_mlm).abs().max().item(),
                (our_out.nsp_logits - their_out.seq_relationship_logits).abs().max().item())
     if not diff <= ROUND_TRIP_TOLERANCE:  # written so that NaN fails too

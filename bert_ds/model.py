@@ -15,6 +15,12 @@ Design choices, and why:
   (T, H) real tokens, T = number of non-pad tokens, so no GEMM or LayerNorm is
   spent on padding; attention gets ``cu_seqlens`` (the flash-attention varlen
   convention). Only the reference attention re-pads internally.
+- **The unpadded layout comes with the batch.** Token indices, ``cu_seqlens``,
+  ``max_seqlen`` and the masked rows have data-dependent sizes; the loader computes
+  them on the host (:mod:`bert_ds.padding`), so the training forward and backward
+  only gather and never wait for the device (no ``.item()``, ``.tolist()``,
+  ``.nonzero()`` or boolean-mask index): ``torch.compile(fullgraph=True)`` takes it
+  whole. Callers with only an ``attention_mask`` still get it computed here.
 - **The MLM decoder runs only on masked positions** (~15% of tokens). With a 30k
   vocabulary it is the largest GEMM in the model, and the other rows' logits are
   never used by the loss.
@@ -36,10 +42,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from bert_ds.errors import ConfigError
+from bert_ds.padding import Unpadded, gather_tokens, unpad
 from kernels import Backend, bias_gelu, layer_norm, resolve_backend, varlen_attention
-
-IGNORE_INDEX = -100  # label of a position that is not predicted (the Hugging Face convention)
-
 
 # --------------------------------------------------------------------------- config
 
@@ -139,45 +143,6 @@ def model_preset(name: str, vocab_size: int, **overrides: Any) -> ModelConfig:
     if name not in PRESETS:
         raise ConfigError(f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}")
     return ModelConfig.from_dict({**PRESETS[name], "vocab_size": vocab_size, **overrides})
-
-
-# --------------------------------------------------------------------------- unpadding
-
-@dataclass(frozen=True)
-class Unpadded:
-    """Where the real tokens of a right-padded (B, S) batch go once padding is removed."""
-
-    indices: torch.Tensor  # (T,) int64: flat offsets of the real tokens in the row-major (B*S) grid
-    cu_seqlens: torch.Tensor  # (B+1,) int32: sequence b is packed rows cu_seqlens[b]:cu_seqlens[b+1]
-    max_seqlen: int  # longest sequence in the batch; bounds the attention's work
-
-
-def unpad(attention_mask: torch.Tensor) -> Unpadded:
-    """attention_mask: (B, S), 1 for real tokens, padding on the right.
-
-    Raises ``ValueError`` for a sequence without tokens or with a real token after
-    padding (either would break ``cu_seqlens``). Syncs with the device, since
-    ``max_seqlen`` and the number of real tokens are host integers.
-    """
-    is_real = attention_mask.bool()
-    seqlens = is_real.sum(dim=1, dtype=torch.int32)  # (B,)
-    real_after_pad = (is_real[:, 1:] & ~is_real[:, :-1]).any()
-    max_len, min_len, not_right_padded = torch.stack(
-        [seqlens.max(), seqlens.min(), real_after_pad.to(torch.int32)]).tolist()
-    if min_len == 0:
-        raise ValueError("attention_mask has a sequence without any real token")
-    if not_right_padded:
-        raise ValueError("attention_mask must have its padding on the right (a real token follows a pad)")
-    return Unpadded(
-        indices=torch.nonzero(is_real.flatten()).squeeze(1),
-        cu_seqlens=F.pad(torch.cumsum(seqlens, dim=0, dtype=torch.int32), (1, 0)),
-        max_seqlen=max_len,
-    )
-
-
-def gather_tokens(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-    """x: (B, S, ...) -> (T, ...), the rows at ``Unpadded.indices``."""
-    return x.flatten(0, 1)[indices]
 
 
 # --------------------------------------------------------------------------- modules
@@ -349,7 +314,7 @@ class BertModel(nn.Module):
         """Packed (T,) inputs -> hidden states (T, H) and pooled output (B, H)."""
         hidden = self.embeddings(input_ids, token_type_ids, position_ids)
         hidden = self.encoder(hidden, cu_seqlens, max_seqlen)
-        pooled = self.pooler(hidden[cu_seqlens[:-1].long()])  # (B, H)
+        pooled = self.pooler(hidden.index_select(0, cu_seqlens[:-1].long()))  # (B, H): each [CLS]
         return hidden, pooled
 
 
@@ -415,12 +380,11 @@ class PreTrainingOutput:
     nsp_count: torch.Tensor | None = None  # () int64: sequences
 
 
-def pretraining_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | None]:
+def pretraining_inputs(batch: Mapping[str, torch.Tensor | int]) -> dict[str, Any]:
     """A batch of ``bert_ds.data.collate`` as :meth:`BertForPreTraining.forward`'s keyword
-    arguments (no NSP labels when the data has no pair task)."""
+    arguments: the precomputed, sync-free layout (no NSP labels when the data has no pair task)."""
     return {"input_ids": batch["input_ids"], "token_type_ids": batch["token_type_ids"],
-            "attention_mask": batch["attention_mask"], "masked_lm_labels": batch["labels"],
-            "next_sentence_label": batch.get("next_sentence_label")}
+            "next_sentence_label": batch.get("next_sentence_label"), "unpadded": Unpadded.from_batch(batch)}
 
 
 class BertForPreTraining(nn.Module):
@@ -456,50 +420,70 @@ class BertForPreTraining(nn.Module):
         self,
         input_ids: torch.Tensor,
         token_type_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
         masked_lm_labels: torch.Tensor | None = None,
         next_sentence_label: torch.Tensor | None = None,
+        *,
+        unpadded: Unpadded | None = None,
     ) -> PreTrainingOutput:
-        """input_ids, token_type_ids, attention_mask, masked_lm_labels: (B, S) int64, padding on
-        the right; masked_lm_labels is -100 where a token is not predicted (pad positions
-        included); next_sentence_label: (B,), 0 = B follows A.
+        """input_ids, token_type_ids: (B, S) int64, padding on the right; next_sentence_label:
+        (B,), 0 = B follows A.
 
-        Without ``masked_lm_labels`` the decoder runs on every real token instead (inference,
+        Where the real and the masked tokens are comes one of two ways:
+
+        - ``unpadded`` (training): the layout :func:`bert_ds.padding.unpad` computed on the
+          host, as the loader delivers it (:func:`pretraining_inputs`). The forward and
+          backward then never wait for the device. MLM losses are computed when it
+          carries masked positions.
+        - ``attention_mask`` (B, S) and optionally ``masked_lm_labels`` (B, S), -100 where a
+          token is not predicted (the Hugging Face arguments): the layout is computed here,
+          which waits for the device once.
+
+        Without masked positions the decoder runs on every real token instead (inference,
         export checks).
         """
+        if (unpadded is None) == (attention_mask is None):
+            raise ValueError("pass exactly one of attention_mask (with masked_lm_labels) and unpadded")
+        if unpadded is None:
+            unpadded = unpad(attention_mask, masked_lm_labels)
+        elif masked_lm_labels is not None:
+            raise ValueError("with unpadded, the MLM labels come in unpadded.masked_labels, not masked_lm_labels")
         batch, seq_len = input_ids.shape
         if seq_len > self.config.max_position_embeddings:
             raise ValueError(f"sequence length {seq_len} exceeds max_position_embeddings "
                              f"{self.config.max_position_embeddings}")
-        packed = unpad(attention_mask)
+        token_indices = unpadded.token_indices
         # With right padding, a token's offset within its row is its index in its sequence.
-        position_ids = packed.indices % seq_len  # (T,)
+        position_ids = token_indices % seq_len  # (T,)
         hidden, pooled = self.bert(
-            gather_tokens(input_ids, packed.indices),
-            gather_tokens(token_type_ids, packed.indices),
-            position_ids, packed.cu_seqlens, packed.max_seqlen,
+            gather_tokens(input_ids, token_indices),
+            gather_tokens(token_type_ids, token_indices),
+            position_ids, unpadded.cu_seqlens, unpadded.max_seqlen,
         )  # (T, H), (B, H)
 
-        if masked_lm_labels is None:
-            predicted, mlm_labels = hidden, None
-        else:
-            labels = gather_tokens(masked_lm_labels, packed.indices)  # (T,)
-            is_masked = labels != IGNORE_INDEX
-            predicted, mlm_labels = hidden[is_masked], labels[is_masked]  # (M, H), (M,)
+        mlm_labels = unpadded.masked_labels  # (M,) or None
+        predicted = hidden if mlm_labels is None else hidden.index_select(0, unpadded.masked_positions)  # (M, H)
         mlm_logits, nsp_logits = self.cls(predicted, pooled)  # (M, V), (B, 2)
 
         out = PreTrainingOutput(mlm_logits=mlm_logits, nsp_logits=nsp_logits)
         if mlm_labels is not None:
+            masked = mlm_labels.shape[0]  # a host int: the layout's size, not a device value
             # Sum / count equals HF's mean, but is 0 rather than NaN for a batch with nothing masked.
             # The losses are taken in fp32: in bf16 a log-softmax over 30k logits loses the
             # small differences the gradient is made of (the logits themselves stay bf16).
-            out.mlm_loss = F.cross_entropy(mlm_logits.float(), mlm_labels, reduction="sum") / max(mlm_labels.numel(), 1)
+            out.mlm_loss = F.cross_entropy(mlm_logits.float(), mlm_labels, reduction="sum") / max(masked, 1)
             out.mlm_correct = (mlm_logits.detach().argmax(dim=-1) == mlm_labels).sum()
-            out.mlm_count = torch.tensor(mlm_labels.numel(), device=mlm_labels.device)
+            out.mlm_count = _count(masked, mlm_labels.device)
             out.loss = out.mlm_loss
         if next_sentence_label is not None:
             out.nsp_loss = F.cross_entropy(nsp_logits.float(), next_sentence_label)
             out.nsp_correct = (nsp_logits.detach().argmax(dim=-1) == next_sentence_label).sum()
-            out.nsp_count = torch.tensor(batch, device=nsp_logits.device)
+            out.nsp_count = _count(batch, nsp_logits.device)
             out.loss = out.nsp_loss if out.loss is None else out.loss + out.nsp_loss
         return out
+
+
+def _count(n: int, device: torch.device) -> torch.Tensor:
+    """() int64 on ``device``, filled there: ``torch.tensor(n, device=...)`` would copy it from
+    host memory and then wait for everything queued on the device to finish."""
+    return torch.full((), n, dtype=torch.int64, device=device)

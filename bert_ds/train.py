@@ -51,8 +51,8 @@ import torch.distributed as dist
 
 from bert_ds import checkpoint
 from bert_ds.config import BatchPlan, DataConfig, OptimConfig, TrainConfig, deepspeed_config, precision_of
-from bert_ds.data import (PretrainingDataset, PretrainingLoader, open_pretraining_data, step_positions,
-                          validation_batches)
+from bert_ds.data import (Batch, PretrainingDataset, PretrainingLoader, open_pretraining_data, step_positions,
+                          to_device, validation_batches)
 from bert_ds.errors import ConfigError
 from bert_ds.flops import datasheet_peak_tflops, training_flops
 from bert_ds.metrics import MetricsLogger
@@ -233,7 +233,7 @@ _STATS = ("loss_sum", "micro_batches", "mlm_correct", "mlm_count", "nsp_correct"
 _AT = {name: i for i, name in enumerate(_STATS)}
 
 
-def _batch_stats(out, batch: dict[str, torch.Tensor], loss: torch.Tensor) -> torch.Tensor:
+def _batch_stats(out, batch: Batch, loss: torch.Tensor) -> torch.Tensor:
     """The _STATS of one micro-batch, on the batch's device (no host sync)."""
     lengths = batch["attention_mask"].sum(dim=1).double()
     nsp = (out.nsp_correct, out.nsp_count) if out.nsp_count is not None else (0, 0)  # --pair-task none
@@ -259,11 +259,7 @@ def _all_reduce(t: torch.Tensor) -> list[float]:
     return t.cpu().tolist()
 
 
-def _to(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-
-
-def _forward(engine, batch: dict[str, torch.Tensor]):
+def _forward(engine, batch: Batch):
     return engine(**pretraining_inputs(batch))
 
 
@@ -277,7 +273,7 @@ def validate(engine, dataset: PretrainingDataset, cfg: TrainConfig, rank: int, w
     totals = torch.zeros(len(_STATS) + 1, dtype=torch.float64, device=device)
     with torch.no_grad():
         for batch in validation_batches(dataset, cfg.data.val_samples, cfg.micro_batch_size, rank, world):
-            batch = _to(batch, device)
+            batch = to_device(batch, device, non_blocking=True)
             out = _forward(engine, batch)
             mlm_loss_sum = out.mlm_loss.detach().double() * out.mlm_count
             totals += torch.cat([_batch_stats(out, batch, out.loss), mlm_loss_sum.reshape(1)])
@@ -380,7 +376,7 @@ def run(cfg: TrainConfig, resume: bool, rank: int, world: int, device: torch.dev
                 data_s = time.perf_counter() - t0
                 stats = torch.zeros(len(_STATS), dtype=torch.float64, device=device)
                 for i, batch in enumerate(batches):
-                    batch = _to(batch, device)
+                    batch = to_device(batch, device, non_blocking=True)
                     out = _forward(engine, batch)
                     loss = out.loss * float("nan") if rank == 0 and step in options.nan_at else out.loss
                     engine.backward(loss)

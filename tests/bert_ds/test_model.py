@@ -1,14 +1,20 @@
-"""bert_ds.model against transformers' BertForPreTraining with identical weights."""
+"""bert_ds.model against transformers' BertForPreTraining with identical weights, and its
+training path free of host syncs."""
 
 import dataclasses
 
 import pytest
 import torch
 import transformers
+from functorch.compile import make_boxed_func
+from torch._dynamo.backends.common import aot_autograd
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
+from bert_ds.data import to_device
 from bert_ds.errors import ConfigError
 from bert_ds.export import to_hf_config
-from bert_ds.model import PRESETS, BertForPreTraining, ModelConfig, model_preset, unpad
+from bert_ds.model import PRESETS, BertForPreTraining, ModelConfig, model_preset, pretraining_inputs
+from bert_ds.padding import unpad
 
 VOCAB = 97
 SEQ = 16
@@ -46,9 +52,27 @@ def _batch(seed: int, lengths=LENGTHS, seq_len: int = SEQ, mask_prob: float = 0.
     return input_ids, token_type_ids, attention_mask, labels, next_sentence
 
 
-def _run_both(ours, theirs, batch):
+def _loader_batch(batch) -> dict:
+    """``_batch`` as the loader delivers it: the padded tensors and the precomputed layout."""
     input_ids, token_type_ids, attention_mask, labels, next_sentence = batch
-    our_out = ours(input_ids, token_type_ids, attention_mask, labels, next_sentence)
+    return {"input_ids": input_ids, "token_type_ids": token_type_ids, "attention_mask": attention_mask,
+            "labels": labels, "next_sentence_label": next_sentence, **unpad(attention_mask, labels).batch_fields()}
+
+
+# The two ways into the model: the training path (layout precomputed on the host, as the
+# loader delivers it) and Hugging Face's arguments (layout computed inside the forward).
+PATHS = ["precomputed", "attention_mask"]
+
+
+def _ours(model, batch, path: str):
+    if path == "precomputed":
+        return model(**pretraining_inputs(_loader_batch(batch)))
+    return model(*batch)
+
+
+def _run_both(ours, theirs, batch, path: str = "precomputed"):
+    input_ids, token_type_ids, attention_mask, labels, next_sentence = batch
+    our_out = _ours(ours, batch, path)
     their_out = theirs(input_ids=input_ids, token_type_ids=token_type_ids, attention_mask=attention_mask,
                        labels=labels, next_sentence_label=next_sentence)
     return our_out, their_out
@@ -60,15 +84,16 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 # --------------------------------------------------------------------------- equivalence with HF
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("hidden_act", ["gelu", "gelu_tanh"])
-def test_matches_transformers_in_eval(hidden_act):
+def test_matches_transformers_in_eval(hidden_act, path):
     ours, theirs = _models(_config(hidden_act=hidden_act))
     ours.eval()
     theirs.eval()
     batch = _batch(seed=1)
     labels, next_sentence = batch[3], batch[4]
     with torch.no_grad():
-        our_out, their_out = _run_both(ours, theirs, batch)
+        our_out, their_out = _run_both(ours, theirs, batch, path)
 
     is_masked = labels != -100
     their_mlm = their_out.prediction_logits[is_masked]
@@ -135,14 +160,15 @@ def test_init_is_huggingface_style():
     assert torch.all(model.cls.predictions.bias == 0)
 
 
-def test_training_steps_match_transformers():
+@pytest.mark.parametrize("path", PATHS)
+def test_training_steps_match_transformers(path):
     """20 AdamW steps in fp32 give the same losses as transformers + torch.optim.AdamW."""
     ours, theirs = _models(_config())
     ours.train()
     theirs.train()
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.01) for m in (ours, theirs)]
     for step in range(20):
-        our_out, their_out = _run_both(ours, theirs, _batch(seed=100 + step))
+        our_out, their_out = _run_both(ours, theirs, _batch(seed=100 + step), path)
         for opt, loss in zip(opts, (our_out.loss, their_out.loss)):
             opt.zero_grad()
             loss.backward()
@@ -205,22 +231,130 @@ def test_no_masked_tokens_gives_zero_mlm_loss():
     assert torch.equal(out.loss, out.nsp_loss)
 
 
-def test_unpad_layout():
-    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1]])
-    packed = unpad(mask)
-    assert packed.indices.tolist() == [0, 1, 2, 4, 8, 9, 10, 11]
-    assert packed.cu_seqlens.dtype == torch.int32
-    assert packed.cu_seqlens.tolist() == [0, 3, 4, 8]
-    assert packed.max_seqlen == 4
+def test_precomputed_and_mask_paths_agree_exactly():
+    model = BertForPreTraining(_config()).eval()
+    batch = _batch(seed=8)
+    with torch.no_grad():
+        a, b = (_ours(model, batch, path) for path in PATHS)
+    for name in ("mlm_logits", "nsp_logits", "loss", "mlm_loss", "nsp_loss", "mlm_correct", "mlm_count",
+                 "nsp_correct", "nsp_count"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
 
 
-@pytest.mark.parametrize("mask, message", [
-    ([[1, 1], [0, 0]], "without any real token"),
-    ([[1, 0, 1]], "padding on the right"),
-])
-def test_unpad_rejects_bad_masks(mask, message):
-    with pytest.raises(ValueError, match=message):
-        unpad(torch.tensor(mask))
+def test_forward_takes_the_layout_one_way_only():
+    model = BertForPreTraining(_config())
+    input_ids, token_type_ids, attention_mask, labels, _ = _batch(seed=9)
+    unpadded = unpad(attention_mask, labels)
+    with pytest.raises(ValueError, match="exactly one of attention_mask"):
+        model(input_ids, token_type_ids)
+    with pytest.raises(ValueError, match="exactly one of attention_mask"):
+        model(input_ids, token_type_ids, attention_mask, unpadded=unpadded)
+    with pytest.raises(ValueError, match="unpadded.masked_labels"):
+        model(input_ids, token_type_ids, masked_lm_labels=labels, unpadded=unpadded)
+
+
+# --------------------------------------------------------------------------- no host sync in training
+
+def _compiled_keeping_graphs(model):
+    """``model`` compiled whole (``fullgraph=True``), and the list that receives the
+    forward and backward aten graphs AOTAutograd traces; they run as traced (no code
+    generation: inductor's C++ compilation adds ~25 s on a CPU and tells nothing about syncs)."""
+    graphs = []
+
+    def keep(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return make_boxed_func(graph_module.forward)
+
+    return torch.compile(model, fullgraph=True, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep)), graphs
+
+
+_INDEXING = (torch.ops.aten.index.Tensor, torch.ops.aten.index_put.default)
+_VALUE_DEPENDENT = (torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output)
+
+
+def _host_reads(graphs) -> list[str]:
+    """Ops of the graphs that need device values on the host: a result whose size depends
+    on values (``.nonzero()``, a boolean-mask index) or a value read back (``.item()``,
+    ``.tolist()``).
+
+    ``fullgraph=True`` alone does not refuse them: the compiler captures them and learns
+    the sizes at run time, and once a later op ties such a size to a known one, no size in
+    the graph shows it any more. So the ops themselves are looked at.
+    """
+    found = []
+    for graph in graphs:
+        for node in graph.graph.nodes:
+            if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+                continue
+            if node.target in _INDEXING:  # tagged for boolean indices; integer ones gather or scatter
+                reads = any(isinstance(i, torch.fx.Node) and i.meta["val"].dtype == torch.bool for i in node.args[1])
+            else:
+                reads = any(tag in node.target.tags for tag in _VALUE_DEPENDENT)
+            if reads or free_unbacked_symbols(node.meta.get("val")):
+                found.append(str(node.target))
+    return found
+
+
+@pytest.mark.parametrize("fn", [
+    lambda x, y: x[x > 0].sum(),
+    lambda x, y: x.nonzero().sum(),
+    lambda x, y: (x[x > 0] * y).sum(),  # the mask's count is tied to y's known size
+    lambda x, y: x.masked_fill(x > 0, 0.0).index_put((x > 1,), y.new_zeros(())).sum(),
+], ids=["mask-index", "nonzero", "mask-index-sized", "mask-index-put"])
+def test_graph_check_sees_host_reads(fn):
+    """The check below can fail."""
+    torch._dynamo.reset()
+    compiled, graphs = _compiled_keeping_graphs(fn)
+    compiled(torch.tensor([1.0, -1.0, 2.0, -3.0, 4.0]), torch.ones(3))
+    assert _host_reads(graphs)
+
+
+def test_training_forward_compiles_whole_and_matches_eager():
+    """The training path (layout precomputed by the loader) compiles into one graph, whose
+    forward and backward read no device value on the host, and computes what eager does."""
+    config = _config(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64)
+    torch.manual_seed(0)
+    model = BertForPreTraining(config).train()  # dropout 0: eager and compiled compute the same function
+    inputs = pretraining_inputs(_loader_batch(_batch(seed=6)))
+    torch._dynamo.reset()
+    compiled, graphs = _compiled_keeping_graphs(model)
+
+    results = []
+    for run in (compiled, model):
+        model.zero_grad()
+        loss = run(**inputs).loss
+        loss.backward()
+        results.append((loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}))
+    assert len(graphs) == 2  # one forward graph, one backward graph
+    assert _host_reads(graphs) == []
+    (compiled_loss, compiled_grads), (eager_loss, eager_grads) = results
+    # The same fp32 ops on the same values: at most rounding apart (they come out equal here).
+    torch.testing.assert_close(compiled_loss, eager_loss, rtol=0, atol=1e-6)
+    for name, grad in eager_grads.items():
+        torch.testing.assert_close(compiled_grads[name], grad, rtol=0, atol=1e-6, msg=name)
+
+    # The attention_mask path computes the layout in the forward, from device values: it cannot compile whole.
+    input_ids, token_type_ids, attention_mask, labels, _ = _batch(seed=6)
+    with pytest.raises((torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError)):
+        _compiled_keeping_graphs(model)[0](input_ids, token_type_ids, attention_mask, labels)
+
+
+@pytest.mark.parametrize("options", [{}, {"activation_checkpointing": True, "pre_layernorm": True}])
+def test_training_step_runs_on_the_meta_device(options):
+    """The eager training step, as train.py runs it, reads no device value on the host:
+    on the meta device, where tensors have shapes but no values, any ``.item()``,
+    ``.tolist()``, ``.nonzero()`` or boolean-mask index raises."""
+    config = _config(hidden_dropout=0.1, **options)
+    batch = to_device(_loader_batch(_batch(seed=7)), torch.device("meta"))
+    with torch.device("meta"):
+        model = BertForPreTraining(config).train()
+    out = model(**pretraining_inputs(batch))
+    out.loss.backward()
+    assert out.loss.is_meta and out.mlm_logits.shape == (batch["masked_labels"].numel(), VOCAB)
+    assert all(p.grad is not None and p.grad.is_meta for p in model.parameters())
+    # The attention_mask path reads the layout's sizes back from the device, so it cannot run here.
+    with pytest.raises(NotImplementedError, match="meta"):
+        model(batch["input_ids"], batch["token_type_ids"], batch["attention_mask"], batch["labels"])
 
 
 def test_rejects_sequences_longer_than_position_table():
