@@ -21,6 +21,7 @@ def fresh_loader(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake H100")
     for cached in (_build.load_extension, _build.op_verdicts, _build.source_hash):
         cached.cache_clear()
+    monkeypatch.setattr(_build, "_choices", None)
     sys.modules.pop(_build.EXTENSION_NAME, None)
     yield tmp_path
     sys.modules.pop(_build.EXTENSION_NAME, None)  # a fake module must not outlive its test
@@ -82,8 +83,10 @@ def test_verdicts_are_recorded_once_per_build_and_architecture(fresh_loader, mon
     monkeypatch.setattr(selfcheck, "run_all", lambda: runs.append(1) or {"layer_norm": "", "bias_gelu": "bad"})
     assert _build.op_verdicts() == {"layer_norm": "", "bias_gelu": "bad"}
     recorded = json.loads(_build.verdict_path().read_text())
-    assert recorded["source_hash"] == _build.source_hash() and recorded["device"] == "Fake H100"
-    assert _build.verdict_path().name == "selfcheck-sm90.json"
+    assert recorded["key"] == {"source_hash": _build.source_hash(), "device": "Fake H100",
+                               "torch": torch.__version__, "cuda": "13.0"}
+    assert recorded["selfcheck"] == {"layer_norm": "", "bias_gelu": "bad"}
+    assert _build.verdict_path().name == "verdicts-fake-h100.json"
 
     _build.op_verdicts.cache_clear()  # a new process: reads the record, does not check again
     assert _build.op_verdicts() == {"layer_norm": "", "bias_gelu": "bad"}
@@ -138,4 +141,4 @@ def test_an_unwritable_cache_still_gives_verdicts(fresh_loader, monkeypatch, cap
     monkeypatch.setattr(selfcheck, "run_all", lambda: {"layer_norm": ""})
     with caplog.at_level(logging.WARNING, logger="kernels._build"):
         assert _build.op_verdicts() == {"layer_norm": ""}
-    assert "cannot record self-check verdicts" in caplog.text
+    assert "cannot record verdicts" in caplog.text
