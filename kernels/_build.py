@@ -257,7 +257,7 @@ def _decide_choices(shapes: OpShapes | None) -> dict[str, Choice]:
 
 def _fused_problems() -> dict[str, str]:
     """Per op, why its fused kernel is no candidate ("" if it is one)."""
-    from kernels.speed import OPS
+    from kernels.dispatch import OPS
 
     extension, reason = load_extension()
     if extension is None:
@@ -268,10 +268,10 @@ def _fused_problems() -> dict[str, str]:
 
 def _apex_problem(device: torch.device) -> str:
     """Why apex's fused LayerNorm is no candidate ("" if it is one: installed and correct here)."""
-    from kernels import layer_norm, selfcheck
+    from kernels import selfcheck
+    from kernels.layer_norm import APEX_LAYER_NORM, layer_norm_apex
 
-    if layer_norm.APEX_LAYER_NORM is None:
+    if APEX_LAYER_NORM is None:
         return "apex is not installed"
-    why = selfcheck.verdict(lambda: selfcheck.check_layer_norm(layer_norm.layer_norm_apex, device,
-                                                               mixed_dtypes=False))
+    why = selfcheck.verdict(lambda: selfcheck.check_layer_norm(layer_norm_apex, device, mixed_dtypes=False))
     return f"failed the self-check: {why}" if why else ""

@@ -24,21 +24,26 @@ Resolved backends, and what each op runs under them (:func:`choose`):
 resolves to ``"torch"`` and logs why.
 """
 
+from __future__ import annotations
+
 import functools
 import logging
 from collections.abc import Callable
 from types import ModuleType
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
 from data_tools.errors import UserError
 from kernels._build import load_extension, op_choices, op_verdicts, verdict_path
-from kernels.speed import OPS, OpShapes
+
+if TYPE_CHECKING:  # kernels.speed imports the ops, which import this module
+    from kernels.speed import OpShapes
 
 Backend = Literal["cuda", "prefer_cuda", "torch"]  # what an op runs on, after resolution
 Impl = Literal["fused", "native", "apex"]  # an op's implementations: ours, PyTorch's, apex's
 REQUESTS = ("auto", "cuda", "torch")  # what a config may ask for
+OPS = ("layer_norm", "bias_gelu", "varlen_attention")
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +87,6 @@ def resolve_backend(requested: str, shapes: OpShapes | None = None) -> Backend:
 
 @functools.cache
 def _auto_backend(shapes: OpShapes | None) -> Backend:
-    # Cached so that the choice is logged once per process, not once per model.
     from kernels.layer_norm import APEX_LAYER_NORM  # the ops import this module
 
     extension, reason = load_extension()
@@ -93,11 +97,17 @@ def _auto_backend(shapes: OpShapes | None) -> Backend:
         return "torch"
     for op, why in sorted(op_verdicts().items()):
         if why:
-            logger.warning("kernels=auto: %s never runs its fused kernel here: it failed the self-check (%s)",
-                           op, why)
+            _log_once(logging.WARNING, f"kernels=auto: {op} never runs its fused kernel here: "
+                                       f"it failed the self-check ({why})")
     for op, choice in op_choices(shapes).items():
-        logger.info("kernels=auto: %s %s", op, choice.describe())
+        _log_once(logging.INFO, f"kernels=auto: {op} {choice.describe()}")
     return "prefer_cuda"
+
+
+@functools.cache
+def _log_once(level: int, message: str) -> None:
+    # Once per process, whatever the number of models (the choice is the device's, not the model's).
+    logger.log(level, message)
 
 
 def choose(op: str, backend: Backend, unsupported: Callable[[Impl], str]) -> Impl:

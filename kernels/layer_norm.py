@@ -14,10 +14,12 @@ recomputes ``x + residual`` in the backward, where one pass gives the gradient o
 both ``x`` and ``residual`` (written twice only when their dtypes differ).
 
 The native path (:func:`layer_norm_native`) is ``F.layer_norm`` on the inputs as
-they are: it already accumulates its statistics in fp32 for half inputs, so the
-reference's fp32 copies only cost memory traffic. The residual sum is then rounded
-to the input dtype once, as in Hugging Face's BERT. Inputs of mixed dtypes (float32
-weights under autocast) take the reference, since ``F.layer_norm`` wants one dtype.
+they are where that accumulates in fp32: on CUDA, for every dtype (statistics and
+weight gradients alike), so the reference's fp32 copies only cost memory traffic;
+the residual sum is then rounded to the input dtype once, as in Hugging Face's BERT.
+Elsewhere the reference runs: a CPU's half-precision backward sums the weight
+gradients in the input dtype, and inputs of mixed dtypes (float32 weights under
+autocast) are not what ``F.layer_norm`` takes.
 
 Where NVIDIA apex is installed, its fused LayerNorm (``fused_layer_norm_affine``)
 is a third candidate under ``kernels=auto``: it runs if it passes the same
@@ -67,8 +69,8 @@ def layer_norm_native(
     eps: float,
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """:func:`layer_norm_ref` through PyTorch's own LayerNorm, without fp32 copies of one-dtype inputs."""
-    if _mixed_dtypes(x, weight, bias, residual):
+    """:func:`layer_norm_ref` through PyTorch's own LayerNorm, without fp32 copies where it needs none."""
+    if _mixed_dtypes(x, weight, bias, residual) or not (x.is_cuda or x.dtype == torch.float32):
         return layer_norm_ref(x, weight, bias, eps, residual)
     summed = x if residual is None else x + residual
     # CUDA autocast runs layer_norm in fp32; the op's contract is x's dtype (a no-op elsewhere).

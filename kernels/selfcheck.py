@@ -1,8 +1,9 @@
 """The fused kernels against their references on this device: the verdicts behind
 ``kernels=cuda`` refusing to start and ``kernels=auto`` choosing per op (see
-``kernels/_build.py``, which runs this once per build and GPU architecture).
+``kernels/_build.py``, which runs this once per build and device). The same checks
+take any implementation of an op (apex's LayerNorm is held to them too) and device.
 
-Each check runs the op's autograd Function, forward and backward, on seeded random
+Each check runs the op's implementation, forward and backward, on seeded random
 inputs (never zeros) in every dtype it takes and a few shapes, covering the fast and
 general paths, and compares the output and every gradient by flash-attention's rule:
 the kernel's error against the reference run on float32 inputs may be at most twice
@@ -19,8 +20,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from kernels.attention import FusedVarlenAttention, varlen_attention_ref
-from kernels.bias_gelu import FusedBiasGelu, bias_gelu_ref
+from kernels.attention import varlen_attention_fused, varlen_attention_ref
+from kernels.bias_gelu import bias_gelu_fused, bias_gelu_ref
 from kernels.layer_norm import layer_norm_fused, layer_norm_ref
 
 # atol = TOLERANCE[dtype] * max(1, |truth|_max): room for the case where the same-dtype
@@ -34,7 +35,8 @@ def run_all() -> dict[str, str]:
     """Per op, "" if its kernels pass, else what failed (at most three findings)."""
     cuda = torch.device("cuda")
     checks = {"layer_norm": lambda: check_layer_norm(layer_norm_fused, cuda),
-              "bias_gelu": _check_bias_gelu, "varlen_attention": _check_varlen_attention}
+              "bias_gelu": lambda: check_bias_gelu(bias_gelu_fused, cuda),
+              "varlen_attention": lambda: check_varlen_attention(varlen_attention_fused, cuda)}
     return {op: verdict(check) for op, check in checks.items()}
 
 
@@ -63,9 +65,9 @@ def _clean_context() -> Iterator[None]:
 
 
 class _Inputs:
-    """Seeded normal tensors on ``device`` (the current CUDA device by default), from a private generator."""
+    """Seeded normal tensors on ``device``, from a private generator."""
 
-    def __init__(self, seed: int, device: torch.device | str = "cuda") -> None:
+    def __init__(self, seed: int, device: torch.device) -> None:
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
@@ -127,32 +129,35 @@ def check_layer_norm(impl: Callable[..., torch.Tensor], device: torch.device,
     return problems
 
 
-def _check_bias_gelu() -> list[str]:
-    rand = _Inputs(seed=1)
+def check_bias_gelu(impl: Callable[..., torch.Tensor], device: torch.device) -> list[str]:
+    """``impl`` (``bias_gelu_ref``'s signature) against the reference."""
+    rand = _Inputs(seed=1, device=device)
     problems = []
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         for rows, cols, approximate in ((64, 3072, "none"), (9, 1031, "tanh"), (40, 256, "tanh")):
             leaves = {"x": rand(rows, cols, dtype=dtype, scale=2.0), "bias": rand(cols, dtype=dtype)}
             problems += _compare(
                 f"{dtype} ({rows}, {cols}) {approximate}",
-                lambda x, bias: FusedBiasGelu.apply(x, bias, approximate),
+                lambda x, bias: impl(x, bias, approximate),
                 lambda x, bias: bias_gelu_ref(x, bias, approximate),
                 leaves, rand(rows, cols, dtype=dtype), dtype)
     return problems
 
 
-def _check_varlen_attention() -> list[str]:
-    rand = _Inputs(seed=2)
+def check_varlen_attention(impl: Callable[..., torch.Tensor], device: torch.device) -> list[str]:
+    """``impl`` (``varlen_attention_ref``'s signature) against the reference, in the dtypes
+    the fused kernel takes."""
+    rand = _Inputs(seed=2, device=device)
     problems = []
     for dtype in (torch.float16, torch.bfloat16):
         for lengths, heads, head_dim in (([1, 512, 77, 128], 3, 64), ([3, 65, 1], 2, 32)):
             total, max_seqlen = sum(lengths), max(lengths)
-            offsets = torch.tensor([0, *lengths], device="cuda").cumsum(0).to(torch.int32)
+            offsets = torch.tensor([0, *lengths], device=device).cumsum(0).to(torch.int32)
             scale = head_dim ** -0.5
             leaves = {name: rand(total, heads, head_dim, dtype=dtype) for name in ("q", "k", "v")}
             problems += _compare(
                 f"{dtype} lengths {lengths} heads {heads} head_dim {head_dim}",
-                lambda q, k, v: FusedVarlenAttention.apply(q, k, v, offsets, max_seqlen, scale),
+                lambda q, k, v: impl(q, k, v, offsets, max_seqlen, 0.0, scale),
                 lambda q, k, v: varlen_attention_ref(q, k, v, offsets, max_seqlen, 0.0, scale),
                 leaves, rand(total, heads, head_dim, dtype=dtype), dtype)
     return problems

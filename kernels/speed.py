@@ -27,9 +27,13 @@ from typing import Any
 
 import torch
 
-from kernels import probes
+from kernels import attention, probes
+from kernels.bias_gelu import IMPLEMENTATIONS as BIAS_GELU
+from kernels.dispatch import OPS
+from kernels.layer_norm import IMPLEMENTATIONS as LAYER_NORM
 
-OPS = ("layer_norm", "bias_gelu", "varlen_attention")
+# Per op, its implementations by name ("native", "fused", "apex"), all with its reference's signature.
+IMPLEMENTATIONS = {"layer_norm": LAYER_NORM, "bias_gelu": BIAS_GELU, "varlen_attention": attention.IMPLEMENTATIONS}
 LAYER_NORM_EPS = 1e-12  # BERT's
 CALLS_PER_SAMPLE = 10  # calls per timed sample, so that one sample is well above the clock's resolution
 SAMPLES = 5
@@ -108,18 +112,14 @@ def candidates(fused_problems: Mapping[str, str], apex_problem: str,
     ``fused_problems``: per op, why its fused kernel cannot run ("" if it can);
     ``apex_problem``: why apex's LayerNorm cannot ("" if it can).
     """
-    from kernels import attention, bias_gelu, layer_norm  # they import the dispatch, which imports this module
-
-    implementations = {"layer_norm": layer_norm.IMPLEMENTATIONS, "bias_gelu": bias_gelu.IMPLEMENTATIONS,
-                       "varlen_attention": attention.IMPLEMENTATIONS}
     timed: dict[str, dict[str, Callable[..., torch.Tensor]]] = {}
     excluded: dict[str, dict[str, str]] = {}
     for op in OPS:
         problems = {"fused": fused_problems.get(op, "not checked")}
         if op == "layer_norm":
             problems["apex"] = apex_problem
-        timed[op] = {"native": implementations[op]["native"]}
-        timed[op].update((name, implementations[op][name]) for name, why in problems.items() if not why)
+        timed[op] = {"native": IMPLEMENTATIONS[op]["native"]}
+        timed[op].update((name, IMPLEMENTATIONS[op][name]) for name, why in problems.items() if not why)
         excluded[op] = {name: why for name, why in problems.items() if why}
     return timed, excluded
 

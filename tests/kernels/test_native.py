@@ -13,11 +13,11 @@ import torch
 import torch.nn.functional as F
 
 import kernels
-from kernels import attention
+from kernels import attention, selfcheck
 from kernels.attention import VarlenAttnApi
 from kernels.layer_norm import layer_norm_native, layer_norm_ref
 
-from tests.kernels.helpers import cu_seqlens_of, layer_norm_fp64, max_err, non_contiguous, rand
+from tests.kernels.helpers import cu_seqlens_of, non_contiguous, rand
 
 
 def _varlen_inputs(lengths: list[int], num_heads: int, head_dim: int, dtype: torch.dtype):
@@ -52,17 +52,34 @@ def test_native_layer_norm_gradients_are_the_reference_s_in_float32():
         assert torch.equal(ours, reference)
 
 
+DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("check, native", [
+    (selfcheck.check_layer_norm, layer_norm_native),
+    (selfcheck.check_bias_gelu, kernels.bias_gelu_native),
+    (selfcheck.check_varlen_attention, kernels.varlen_attention_native),
+])
+def test_the_native_ops_meet_the_rule_the_fused_kernels_are_held_to(device, check, native):
+    # Every dtype, odd sizes, forward and every gradient: at most twice the error of the
+    # reference in the input dtype, against the reference in fp32.
+    assert selfcheck.verdict(lambda: check(native, torch.device(device))) == ""
+
+
+def test_a_rule_that_can_fail():
+    def off(x, weight, bias, eps, residual=None):
+        return layer_norm_native(x, weight, bias, eps, residual) * 1.01
+    assert "error" in selfcheck.verdict(lambda: selfcheck.check_layer_norm(off, torch.device("cpu")))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_native_layer_norm_in_half_precision_is_as_close_as_pytorch_s_own(dtype):
+def test_native_layer_norm_in_half_precision_on_a_cpu_is_the_reference(dtype):
+    # A CPU's half-precision LayerNorm backward sums dweight and dbias in the input dtype.
     x, residual = rand(7, 768, dtype=dtype, seed=1, scale=2.0), rand(7, 768, dtype=dtype, seed=2)
     weight, bias = rand(768, dtype=dtype, seed=3) + 1.0, rand(768, dtype=dtype, seed=4)
-    out = layer_norm_native(x, weight, bias, 1e-5, residual)
-    expected = layer_norm_fp64(x, weight, bias, 1e-5, residual)
-    reference = layer_norm_ref(x, weight, bias, 1e-5, residual)
-    assert out.dtype == dtype
-    # Rounding x + residual to the input dtype first (as Hugging Face's BERT does) costs at
-    # most a little over the reference's error, which sums in fp32.
-    assert max_err(out, expected) <= 2 * max_err(reference, expected) + 1e-2
+    assert torch.equal(layer_norm_native(x, weight, bias, 1e-5, residual),
+                       layer_norm_ref(x, weight, bias, 1e-5, residual))
 
 
 def test_native_layer_norm_with_float32_weights_for_half_inputs_is_the_reference():
@@ -102,12 +119,19 @@ def test_native_attention_off_a_gpu_is_the_reference(dtype):
                        kernels.varlen_attention_ref(q, k, v, cu_seqlens, 17))
 
 
-def test_kernels_torch_runs_the_native_ops():
-    x, residual = rand(4, 32, dtype=torch.bfloat16, seed=1), rand(4, 32, dtype=torch.bfloat16, seed=2)
-    weight, bias = rand(32, dtype=torch.bfloat16, seed=3), rand(32, dtype=torch.bfloat16, seed=4)
-    assert torch.equal(kernels.layer_norm(x, weight, bias, 1e-12, residual, backend="torch"),
-                       layer_norm_native(x, weight, bias, 1e-12, residual))
-    assert torch.equal(kernels.bias_gelu(x, bias, "none", backend="torch"), kernels.bias_gelu_native(x, bias, "none"))
+def test_kernels_torch_runs_the_native_ops(monkeypatch):
+    calls = []
+    for module, name in ((attention, "varlen_attention"), (sys.modules["kernels.layer_norm"], "layer_norm"),
+                         (sys.modules["kernels.bias_gelu"], "bias_gelu")):
+        native = module.IMPLEMENTATIONS["native"]
+        monkeypatch.setitem(module.IMPLEMENTATIONS, "native",
+                            lambda *args, native=native, name=name: calls.append(name) or native(*args))
+    q, k, v, cu_seqlens = _varlen_inputs([3, 5], num_heads=2, head_dim=8, dtype=torch.bfloat16)
+    x, bias = rand(8, 16, dtype=torch.bfloat16, seed=4), rand(16, dtype=torch.bfloat16, seed=5)
+    kernels.varlen_attention(q, k, v, cu_seqlens, 5, backend="torch")
+    kernels.layer_norm(x, bias, bias, 1e-12, x, backend="torch")
+    kernels.bias_gelu(x, bias, "none", backend="torch")
+    assert calls == ["varlen_attention", "layer_norm", "bias_gelu"]
 
 
 def test_the_native_ops_compile_into_one_graph():

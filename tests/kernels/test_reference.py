@@ -282,12 +282,12 @@ def fake_extension(monkeypatch, caplog):
                "bias_gelu": Choice("fused", {"native": 2.0, "fused": 1.0}, {}),
                "varlen_attention": Choice("native", {"native": 1.0, "fused": 1.5}, {})}
     monkeypatch.setattr(dispatch, "op_choices", lambda shapes=None: choices)
-    dispatch._auto_backend.cache_clear()
-    dispatch._log_fallback.cache_clear()
+    for cached in (dispatch._auto_backend, dispatch._log_once, dispatch._log_fallback):
+        cached.cache_clear()
     caplog.set_level(logging.INFO, logger="kernels.dispatch")
     yield caplog
-    dispatch._auto_backend.cache_clear()
-    dispatch._log_fallback.cache_clear()
+    for cached in (dispatch._auto_backend, dispatch._log_once, dispatch._log_fallback):
+        cached.cache_clear()
 
 
 def test_cuda_refuses_to_start_when_an_op_failed_its_self_check(fake_extension):
