@@ -142,6 +142,8 @@ def takes_varlen_attn(q, k, v, cu_seqlens, dropout_p, softmax_scale) -> bool:
         return False
     if cu_seqlens.dtype != torch.int32 or any(t.stride(-1) != 1 for t in (q, k, v)):
         return False
+    if any(t.device != q.device for t in (k, v, cu_seqlens)):
+        return False
     capability = cuda_capability(q.device)
     if capability is None or capability < (8, 0):
         return False
