@@ -48,11 +48,8 @@ class FakeClock:
         return charged
 
 
-def _stand_in_fused(op: str, calls: list[str]):
+def _stand_in_fused(op: str, native, calls: list[str]):
     """A CPU stand-in for ``op``'s fused kernel: the native op, counting its calls."""
-    native = {"layer_norm": layer_norm.layer_norm_native, "bias_gelu": bias_gelu.bias_gelu_native,
-              "varlen_attention": attention.varlen_attention_native}[op]
-
     def fused(*args, **kwargs):
         calls.append(op)
         return native(*args, **kwargs)
@@ -75,16 +72,18 @@ def auto(monkeypatch, tmp_path):
     monkeypatch.setattr(_build, "race_timer", clock.timer)
     monkeypatch.setattr(layer_norm, "APEX_LAYER_NORM", None)
     monkeypatch.setattr(_build, "_jit_build", lambda: (None, "tests build nothing"))
+    monkeypatch.setattr(_build, "_choices", None)
 
     class Auto:
         fused_calls: list[str] = []
-        natives = {op: impls["native"] for op, impls in _implementations().items()}
+        natives = {op: impls["native"] for op, impls in speed.IMPLEMENTATIONS.items()}
 
         @staticmethod
         def costs(op: str, **per_impl: float) -> None:
             for name, cost in per_impl.items():
-                fn = Auto.natives[op] if name == "native" else _stand_in_fused(op, Auto.fused_calls)
-                monkeypatch.setitem(_implementations()[op], name, clock.charging(cost * MS, fn))
+                native = Auto.natives[op]
+                fn = native if name == "native" else _stand_in_fused(op, native, Auto.fused_calls)
+                monkeypatch.setitem(speed.IMPLEMENTATIONS[op], name, clock.charging(cost * MS, fn))
 
         @staticmethod
         def new_process() -> None:
@@ -100,11 +99,6 @@ def auto(monkeypatch, tmp_path):
     yield Auto
     Auto.new_process()
     sys.modules.pop(_build.EXTENSION_NAME, None)
-
-
-def _implementations():
-    return {"layer_norm": layer_norm.IMPLEMENTATIONS, "bias_gelu": bias_gelu.IMPLEMENTATIONS,
-            "varlen_attention": attention.IMPLEMENTATIONS}
 
 
 def _runs() -> dict[str, str]:
@@ -292,7 +286,8 @@ def test_apex_alone_makes_auto_time_layer_norm(auto, monkeypatch):
     monkeypatch.setitem(layer_norm.IMPLEMENTATIONS, "apex", auto.clock.charging(0.5 * MS, layer_norm.layer_norm_apex))
     assert resolve_backend("auto", SHAPES) == "prefer_cuda"
     assert _runs() == {"layer_norm": "apex", "bias_gelu": "native", "varlen_attention": "native"}
-    assert _build.op_choices()["bias_gelu"].excluded["fused"] == "the fused CUDA kernels cannot load: tests build nothing"
+    excluded = _build.op_choices()["bias_gelu"].excluded
+    assert excluded["fused"] == "the fused CUDA kernels cannot load: tests build nothing"
 
 
 def test_apex_takes_only_inputs_of_one_dtype():
