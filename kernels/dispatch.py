@@ -90,7 +90,8 @@ def _auto_backend(shapes: OpShapes | None) -> Backend:
     from kernels.layer_norm import APEX_LAYER_NORM  # the ops import this module
 
     extension, reason = load_extension()
-    if extension is None and not (APEX_LAYER_NORM is not None and torch.cuda.is_available()):
+    apex_on_a_gpu = APEX_LAYER_NORM is not None and torch.cuda.is_available()
+    if extension is None and not apex_on_a_gpu:  # nothing to choose from but the native ops
         # A GPU without the kernels is a slower run than the user may have intended.
         log = logger.warning if torch.cuda.is_available() else logger.info
         log("kernels=auto: running the native PyTorch ops (%s)", reason)
