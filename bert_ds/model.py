@@ -43,7 +43,7 @@ from torch.utils.checkpoint import checkpoint
 
 from bert_ds.errors import ConfigError
 from bert_ds.padding import Unpadded, gather_tokens, unpad
-from kernels import Backend, bias_gelu, layer_norm, resolve_backend, varlen_attention
+from kernels import Backend, OpShapes, bias_gelu, layer_norm, resolve_backend, varlen_attention
 
 # --------------------------------------------------------------------------- config
 
@@ -70,7 +70,7 @@ class ModelConfig:
     layer_norm_eps: float = 1e-12  # BERT's value, kept so that exported models behave the same in HF
     initializer_range: float = 0.02  # std of the normal init of weights and embeddings (HF init)
     pre_layernorm: bool = False  # False: post-LN, the original BERT; True: pre-LN (stabler, not HF-exportable)
-    kernels: KernelChoice = "auto"  # "cuda": fused kernels or an error; "auto": fused if they load, else torch (logged)
+    kernels: KernelChoice = "auto"  # "cuda": fused kernels or an error; "auto": per op the fastest correct (logged)
     activation_checkpointing: bool = False  # recompute layers in backward: less activation memory, ~1/3 more compute
     pad_token_id: int = 0  # id of [PAD]; its embedding row gets no gradient (HF padding_idx)
 
@@ -391,7 +391,9 @@ class BertForPreTraining(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.backend = resolve_backend(config.kernels)
+        self.backend = resolve_backend(config.kernels, OpShapes(  # kernels=auto times candidates at these
+            hidden=config.hidden_size, intermediate=config.intermediate_size, num_heads=config.num_heads,
+            max_seqlen=config.max_position_embeddings, approximate=_GELU_APPROXIMATE[config.hidden_act]))
         self.bert = BertModel(config, self.backend)
         self.cls = BertPreTrainingHeads(config, self.backend, self.bert.embeddings.word_embeddings.weight)
         self._init_weights()

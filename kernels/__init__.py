@@ -1,34 +1,42 @@
 """Fused kernels for BERT and their plain-PyTorch references.
 
 Each op lives in ``kernels/<op>.py`` as ``<op>_ref()`` (the reference, plain
-PyTorch), the autograd Function over the fused CUDA kernels, and ``<op>(...,
-backend=...)`` (the public op, which runs one or the other). The backend is resolved
-once with :func:`resolve_backend` from a ``kernels: auto | cuda | torch`` setting.
+PyTorch: the definition tests compare against), ``<op>_native()`` (the fastest
+PyTorch-native op for the inputs), ``<op>_fused()`` over the autograd Function of the
+fused CUDA kernels, and ``<op>(..., backend=...)`` (the public op, which runs one of
+them). The backend is resolved once with :func:`resolve_backend` from a
+``kernels: auto | cuda | torch`` setting; ``auto`` picks per op the fastest correct
+candidate on the device (``speed.py``).
 
 - ``csrc/<op>.cu``: torch-free CUDA with ``extern "C"`` launchers (``csrc/launchers.h``);
   ``csrc/bindings.cpp``: the torch module ``bert_ds_kernels`` over them.
 - ``_build.py``: the one loader (in-process -> prebuilt -> JIT build -> None with the
-  reason) and the per-op self-check verdicts (``selfcheck.py``).
-- ``python -m kernels.build``: build and self-check ahead of time.
+  reason) and the per-device verdicts: self-check (``selfcheck.py``) and speed (``speed.py``).
+- ``python -m kernels.build``: build, self-check and time ahead of time.
 - ``python -m kernels.compile_check``: nvcc-only compile of every ``.cu`` for sm_80 and
   sm_90 (CI, no GPU needed).
 - ``python -m kernels.bench``: the kernels against PyTorch at BERT shapes (GPU).
 """
 
-from kernels.attention import varlen_attention, varlen_attention_ref
-from kernels.bias_gelu import bias_gelu, bias_gelu_ref
+from kernels.attention import varlen_attention, varlen_attention_native, varlen_attention_ref
+from kernels.bias_gelu import bias_gelu, bias_gelu_native, bias_gelu_ref
 from kernels.dispatch import Backend, KernelUnavailable, UnknownKernelBackend, resolve_backend
-from kernels.layer_norm import layer_norm, layer_norm_ref
+from kernels.layer_norm import layer_norm, layer_norm_native, layer_norm_ref
+from kernels.speed import OpShapes
 
 __all__ = [
     "Backend",
     "KernelUnavailable",
+    "OpShapes",
     "UnknownKernelBackend",
     "bias_gelu",
+    "bias_gelu_native",
     "bias_gelu_ref",
     "layer_norm",
+    "layer_norm_native",
     "layer_norm_ref",
     "resolve_backend",
     "varlen_attention",
+    "varlen_attention_native",
     "varlen_attention_ref",
 ]

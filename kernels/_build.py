@@ -14,16 +14,25 @@ Attempts, cheapest first, stopping at the first that works:
      the build directory). ``kernels=cuda`` fails with the reason, ``kernels=auto``
      logs it.
 
-Self-check: the first time a build meets a device architecture, :func:`op_verdicts`
-runs every op against its ``<op>_ref`` (``kernels/selfcheck.py``: every dtype, a few
-shapes, forward and backward) and records the verdicts beside the build. An op that
-failed is refused by :mod:`kernels.dispatch`: an error under ``kernels=cuda``, the
-reference path with a warning under ``kernels=auto``.
+Verdicts, recorded beside the build in one file per device, keyed by
+:func:`device_key` (these sources and build flags, torch, CUDA, the device's name):
 
-``python -m kernels.build`` does step 3 and the self-check ahead of time (an image
-build, a login node with a GPU) and prints the verdicts.
+- self-check: the first time a build meets a device, :func:`op_verdicts` runs every
+  op against its ``<op>_ref`` (``kernels/selfcheck.py``: every dtype, a few shapes,
+  forward and backward). An op that failed is refused by :mod:`kernels.dispatch`: an
+  error under ``kernels=cuda``, never run under ``kernels=auto``.
+- speed: the first time ``kernels=auto`` meets a device, :func:`op_choices` times each
+  op's correct candidates (fused, native, apex's LayerNorm) at the model's shapes and
+  records the winner with the timings (``kernels/speed.py``).
+
+A record made under another key is ignored and made again. ``python -m kernels.build``
+does step 3, the self-check and the race ahead of time (an image build, a login node
+with a GPU) and prints the verdicts.
 """
 
+from __future__ import annotations
+
+import dataclasses
 import fcntl
 import functools
 import hashlib
@@ -32,12 +41,17 @@ import json
 import logging
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from data_tools.atomic import atomic_write
+
+if TYPE_CHECKING:  # kernels.speed imports the ops, which import the dispatch, which imports this module
+    from kernels.speed import Choice, OpShapes, Timer
 
 EXTENSION_NAME = "bert_ds_kernels"
 CSRC = Path(__file__).resolve().parent / "csrc"
@@ -133,56 +147,62 @@ def _first_error_line(text: str) -> str:
     return lines[0][:300] if lines else "no output"
 
 
-# --------------------------------------------------------------------------- self-check
+# --------------------------------------------------------------------------- verdicts
+
+def device_key() -> dict[str, str]:
+    """What a recorded verdict holds for: these sources and build flags, torch, CUDA, this device."""
+    return {"source_hash": source_hash(), "device": torch.cuda.get_device_name(),
+            "torch": torch.__version__, "cuda": str(torch.version.cuda)}
+
 
 def verdict_path() -> Path:
-    """Where the verdicts for this build on this device's architecture are recorded."""
-    major, minor = torch.cuda.get_device_capability()
-    return build_dir() / f"selfcheck-sm{major}{minor}.json"
+    """Where the verdicts for this build on this device are recorded."""
+    device = re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name().lower()).strip("-")
+    return build_dir() / f"verdicts-{device or 'unnamed'}.json"
 
 
-@functools.cache
-def op_verdicts() -> dict[str, str]:
-    """Per op, "" if its kernels passed the self-check on this device's architecture, else why not.
+def _recorded(section: str, compute: Callable[[], Any]) -> Any:
+    """The recorded ``section`` of this device's verdicts, computed and recorded the first time.
 
-    Empty when the extension does not load. Recorded beside the build, so the check
-    runs once per build and architecture; concurrent processes (ranks) wait for the
-    first one's verdicts instead of repeating the check.
+    Concurrent processes (ranks) wait for the first one's result instead of repeating
+    the work; a read-only cache computes it in every process and records nothing.
     """
-    extension, _ = load_extension()
-    if extension is None:
-        return {}
     path = verdict_path()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         lock = open(path.with_suffix(".lock"), "w")
-    except OSError as error:  # a read-only cache: check in this process, remember nothing
-        logger.warning("kernels: cannot record self-check verdicts in %s (%s)", path.parent, error)
-        return _run_selfcheck()
+    except OSError as error:
+        logger.warning("kernels: cannot record verdicts in %s (%s)", path.parent, error)
+        return compute()
     with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        recorded = _read_verdicts(path)
-        if recorded is not None:
-            return recorded
-        verdicts = _run_selfcheck()
-        atomic_write(path, json.dumps({
-            "source_hash": source_hash(),
-            "device": torch.cuda.get_device_name(),
-            "torch": torch.__version__,
-            "cuda": torch.version.cuda,
-            "verdicts": verdicts,
-        }, indent=1))
-        return verdicts
+        record = _read_record(path)
+        if section not in record:
+            record[section] = compute()
+            atomic_write(path, json.dumps(record, indent=1))
+        return record[section]
 
 
-def _read_verdicts(path: Path) -> dict[str, str] | None:
+def _read_record(path: Path) -> dict[str, Any]:
+    """The record at ``path`` if it was made under this :func:`device_key`, else a new, empty one."""
+    key = device_key()
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
-        return None
-    if data.get("source_hash") != source_hash():
-        return None
-    return {op: str(reason) for op, reason in data["verdicts"].items()}
+        data = None
+    return data if isinstance(data, dict) and data.get("key") == key else {"key": key}
+
+
+@functools.cache
+def op_verdicts() -> dict[str, str]:
+    """Per op, "" if its kernels passed the self-check on this device, else why not.
+
+    Empty when the extension does not load.
+    """
+    extension, _ = load_extension()
+    if extension is None:
+        return {}
+    return {op: str(why) for op, why in _recorded("selfcheck", _run_selfcheck).items()}
 
 
 def _run_selfcheck() -> dict[str, str]:
@@ -190,3 +210,68 @@ def _run_selfcheck() -> dict[str, str]:
 
     logger.info("kernels: self-checking the fused CUDA kernels on %s", torch.cuda.get_device_name())
     return selfcheck.run_all()
+
+
+# Where and by what clock the race runs: the current CUDA device and the default clock of
+# kernels/speed.py; tests substitute a CPU and a fake clock.
+def race_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+race_timer: Timer | None = None
+
+
+_choices: dict[str, Choice] | None = None  # this process's, once decided
+
+
+def op_choices(shapes: OpShapes | None = None) -> dict[str, Choice]:
+    """Per op, the implementation ``kernels=auto`` runs on this device, with the timings behind it.
+
+    Raced at ``shapes`` (a BERT-Base's when None) the first time ``kernels=auto`` meets
+    this device under this :func:`device_key`. Like the record, which later processes
+    and models of other sizes read, the first call in a process decides for the process
+    (``python -m kernels.build --recheck`` races again).
+    """
+    global _choices
+    if _choices is None:
+        _choices = _decide_choices(shapes)
+    return _choices
+
+
+def _decide_choices(shapes: OpShapes | None) -> dict[str, Choice]:
+    from kernels import speed
+
+    fused = _fused_problems()  # before the record's lock: the self-check takes it too
+    shapes = shapes or speed.OpShapes()
+
+    def run_race() -> dict[str, Any]:
+        device = race_device()
+        timed, excluded = speed.candidates(fused, _apex_problem(device))
+        logger.info("kernels=auto: timing each op's candidates on %s at %s", device_key()["device"],
+                    shapes.describe())
+        choices = speed.race(shapes, device, timed, excluded, race_timer or speed.best_seconds_per_call)
+        return {"shapes": dataclasses.asdict(shapes), "ops": {op: c.to_json() for op, c in choices.items()}}
+
+    return {op: speed.Choice.from_json(c) for op, c in _recorded("choices", run_race)["ops"].items()}
+
+
+def _fused_problems() -> dict[str, str]:
+    """Per op, why its fused kernel is no candidate ("" if it is one)."""
+    from kernels.dispatch import OPS
+
+    extension, reason = load_extension()
+    if extension is None:
+        return {op: f"the fused CUDA kernels cannot load: {reason}" for op in OPS}
+    verdicts = op_verdicts()
+    return {op: f"failed the self-check: {verdicts[op]}" if verdicts.get(op) else "" for op in OPS}
+
+
+def _apex_problem(device: torch.device) -> str:
+    """Why apex's fused LayerNorm is no candidate ("" if it is one: installed and correct here)."""
+    from kernels import selfcheck
+    from kernels.layer_norm import APEX_LAYER_NORM, layer_norm_apex
+
+    if APEX_LAYER_NORM is None:
+        return "apex is not installed"
+    why = selfcheck.verdict(lambda: selfcheck.check_layer_norm(layer_norm_apex, device, mixed_dtypes=False))
+    return f"failed the self-check: {why}" if why else ""

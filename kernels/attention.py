@@ -11,21 +11,68 @@ at the cost of computing (and discarding) the pad query rows.
 Every sequence must have at least one token: a pad query row of an empty
 sequence would see no valid key and produce NaN.
 
+The native path (:func:`varlen_attention_native`, what ``kernels=torch`` and a fused
+kernel that is not used run) is PyTorch's own varlen FlashAttention-2,
+``torch.nn.attention.varlen.varlen_attn``, wherever it takes the inputs: a CUDA
+device of compute capability 8.0 or newer, float16/bfloat16, a head dim it has
+kernels for, no dropout. Anything else (CPU, float32, attention dropout) runs the
+reference's padded SDPA. The function is looked up, never inferred from the torch
+version: it appeared in torch 2.10, and its first form took no ``scale``.
+
 The fused path (``kernels/csrc/attention.cu``, FlashAttention-2 style) takes float16
 and bfloat16, head_dim 32 or 64, no dropout; it never forms the (S, S) scores, saves
 the per-row logsumexp for the backward and recomputes the probabilities there. Like
 the reference it trusts ``max_seqlen`` to bound every sequence (it sizes the grid).
 """
 
+import importlib
+import inspect
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from kernels.dispatch import Backend, fused_extension, runs_fused
+from kernels.dispatch import Backend, Impl, choose, fused_extension
 
 FUSED_DTYPES = (torch.float16, torch.bfloat16)
 FUSED_HEAD_DIMS = (32, 64)
+# Where torch has kept its varlen FlashAttention entry point, newest first.
+VARLEN_ATTN_LOCATIONS = (("torch.nn.attention.varlen", "varlen_attn"), ("torch.nn.attention", "varlen_attn"))
+# FlashAttention-2's head dims: multiples of 8 up to 256; above 192 its backward runs
+# only on sm80 and sm90 (A100/H100), whose shared memory is large enough.
+VARLEN_MAX_HEAD_DIM = 256
+VARLEN_LARGE_HEAD_DIM = 192
+VARLEN_LARGE_HEAD_DIM_DEVICES = ((8, 0), (9, 0))
+
+
+@dataclass(frozen=True)
+class VarlenAttnApi:
+    """torch's varlen_attn as this torch has it."""
+
+    fn: Callable[..., torch.Tensor]
+    takes_scale: bool  # the first release (2.10) always scaled by 1/sqrt(head_dim)
+
+
+def find_varlen_attn() -> VarlenAttnApi | None:
+    """torch's varlen FlashAttention-2 entry point, or None where this torch has none."""
+    for module_name, name in VARLEN_ATTN_LOCATIONS:
+        try:
+            fn = getattr(importlib.import_module(module_name), name, None)
+        except ImportError:
+            continue
+        if callable(fn):
+            return VarlenAttnApi(fn, "scale" in inspect.signature(fn).parameters)
+    return None
+
+
+VARLEN_ATTN = find_varlen_attn()
+
+
+def cuda_capability(device: torch.device) -> tuple[int, int] | None:
+    """The compute capability of a CUDA device, None for any other device."""
+    return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
 
 
 def varlen_attention_ref(
@@ -64,6 +111,65 @@ def varlen_attention_ref(
     return out[slot]  # (T, nh, hd)
 
 
+def varlen_attention_native(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+) -> torch.Tensor:
+    """:func:`varlen_attention_ref`'s result by the fastest PyTorch op that takes the inputs."""
+    if takes_varlen_attn(q, k, v, cu_seqlens, dropout_p, softmax_scale):
+        scale = {} if softmax_scale is None else {"scale": softmax_scale}
+        return VARLEN_ATTN.fn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **scale)
+    return varlen_attention_ref(q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale)
+
+
+def takes_varlen_attn(q, k, v, cu_seqlens, dropout_p, softmax_scale) -> bool:
+    """Whether torch's varlen_attn runs these inputs, forward and backward.
+
+    Decided from dtypes, shapes, strides and the device only, never from tensor
+    values, so that the model's forward compiles without graph breaks.
+    """
+    api, head_dim = VARLEN_ATTN, q.shape[-1]
+    if api is None or dropout_p > 0.0 or (softmax_scale is not None and not api.takes_scale):
+        return False
+    if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype or v.dtype != q.dtype:
+        return False
+    if q.dim() != 3 or head_dim % 8 != 0 or head_dim > VARLEN_MAX_HEAD_DIM:
+        return False
+    if cu_seqlens.dtype != torch.int32 or any(t.stride(-1) != 1 for t in (q, k, v)):
+        return False
+    if any(t.device != q.device for t in (k, v, cu_seqlens)):
+        return False
+    capability = cuda_capability(q.device)
+    if capability is None or capability < (8, 0):
+        return False
+    return head_dim <= VARLEN_LARGE_HEAD_DIM or capability in VARLEN_LARGE_HEAD_DIM_DEVICES
+
+
+def varlen_attention_fused(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+) -> torch.Tensor:
+    """:func:`varlen_attention_ref` on the fused kernels (no dropout: see :func:`_unsupported`)."""
+    if dropout_p > 0.0:
+        raise ValueError(f"the fused attention kernel has no dropout; got dropout_p={dropout_p}")
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    return FusedVarlenAttention.apply(q, k, v, cu_seqlens, max_seqlen, scale)
+
+
+IMPLEMENTATIONS: dict[Impl, Callable[..., torch.Tensor]] = {
+    "native": varlen_attention_native, "fused": varlen_attention_fused}
+
+
 def varlen_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -76,14 +182,12 @@ def varlen_attention(
     backend: Backend,
 ) -> torch.Tensor:
     """:func:`varlen_attention_ref` on the resolved ``backend``."""
-    if runs_fused("varlen_attention", backend, _unsupported(q, k, v, cu_seqlens, dropout_p)):
-        scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-        return FusedVarlenAttention.apply(q, k, v, cu_seqlens, max_seqlen, scale)
-    return varlen_attention_ref(q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale)
+    impl = choose("varlen_attention", backend, lambda name: _unsupported(q, k, v, cu_seqlens, dropout_p))
+    return IMPLEMENTATIONS[impl](q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale)
 
 
 def _unsupported(q, k, v, cu_seqlens, dropout_p) -> str:
-    """Why the fused kernel cannot take these inputs ("" if it can)."""
+    """Why the fused kernel (the only non-native candidate) cannot take these inputs ("" if it can)."""
     if dropout_p > 0.0:
         return f"attention dropout (dropout_p={dropout_p}) is not supported; set attention_dropout=0"
     if q.dtype not in FUSED_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:

@@ -10,14 +10,20 @@ arithmetic is done in fp32 and returned in the input dtype.
 The fused path (``kernels/csrc/bias_gelu.cu``) takes float32, float16 and bfloat16
 inputs, a bias of the input dtype or float32, any width, strided inputs (copied once
 to contiguous); its backward sums dbias over rows in fp32.
+
+The native path (:func:`bias_gelu_native`) is ``F.gelu(x + bias)`` in the input
+dtype: PyTorch's GELU already computes in fp32 for half inputs, so the reference's
+fp32 copies only cost memory traffic; the sum is rounded to the input dtype once.
+A bias of another dtype than ``x`` takes the reference (its sum would promote).
 """
 
+from collections.abc import Callable
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
-from kernels.dispatch import Backend, fused_extension, runs_fused
+from kernels.dispatch import Backend, Impl, choose, fused_extension
 
 Approximate = Literal["none", "tanh"]
 FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -26,6 +32,21 @@ FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 def bias_gelu_ref(x: torch.Tensor, bias: torch.Tensor, approximate: Approximate) -> torch.Tensor:
     """x: (..., N); bias: (N,). Returns (..., N) in x.dtype."""
     return F.gelu(x.float() + bias.float(), approximate=approximate).to(x.dtype)
+
+
+def bias_gelu_native(x: torch.Tensor, bias: torch.Tensor, approximate: Approximate) -> torch.Tensor:
+    """:func:`bias_gelu_ref` through PyTorch's own GELU, without fp32 copies of one-dtype inputs."""
+    if bias.dtype != x.dtype:
+        return bias_gelu_ref(x, bias, approximate)
+    return F.gelu(x + bias, approximate=approximate)
+
+
+def bias_gelu_fused(x: torch.Tensor, bias: torch.Tensor, approximate: Approximate) -> torch.Tensor:
+    """:func:`bias_gelu_ref` on the fused kernels."""
+    return FusedBiasGelu.apply(x, bias, approximate)
+
+
+IMPLEMENTATIONS: dict[Impl, Callable[..., torch.Tensor]] = {"native": bias_gelu_native, "fused": bias_gelu_fused}
 
 
 def bias_gelu(
@@ -38,13 +59,12 @@ def bias_gelu(
     """:func:`bias_gelu_ref` on the resolved ``backend``."""
     if approximate not in ("none", "tanh"):
         raise ValueError(f"approximate must be 'none' or 'tanh', got {approximate!r}")
-    if runs_fused("bias_gelu", backend, _unsupported(x, bias)):
-        return FusedBiasGelu.apply(x, bias, approximate)
-    return bias_gelu_ref(x, bias, approximate)
+    impl = choose("bias_gelu", backend, lambda name: _unsupported(x, bias))
+    return IMPLEMENTATIONS[impl](x, bias, approximate)
 
 
 def _unsupported(x, bias) -> str:
-    """Why the fused kernel cannot take these inputs ("" if it can)."""
+    """Why the fused kernel (the only non-native candidate) cannot take these inputs ("" if it can)."""
     if x.dtype not in FUSED_DTYPES:
         return f"{x.dtype} input (it takes {', '.join(map(str, FUSED_DTYPES))})"
     if bias.dtype not in (x.dtype, torch.float32):

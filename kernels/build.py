@@ -1,10 +1,13 @@
-"""Builds the fused CUDA extension ahead of time and self-checks it.
+"""Builds the fused CUDA extension ahead of time, self-checks it and times it against PyTorch.
 
     python -m kernels.build [--recheck] [--install DIR]
 
 Runs the loader of ``kernels/_build.py`` now rather than at the first model
 construction: the JIT build into ``~/.cache/bert-ds/kernels/<hash>`` (a later process
-only loads it) and the self-check on this GPU, whose verdicts it prints. ``--install
+only loads it), the self-check on this GPU and the race of each op's candidates (what
+``kernels=auto`` will run; at a BERT-Base's shapes unless a model raced first on this
+device), whose verdicts it prints with the timings. ``--recheck`` runs the self-check
+and the race again. ``--install
 DIR`` also copies the built module into DIR (e.g. site-packages), where the loader's
 "prebuilt" step finds it in processes that have no compiler or no cache: useful for
 images. A prebuilt module is used only with the sources and torch it was built for.
@@ -43,6 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"self-check on {torch.cuda.get_device_name()}:")
     for op, why in sorted(verdicts.items()):
         print(f"  {op:18s} {'ok' if not why else 'FAILED: ' + why}")
+    print(f"kernels=auto on {torch.cuda.get_device_name()} (recorded in {_build.verdict_path()}):")
+    for op, choice in sorted(_build.op_choices().items()):
+        print(f"  {op:18s} {choice.describe()}")
     if args.install is not None:
         args.install.mkdir(parents=True, exist_ok=True)
         target = args.install / Path(extension.__file__).name

@@ -12,14 +12,41 @@ fp32 parameters produces), any hidden size (768 and 1024 are the fast ones), str
 inputs (copied once to contiguous). It saves the per-row mean and rstd (fp32) and
 recomputes ``x + residual`` in the backward, where one pass gives the gradient of
 both ``x`` and ``residual`` (written twice only when their dtypes differ).
+
+The native path (:func:`layer_norm_native`) is ``F.layer_norm`` on the inputs as
+they are where that accumulates in fp32: on CUDA, for every dtype (statistics and
+weight gradients alike), so the reference's fp32 copies only cost memory traffic;
+the residual sum is then rounded to the input dtype once, as in Hugging Face's BERT.
+Elsewhere the reference runs: a CPU's half-precision backward sums the weight
+gradients in the input dtype, and inputs of mixed dtypes (float32 weights under
+autocast) are not what ``F.layer_norm`` takes.
+
+Where NVIDIA apex is installed, its fused LayerNorm (``fused_layer_norm_affine``)
+is a third candidate under ``kernels=auto``: it runs if it passes the same
+self-check and is the fastest on the device (``kernels/_build.py``).
 """
+
+import importlib
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-from kernels.dispatch import Backend, fused_extension, runs_fused
+from kernels.dispatch import Backend, Impl, choose, fused_extension
 
 FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def find_apex_layer_norm() -> Callable[..., torch.Tensor] | None:
+    """apex's functional fused LayerNorm ``(x, weight, bias, normalized_shape, eps)``, where installed."""
+    try:
+        module = importlib.import_module("apex.normalization.fused_layer_norm")
+    except ImportError:
+        return None
+    return getattr(module, "fused_layer_norm_affine", None)
+
+
+APEX_LAYER_NORM = find_apex_layer_norm()
 
 
 def layer_norm_ref(
@@ -35,6 +62,54 @@ def layer_norm_ref(
     return out.to(x.dtype)
 
 
+def layer_norm_native(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`layer_norm_ref` through PyTorch's own LayerNorm, without fp32 copies where it needs none."""
+    if _mixed_dtypes(x, weight, bias, residual) or not (x.is_cuda or x.dtype == torch.float32):
+        return layer_norm_ref(x, weight, bias, eps, residual)
+    summed = x if residual is None else x + residual
+    # CUDA autocast runs layer_norm in fp32; the op's contract is x's dtype (a no-op elsewhere).
+    return F.layer_norm(summed, summed.shape[-1:], weight, bias, eps).to(x.dtype)
+
+
+def layer_norm_fused(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`layer_norm_ref` on the fused kernels."""
+    return FusedLayerNorm.apply(x, weight, bias, eps, residual)
+
+
+def layer_norm_apex(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`layer_norm_ref` on apex's fused LayerNorm (which has no residual input: summed first)."""
+    if APEX_LAYER_NORM is None:
+        raise RuntimeError("apex is not installed")
+    summed = x if residual is None else x + residual
+    return APEX_LAYER_NORM(summed, weight, bias, summed.shape[-1:], eps)
+
+
+IMPLEMENTATIONS: dict[Impl, Callable[..., torch.Tensor]] = {
+    "native": layer_norm_native, "fused": layer_norm_fused, "apex": layer_norm_apex}
+
+
+def _mixed_dtypes(x, weight, bias, residual) -> bool:
+    return any(t is not None and t.dtype != x.dtype for t in (weight, bias, residual))
+
+
 def layer_norm(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -45,13 +120,14 @@ def layer_norm(
     backend: Backend,
 ) -> torch.Tensor:
     """:func:`layer_norm_ref` on the resolved ``backend``."""
-    if runs_fused("layer_norm", backend, _unsupported(x, weight, bias, residual)):
-        return FusedLayerNorm.apply(x, weight, bias, eps, residual)
-    return layer_norm_ref(x, weight, bias, eps, residual)
+    impl = choose("layer_norm", backend, lambda name: _unsupported(name, x, weight, bias, residual))
+    return IMPLEMENTATIONS[impl](x, weight, bias, eps, residual)
 
 
-def _unsupported(x, weight, bias, residual) -> str:
-    """Why the fused kernel cannot take these inputs ("" if it can)."""
+def _unsupported(impl: Impl, x, weight, bias, residual) -> str:
+    """Why candidate ``impl`` ("fused" or "apex") cannot take these inputs ("" if it can)."""
+    if impl == "apex" and _mixed_dtypes(x, weight, bias, residual):
+        return f"mixed dtypes ({x.dtype} input; apex's LayerNorm takes one dtype)"
     if x.dtype not in FUSED_DTYPES:
         return f"{x.dtype} input (it takes {', '.join(map(str, FUSED_DTYPES))})"
     if weight.dtype not in (x.dtype, torch.float32) or bias.dtype != weight.dtype:

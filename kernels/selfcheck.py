@@ -1,8 +1,9 @@
 """The fused kernels against their references on this device: the verdicts behind
 ``kernels=cuda`` refusing to start and ``kernels=auto`` choosing per op (see
-``kernels/_build.py``, which runs this once per build and GPU architecture).
+``kernels/_build.py``, which runs this once per build and device). The same checks
+take any implementation of an op (apex's LayerNorm is held to them too) and device.
 
-Each check runs the op's autograd Function, forward and backward, on seeded random
+Each check runs the op's implementation, forward and backward, on seeded random
 inputs (never zeros) in every dtype it takes and a few shapes, covering the fast and
 general paths, and compares the output and every gradient by flash-attention's rule:
 the kernel's error against the reference run on float32 inputs may be at most twice
@@ -19,9 +20,9 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from kernels.attention import FusedVarlenAttention, varlen_attention_ref
-from kernels.bias_gelu import FusedBiasGelu, bias_gelu_ref
-from kernels.layer_norm import FusedLayerNorm, layer_norm_ref
+from kernels.attention import varlen_attention_fused, varlen_attention_ref
+from kernels.bias_gelu import bias_gelu_fused, bias_gelu_ref
+from kernels.layer_norm import layer_norm_fused, layer_norm_ref
 
 # atol = TOLERANCE[dtype] * max(1, |truth|_max): room for the case where the same-dtype
 # reference is (nearly) exact, e.g. float32, or a sum the reference rounds only once.
@@ -32,18 +33,22 @@ Tensors = dict[str, torch.Tensor]
 
 def run_all() -> dict[str, str]:
     """Per op, "" if its kernels pass, else what failed (at most three findings)."""
-    checks = {"layer_norm": _check_layer_norm, "bias_gelu": _check_bias_gelu,
-              "varlen_attention": _check_varlen_attention}
-    verdicts = {}
+    cuda = torch.device("cuda")
+    checks = {"layer_norm": lambda: check_layer_norm(layer_norm_fused, cuda),
+              "bias_gelu": lambda: check_bias_gelu(bias_gelu_fused, cuda),
+              "varlen_attention": lambda: check_varlen_attention(varlen_attention_fused, cuda)}
+    return {op: verdict(check) for op, check in checks.items()}
+
+
+def verdict(check: Callable[[], list[str]]) -> str:
+    """"" if ``check`` finds nothing, else its first three findings; a check that raises fails."""
     with _clean_context():
-        for op, check in checks.items():
-            try:
-                problems = check()
-            except Exception as error:  # a kernel that raises is a failed kernel; say how
-                message = str(error).strip().splitlines()
-                problems = [f"raised {type(error).__name__}: {message[0] if message else ''}"]
-            verdicts[op] = "; ".join(problems[:3])
-    return verdicts
+        try:
+            problems = check()
+        except Exception as error:  # a kernel that raises is a failed kernel; say how
+            message = str(error).strip().splitlines()
+            problems = [f"raised {type(error).__name__}: {message[0] if message else ''}"]
+    return "; ".join(problems[:3])
 
 
 @contextlib.contextmanager
@@ -52,20 +57,22 @@ def _clean_context() -> Iterator[None]:
     saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     try:
-        with torch.inference_mode(False), torch.enable_grad(), torch.autocast("cuda", enabled=False):
+        with (torch.inference_mode(False), torch.enable_grad(), torch.autocast("cuda", enabled=False),
+              torch.autocast("cpu", enabled=False)):
             yield
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
 class _Inputs:
-    """Seeded normal tensors on the current CUDA device, from a private generator."""
+    """Seeded normal tensors on ``device``, from a private generator."""
 
-    def __init__(self, seed: int) -> None:
-        self.generator = torch.Generator(device="cuda").manual_seed(seed)
+    def __init__(self, seed: int, device: torch.device) -> None:
+        self.device = device
+        self.generator = torch.Generator(device=device).manual_seed(seed)
 
     def __call__(self, *shape: int, dtype: torch.dtype, scale: float = 1.0, shift: float = 0.0) -> torch.Tensor:
-        x = torch.randn(*shape, generator=self.generator, device="cuda", dtype=torch.float32)
+        x = torch.randn(*shape, generator=self.generator, device=self.device, dtype=torch.float32)
         return (x * scale + shift).to(dtype)
 
 
@@ -98,12 +105,17 @@ def _compare(case: str, fn_fused, fn_ref, leaves: Tensors, grad_out: torch.Tenso
     return problems
 
 
-def _check_layer_norm() -> list[str]:
-    rand = _Inputs(seed=0)
+def check_layer_norm(impl: Callable[..., torch.Tensor], device: torch.device,
+                     mixed_dtypes: bool = True) -> list[str]:
+    """``impl`` (``layer_norm_ref``'s signature) against the reference; ``mixed_dtypes``: also
+    float32 weights with half inputs (apex's LayerNorm takes one dtype)."""
+    rand = _Inputs(seed=0, device=device)
     problems = []
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         for rows, hidden, residual, weight_dtype in ((96, 768, True, dtype), (33, 1024, False, torch.float32),
                                                      (17, 1023, True, dtype)):
+            if weight_dtype != dtype and not mixed_dtypes:
+                weight_dtype = dtype
             leaves = {"x": rand(rows, hidden, dtype=dtype, scale=2.0, shift=0.5),
                       "weight": rand(hidden, dtype=weight_dtype, shift=1.0),
                       "bias": rand(hidden, dtype=weight_dtype, scale=0.5)}
@@ -111,38 +123,41 @@ def _check_layer_norm() -> list[str]:
                 leaves["residual"] = rand(rows, hidden, dtype=dtype)
             problems += _compare(
                 f"{dtype} ({rows}, {hidden}){' +residual' if residual else ''}",
-                lambda x, weight, bias, residual=None: FusedLayerNorm.apply(x, weight, bias, 1e-12, residual),
+                lambda x, weight, bias, residual=None: impl(x, weight, bias, 1e-12, residual),
                 lambda x, weight, bias, residual=None: layer_norm_ref(x, weight, bias, 1e-12, residual),
                 leaves, rand(rows, hidden, dtype=dtype), dtype)
     return problems
 
 
-def _check_bias_gelu() -> list[str]:
-    rand = _Inputs(seed=1)
+def check_bias_gelu(impl: Callable[..., torch.Tensor], device: torch.device) -> list[str]:
+    """``impl`` (``bias_gelu_ref``'s signature) against the reference."""
+    rand = _Inputs(seed=1, device=device)
     problems = []
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         for rows, cols, approximate in ((64, 3072, "none"), (9, 1031, "tanh"), (40, 256, "tanh")):
             leaves = {"x": rand(rows, cols, dtype=dtype, scale=2.0), "bias": rand(cols, dtype=dtype)}
             problems += _compare(
                 f"{dtype} ({rows}, {cols}) {approximate}",
-                lambda x, bias: FusedBiasGelu.apply(x, bias, approximate),
+                lambda x, bias: impl(x, bias, approximate),
                 lambda x, bias: bias_gelu_ref(x, bias, approximate),
                 leaves, rand(rows, cols, dtype=dtype), dtype)
     return problems
 
 
-def _check_varlen_attention() -> list[str]:
-    rand = _Inputs(seed=2)
+def check_varlen_attention(impl: Callable[..., torch.Tensor], device: torch.device) -> list[str]:
+    """``impl`` (``varlen_attention_ref``'s signature) against the reference, in the dtypes
+    the fused kernel takes."""
+    rand = _Inputs(seed=2, device=device)
     problems = []
     for dtype in (torch.float16, torch.bfloat16):
         for lengths, heads, head_dim in (([1, 512, 77, 128], 3, 64), ([3, 65, 1], 2, 32)):
             total, max_seqlen = sum(lengths), max(lengths)
-            offsets = torch.tensor([0, *lengths], device="cuda").cumsum(0).to(torch.int32)
+            offsets = torch.tensor([0, *lengths], device=device).cumsum(0).to(torch.int32)
             scale = head_dim ** -0.5
             leaves = {name: rand(total, heads, head_dim, dtype=dtype) for name in ("q", "k", "v")}
             problems += _compare(
                 f"{dtype} lengths {lengths} heads {heads} head_dim {head_dim}",
-                lambda q, k, v: FusedVarlenAttention.apply(q, k, v, offsets, max_seqlen, scale),
+                lambda q, k, v: impl(q, k, v, offsets, max_seqlen, 0.0, scale),
                 lambda q, k, v: varlen_attention_ref(q, k, v, offsets, max_seqlen, 0.0, scale),
                 leaves, rand(total, heads, head_dim, dtype=dtype), dtype)
     return problems

@@ -21,6 +21,7 @@ def fresh_loader(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake H100")
     for cached in (_build.load_extension, _build.op_verdicts, _build.source_hash):
         cached.cache_clear()
+    monkeypatch.setattr(_build, "_choices", None)
     sys.modules.pop(_build.EXTENSION_NAME, None)
     yield tmp_path
     sys.modules.pop(_build.EXTENSION_NAME, None)  # a fake module must not outlive its test
@@ -74,7 +75,7 @@ def test_the_first_error_line_is_reported():
     assert _build._first_error_line(text) == '/x/attention.cu(12): error: identifier "foo" is undefined'
 
 
-def test_verdicts_are_recorded_once_per_build_and_architecture(fresh_loader, monkeypatch):
+def test_verdicts_are_recorded_once_per_build_and_device(fresh_loader, monkeypatch):
     from kernels import selfcheck
 
     _install_fake_module(monkeypatch, fresh_loader, _build.source_hash())
@@ -82,8 +83,10 @@ def test_verdicts_are_recorded_once_per_build_and_architecture(fresh_loader, mon
     monkeypatch.setattr(selfcheck, "run_all", lambda: runs.append(1) or {"layer_norm": "", "bias_gelu": "bad"})
     assert _build.op_verdicts() == {"layer_norm": "", "bias_gelu": "bad"}
     recorded = json.loads(_build.verdict_path().read_text())
-    assert recorded["source_hash"] == _build.source_hash() and recorded["device"] == "Fake H100"
-    assert _build.verdict_path().name == "selfcheck-sm90.json"
+    assert recorded["key"] == {"source_hash": _build.source_hash(), "device": "Fake H100",
+                               "torch": torch.__version__, "cuda": "13.0"}
+    assert recorded["selfcheck"] == {"layer_norm": "", "bias_gelu": "bad"}
+    assert _build.verdict_path().name == "verdicts-fake-h100.json"
 
     _build.op_verdicts.cache_clear()  # a new process: reads the record, does not check again
     assert _build.op_verdicts() == {"layer_norm": "", "bias_gelu": "bad"}
@@ -138,4 +141,22 @@ def test_an_unwritable_cache_still_gives_verdicts(fresh_loader, monkeypatch, cap
     monkeypatch.setattr(selfcheck, "run_all", lambda: {"layer_norm": ""})
     with caplog.at_level(logging.WARNING, logger="kernels._build"):
         assert _build.op_verdicts() == {"layer_norm": ""}
-    assert "cannot record self-check verdicts" in caplog.text
+    assert "cannot record verdicts" in caplog.text
+
+
+def test_the_build_command_prints_the_self_check_and_the_speed_verdicts(fresh_loader, monkeypatch, capsys):
+    from kernels import build, selfcheck
+    from kernels.speed import Choice
+
+    _install_fake_module(monkeypatch, fresh_loader, _build.source_hash())
+    monkeypatch.setattr(selfcheck, "run_all", lambda: {"layer_norm": "", "bias_gelu": "", "varlen_attention": ""})
+    monkeypatch.setattr(_build, "_choices", {  # as if this process had raced
+        "layer_norm": Choice("fused", {"native": 0.052, "fused": 0.031}, {"apex": "apex is not installed"}),
+        "bias_gelu": Choice("native", {"native": 0.04, "fused": 0.05}, {}),
+    })
+    assert build.main([]) == 0
+    out = capsys.readouterr().out
+    assert "self-check on Fake H100:\n  bias_gelu          ok\n" in out
+    assert ("  layer_norm         runs fused (native 0.052 ms, fused 0.031 ms, forward + backward); "
+            "apex not a candidate: apex is not installed\n") in out
+    assert "  bias_gelu          runs native (native 0.040 ms, fused 0.050 ms, forward + backward)\n" in out

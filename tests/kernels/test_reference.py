@@ -235,7 +235,7 @@ def test_resolve_auto_falls_back_to_torch_and_logs_once(caplog):
         assert resolve_backend("auto") == "torch"
     messages = [r.getMessage() for r in caplog.records if r.name == "kernels.dispatch"]
     assert len(messages) == 1
-    assert "PyTorch reference" in messages[0] and load_extension()[1] in messages[0]
+    assert "native PyTorch ops" in messages[0] and load_extension()[1] in messages[0]
 
 
 @pytest.mark.parametrize("name", ["triton", "", "CUDA"])
@@ -270,17 +270,24 @@ def test_bias_gelu_rejects_unknown_approximation():
 
 @pytest.fixture
 def fake_extension(monkeypatch, caplog):
-    """A loaded extension whose layer_norm failed its self-check (the dispatch's view of it)."""
+    """A loaded extension whose layer_norm failed its self-check and whose bias_gelu won the
+    race on this device (the dispatch's view of them)."""
+    from kernels.speed import Choice
+
     monkeypatch.setattr(dispatch, "load_extension", lambda: (object(), ""))
     monkeypatch.setattr(dispatch, "op_verdicts",
                         lambda: {"layer_norm": "y: error 1 > 2 x 0 + 0", "bias_gelu": "", "varlen_attention": ""})
-    monkeypatch.setattr(dispatch, "verdict_path", lambda: "/cache/selfcheck-sm90.json")
-    dispatch._auto_backend.cache_clear()
-    dispatch._log_fallback.cache_clear()
+    monkeypatch.setattr(dispatch, "verdict_path", lambda: "/cache/verdicts-fake-h100.json")
+    choices = {"layer_norm": Choice("native", {"native": 1.0}, {"fused": "failed the self-check"}),
+               "bias_gelu": Choice("fused", {"native": 2.0, "fused": 1.0}, {}),
+               "varlen_attention": Choice("native", {"native": 1.0, "fused": 1.5}, {})}
+    monkeypatch.setattr(dispatch, "op_choices", lambda shapes=None: choices)
+    for cached in (dispatch._auto_backend, dispatch._log_once, dispatch._log_fallback):
+        cached.cache_clear()
     caplog.set_level(logging.INFO, logger="kernels.dispatch")
     yield caplog
-    dispatch._auto_backend.cache_clear()
-    dispatch._log_fallback.cache_clear()
+    for cached in (dispatch._auto_backend, dispatch._log_once, dispatch._log_fallback):
+        cached.cache_clear()
 
 
 def test_cuda_refuses_to_start_when_an_op_failed_its_self_check(fake_extension):
@@ -288,22 +295,28 @@ def test_cuda_refuses_to_start_when_an_op_failed_its_self_check(fake_extension):
         resolve_backend("cuda")
 
 
-def test_auto_runs_the_reference_for_an_op_that_failed_its_self_check(fake_extension):
+def test_auto_runs_each_op_s_recorded_winner_and_never_a_failed_kernel(fake_extension):
     assert resolve_backend("auto") == "prefer_cuda"
     warnings = [r.getMessage() for r in fake_extension.records if r.levelno == logging.WARNING]
-    assert any("layer_norm runs the PyTorch reference" in m for m in warnings)
-    assert not dispatch.runs_fused("layer_norm", "prefer_cuda")
-    assert dispatch.runs_fused("bias_gelu", "prefer_cuda")
+    assert any("layer_norm never runs its fused kernel" in m for m in warnings)
+    assert dispatch.choose("layer_norm", "prefer_cuda", _takes_anything) == "native"
+    assert dispatch.choose("bias_gelu", "prefer_cuda", _takes_anything) == "fused"
+    assert dispatch.choose("varlen_attention", "prefer_cuda", _takes_anything) == "native"
     with pytest.raises(KernelUnavailable, match="layer_norm cannot run fused"):
-        dispatch.runs_fused("layer_norm", "cuda")
+        dispatch.choose("layer_norm", "cuda", _takes_anything)
+    assert dispatch.choose("varlen_attention", "cuda", _takes_anything) == "fused"
+
+
+def _takes_anything(impl: str) -> str:
+    return ""
 
 
 def test_inputs_a_kernel_cannot_take_are_an_error_under_cuda_and_a_logged_fallback_under_auto(fake_extension):
     problem = "torch.float64 input"
     with pytest.raises(KernelUnavailable, match=problem):
-        dispatch.runs_fused("bias_gelu", "cuda", problem)
+        dispatch.choose("bias_gelu", "cuda", lambda impl: problem)
     for _ in range(3):
-        assert not dispatch.runs_fused("bias_gelu", "prefer_cuda", problem)
+        assert dispatch.choose("bias_gelu", "prefer_cuda", lambda impl: problem) == "native"
     fallbacks = [r for r in fake_extension.records if problem in r.getMessage()]
     assert len(fallbacks) == 1 and fallbacks[0].levelno == logging.WARNING
 

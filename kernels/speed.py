@@ -1,0 +1,182 @@
+"""Which implementation of each op ``kernels=auto`` runs on a device: the fastest correct one.
+
+Candidates per op, in this order:
+
+- ``native``: the PyTorch-native op (``<op>_native``), always;
+- ``fused``: our fused kernel, where the extension loads and the op passed its self-check;
+- ``apex`` (LayerNorm only): apex's fused LayerNorm, where apex is installed and it passes
+  the same self-check.
+
+Each candidate is timed forward + backward on seeded inputs at the model's shapes
+(:class:`OpShapes`), and the fastest wins. A tie goes to ``native``: a fused kernel is
+used only when it is faster, so ``kernels=auto`` is never slower than the native path.
+A candidate that raises at these shapes is excluded, with the reason.
+
+The race runs once per device and is recorded beside the self-check verdicts
+(``kernels/_build.py``); it takes a few milliseconds per candidate and happens when the
+model is built, before any training step, so no run's figures include it. The device
+and the clock are parameters, so that the choice is tested on a CPU with stand-ins.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kernels import attention, probes
+from kernels.bias_gelu import IMPLEMENTATIONS as BIAS_GELU
+from kernels.dispatch import OPS
+from kernels.layer_norm import IMPLEMENTATIONS as LAYER_NORM
+
+# Per op, its implementations by name ("native", "fused", "apex"), all with its reference's signature.
+IMPLEMENTATIONS = {"layer_norm": LAYER_NORM, "bias_gelu": BIAS_GELU, "varlen_attention": attention.IMPLEMENTATIONS}
+LAYER_NORM_EPS = 1e-12  # BERT's
+CALLS_PER_SAMPLE = 10  # calls per timed sample, so that one sample is well above the clock's resolution
+SAMPLES = 5
+
+Timer = Callable[[Callable[[], Any], torch.device], float]  # (run once, device) -> seconds per run
+
+
+@dataclass(frozen=True)
+class OpShapes:
+    """The shapes and dtype the race times each op at: the model's (a BERT-Base by default)."""
+
+    hidden: int = 768
+    intermediate: int = 3072
+    num_heads: int = 12
+    max_seqlen: int = 512
+    approximate: str = "none"  # the model's GELU: "none" (erf) or "tanh"
+    dtype: str = "bfloat16"  # the training dtype of the bf16 DeepSpeed configs
+    sequences: int = 16  # lengths spread over [max_seqlen / 2, max_seqlen], as unpadded batches are
+
+    def __post_init__(self) -> None:
+        for name in ("hidden", "intermediate", "num_heads", "max_seqlen", "sequences"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
+                raise ValueError(f"OpShapes.{name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.hidden % self.num_heads:
+            raise ValueError(f"OpShapes.num_heads ({self.num_heads}) must divide hidden ({self.hidden})")
+        if self.approximate not in ("none", "tanh") or not isinstance(getattr(torch, self.dtype, None), torch.dtype):
+            raise ValueError(f"OpShapes: approximate must be 'none' or 'tanh' and dtype a torch dtype name, "
+                             f"got {self.approximate!r}, {self.dtype!r}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.num_heads
+
+    def lengths(self) -> list[int]:
+        return [self.max_seqlen - i * self.max_seqlen // (2 * self.sequences) for i in range(self.sequences)]
+
+    def describe(self) -> str:
+        return (f"{self.dtype}, {sum(self.lengths())} tokens in {self.sequences} sequences of <= {self.max_seqlen}, "
+                f"hidden {self.hidden}, intermediate {self.intermediate}, {self.num_heads} heads of {self.head_dim}")
+
+
+@dataclass
+class Choice:
+    """The race's verdict for one op."""
+
+    runs: str  # the winner: "native", "fused" or "apex"
+    ms: dict[str, float]  # per timed candidate, milliseconds per forward + backward
+    excluded: dict[str, str]  # per candidate not timed (or that raised), why
+
+    def describe(self) -> str:
+        timed = ", ".join(f"{name} {ms:.3f} ms" for name, ms in self.ms.items())
+        left_out = "".join(f"; {name} not a candidate: {why}" for name, why in self.excluded.items())
+        return f"runs {self.runs} ({timed}, forward + backward){left_out}"
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Choice:
+        return cls(str(data["runs"]), {k: float(v) for k, v in data["ms"].items()},
+                   {k: str(v) for k, v in data["excluded"].items()})
+
+
+def best_seconds_per_call(run: Callable[[], Any], device: torch.device) -> float:
+    """The default clock: the best of a few samples of several calls, after one untimed call."""
+    def sample() -> None:
+        for _ in range(CALLS_PER_SAMPLE):
+            run()
+    return probes.best_seconds(sample, device, SAMPLES) / CALLS_PER_SAMPLE
+
+
+def candidates(fused_problems: Mapping[str, str], apex_problem: str,
+               ) -> tuple[dict[str, dict[str, Callable[..., torch.Tensor]]], dict[str, dict[str, str]]]:
+    """Per op, the implementations to time (native first) and those left out, with why.
+
+    ``fused_problems``: per op, why its fused kernel cannot run ("" if it can);
+    ``apex_problem``: why apex's LayerNorm cannot ("" if it can).
+    """
+    timed: dict[str, dict[str, Callable[..., torch.Tensor]]] = {}
+    excluded: dict[str, dict[str, str]] = {}
+    for op in OPS:
+        problems = {"fused": fused_problems.get(op, "not checked")}
+        if op == "layer_norm":
+            problems["apex"] = apex_problem
+        timed[op] = {"native": IMPLEMENTATIONS[op]["native"]}
+        timed[op].update((name, IMPLEMENTATIONS[op][name]) for name, why in problems.items() if not why)
+        excluded[op] = {name: why for name, why in problems.items() if why}
+    return timed, excluded
+
+
+def race(shapes: OpShapes, device: torch.device, timed: Mapping[str, Mapping[str, Callable[..., torch.Tensor]]],
+         excluded: Mapping[str, Mapping[str, str]], timer: Timer = best_seconds_per_call) -> dict[str, Choice]:
+    """Times every candidate of every op at ``shapes`` on ``device``; per op, the fastest wins."""
+    choices = {}
+    with torch.inference_mode(False), torch.enable_grad(), torch.autocast(device.type, enabled=False):
+        for op, implementations in timed.items():
+            call, leaves, grad = _case(op, shapes, device)
+            ms, left_out = {}, dict(excluded.get(op, {}))
+            for name, fn in implementations.items():
+                try:
+                    ms[name] = timer(lambda fn=fn: _forward_backward(call, fn, leaves, grad), device) * 1e3
+                except Exception as error:  # a candidate that cannot run these shapes is not one
+                    left_out[name] = f"raised {type(error).__name__}: {_first_line(error)}"
+            if "native" not in ms:
+                raise RuntimeError(f"the native {op} failed at {shapes.describe()}: {left_out.get('native')}")
+            # min() keeps the first of equals, and native comes first: a tie is not a reason to use a kernel.
+            choices[op] = Choice(min(ms, key=ms.__getitem__), ms, left_out)
+    return choices
+
+
+def _first_line(error: Exception) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else ""
+
+
+def _forward_backward(call, fn, leaves: dict[str, torch.Tensor], grad: torch.Tensor) -> None:
+    out = call(fn, leaves)
+    torch.autograd.grad(out, list(leaves.values()), grad)
+
+
+def _case(op: str, shapes: OpShapes, device: torch.device):
+    """``(call, leaves, grad)``: ``call(fn, leaves)`` runs one candidate on the op's inputs at ``shapes``."""
+    generator = torch.Generator(device=device).manual_seed(0)
+    dtype = getattr(torch, shapes.dtype)
+    lengths = shapes.lengths()
+    tokens = sum(lengths)
+
+    def rand(*shape: int, shift: float = 0.0) -> torch.Tensor:
+        x = torch.randn(*shape, generator=generator, device=device) + shift
+        return x.to(dtype).requires_grad_()
+
+    if op == "layer_norm":
+        leaves = {"x": rand(tokens, shapes.hidden), "residual": rand(tokens, shapes.hidden),
+                  "weight": rand(shapes.hidden, shift=1.0), "bias": rand(shapes.hidden)}
+        return (lambda fn, t: fn(t["x"], t["weight"], t["bias"], LAYER_NORM_EPS, t["residual"]),
+                leaves, rand(tokens, shapes.hidden).detach())
+    if op == "bias_gelu":
+        leaves = {"x": rand(tokens, shapes.intermediate), "bias": rand(shapes.intermediate)}
+        return (lambda fn, t: fn(t["x"], t["bias"], shapes.approximate),
+                leaves, rand(tokens, shapes.intermediate).detach())
+    if op == "varlen_attention":
+        cu_seqlens = torch.tensor([0, *lengths], device=device).cumsum(0).to(torch.int32)
+        leaves = {name: rand(tokens, shapes.num_heads, shapes.head_dim) for name in ("q", "k", "v")}
+        return (lambda fn, t: fn(t["q"], t["k"], t["v"], cu_seqlens, shapes.max_seqlen),
+                leaves, rand(tokens, shapes.num_heads, shapes.head_dim).detach())
+    raise ValueError(f"no timing case for op {op!r}")
