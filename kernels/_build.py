@@ -21,7 +21,10 @@ failed is refused by :mod:`kernels.dispatch`: an error under ``kernels=cuda``, t
 reference path with a warning under ``kernels=auto``.
 
 ``python -m kernels.build`` does step 3 and the self-check ahead of time (an image
-build, a login node with a GPU) and prints the verdicts.
+build, a login node with a GPU) and prints the verdicts. Step 3's sources, flags and
+call are defined once (:func:`build_options`, :func:`build_into`):
+``python -m kernels.compile_check`` compiles the binding from them on CPU machines, and
+its ``--with-torch`` runs the very build against the CUDA build of torch.
 """
 
 import fcntl

@@ -251,11 +251,14 @@ def with_torch(index_url: str) -> int:
     start = time.perf_counter()
     env, reused = prepare_torch_env(directory, version, cuda, index_url)
     how = "reused" if reused else f"created (torch from {index_url})"
-    print(f"  environment   {time.perf_counter() - start:6.1f} s  {how}: {directory} (torch {env.torch})")
+    print(f"  environment   {time.perf_counter() - start:6.1f} s  {how}: {directory} (torch {env.torch})", flush=True)
     child = {**os.environ, "CUDA_HOME": str(root), "PYTHONPATH": str(REPO)}
     script = "import sys; from kernels.compile_check import check_torch_build; sys.exit(check_torch_build(sys.argv[1]))"
-    proc = subprocess.run([str(env.python), "-c", script, str(directory / "build")], env=child, cwd=REPO)
-    print(f"compile_check --with-torch: {'ok' if proc.returncode == 0 else 'FAILED'}")
+    with open(directory / "build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one build at a time in directory/build
+        proc = subprocess.run([str(env.python), "-c", script, str(directory / "build")], env=child, cwd=REPO)
+    print(f"compile_check --with-torch: {'ok' if proc.returncode == 0 else 'FAILED'} "
+          f"in {time.perf_counter() - start:.1f} s")
     return 1 if proc.returncode else 0
 
 
@@ -296,6 +299,8 @@ def prepare_torch_env(directory: Path, torch_release: str, cuda: str, index_url:
         if not python.is_file():
             _run_logged([sys.executable, "-m", "venv", str(directory / "venv")], directory / "venv.log",
                         "cannot create a virtual environment")
+        print(f"  installing torch=={torch_release} ({', '.join(ENV_PACKAGES)} beside it) from {index_url}, "
+              "about 5 GB, once", flush=True)
         # --isolated: a find-links directory or extra index in the user's pip configuration
         # may hold torch==X+cpu, which pip prefers (a local version sorts above X).
         _run_logged([str(python), "-m", "pip", "install", "--isolated", "--index-url", index_url,
@@ -349,7 +354,7 @@ def check_torch_build(directory: str) -> int:
     shutil.rmtree(build, ignore_errors=True)  # a fresh build: the check compiles every time
     build.mkdir(parents=True)
     print(f"  torch {torch.__version__}, CUDA {torch.version.cuda}, CUDA_HOME {os.environ.get('CUDA_HOME')}, "
-          f"GPU {'yes' if torch.cuda.is_available() else 'none'}, {os.cpu_count()} cores")
+          f"GPU {'yes' if torch.cuda.is_available() else 'none'}, {os.cpu_count()} cores", flush=True)
     start = time.perf_counter()
     module, reason = _build.build_into(build)
     took = time.perf_counter() - start
