@@ -27,7 +27,10 @@ Verdicts, recorded beside the build in one file per device, keyed by
 
 A record made under another key is ignored and made again. ``python -m kernels.build``
 does step 3, the self-check and the race ahead of time (an image build, a login node
-with a GPU) and prints the verdicts.
+with a GPU) and prints the verdicts. Step 3's sources, flags and call are defined once
+(:func:`build_options`, :func:`build_into`): ``python -m kernels.compile_check``
+compiles the binding from them on CPU machines, and its ``--with-torch`` runs the very
+build against the CUDA build of torch.
 """
 
 from __future__ import annotations
@@ -78,10 +81,14 @@ def source_hash() -> str:
     return digest.hexdigest()[:16]
 
 
+def cache_dir() -> Path:
+    """bert-ds's cache: ``$XDG_CACHE_HOME/bert-ds``, else ``~/.cache/bert-ds``."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "bert-ds"
+
+
 def build_dir() -> Path:
-    """Where this build (and its self-check verdicts) lives: ``$XDG_CACHE_HOME`` or ``~/.cache``."""
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return cache / "bert-ds" / "kernels" / f"{EXTENSION_NAME}-{source_hash()}"
+    """Where this build (and its self-check verdicts) lives."""
+    return cache_dir() / "kernels" / f"{EXTENSION_NAME}-{source_hash()}"
 
 
 @functools.cache
@@ -110,28 +117,44 @@ def _prebuilt() -> ModuleType | None:
 
 
 def _jit_build() -> tuple[ModuleType | None, str]:
+    directory = build_dir()
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        return None, f"cannot create the build directory {directory}: {error.strerror or error}"
+    return build_into(directory)
+
+
+def build_options(directory: Path) -> dict[str, object]:
+    """The one definition of the build: ``torch.utils.cpp_extension.load``'s arguments.
+
+    The JIT build and ``python -m kernels.compile_check`` (its host compile of the
+    binding, and ``--with-torch``) all build from these, so a check made there is a
+    check of what a GPU user's first run compiles.
+    """
+    define = f"-DBDS_SOURCE_HASH={source_hash()}"
+    return {
+        "name": EXTENSION_NAME,
+        "sources": [str(CSRC / name) for name in SOURCES],
+        "extra_cflags": ["-O3", define],
+        "extra_cuda_cflags": ["-O3", "-lineinfo", *GENCODE, define],
+        "extra_include_paths": [str(CSRC)],
+        "build_directory": str(directory),
+        "verbose": False,
+    }
+
+
+def build_into(directory: Path) -> tuple[ModuleType | None, str]:
+    """Builds the extension in ``directory`` (an existing directory; ninja reuses what is
+    up to date there) and imports it: ``(module, "")``, else ``(None, why not)``."""
     from torch.utils import cpp_extension
 
     if cpp_extension.CUDA_HOME is None:
         return None, "nvcc not found (no CUDA toolkit: set CUDA_HOME or put nvcc on PATH)"
     if not cpp_extension.is_ninja_available():
         return None, "ninja is not installed (pip install ninja), the JIT build needs it"
-    directory = build_dir()
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        return None, f"cannot create the build directory {directory}: {error.strerror or error}"
-    define = f"-DBDS_SOURCE_HASH={source_hash()}"
-    try:
-        module = cpp_extension.load(
-            name=EXTENSION_NAME,
-            sources=[str(CSRC / name) for name in SOURCES],
-            extra_cflags=["-O3", define],
-            extra_cuda_cflags=["-O3", "-lineinfo", *GENCODE, define],
-            extra_include_paths=[str(CSRC)],
-            build_directory=str(directory),
-            verbose=False,
-        )
+        module = cpp_extension.load(**build_options(directory))
     except Exception as error:  # the compiler's output is the exception's text
         log = directory / "build.log"
         log.write_text(str(error))

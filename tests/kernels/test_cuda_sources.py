@@ -1,5 +1,6 @@
-"""The CUDA sources compile with nvcc for sm_80 and sm_90 (CPU CI with a toolkit),
-and the extension's pieces agree with each other without building it."""
+"""The CUDA sources compile with nvcc for sm_80 and sm_90 and the binding with the host
+compiler as torch builds it (CPU CI with a toolkit), and the extension's pieces agree
+with each other without building it."""
 
 import os
 import re
@@ -21,12 +22,16 @@ def _run_compile_check(env: dict[str, str]) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.skipif(compile_check.find_nvcc() is None, reason="nvcc not found")
-def test_every_kernel_compiles_for_sm80_and_sm90():
+def test_every_kernel_compiles_for_sm80_and_sm90_and_the_binding_for_the_host():
     proc = _run_compile_check(dict(os.environ))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for source in CSRC.glob("*.cu"):
         for arch in ("sm_80", "sm_90"):
             assert re.search(rf"{source.name}\s+{arch}\s+\S+\s+ok", proc.stdout), (source.name, arch, proc.stdout)
+    blocker = compile_check.host_compile_blocker()
+    binding = (rf"bindings\.cpp\s+skipped: {re.escape(blocker)}" if blocker
+               else r"bindings\.cpp\s+host c\+\+\d+\s+ok\s+-Wall -Wextra -Werror")
+    assert re.search(binding, proc.stdout), proc.stdout
 
 
 def test_compile_check_skips_without_nvcc():
