@@ -46,8 +46,9 @@ import math
 import sys
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -69,7 +70,10 @@ ROOFLINE_IMPLS = ("fused", "varlen_attn", "sdpa flash (nested)", "sdpa cuDNN")
 
 # --------------------------------------------------------------------------- work per call
 
-class Work(NamedTuple):
+@dataclass(frozen=True)
+class Work:
+    """What one call must do: FLOPs, and bytes read plus written."""
+
     flops: float
     bytes: float
 

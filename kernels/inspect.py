@@ -30,15 +30,15 @@ Exit status 0 when every source compiles (or when nvcc is not found: it says so 
 skips, as compile_check does); 1 when one fails.
 """
 
-from __future__ import annotations
-
 import argparse
 import json
+import os
 import re
 import shutil
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -154,8 +154,9 @@ def parse_ptxas(output: str) -> dict[str, dict[str, int]]:
 
 def ptx_entries(ptx: str) -> dict[str, str]:
     """PTX -> {mangled entry: its text (directives and body)}."""
-    starts = [(m.start(), m.group(1)) for m in re.finditer(r"^\s*(?:\.visible\s+|\.weak\s+)?\.entry\s+(\w+)", ptx, re.M)]
-    ends = [m.start() for m in re.finditer(r"^\s*(?:\.visible\s+|\.weak\s+)?\.(?:entry|func)\s", ptx, re.M)]
+    linkage = r"^\s*(?:\.visible\s+|\.weak\s+)?"
+    starts = [(m.start(), m.group(1)) for m in re.finditer(linkage + r"\.entry\s+(\w+)", ptx, re.M)]
+    ends = [m.start() for m in re.finditer(linkage + r"\.(?:entry|func)\s", ptx, re.M)]
     bodies = {}
     for start, name in starts:
         end = next((e for e in ends if e > start), len(ptx))
@@ -270,11 +271,11 @@ def inspect_all(sources: list[Path] | None = None) -> tuple[list[Kernel], str | 
     if nvcc is None:
         raise CompileError("nvcc not found (PATH, CUDA_HOME, CUDA_PATH)")
     nvdisasm = find_nvdisasm(nvcc)
-    kernels = []
-    for source in sources or sorted(CSRC.glob("*.cu")):
-        for arch, std in TARGETS:
-            kernels += inspect_source(nvcc, source, arch, std, nvdisasm)
-    return kernels, nvdisasm
+    jobs = [(source, arch, std) for source in sources or sorted(CSRC.glob("*.cu")) for arch, std in TARGETS]
+    # nvcc runs are independent and single-threaded: one per core (a 2-core CI machine halves the wait)
+    with ThreadPoolExecutor(max_workers=min(len(jobs), os.cpu_count() or 1)) as pool:
+        results = list(pool.map(lambda job: inspect_source(nvcc, job[0], job[1], job[2], nvdisasm), jobs))
+    return [kernel for result in results for kernel in result], nvdisasm
 
 
 # --------------------------------------------------------------------------- report

@@ -183,9 +183,11 @@ extern "C" int bds_bias_gelu_bwd_parts(int64_t rows, int cols) {
     for (const int bias_dtype : {dtype, (int)BDS_FLOAT32}) {
       for (const bool tanh_approx : {false, true}) {
         with_dtypes(dtype, bias_dtype, [&](auto t, auto bt) -> cudaError_t {
-          constexpr int kWide = 16 / sizeof(decltype(t));
+          using T = decltype(t);
+          using BT = decltype(bt);
+          constexpr int kWide = 16 / sizeof(T);
           return with_shape<kWide>(cols % kWide == 0, tanh_approx, [&](auto vec, auto tanh_form) -> cudaError_t {
-            const int s = bwd_slabs<decltype(t), decltype(bt), decltype(vec)::value, decltype(tanh_form)::value>(rows, cols);
+            const int s = bwd_slabs<T, BT, decltype(vec)::value, decltype(tanh_form)::value>(rows, cols);
             slabs = s > slabs ? s : slabs;
             return cudaSuccess;
           });
