@@ -2,7 +2,7 @@
 shared memory and the CTAs per SM they allow on an A100 (sm_80) and an H100 (sm_90),
 with the instruction counts that say whether a kernel uses tensor cores and ``cp.async``.
 
-    python -m kernels.inspect [--sources attention.cu,layer_norm.cu] [--json FILE]
+    python -m kernels.inspect [--sources attention.cu,layer_norm.cu] [--summary] [--json FILE]
 
 Design choices, and why:
 
@@ -299,11 +299,45 @@ def table(kernels: list[Kernel], arch: str) -> str:
     return "\n".join(lines)
 
 
-def report(kernels: list[Kernel], nvdisasm: str | None) -> str:
+def family(kernel: Kernel) -> str:
+    """The kernel with its dtype arguments folded (``ln_bwd_registers<T, T, T, 1024>``): the
+    instantiations that differ only in dtypes, which the summary puts on one row."""
+    return re.sub(r"\b(?:" + "|".join(_SHORT_TYPES.values()) + r")\b", "T", kernel.name)
+
+
+def _span(values: list[int]) -> str:
+    return str(min(values)) if min(values) == max(values) else f"{min(values)}-{max(values)}"
+
+
+def summary(kernels: list[Kernel]) -> str:
+    """One row per kernel family and both architectures side by side: ranges over the dtypes."""
+    archs = [arch for arch, _ in TARGETS]
+    names = " / ".join(f"{DEVICES[a].name}" for a in archs)
+    with_sass = all(k.sass is not None for k in kernels)
+    header = ["source", "kernel (T: each dtype)", f"regs sm_{' / sm_'.join(archs)}", "spill B (st+ld)", "smem B",
+              "threads", f"CTAs/SM {names}", *PTX_COUNTS, *(SASS_COUNTS if with_sass else ())]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * 2 + "---:|" * (len(header) - 2)]
+    groups: dict[tuple[str, str], list[Kernel]] = {}
+    for k in kernels:
+        groups.setdefault((k.source, family(k)), []).append(k)
+    for (source, name), group in groups.items():
+        by_arch = {a: [k for k in group if k.arch == a] for a in archs}
+        ctas = [_span([k.ctas_per_sm for k in by_arch[a]]) if all(k.ctas_per_sm is not None for k in by_arch[a])
+                else "-" for a in archs]
+        cells = [source, name, " / ".join(_span([k.registers for k in by_arch[a]]) for a in archs),
+                 _span([k.spill_stores + k.spill_loads for k in group]), _span([k.smem for k in group]),
+                 _span([k.threads or 0 for k in group]), " / ".join(ctas),
+                 *(_span([k.ptx[c] for k in group]) for c in PTX_COUNTS),
+                 *(_span([k.sass[c] for k in group]) for c in (SASS_COUNTS if with_sass else ()))]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def report(kernels: list[Kernel], nvdisasm: str | None, compact: bool = False) -> str:
     sass = f"SASS counts from {nvdisasm}" if nvdisasm else \
         "no SASS counts: nvdisasm not found (pip install nvidia-cuda-nvdisasm, or the toolkit's)"
     parts = [f"kernels.inspect: {len(kernels)} kernels; {sass}"]
-    parts += [table(kernels, arch) for arch, _ in TARGETS]
+    parts += [summary(kernels)] if compact else [table(kernels, arch) for arch, _ in TARGETS]
     return "\n\n".join(parts)
 
 
@@ -311,6 +345,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kernels.inspect", description=__doc__.split("\n\n")[0])
     parser.add_argument("--sources", default=None, help="comma-separated .cu files of kernels/csrc (default: all)")
     parser.add_argument("--json", type=Path, default=None, help="also write every kernel's figures to this file")
+    parser.add_argument("--summary", action="store_true",
+                        help="one row per kernel and both architectures, dtype instantiations folded")
     args = parser.parse_args(argv)
     sources = None
     if args.sources:
@@ -326,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     except CompileError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
-    print(report(kernels, nvdisasm))
+    print(report(kernels, nvdisasm, compact=args.summary))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps([asdict(k) for k in kernels], indent=1) + "\n")

@@ -32,11 +32,13 @@ constexpr int kThreads = kWarpsPerBlock * 32;
 
 // ---------------------------------------------------------------- forward
 
-// The minimum of 4 CTAs per SM lets ptxas use up to 128 registers: left to itself it held
-// hidden 1024 in 64 with a spill on sm_90 (bf16) once the kernel strides over rows; 4
-// CTAs (16 warps, each with its whole row of loads in flight) still cover the memory latency.
+// The minimum CTAs per SM set the register budget ptxas works to: 6 (80 registers) for
+// 16-bit rows, 4 (128) for fp32 rows, which hold twice the values; both hold the row
+// without spilling. Left to itself ptxas kept bf16 hidden 1024 in 64 registers with a
+// spill on sm_90 once the kernel strides over rows. Each warp has its whole row of loads
+// in flight, so 16-28 warps per SM still cover the memory latency.
 template <typename T, typename RT, typename WT, int H>
-__global__ void __launch_bounds__(kThreads, 4)
+__global__ void __launch_bounds__(kThreads, sizeof(T) == 2 ? 6 : 4)
 ln_fwd_registers(const T* __restrict__ x, const RT* __restrict__ residual, const WT* __restrict__ weight,
                  const WT* __restrict__ bias, T* __restrict__ y, float* __restrict__ mean_out,
                  float* __restrict__ rstd_out, int64_t rows, float eps) {

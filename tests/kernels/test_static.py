@@ -112,6 +112,22 @@ def test_sass_opcodes_are_counted_per_function_predicated_or_not():
     assert ops["_Z3barv"] == {"LDSM": 1, "EXIT": 1}
 
 
+def _kernel(name, arch, registers, ctas, mma=0):
+    return kinspect.Kernel(source="a.cu", arch=arch, name=name, mangled=name, registers=registers, stack=0,
+                           spill_stores=0, spill_loads=0, smem=0, threads=128,
+                           ptx={"mma.sync": mma, "ldmatrix": 0, "cp.async": 0, "ld/st.local": 0}, sass=None,
+                           ctas_per_sm=ctas, limiter="registers")
+
+
+def test_summary_folds_dtype_instantiations_and_gives_ranges_per_arch():
+    kernels = [_kernel("k<bf16, 64>", "80", 160, 3, mma=8), _kernel("k<fp16, 64>", "80", 170, 2, mma=8),
+               _kernel("k<bf16, 64>", "90", 150, 3, mma=8), _kernel("k<fp16, 64>", "90", 150, 3, mma=8),
+               _kernel("k<bf16, 32>", "80", 100, 4), _kernel("k<bf16, 32>", "90", 100, 4)]
+    rows = [line for line in kinspect.summary(kernels).splitlines() if line.startswith("| a.cu")]
+    assert rows == ["| a.cu | k<T, 64> | 160-170 / 150 | 0 | 0 | 128 | 2-3 / 3 | 8 | 0 | 0 | 0 |",
+                    "| a.cu | k<T, 32> | 100 / 100 | 0 | 0 | 128 | 4 / 4 | 0 | 0 | 0 | 0 |"]
+
+
 def test_without_nvcc_inspect_says_so_and_succeeds():
     env = {k: v for k, v in os.environ.items() if k not in ("CUDA_HOME", "CUDA_PATH")}
     env["PATH"] = str(Path(sys.executable).parent)  # python, but no nvcc
