@@ -14,28 +14,39 @@ Design choices, and why:
   (default mode). For attention also every SDPA backend that takes the input: math,
   memory-efficient and cuDNN on the padded (B, nh, S, hd) batch with a key-padding
   mask (timed on tensors already padded: their best case, padding not charged), and
-  flash on a nested (jagged) tensor, which needs no padding. A backend that refuses
-  the input is listed with its reason instead of a time.
+  flash on a nested (jagged) tensor, which needs no padding; and torch's own varlen
+  FlashAttention (``varlen_attn``, on the unpadded tokens as ours), looked up where this
+  torch keeps it. A backend that refuses the input (or is missing) is listed with its
+  reason instead of a time.
 - **Shapes.** ``--tokens`` real tokens (default 16,384, e.g. 128 x 128) at hidden
   768/3072/12 heads (Base) and 1024/4096/16 heads (Large); attention at S=128 with
   every sequence full, and at S=512 with lengths like the pretraining loader's (90%
   full, the rest uniform), where padding costs the padded backends.
-- **Figures.** Memory-bound ops (layer_norm, bias_gelu): GB/s of the bytes the op
-  must move (each input read once, each output written once; the same count for every
-  implementation, so a slower one shows a lower figure) and the fraction of a
-  device-to-device copy measured in the same run. Attention: useful TFLOP/s
-  (4 * nh * hd * sum of L^2 forward, 2.5x that backward; padded work not counted) and
-  the fraction of a bf16 8192^3 matmul measured in the same run.
+- **Work per call, one definition per op** (``layer_norm_work``, ``bias_gelu_work``,
+  ``attention_work``): the FLOPs and the bytes the op must move (each input read once,
+  each output written once; workspaces and re-reads are an implementation's own cost),
+  the same for every implementation, so a slower one shows a lower figure. Attention
+  FLOPs are the useful ones (4 * nh * hd * sum of L^2 forward, 2.5x that backward);
+  padded work is not counted.
+- **Figures.** Memory-bound ops (layer_norm, bias_gelu): GB/s and the fraction of a
+  device-to-device copy measured in the same run. Attention: TFLOP/s and the fraction
+  of a bf16 8192^3 matmul measured in the same run.
+- **Roofline.** Per op, for the fused kernel and (attention) ``varlen_attn``, flash
+  and cuDNN SDPA: the time the call's FLOPs would take at the measured matmul peak and
+  its bytes at the measured copy bandwidth; the larger is the bound no implementation
+  beats, and "x bound" is how far the measured time is from it.
 - **Timing.** CUDA events around ``--reps`` back-to-back calls after warm-up (which
   also triggers compilation and autotuning), best of three such rounds.
 """
 
 import argparse
+import importlib
 import json
 import math
 import sys
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +62,82 @@ MODELS = {"base": dict(hidden=768, intermediate=3072, heads=12),
           "large": dict(hidden=1024, intermediate=4096, heads=16)}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 OPS = ("layer_norm", "bias_gelu", "varlen_attention")
+PASSES = ("forward", "forward+backward")
 HEAD_DIM = 64
+# The implementations the roofline table lists: ours, and attention's fastest alternatives.
+ROOFLINE_IMPLS = ("fused", "varlen_attn", "sdpa flash (nested)", "sdpa cuDNN")
+
+
+# --------------------------------------------------------------------------- work per call
+
+@dataclass(frozen=True)
+class Work:
+    """What one call must do: FLOPs, and bytes read plus written."""
+
+    flops: float
+    bytes: float
+
+    def __add__(self, other: "Work") -> "Work":  # forward + backward
+        return Work(self.flops + other.flops, self.bytes + other.bytes)
+
+
+def _per_pass(forward: Work, backward: Work, pass_: str) -> Work:
+    if pass_ not in PASSES:
+        raise ValueError(f"unknown pass {pass_!r} (one of {PASSES})")
+    return forward if pass_ == "forward" else forward + backward
+
+
+def layer_norm_work(rows: int, hidden: int, itemsize: int, pass_: str) -> Work:
+    """LayerNorm(x + residual): x, residual, weight, bias in; y, mean and rstd (fp32) out.
+    FLOPs: 8 per element forward (add, two-pass statistics, normalise, affine), 12 backward."""
+    elements, params, stats = rows * hidden, 2 * hidden * itemsize, 2 * 4 * rows
+    forward = Work(8 * elements, 3 * elements * itemsize + params + stats)
+    # dy, x, residual, mean, rstd, weight in; dx, dweight, dbias out
+    backward = Work(12 * elements, 4 * elements * itemsize + stats + hidden * itemsize + params)
+    return _per_pass(forward, backward, pass_)
+
+
+def bias_gelu_work(rows: int, cols: int, itemsize: int, pass_: str) -> Work:
+    """gelu(x + bias), erf form: x, bias in; y out. FLOPs per element, erf and exp counted
+    as one each: 6 forward, 13 backward (gelu' and the dbias sum)."""
+    elements, bias = rows * cols, cols * itemsize
+    forward = Work(6 * elements, 2 * elements * itemsize + bias)
+    backward = Work(13 * elements, 3 * elements * itemsize + 2 * bias)  # dy, x, bias in; dx, dbias out
+    return _per_pass(forward, backward, pass_)
+
+
+def attention_work(lengths: list[int], heads: int, head_dim: int, itemsize: int, pass_: str) -> Work:
+    """Unpadded attention over sequences of ``lengths``: q, k, v in, out and the fp32 log-sum-exp
+    out. FLOPs: QK^T and PV (4 * nh * hd * L^2 per sequence) forward; the backward recomputes
+    QK^T and does four more matmuls of the same size: 2.5x the forward."""
+    tokens = sum(lengths)
+    flops = 4 * heads * head_dim * sum(L * L for L in lengths)
+    tensor, lse = tokens * heads * head_dim * itemsize, tokens * heads * 4
+    forward = Work(flops, 4 * tensor + lse)
+    backward = Work(2.5 * flops, 8 * tensor + lse)  # dout, q, k, v, out, lse in; dq, dk, dv out
+    return _per_pass(forward, backward, pass_)
+
+
+def roofline(work: Work, device: dict[str, Any]) -> dict[str, float | str]:
+    """Milliseconds the work would take at the measured matmul peak and at the measured copy
+    bandwidth; the larger is the bound, and what sets it ("compute" or "memory")."""
+    compute_ms = work.flops / (device["matmul_tflops"] * 1e12) * 1e3
+    memory_ms = work.bytes / (device["copy_gb_per_s"] * 1e9) * 1e3
+    return {"compute_ms": compute_ms, "memory_ms": memory_ms, "bound_ms": max(compute_ms, memory_ms),
+            "limit": "compute" if compute_ms >= memory_ms else "memory"}
+
+
+def find_varlen_attn() -> Callable | None:
+    """torch's varlen FlashAttention wherever this torch keeps it (it has moved between
+    releases; found by looking, never by version), or None."""
+    for module, name in (("torch.nn.attention.varlen", "varlen_attn"), ("torch.nn.attention", "varlen_attn")):
+        try:
+            found = getattr(importlib.import_module(module), name, None)
+        except ImportError:
+            continue
+        if callable(found):
+            return found
+    return None
 
 
 # --------------------------------------------------------------------------- timing
@@ -91,14 +177,11 @@ def layer_norm_cases(model: str, tokens: int, dtype: torch.dtype):
     x, residual = (torch.randn(tokens, hidden, device="cuda", dtype=dtype) for _ in range(2))
     weight, bias = torch.randn(hidden, device="cuda", dtype=dtype), torch.randn(hidden, device="cuda", dtype=dtype)
     grad = torch.randn_like(x)
-    e = x.element_size()
     shape = f"({tokens}, {hidden}) +residual"
     impls = {"fused": lambda x, r, w, b: layer_norm(x, w, b, 1e-12, r, backend="cuda"),
              "torch eager": lambda x, r, w, b: layer_norm_ref(x, w, b, 1e-12, r)}
-    fwd_bytes = 3 * tokens * hidden * e + 8 * tokens
-    bwd_bytes = 4 * tokens * hidden * e + 8 * tokens
-    nbytes = {"forward": fwd_bytes, "forward+backward": fwd_bytes + bwd_bytes}
-    return shape, impls, [x, residual, weight, bias], grad, nbytes
+    work = {p: layer_norm_work(tokens, hidden, x.element_size(), p) for p in PASSES}
+    return shape, impls, [x, residual, weight, bias], grad, work
 
 
 def bias_gelu_cases(model: str, tokens: int, dtype: torch.dtype):
@@ -106,11 +189,10 @@ def bias_gelu_cases(model: str, tokens: int, dtype: torch.dtype):
     x = torch.randn(tokens, width, device="cuda", dtype=dtype)
     bias = torch.randn(width, device="cuda", dtype=dtype)
     grad = torch.randn_like(x)
-    e = x.element_size()
     impls = {"fused": lambda x, b: bias_gelu(x, b, "none", backend="cuda"),
              "torch eager": lambda x, b: bias_gelu_ref(x, b, "none")}
-    return f"({tokens}, {width}) erf", impls, [x, bias], grad, {"forward": 2 * tokens * width * e,
-                                                               "forward+backward": 5 * tokens * width * e}
+    work = {p: bias_gelu_work(tokens, width, x.element_size(), p) for p in PASSES}
+    return f"({tokens}, {width}) erf", impls, [x, bias], grad, work
 
 
 def _padded(x: torch.Tensor, lengths: list[int], seq_len: int) -> torch.Tensor:
@@ -143,9 +225,10 @@ def attention_cases(model: str, tokens: int, dtype: torch.dtype, seq_len: int):
                           ("sdpa cuDNN", "CUDNN_ATTENTION")):
         impls[name] = (_sdpa(backend, mask), padded, padded_grad)
     impls["sdpa flash (nested)"] = (_nested_flash(cu_seqlens.long(), lengths), [q, k, v], grad)
-    flops = 4 * heads * HEAD_DIM * sum(L * L for L in lengths)
+    impls["varlen_attn"] = (_varlen_attn(cu_seqlens, max_seqlen), [q, k, v], grad)
+    work = {p: attention_work(lengths, heads, HEAD_DIM, q.element_size(), p) for p in PASSES}
     shape = f"{batch} x S<={max_seqlen} ({total} tokens), {heads} heads"
-    return shape, impls, {"forward": flops, "forward+backward": 3.5 * flops}
+    return shape, impls, work
 
 
 def _sdpa(backend_name: str, mask: torch.Tensor | None) -> Callable:
@@ -173,6 +256,16 @@ def _nested_flash(offsets: torch.Tensor, lengths: list[int]) -> Callable:
     return run
 
 
+def _varlen_attn(cu_seqlens: torch.Tensor, max_seqlen: int) -> Callable:
+    varlen_attn = find_varlen_attn()
+
+    def run(q, k, v):
+        if varlen_attn is None:
+            raise RuntimeError(f"torch {torch.__version__} has no varlen_attn")
+        return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
+    return run
+
+
 # --------------------------------------------------------------------------- the run
 
 def measure(fn: Callable[[], Any], reps: int) -> tuple[float | None, str]:
@@ -191,37 +284,37 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     device = probes.measure(torch.device("cuda"))
     rows = []
 
-    def add(op, model, shape, impl, pass_, ms, why, amount, unit):
-        rate = None if ms is None else amount / ms / 1e6 if unit == "GB/s" else amount / ms / 1e9
+    def add(op, model, shape, impl, pass_, ms, why, work, unit):
+        rate = None if ms is None else work.bytes / ms / 1e6 if unit == "GB/s" else work.flops / ms / 1e9
         peak = device["copy_gb_per_s"] if unit == "GB/s" else device["matmul_tflops"]
         rows.append({"op": op, "model": model, "shape": shape, "impl": impl, "pass": pass_, "ms": ms,
-                     "rate": rate, "unit": unit, "fraction_of_peak": None if rate is None else rate / peak,
-                     "note": why})
+                     "flops": work.flops, "bytes": work.bytes, "rate": rate, "unit": unit,
+                     "fraction_of_peak": None if rate is None else rate / peak, "note": why})
 
     for model in ("base", "large"):
         for op in args.ops:
             if op == "varlen_attention":
                 for seq_len in (128, 512):
-                    shape, impls, flops = attention_cases(model, args.tokens, dtype, seq_len)
+                    shape, impls, work = attention_cases(model, args.tokens, dtype, seq_len)
                     if args.compile:
                         impls["torch.compile"] = (torch.compile(impls["torch eager"][0]), *impls["torch eager"][1:])
                     for impl, (fn, inputs, grad) in impls.items():
-                        for pass_ in ("forward", "forward+backward"):
+                        for pass_ in PASSES:
                             call = (lambda fn=fn, inputs=inputs: fn(*inputs)) if pass_ == "forward" else \
                                 forward_backward(fn, [t.detach().requires_grad_() for t in inputs], grad)
                             ms, why = measure(call, args.reps)
-                            add(op, model, shape, impl, pass_, ms, why, flops[pass_], "TFLOP/s")
+                            add(op, model, shape, impl, pass_, ms, why, work[pass_], "TFLOP/s")
                 continue
-            shape, impls, inputs, grad, nbytes = (layer_norm_cases if op == "layer_norm" else bias_gelu_cases)(
+            shape, impls, inputs, grad, work = (layer_norm_cases if op == "layer_norm" else bias_gelu_cases)(
                 model, args.tokens, dtype)
             if args.compile:
                 impls["torch.compile"] = torch.compile(impls["torch eager"])
             for impl, fn in impls.items():
-                for pass_ in ("forward", "forward+backward"):
+                for pass_ in PASSES:
                     call = (lambda fn=fn: fn(*inputs)) if pass_ == "forward" else \
                         forward_backward(fn, [t.detach().requires_grad_() for t in inputs], grad)
                     ms, why = measure(call, args.reps)
-                    add(op, model, shape, impl, pass_, ms, why, nbytes[pass_], "GB/s")
+                    add(op, model, shape, impl, pass_, ms, why, work[pass_], "GB/s")
     return {"environment": probes.environment(torch.device("cuda")), "dtype": args.dtype, "tokens": args.tokens, "device_probes": device,
             "rows": rows}
 
@@ -244,6 +337,26 @@ def markdown(result: dict[str, Any]) -> str:
         speedup = f"{base / r['ms']:.2f}x" if base else ""
         lines.append(f"| {r['op']} | {r['model']} | {r['shape']} | {r['pass']} | {r['impl']} | {r['ms']:.3f} | "
                      f"{r['rate']:.1f} {r['unit']} | {100 * r['fraction_of_peak']:.0f}% | {speedup} |")
+    return "\n".join(lines + ["", roofline_table(result)])
+
+
+def roofline_table(result: dict[str, Any]) -> str:
+    """Each op's distance to its limit: the time its work takes at the run's measured matmul
+    peak and copy bandwidth, beside the measured time of ours and of the alternatives."""
+    lines = ["roofline: the work per call at the measured matmul peak and copy bandwidth; "
+             "x bound = measured / the larger of the two", "",
+             "| op | model | shape | pass | implementation | GFLOP | MB | ms at matmul peak | ms at copy bandwidth | "
+             "bound | measured ms | x bound |",
+             "|---|---|---|---|---|---:|---:|---:|---:|---|---:|---:|"]
+    for r in result["rows"]:
+        if r["impl"] not in ROOFLINE_IMPLS:
+            continue
+        line = roofline(Work(r["flops"], r["bytes"]), result["device_probes"])
+        measured = "—" if r["ms"] is None else f"{r['ms']:.3f}"
+        distance = f"refused: {r['note']}" if r["ms"] is None else f"{r['ms'] / line['bound_ms']:.2f}x"
+        lines.append(f"| {r['op']} | {r['model']} | {r['shape']} | {r['pass']} | {r['impl']} | "
+                     f"{r['flops'] / 1e9:.3f} | {r['bytes'] / 1e6:.2f} | {line['compute_ms']:.4f} | "
+                     f"{line['memory_ms']:.4f} | {line['limit']} | {measured} | {distance} |")
     return "\n".join(lines)
 
 

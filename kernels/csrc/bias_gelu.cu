@@ -9,6 +9,9 @@
 //   unrounded dx). A block owns 32 column vectors and a slab of rows; its 8 row
 //   groups meet in shared memory and the block writes one fp32 partial row; a column
 //   sum over the partial rows gives dbias. Deterministic, no atomics.
+// - Grids are one wave of resident blocks (the occupancy API): the kernels stride over
+//   the rows, so more blocks would only add a tail, and fewer backward row slabs keep
+//   the partial sums small.
 #include <initializer_list>
 #include <type_traits>
 
@@ -101,11 +104,22 @@ bias_gelu_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x, const BT
 
 // ---------------------------------------------------------------- launch
 
-int bwd_parts(int64_t rows) {
-  // Row slabs of at least 64 rows (8 per thread), at most two per SM and column tile.
+template <typename T, typename BT, int kVec, bool kTanh>
+int fwd_blocks(int64_t num_vecs) {
+  const int64_t wanted = (num_vecs + kFwdThreads - 1) / kFwdThreads;
+  const int64_t resident = resident_blocks<bias_gelu_fwd_kernel<T, BT, kVec, kTanh>, kFwdThreads>();
+  return (int)(wanted < 1 ? 1 : (wanted < resident ? wanted : resident));
+}
+
+// Row slabs (grid.y) of at least 64 rows (8 per thread), and with the column tiles
+// (grid.x) no more blocks than the device holds at once.
+template <typename T, typename BT, int kVec, bool kTanh>
+int bwd_slabs(int64_t rows, int cols) {
   const int64_t wanted = (rows + 63) / 64;
-  const int64_t cap = 2LL * device_sm_count();
-  return (int)(wanted < 1 ? 1 : (wanted < cap ? wanted : cap));
+  const int64_t tiles = (cols + 32 * kVec - 1) / (32 * kVec);
+  const int64_t fit = resident_blocks<bias_gelu_bwd_kernel<T, BT, kVec, kTanh>, 32 * kBwdRowGroups>() / tiles;
+  const int64_t slabs = wanted < fit ? wanted : fit;
+  return (int)(slabs < 1 ? 1 : slabs);
 }
 
 bool all_aligned(std::initializer_list<const void*> pointers) {
@@ -152,9 +166,7 @@ extern "C" cudaError_t bds_bias_gelu_fwd(const void* x, const void* bias, void* 
     return with_shape<kWide>(wide, tanh_approx != 0, [&](auto vec, auto tanh_form) -> cudaError_t {
       constexpr int kVec = decltype(vec)::value;
       const int64_t num_vecs = rows * cols / kVec;
-      const int64_t wanted = (num_vecs + kFwdThreads - 1) / kFwdThreads;
-      const int64_t cap = 16LL * device_sm_count();
-      const dim3 grid((unsigned)(wanted < cap ? wanted : cap));
+      const dim3 grid(fwd_blocks<T, BT, kVec, decltype(tanh_form)::value>(num_vecs));
       bias_gelu_fwd_kernel<T, BT, kVec, decltype(tanh_form)::value><<<grid, kFwdThreads, 0, stream>>>(
           static_cast<const T*>(x), static_cast<const BT*>(bias), static_cast<T*>(y), num_vecs, cols / kVec);
       return cudaGetLastError();
@@ -163,8 +175,27 @@ extern "C" cudaError_t bds_bias_gelu_fwd(const void* x, const void* bias, void* 
 }
 
 extern "C" int bds_bias_gelu_bwd_parts(int64_t rows, int cols) {
-  (void)cols;
-  return bwd_parts(rows);
+  // Asked before the dtypes and pointers are known: the most row slabs any dtype pair and
+  // GELU form takes at this size with aligned tensors. A misaligned call's scalar kernel
+  // runs within the same workspace (the launcher caps its slabs at `parts`).
+  int slabs = 1;
+  for (const int dtype : {BDS_FLOAT32, BDS_FLOAT16, BDS_BFLOAT16}) {
+    for (const int bias_dtype : {dtype, (int)BDS_FLOAT32}) {
+      for (const bool tanh_approx : {false, true}) {
+        with_dtypes(dtype, bias_dtype, [&](auto t, auto bt) -> cudaError_t {
+          using T = decltype(t);
+          using BT = decltype(bt);
+          constexpr int kWide = 16 / sizeof(T);
+          return with_shape<kWide>(cols % kWide == 0, tanh_approx, [&](auto vec, auto tanh_form) -> cudaError_t {
+            const int s = bwd_slabs<T, BT, decltype(vec)::value, decltype(tanh_form)::value>(rows, cols);
+            slabs = s > slabs ? s : slabs;
+            return cudaSuccess;
+          });
+        });
+      }
+    }
+  }
+  return slabs;
 }
 
 extern "C" cudaError_t bds_bias_gelu_bwd(const void* dy, const void* x, const void* bias, void* dx, void* dbias,
@@ -178,14 +209,17 @@ extern "C" cudaError_t bds_bias_gelu_bwd(const void* dy, const void* x, const vo
     const bool wide = cols % kWide == 0 && all_aligned({dy, x, bias, dx});
     return with_shape<kWide>(wide, tanh_approx != 0, [&](auto vec, auto tanh_form) -> cudaError_t {
       constexpr int kVec = decltype(vec)::value;
+      constexpr bool kTanh = decltype(tanh_form)::value;
       const int cols_per_block = 32 * kVec;
-      const dim3 grid((cols + cols_per_block - 1) / cols_per_block, parts), block(32, kBwdRowGroups);
-      bias_gelu_bwd_kernel<T, BT, kVec, decltype(tanh_form)::value><<<grid, block, 0, stream>>>(
+      const int slabs = bwd_slabs<T, BT, kVec, kTanh>(rows, cols);
+      const dim3 grid((cols + cols_per_block - 1) / cols_per_block, slabs < parts ? slabs : parts);
+      const dim3 block(32, kBwdRowGroups);
+      bias_gelu_bwd_kernel<T, BT, kVec, kTanh><<<grid, block, 0, stream>>>(
           static_cast<const T*>(dy), static_cast<const T*>(x), static_cast<const BT*>(bias),
           static_cast<T*>(dx), workspace, rows, cols);
       const cudaError_t err = cudaGetLastError();
       if (err != cudaSuccess) return err;
-      return column_sum(workspace, parts, cols, static_cast<BT*>(dbias), stream);
+      return column_sum(workspace, (int)grid.y, cols, static_cast<BT*>(dbias), stream);  // the slabs written
     });
   });
 }

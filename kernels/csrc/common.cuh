@@ -119,6 +119,25 @@ inline int device_sm_count() {
   return count;
 }
 
+// Blocks of kKernel (kThreads threads each, no dynamic shared memory) the device holds
+// at once: the occupancy API's blocks per SM times the SM count. A grid-stride kernel
+// launched with at most this many runs in one wave, with no idle tail. Blocks per SM
+// are asked once per kernel: they depend only on its registers and shared memory, fixed
+// for the process's architecture (a process driving GPUs of two architectures gets the
+// first one's figure for both: a different wave count, the same results).
+template <auto kKernel, int kThreads>
+inline int resident_blocks() {
+  static const int per_sm = [] {
+    int blocks = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kKernel, kThreads, 0) != cudaSuccess || blocks < 1) {
+      cudaGetLastError();  // as in device_sm_count: no sticky error for the launch check
+      blocks = 1;
+    }
+    return blocks;
+  }();
+  return per_sm * device_sm_count();
+}
+
 // ----------------------------------------------------------------- tensor cores
 
 // Two floats as the packed 16-bit pair an mma operand register holds: `lo` is the

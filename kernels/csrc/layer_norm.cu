@@ -13,6 +13,9 @@
 // - dweight/dbias are summed in fp32 in two stages: every warp accumulates its rows
 //   (grid-stride) into one row of a workspace, then column_sum reduces the workspace.
 //   No atomics, so the result is deterministic.
+// - Grids are one wave: every kernel strides over the rows, and the launchers launch as
+//   many blocks as the device holds at once (the occupancy API), never more. A fixed
+//   multiple of the SM count left a tail: 4 blocks per SM where 2-3 fit.
 // - The residual and the weights may be fp32 with fp16/bf16 input (autocast over fp32
 //   parameters feeds the first layer an fp32 residual). The gradient is written in the
 //   input's dtype, and also in the residual's when a dresidual buffer is passed, so an
@@ -29,8 +32,13 @@ constexpr int kThreads = kWarpsPerBlock * 32;
 
 // ---------------------------------------------------------------- forward
 
+// The minimum CTAs per SM set the register budget ptxas works to: 6 (80 registers) for
+// 16-bit rows, 4 (128) for fp32 rows, which hold twice the values; both hold the row
+// without spilling. Left to itself ptxas kept bf16 hidden 1024 in 64 registers with a
+// spill on sm_90 once the kernel strides over rows. Each warp has its whole row of loads
+// in flight, so 16-28 warps per SM still cover the memory latency.
 template <typename T, typename RT, typename WT, int H>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, sizeof(T) == 2 ? 6 : 4)
 ln_fwd_registers(const T* __restrict__ x, const RT* __restrict__ residual, const WT* __restrict__ weight,
                  const WT* __restrict__ bias, T* __restrict__ y, float* __restrict__ mean_out,
                  float* __restrict__ rstd_out, int64_t rows, float eps) {
@@ -38,48 +46,51 @@ ln_fwd_registers(const T* __restrict__ x, const RT* __restrict__ residual, const
   constexpr int kPerLane = H / (32 * kVec);    // accesses per lane
   static_assert(H % (32 * kVec) == 0, "the register path needs hidden % (32 * vector width) == 0");
   const int lane = threadIdx.x % 32;
-  const int64_t row = (int64_t)blockIdx.x * kWarpsPerBlock + threadIdx.x / 32;
-  if (row >= rows) return;
-  const int64_t offset = row * H;
+  // Grid-stride over rows: the launcher sizes the grid to one wave of resident blocks.
+  // (The stride is re-read from gridDim rather than held: one register less.)
+  for (int64_t row = (int64_t)blockIdx.x * kWarpsPerBlock + threadIdx.x / 32; row < rows;
+       row += (int64_t)gridDim.x * kWarpsPerBlock) {
+    const int64_t offset = row * H;
 
-  // Access i of lane l covers columns (32 i + l) * kVec ..: the warp reads 512
-  // contiguous bytes per access.
-  float v[kPerLane][kVec];
-  float sum = 0.f;
+    // Access i of lane l covers columns (32 i + l) * kVec ..: the warp reads 512
+    // contiguous bytes per access.
+    float v[kPerLane][kVec];
+    float sum = 0.f;
 #pragma unroll
-  for (int i = 0; i < kPerLane; ++i) {
-    const int col = (i * 32 + lane) * kVec;
-    load_floats(x + offset + col, v[i]);
-    if (residual != nullptr) {
-      float r[kVec];
-      load_floats(residual + offset + col, r);
+    for (int i = 0; i < kPerLane; ++i) {
+      const int col = (i * 32 + lane) * kVec;
+      load_floats(x + offset + col, v[i]);
+      if (residual != nullptr) {
+        float r[kVec];
+        load_floats(residual + offset + col, r);
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) v[i][j] += r[j];
+        for (int j = 0; j < kVec; ++j) v[i][j] += r[j];
+      }
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) sum += v[i][j];
     }
+    const float mean = warp_sum(sum) * (1.f / H);
+    float squares = 0.f;
 #pragma unroll
-    for (int j = 0; j < kVec; ++j) sum += v[i][j];
-  }
-  const float mean = warp_sum(sum) * (1.f / H);
-  float squares = 0.f;
+    for (int i = 0; i < kPerLane; ++i)
 #pragma unroll
-  for (int i = 0; i < kPerLane; ++i)
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) squares += (v[i][j] - mean) * (v[i][j] - mean);
-  const float rstd = rsqrtf(warp_sum(squares) * (1.f / H) + eps);
+      for (int j = 0; j < kVec; ++j) squares += (v[i][j] - mean) * (v[i][j] - mean);
+    const float rstd = rsqrtf(warp_sum(squares) * (1.f / H) + eps);
 
 #pragma unroll
-  for (int i = 0; i < kPerLane; ++i) {
-    const int col = (i * 32 + lane) * kVec;
-    float w[kVec], b[kVec], out[kVec];
-    load_floats(weight + col, w);
-    load_floats(bias + col, b);
+    for (int i = 0; i < kPerLane; ++i) {
+      const int col = (i * 32 + lane) * kVec;
+      float w[kVec], b[kVec], out[kVec];
+      load_floats(weight + col, w);
+      load_floats(bias + col, b);
 #pragma unroll
-    for (int j = 0; j < kVec; ++j) out[j] = (v[i][j] - mean) * rstd * w[j] + b[j];
-    store_floats(y + offset + col, out);
-  }
-  if (lane == 0) {
-    mean_out[row] = mean;
-    rstd_out[row] = rstd;
+      for (int j = 0; j < kVec; ++j) out[j] = (v[i][j] - mean) * rstd * w[j] + b[j];
+      store_floats(y + offset + col, out);
+    }
+    if (lane == 0) {
+      mean_out[row] = mean;
+      rstd_out[row] = rstd;
+    }
   }
 }
 
@@ -89,27 +100,30 @@ ln_fwd_general(const T* __restrict__ x, const RT* __restrict__ residual, const W
                const WT* __restrict__ bias, T* __restrict__ y, float* __restrict__ mean_out,
                float* __restrict__ rstd_out, int64_t rows, int hidden, float eps) {
   const int lane = threadIdx.x % 32;
-  const int64_t row = (int64_t)blockIdx.x * kWarpsPerBlock + threadIdx.x / 32;
-  if (row >= rows) return;
-  const T* xr = x + row * hidden;
-  const RT* rr = residual == nullptr ? nullptr : residual + row * hidden;
-  auto value = [&](int j) { return rr == nullptr ? to_float(xr[j]) : to_float(xr[j]) + to_float(rr[j]); };
+  // Grid-stride over rows: the launcher sizes the grid to one wave of resident blocks.
+  // (The stride is re-read from gridDim rather than held: one register less.)
+  for (int64_t row = (int64_t)blockIdx.x * kWarpsPerBlock + threadIdx.x / 32; row < rows;
+       row += (int64_t)gridDim.x * kWarpsPerBlock) {
+    const T* xr = x + row * hidden;
+    const RT* rr = residual == nullptr ? nullptr : residual + row * hidden;
+    auto value = [&](int j) { return rr == nullptr ? to_float(xr[j]) : to_float(xr[j]) + to_float(rr[j]); };
 
-  float sum = 0.f;
-  for (int j = lane; j < hidden; j += 32) sum += value(j);
-  const float mean = warp_sum(sum) / hidden;
-  float squares = 0.f;
-  for (int j = lane; j < hidden; j += 32) {
-    const float d = value(j) - mean;
-    squares += d * d;
-  }
-  const float rstd = rsqrtf(warp_sum(squares) / hidden + eps);
-  T* yr = y + row * hidden;
-  for (int j = lane; j < hidden; j += 32)
-    yr[j] = from_float<T>((value(j) - mean) * rstd * to_float(weight[j]) + to_float(bias[j]));
-  if (lane == 0) {
-    mean_out[row] = mean;
-    rstd_out[row] = rstd;
+    float sum = 0.f;
+    for (int j = lane; j < hidden; j += 32) sum += value(j);
+    const float mean = warp_sum(sum) / hidden;
+    float squares = 0.f;
+    for (int j = lane; j < hidden; j += 32) {
+      const float d = value(j) - mean;
+      squares += d * d;
+    }
+    const float rstd = rsqrtf(warp_sum(squares) / hidden + eps);
+    T* yr = y + row * hidden;
+    for (int j = lane; j < hidden; j += 32)
+      yr[j] = from_float<T>((value(j) - mean) * rstd * to_float(weight[j]) + to_float(bias[j]));
+    if (lane == 0) {
+      mean_out[row] = mean;
+      rstd_out[row] = rstd;
+    }
   }
 }
 
@@ -230,18 +244,38 @@ ln_bwd_general(const T* __restrict__ dy, const T* __restrict__ x, const RT* __re
 
 // ---------------------------------------------------------------- launch
 
+bool register_size(int hidden) { return hidden == 768 || hidden == 1024; }
+
 bool register_path(int hidden, std::initializer_list<const void*> pointers) {
-  if (hidden != 768 && hidden != 1024) return false;
+  if (!register_size(hidden)) return false;
   for (const void* p : pointers)
     if (p != nullptr && !aligned_to(p, 16)) return false;
   return true;
 }
 
-int bwd_blocks(int64_t rows) {
-  // Enough warps to fill the device; each sums the rows it visits into one workspace row.
+// One block per 4 rows, but no more blocks than the device holds at once (kKernel's
+// occupancy): the grid-stride kernels then run in one wave, with no idle tail.
+template <auto kKernel>
+int one_wave(int64_t rows) {
   const int64_t wanted = (rows + kWarpsPerBlock - 1) / kWarpsPerBlock;
-  const int64_t cap = 4LL * device_sm_count();
-  return (int)(wanted < 1 ? 1 : (wanted < cap ? wanted : cap));
+  const int64_t resident = resident_blocks<kKernel, kThreads>();
+  return (int)(wanted < 1 ? 1 : (wanted < resident ? wanted : resident));
+}
+
+template <typename T, typename RT, typename WT>
+int fwd_blocks(int64_t rows, int hidden, bool fast) {
+  if (fast && hidden == 768) return one_wave<ln_fwd_registers<T, RT, WT, 768>>(rows);
+  if (fast && hidden == 1024) return one_wave<ln_fwd_registers<T, RT, WT, 1024>>(rows);
+  return one_wave<ln_fwd_general<T, RT, WT>>(rows);
+}
+
+// Each backward warp sums the rows it visits into its own workspace row, so one wave
+// also keeps the workspace and its column sum as small as a full device allows.
+template <typename T, typename RT, typename WT>
+int bwd_blocks(int64_t rows, int hidden, bool fast) {
+  if (fast && hidden == 768) return one_wave<ln_bwd_registers<T, RT, WT, 768>>(rows);
+  if (fast && hidden == 1024) return one_wave<ln_bwd_registers<T, RT, WT, 1024>>(rows);
+  return one_wave<ln_bwd_general<T, RT, WT>>(rows);
 }
 
 // Calls f(T{}, RT{}, WT{}) for the (input, residual, weight) dtypes: the residual and the
@@ -282,7 +316,7 @@ extern "C" cudaError_t bds_layer_norm_fwd(const void* x, const void* residual, c
     const auto* ws = static_cast<const WT*>(weight);
     const auto* bs = static_cast<const WT*>(bias);
     auto* ys = static_cast<T*>(y);
-    const dim3 grid((unsigned)((rows + kWarpsPerBlock - 1) / kWarpsPerBlock));
+    const dim3 grid(fwd_blocks<T, RT, WT>(rows, hidden, fast));
     if (fast && hidden == 768) {
       ln_fwd_registers<T, RT, WT, 768><<<grid, kThreads, 0, stream>>>(xs, rs, ws, bs, ys, mean, rstd, rows, eps);
     } else if (fast && hidden == 1024) {
@@ -295,8 +329,22 @@ extern "C" cudaError_t bds_layer_norm_fwd(const void* x, const void* residual, c
 }
 
 extern "C" int bds_layer_norm_bwd_parts(int64_t rows, int hidden) {
-  (void)hidden;
-  return bwd_blocks(rows) * kWarpsPerBlock;
+  // Asked before the dtypes and pointers are known: the largest grid any dtype combination
+  // takes at this size with aligned tensors. A misaligned call's general kernel runs within
+  // the same workspace (the launcher caps its grid at `parts`).
+  int blocks = 1;
+  for (const int dtype : {BDS_FLOAT32, BDS_FLOAT16, BDS_BFLOAT16}) {
+    for (const int residual_dtype : {dtype, (int)BDS_FLOAT32}) {
+      for (const int weight_dtype : {dtype, (int)BDS_FLOAT32}) {
+        with_dtypes(dtype, residual_dtype, weight_dtype, [&](auto t, auto rt, auto wt) -> cudaError_t {
+          const int b = bwd_blocks<decltype(t), decltype(rt), decltype(wt)>(rows, hidden, register_size(hidden));
+          blocks = b > blocks ? b : blocks;
+          return cudaSuccess;
+        });
+      }
+    }
+  }
+  return blocks * kWarpsPerBlock;
 }
 
 extern "C" cudaError_t bds_layer_norm_bwd(const void* dy, const void* x, const void* residual, const void* weight,
@@ -320,7 +368,8 @@ extern "C" cudaError_t bds_layer_norm_bwd(const void* dy, const void* x, const v
     const auto* ws = static_cast<const WT*>(weight);
     auto* dxs = static_cast<T*>(dx);
     auto* drs = static_cast<RT*>(dresidual);
-    const dim3 grid(parts / kWarpsPerBlock);
+    const int blocks = bwd_blocks<T, RT, WT>(rows, hidden, fast);
+    const dim3 grid(blocks < parts / kWarpsPerBlock ? blocks : parts / kWarpsPerBlock);
     if (fast && hidden == 768) {
       ln_bwd_registers<T, RT, WT, 768><<<grid, kThreads, 0, stream>>>(dys, xs, rs, ws, mean, rstd, dxs, drs,
                                                                   dweight_parts, dbias_parts, rows);
@@ -333,8 +382,10 @@ extern "C" cudaError_t bds_layer_norm_bwd(const void* dy, const void* x, const v
     }
     cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
-    err = column_sum(dweight_parts, parts, hidden, static_cast<WT*>(dweight), stream);
+    // Only the launched warps' rows hold partial sums.
+    const int written = (int)grid.x * kWarpsPerBlock;
+    err = column_sum(dweight_parts, written, hidden, static_cast<WT*>(dweight), stream);
     if (err != cudaSuccess) return err;
-    return column_sum(dbias_parts, parts, hidden, static_cast<WT*>(dbias), stream);
+    return column_sum(dbias_parts, written, hidden, static_cast<WT*>(dbias), stream);
   });
 }

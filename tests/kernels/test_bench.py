@@ -1,4 +1,5 @@
-"""kernels.bench's CPU-side behaviour: its message without a GPU, its report and its padding."""
+"""kernels.bench's CPU-side behaviour: its message without a GPU, its report, the work each op
+does per call, its roofline arithmetic and its padding."""
 
 import pytest
 import torch
@@ -18,22 +19,82 @@ def test_unknown_ops_are_refused():
         bench.main(["--ops", "layer_norm,softmax"])
 
 
+ENV = {"device": "H100", "driver": "550.1", "torch": "2.11", "cuda": "13.0", "git_commit": "abc123def4567",
+       "git_dirty": False}
+PROBES = {"copy_gb_per_s": 2500.0, "matmul_tflops": 700.0}
+
+
 def test_report_lists_rates_fractions_speedups_and_refusals():
-    env = {"device": "H100", "driver": "550.1", "torch": "2.11", "cuda": "13.0", "git_commit": "abc123def4567",
-           "git_dirty": False}
     rows = [
         {"op": "layer_norm", "model": "base", "shape": "s", "impl": "torch eager", "pass": "forward", "ms": 0.2,
-         "rate": 500.0, "unit": "GB/s", "fraction_of_peak": 0.2, "note": ""},
+         "flops": 8e6, "bytes": 1e8, "rate": 500.0, "unit": "GB/s", "fraction_of_peak": 0.2, "note": ""},
         {"op": "layer_norm", "model": "base", "shape": "s", "impl": "fused", "pass": "forward", "ms": 0.05,
-         "rate": 2000.0, "unit": "GB/s", "fraction_of_peak": 0.8, "note": ""},
+         "flops": 8e6, "bytes": 1e8, "rate": 2000.0, "unit": "GB/s", "fraction_of_peak": 0.8, "note": ""},
         {"op": "varlen_attention", "model": "base", "shape": "a", "impl": "sdpa cuDNN", "pass": "forward",
-         "ms": None, "rate": None, "unit": "TFLOP/s", "fraction_of_peak": None, "note": "No available kernel"},
+         "ms": None, "flops": 7e9, "bytes": 1e6, "rate": None, "unit": "TFLOP/s", "fraction_of_peak": None,
+         "note": "No available kernel"},
     ]
-    text = bench.markdown({"environment": env, "device_probes": {"copy_gb_per_s": 2500.0, "matmul_tflops": 700.0},
-                           "dtype": "bf16", "rows": rows})
+    text = bench.markdown({"environment": ENV, "device_probes": PROBES, "dtype": "bf16", "rows": rows})
     assert "| 0.050 | 2000.0 GB/s | 80% | 4.00x |" in text
     assert "refused: No available kernel" in text
     assert "copy 2500 GB/s" in text and "commit abc123def456" in text
+
+
+# --------------------------------------------------------------------------- work and roofline
+
+def test_layer_norm_work_counts_each_input_and_output_once():
+    # 10 x 8 bf16: x, residual, y = 3 * 160 B; weight, bias 2 * 16 B; mean, rstd 2 * 40 B
+    fwd = bench.layer_norm_work(10, 8, 2, "forward")
+    assert fwd == bench.Work(flops=8 * 80, bytes=480 + 32 + 80)
+    # backward: dy, x, residual, dx 4 * 160 B; mean, rstd 80 B; weight 16 B; dweight, dbias 32 B
+    both = bench.layer_norm_work(10, 8, 2, "forward+backward")
+    assert both == bench.Work(flops=20 * 80, bytes=592 + 640 + 80 + 16 + 32)
+
+
+def test_bias_gelu_work_counts_each_input_and_output_once():
+    # 4 x 6 fp32: x and y 2 * 96 B + bias 24 B; backward dy, x, dx 3 * 96 B + bias and dbias 48 B
+    assert bench.bias_gelu_work(4, 6, 4, "forward") == bench.Work(6 * 24, 216)
+    assert bench.bias_gelu_work(4, 6, 4, "forward+backward") == bench.Work(19 * 24, 216 + 336)
+
+
+def test_attention_work_counts_useful_flops_of_unpadded_sequences():
+    # lengths 3 and 5, 2 heads of 4, fp16: 4 * 2 * 4 * (9 + 25) FLOPs; 8 tokens * 2 * 4 * 2 B = 128 B a tensor
+    fwd = bench.attention_work([3, 5], 2, 4, 2, "forward")
+    assert fwd == bench.Work(1088, 4 * 128 + 64)
+    assert bench.attention_work([3, 5], 2, 4, 2, "forward+backward") == bench.Work(3.5 * 1088, 12 * 128 + 128)
+
+
+def test_unknown_pass_is_refused():
+    with pytest.raises(ValueError, match="backward"):
+        bench.layer_norm_work(1, 8, 2, "backward")
+
+
+def test_roofline_bound_is_the_slower_of_compute_and_memory():
+    device = {"matmul_tflops": 100.0, "copy_gb_per_s": 1000.0}
+    # 1 TFLOP at 100 TFLOP/s: 10 ms; 1 GB at 1000 GB/s: 1 ms
+    assert bench.roofline(bench.Work(1e12, 1e9), device) == {"compute_ms": 10.0, "memory_ms": 1.0,
+                                                            "bound_ms": 10.0, "limit": "compute"}
+    line = bench.roofline(bench.Work(1e9, 4e9), device)
+    assert line["bound_ms"] == pytest.approx(4.0) and line["limit"] == "memory"
+
+
+def test_roofline_table_lists_ours_and_the_attention_alternatives_beside_measured_times():
+    def row(impl, ms, note=""):
+        return {"op": "varlen_attention", "model": "base", "shape": "a", "pass": "forward", "impl": impl, "ms": ms,
+                "flops": 7e9, "bytes": 2.5e8, "rate": None, "unit": "TFLOP/s", "fraction_of_peak": None, "note": note}
+    rows = [row("fused", 0.25), row("varlen_attn", 0.15), row("torch eager", 1.0),
+            row("sdpa cuDNN", None, "No available kernel")]
+    text = bench.roofline_table({"device_probes": PROBES, "rows": rows})
+    # 7 GFLOP at 700 TFLOP/s: 0.01 ms; 250 MB at 2500 GB/s: 0.1 ms -> memory-bound at 0.1 ms
+    assert "| fused | 7.000 | 250.00 | 0.0100 | 0.1000 | memory | 0.250 | 2.50x |" in text
+    assert "| varlen_attn | 7.000 | 250.00 | 0.0100 | 0.1000 | memory | 0.150 | 1.50x |" in text
+    assert "| sdpa cuDNN |" in text and "refused: No available kernel" in text
+    assert "torch eager" not in text  # the roofline lines are for the fastest candidates only
+
+
+def test_varlen_attn_is_found_where_this_torch_keeps_it():
+    varlen = pytest.importorskip("torch.nn.attention.varlen")
+    assert bench.find_varlen_attn() is varlen.varlen_attn
 
 
 def test_padding_puts_each_sequence_at_the_start_of_its_row():

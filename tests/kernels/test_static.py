@@ -1,0 +1,201 @@
+"""Static evidence about the compiled kernels, on CPU: no spills, attention on tensor cores
+with ``cp.async``, and at least 2 CTAs per SM for attention on A100 and H100.
+
+The figures come from kernels.inspect (ptxas -v, the PTX and, where nvdisasm is
+installed, the SASS), compiled once per source and architecture for the whole session.
+The occupancy calculator is checked against hand-computed cases first, since every
+CTA figure rests on it.
+"""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kernels import inspect as kinspect
+from kernels.compile_check import find_nvcc
+
+A100, H100 = kinspect.DEVICES["80"], kinspect.DEVICES["90"]
+REPO = Path(__file__).resolve().parents[2]
+
+
+# --------------------------------------------------------------------------- the calculator
+
+@pytest.mark.parametrize("device, registers, smem, threads, ctas, limiter", [
+    # 163 regs -> 5216 per warp, 5376 allocated; 16384 per sub-partition hold 3 warps: 12 warps, 3 CTAs of 4
+    (A100, 163, 27648, 128, 3, "registers"),
+    # 226 -> 7424 per warp: 2 per sub-partition, 8 warps, 2 CTAs
+    (A100, 226, 46592, 128, 2, "registers"),
+    # 170 -> 5440, allocated 5632 (the 256-register unit): 2 per sub-partition, not 3
+    (H100, 170, 0, 128, 2, "registers"),
+    # 200 -> 6400 per warp: 2 per sub-partition (8 warps), though 10 would fit the whole file
+    (A100, 200, 0, 32, 8, "registers"),
+    # 32 warps x 72 regs = 73728 > 65536: one CTA does not fit
+    (H100, 72, 0, 1024, 0, "registers"),
+    # 48 KiB + the 1 KiB reserve = 50176 B: 3 on 164 KiB, 4 on 228 KiB
+    (A100, 32, 48 * 1024, 128, 3, "shared memory"),
+    (H100, 32, 48 * 1024, 128, 4, "shared memory"),
+    # 45666 + 1024 = 46690, rounded to 46720 (128 B unit): 4 on 228 KiB, where 46690 would give 5
+    (H100, 16, 45666, 64, 4, "shared memory"),
+    # 32 warps per CTA: 64 warps per SM allow 2
+    (A100, 32, 0, 1024, 2, "warps"),
+    # tiny CTAs stop at the 32-CTA limit
+    (H100, 16, 0, 32, 32, "CTAs"),
+])
+def test_occupancy_calculator_matches_hand_computed_cases(device, registers, smem, threads, ctas, limiter):
+    assert kinspect.ctas_per_sm(device, registers, smem, threads) == (ctas, limiter)
+
+
+# --------------------------------------------------------------------------- the parsers
+
+PTXAS = """\
+ptxas info    : Compiling entry function '_Z3fooPf' for 'sm_80'
+ptxas info    : Function properties for _Z3fooPf
+    16 bytes stack frame, 8 bytes spill stores, 4 bytes spill loads
+ptxas info    : Used 40 registers, used 1 barriers, 2048 bytes smem, 360 bytes cmem[0]
+ptxas info    : Compiling entry function '_Z3barv' for 'sm_80'
+ptxas info    : Function properties for _Z3barv
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 12 registers, used 0 barriers, 356 bytes cmem[0]
+"""
+
+PTX = """\
+.visible .entry _Z3fooPf(
+.maxntid 64, 2, 1
+.minnctapersm 2
+{
+ mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f1}, {%r1}, {%r2}, {%f1};
+ cp.async.cg.shared.global [%r3], [%rd1], 16;
+ cp.async.commit_group;
+ cp.async.wait_group 0;
+ ld.local.u32 %r4, [%rd2];
+}
+.entry _Z3barv(
+{
+ ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%r1, %r2, %r3, %r4}, [%r5];
+}
+"""
+
+SASS = """\
+.text._Z3fooPf:
+        /*0000*/                   IMAD.MOV.U32 R1, RZ, RZ, c[0x0][0x28] ;
+        /*0010*/              @!P0 LDGSTS.E.BYPASS.128 [R2], desc[UR4][R4.64] ;
+        /*0020*/                   HMMA.16816.F32.BF16 R8, R12, R16, R8 ;
+        /*0030*/               @P1 STL [R1], R3 ;
+.text._Z3barv:
+        /*0000*/                   LDSM.16.M88.4 R4, [R2] ;
+        /*0010*/                   EXIT ;
+"""
+
+
+def test_ptxas_report_gives_registers_spills_and_shared_memory_per_entry():
+    stats = kinspect.parse_ptxas(PTXAS)
+    assert stats["_Z3fooPf"] == {"registers": 40, "stack": 16, "spill_stores": 8, "spill_loads": 4, "smem": 2048}
+    assert stats["_Z3barv"] == {"registers": 12, "stack": 0, "spill_stores": 0, "spill_loads": 0, "smem": 0}
+
+
+def test_ptx_entries_give_block_size_and_instruction_counts():
+    entries = kinspect.ptx_entries(PTX)
+    assert set(entries) == {"_Z3fooPf", "_Z3barv"}
+    assert kinspect.ptx_threads(entries["_Z3fooPf"]) == 128 and kinspect.ptx_threads(entries["_Z3barv"]) is None
+    counts = {col: len(re.findall(rx, entries["_Z3fooPf"])) for col, rx in kinspect.PTX_COUNTS.items()}
+    assert counts == {"mma.sync": 1, "ldmatrix": 0, "cp.async": 1, "ld/st.local": 1}  # commit/wait not copies
+    assert len(re.findall(kinspect.PTX_COUNTS["ldmatrix"], entries["_Z3barv"])) == 1
+
+
+def test_sass_opcodes_are_counted_per_function_predicated_or_not():
+    ops = kinspect.sass_opcodes(SASS)
+    assert ops["_Z3fooPf"] == {"IMAD": 1, "LDGSTS": 1, "HMMA": 1, "STL": 1}
+    assert ops["_Z3barv"] == {"LDSM": 1, "EXIT": 1}
+
+
+def _kernel(name, arch, registers, ctas, mma=0):
+    return kinspect.Kernel(source="a.cu", arch=arch, name=name, mangled=name, registers=registers, stack=0,
+                           spill_stores=0, spill_loads=0, smem=0, threads=128,
+                           ptx={"mma.sync": mma, "ldmatrix": 0, "cp.async": 0, "ld/st.local": 0}, sass=None,
+                           ctas_per_sm=ctas, limiter="registers")
+
+
+def test_summary_folds_dtype_instantiations_and_gives_ranges_per_arch():
+    kernels = [_kernel("k<bf16, 64>", "80", 160, 3, mma=8), _kernel("k<fp16, 64>", "80", 170, 2, mma=8),
+               _kernel("k<bf16, 64>", "90", 150, 3, mma=8), _kernel("k<fp16, 64>", "90", 150, 3, mma=8),
+               _kernel("k<bf16, 32>", "80", 100, 4), _kernel("k<bf16, 32>", "90", 100, 4)]
+    rows = [line for line in kinspect.summary(kernels).splitlines() if line.startswith("| a.cu")]
+    assert rows == ["| a.cu | k<T, 64> | 160-170 / 150 | 0 | 0 | 128 | 2-3 / 3 | 8 | 0 | 0 | 0 |",
+                    "| a.cu | k<T, 32> | 100 / 100 | 0 | 0 | 128 | 4 / 4 | 0 | 0 | 0 | 0 |"]
+
+
+def test_without_nvcc_inspect_says_so_and_succeeds():
+    env = {k: v for k, v in os.environ.items() if k not in ("CUDA_HOME", "CUDA_PATH")}
+    env["PATH"] = str(Path(sys.executable).parent)  # python, but no nvcc
+    proc = subprocess.run([sys.executable, "-m", "kernels.inspect"], capture_output=True, text=True, cwd=REPO,
+                          env=env, timeout=120)
+    assert proc.returncode == 0 and "nvcc not found" in proc.stdout
+
+
+# --------------------------------------------------------------------------- the kernels
+
+needs_nvcc = pytest.mark.skipif(find_nvcc() is None, reason="nvcc not found")
+
+
+@pytest.fixture(scope="session")
+def compiled():
+    """(every kernel for sm_80 and sm_90, whether SASS counts are there): one compile per source and arch."""
+    kernels, nvdisasm = kinspect.inspect_all()
+    return kernels, nvdisasm is not None
+
+
+def _attention_math(kernels):
+    """The attention kernels that do the matmuls: attention.cu's kernels named fwd or bwd."""
+    return [k for k in kernels if k.source == "attention.cu" and re.search(r"fwd|bwd", k.name.split("<")[0])]
+
+
+@needs_nvcc
+def test_no_kernel_spills(compiled):
+    kernels, _ = compiled
+    spilling = [f"{k.source} {k.name} sm_{k.arch}: {k.spill_stores} B spill stores, {k.spill_loads} B spill loads, "
+                f"{k.ptx['ld/st.local']} ld/st.local" + (f", {k.sass['LDL/STL']} LDL/STL" if k.sass else "")
+                for k in kernels if k.spills]
+    assert kernels and not spilling, "\n".join(spilling)
+
+
+@needs_nvcc
+def test_every_kernel_declares_its_block_size(compiled):
+    # The CTA figures need it; every launcher launches with exactly the bound.
+    kernels, _ = compiled
+    unbounded = sorted({f"{k.source} {k.name}" for k in kernels if k.threads is None})
+    assert not unbounded, f"no __launch_bounds__: {unbounded}"
+
+
+@needs_nvcc
+def test_attention_has_forward_and_backward_kernels_for_both_archs(compiled):
+    kernels, _ = compiled
+    for arch in kinspect.DEVICES:
+        names = {k.name.split("<")[0] for k in _attention_math(kernels) if k.arch == arch}
+        assert any("fwd" in n for n in names) and any("bwd" in n for n in names), (arch, names)
+
+
+@needs_nvcc
+def test_attention_uses_tensor_cores_and_cp_async(compiled):
+    kernels, with_sass = compiled
+    missing = []
+    for k in _attention_math(kernels):
+        wanted = {"mma.sync": k.ptx["mma.sync"], "cp.async": k.ptx["cp.async"]}
+        if with_sass:
+            wanted.update(HMMA=k.sass["HMMA"], LDGSTS=k.sass["LDGSTS"])
+        missing += [f"{k.name} sm_{k.arch}: 0 {what}" for what, count in wanted.items() if count == 0]
+    assert not missing, "\n".join(missing)
+
+
+@needs_nvcc
+@pytest.mark.parametrize("arch", sorted(kinspect.DEVICES))
+def test_attention_reaches_two_ctas_per_sm(compiled, arch):
+    kernels, _ = compiled
+    device = kinspect.DEVICES[arch]
+    short = [f"{k.name} sm_{arch}: {k.ctas_per_sm} CTAs per SM on {device.name} ({k.limiter}: {k.registers} "
+             f"registers, {k.smem} B smem, {k.threads} threads)"
+             for k in kernels if k.source == "attention.cu" and k.arch == arch and (k.ctas_per_sm or 0) < 2]
+    assert not short, "\n".join(short)
