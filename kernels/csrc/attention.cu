@@ -58,7 +58,7 @@
 // fragment but needs 2 x (K, V operands + dK, dV) = 192 registers (hd 64) before P^T and
 // dP^T: over budget. The query tile kBlockM is then what shared memory allows:
 //   hd 64: K, V (64 x 72 each, 18 KB) + two stages of (Q, dO) + dS^T (64 x (kBlockM + 8))
-//          + lse, D: kBlockM = 64 would be 54 KB, kBlockM = 32 is 41.5 KB.
+//          + lse, D: kBlockM = 64 would be 64 KB, kBlockM = 32 is 41.5 KB.
 //   hd 32: K, V (10 KB) + stages + dS^T: kBlockM = 64 is 40 KB.
 // Barriers: one before K and V are read, then two per query tile: one opens the tile
 // (its copies visible; the other stage and dS^T free again), one publishes dS^T to the
