@@ -43,23 +43,28 @@
 // Barriers: one before Q is read (it was copied by all threads), then one per key tile.
 //
 // Backward (grid: key tiles x sequences x heads). Preprocessing: D = rowsum(dO * O).
-// A CTA keeps 64 keys, a warp 16 of them: their K and V as A operands (2 x HD/16 x 4
-// registers) and dK, dV accumulators (2 x HD/8 x 4 floats) stay in registers while the
-// CTA walks the query tiles, double-buffered (Q, dO with cp.async; lse and D, which are
-// not 16-byte aligned in global memory, through registers). Each warp computes, for its
-// 16 keys and the tile's kBlockM queries,
+// A CTA keeps kBlockN keys, a warp 16 MT of them (MT m16 tiles): their K and V as A
+// operands (2 x MT x HD/16 x 4 registers) and dK, dV accumulators (2 x MT x HD/8 x 4
+// floats) stay in registers while the CTA walks the query tiles of kBlockM = 32 queries,
+// double-buffered (Q, dO with cp.async; lse and D, which are not 16-byte aligned in
+// global memory, through registers). Each warp computes, for its keys and the tile's
+// queries,
 //   P^T = exp(scale K Q^T - lse)          (recomputed from the saved lse)
 //   dV += P^T dO,   dP^T = V dO^T,   dS^T = P^T * (dP^T - D),   dK += dS^T Q
-// then dS^T goes to shared memory so that the warps can form dQ = dS K over all 64 keys
-// (warp w: query m-tile w % (kBlockM/16), a 4 / (kBlockM/16) share of the head dims),
-// added in fp32 with atomics to a dq accumulator (several key tiles contribute to every
-// query row) and converted to the output dtype at the end. softmax_scale is applied to
-// dK and dQ once, at the end. 32 keys per warp would double the reuse of each Q/dO
-// fragment but needs 2 x (K, V operands + dK, dV) = 192 registers (hd 64) before P^T and
-// dP^T: over budget. The query tile kBlockM is then what shared memory allows:
-//   hd 64: K, V (64 x 72 each, 18 KB) + two stages of (Q, dO) + dS^T (64 x (kBlockM + 8))
-//          + lse, D: kBlockM = 64 would be 64 KB, kBlockM = 32 is 41.5 KB.
-//   hd 32: K, V (10 KB) + stages + dS^T: kBlockM = 64 is 40 KB.
+// then dS^T goes to shared memory so that the warps can form dQ = dS K over all the
+// tile's keys (warp w: query m-tile w % 2, half of the head dims), added in fp32 with
+// atomics to a dq accumulator (several key tiles contribute to every query row) and
+// converted to the output dtype at the end. softmax_scale is applied to dK and dQ once,
+// at the end. Each Q or dO fragment a warp loads feeds its MT key tiles, and a larger
+// kBlockN means fewer CTAs adding to each dQ row. The resident state is 3 x MT x HD / 2
+// registers (K, V operands + dK, dV) plus P^T and dP^T, MT x kBlockM:
+//   hd 64: MT = 2 would be 192 + 64 before dQ, indices and addresses: over budget.
+//          MT = 1 (kBlockN = 64): 96 + 32.
+//   hd 32: MT = 2 (kBlockN = 128): 96 + 64.
+// The query tile kBlockM is what shared memory allows beside K, V (kBlockN x (HD + 8)
+// each), two stages of (Q, dO) (kBlockM x (HD + 8) each), dS^T (kBlockN x (kBlockM + 8))
+// and lse, D: at hd 64, kBlockM = 64 would need 64 KB; kBlockM = 32 needs 41.5 KB (hd 64)
+// and 40.5 KB (hd 32). kBlockM = 32 also keeps P^T and dP^T small enough for MT = 2.
 // Barriers: one before K and V are read, then two per query tile: one opens the tile
 // (its copies visible; the other stage and dS^T free again), one publishes dS^T to the
 // warps that read it for dQ. dS must cross warps, so two is the least.
@@ -79,13 +84,14 @@ constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 constexpr int kFwdBlockM = 128;  // queries per forward CTA: 4 warps x 32
 constexpr int kFwdWarpTiles = 2;  // m16 tiles per warp in the forward
-constexpr int kBwdBlockN = 64;   // keys per backward CTA: 4 warps x 16
+constexpr int kBwdBlockM = 32;    // queries per backward query tile
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.69314718055994531f;
 
 // The tile sizes the header derives, per head dim.
 template <int HD> constexpr int kFwdBlockN = HD == 32 ? 128 : 64;  // keys per forward key tile
-template <int HD> constexpr int kBwdBlockM = HD == 32 ? 64 : 32;   // queries per backward query tile
+template <int HD> constexpr int kBwdWarpTiles = HD == 32 ? 2 : 1;  // m16 key tiles per warp in the backward
+template <int HD> constexpr int kBwdBlockN = kWarps * 16 * kBwdWarpTiles<HD>;  // keys per backward CTA
 
 // Issues the copies of rows [0, valid) of a (ROWS, HD) slice, `row_stride` elements
 // apart, into a padded shared tile; rows from `valid` on are zero-filled.
@@ -383,7 +389,9 @@ attention_bwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* 
                      const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ dsum,
                      const int* __restrict__ cu_seqlens, float* __restrict__ dq_accum, T* __restrict__ dk,
                      T* __restrict__ dv, int num_heads, int64_t total, float scale, float scale_log2) {
-  constexpr int kBlockM = kBwdBlockM<HD>;
+  constexpr int MT = kBwdWarpTiles<HD>;
+  constexpr int kBlockN = kBwdBlockN<HD>;
+  constexpr int kBlockM = kBwdBlockM;
   constexpr int kStride = HD + 8;          // Q, K, V, dO tiles: (rows, head dim)
   constexpr int kSStride = kBlockM + 8;    // dS^T tile: (keys, queries)
   constexpr int kQTile = kBlockM * kStride;
@@ -392,10 +400,10 @@ attention_bwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* 
   constexpr int kDqStrips = kBlockM / 16;
   constexpr int kDqCols = HD * kDqStrips / kWarps;
   static_assert(kWarps % kDqStrips == 0 && kDqCols % 16 == 0, "dQ work must split evenly over the warps");
-  __shared__ __align__(16) T sK[kBwdBlockN * kStride];
-  __shared__ __align__(16) T sV[kBwdBlockN * kStride];
+  __shared__ __align__(16) T sK[kBlockN * kStride];
+  __shared__ __align__(16) T sV[kBlockN * kStride];
   __shared__ __align__(16) T stages[2][2 * kQTile];  // stage s: Q at [s][0], dO at [s][kQTile]
-  __shared__ __align__(16) T sdS[kBwdBlockN * kSStride];
+  __shared__ __align__(16) T sdS[kBlockN * kSStride];
   __shared__ float sLse[2][kBlockM];   // per stage; log2 units, +inf past the sequence end
   __shared__ float sDsum[2][kBlockM];
   static_assert(sizeof(sK) + sizeof(sV) + sizeof(stages) + sizeof(sdS) + sizeof(sLse) + sizeof(sDsum) <=
@@ -405,7 +413,7 @@ attention_bwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* 
   const int head = blockIdx.z;
   const int start = cu_seqlens[blockIdx.y];
   const int len = cu_seqlens[blockIdx.y + 1] - start;
-  const int n0 = blockIdx.x * kBwdBlockN;  // the tile's first key, counted within the sequence
+  const int n0 = blockIdx.x * kBlockN;  // the tile's first key, counted within the sequence
   if (n0 >= len) return;
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -425,22 +433,28 @@ attention_bwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* 
     }
   };
 
-  copy_tile_async<T, HD, kBwdBlockN>(sK, k + base + n0 * row_stride, row_stride, len - n0);
-  copy_tile_async<T, HD, kBwdBlockN>(sV, v + base + n0 * row_stride, row_stride, len - n0);
+  copy_tile_async<T, HD, kBlockN>(sK, k + base + n0 * row_stride, row_stride, len - n0);
+  copy_tile_async<T, HD, kBlockN>(sV, v + base + n0 * row_stride, row_stride, len - n0);
   cp_async_commit();
   copy_q_do(0, 0);
   store_stats(0, fetch_row_stats<kBlockM>(lse, dsum, stats_at, 0, len));
   cp_async_wait<1>();  // this thread's K, V copies have landed (query tile 0 may still fly)
   __syncthreads();     // barrier: every thread's K, V copies have landed
-  // This warp's 16 keys as A operands (rows = keys, k = head dim), kept for the whole pass.
-  uint32_t ka[1][HD / 16][4], va[1][HD / 16][4];
-  load_a_strips(ka, sK, kStride, warp * 16, lane);
-  load_a_strips(va, sV, kStride, warp * 16, lane);
+  // This warp's 16 MT keys as A operands (rows = keys, k = head dim), kept for the whole pass.
+  const int key0 = warp * 16 * MT;  // the warp's first key, counted within the tile
+  uint32_t ka[MT][HD / 16][4], va[MT][HD / 16][4];
+  load_a_strips(ka, sK, kStride, key0, lane);
+  load_a_strips(va, sV, kStride, key0, lane);
   // Keys past the sequence end get P = 0. Not needed for the result (their dK, dV are
   // never stored and their zero K rows cancel their dS in dQ), but it keeps P^T honest.
-  const bool key_real[2] = {n0 + warp * 16 + g < len, n0 + warp * 16 + g + 8 < len};
-  float dk_acc[1][HD / 8][4] = {};
-  float dv_acc[1][HD / 8][4] = {};
+  bool key_real[MT][2];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    key_real[mt][0] = n0 + key0 + mt * 16 + g < len;
+    key_real[mt][1] = n0 + key0 + mt * 16 + g + 8 < len;
+  }
+  float dk_acc[MT][HD / 8][4] = {};
+  float dv_acc[MT][HD / 8][4] = {};
   const int dq_strip = warp % kDqStrips, dq_col0 = (warp / kDqStrips) * kDqCols;
 
   for (int j = 0, m0 = 0; m0 < len; ++j, m0 += kBlockM) {
@@ -458,51 +472,60 @@ attention_bwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* 
     const T* sQ = stages[cur];
     const T* sdO = sQ + kQTile;
 
-    // P^T = exp2(scale_log2 * K Q^T - lse_log2): 16 keys x kBlockM queries.
-    float p[1][kBlockM / 8][4] = {};
+    // P^T = exp2(scale_log2 * K Q^T - lse_log2): 16 MT keys x kBlockM queries.
+    float p[MT][kBlockM / 8][4] = {};
     mma_abt(p, ka, sQ, kStride, lane);
 #pragma unroll
     for (int nt = 0; nt < kBlockM / 8; ++nt) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const float lse_q = ld_shared(&sLse[cur][nt * 8 + 2 * t + (e & 1)]);
-        p[0][nt][e] = key_real[e / 2] ? exp2f(p[0][nt][e] * scale_log2 - lse_q) : 0.f;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+          p[mt][nt][e] = key_real[mt][e / 2] ? exp2f(p[mt][nt][e] * scale_log2 - lse_q) : 0.f;
       }
     }
 
     // dV += P^T dO: k runs over the tile's queries.
     mma_pb(dv_acc, p, sdO, kStride, lane);
 
-    // dP^T = V dO^T: 16 keys x kBlockM queries, k runs over the head dim.
-    float dpt[1][kBlockM / 8][4] = {};
+    // dP^T = V dO^T: 16 MT keys x kBlockM queries, k runs over the head dim.
+    float dpt[MT][kBlockM / 8][4] = {};
     mma_abt(dpt, va, sdO, kStride, lane);
 
     // dS^T = P^T * (dP^T - D), in place of P^T (softmax_scale comes at the end).
 #pragma unroll
     for (int nt = 0; nt < kBlockM / 8; ++nt) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) p[0][nt][e] *= dpt[0][nt][e] - ld_shared(&sDsum[cur][nt * 8 + 2 * t + (e & 1)]);
+      for (int e = 0; e < 4; ++e) {
+        const float d = ld_shared(&sDsum[cur][nt * 8 + 2 * t + (e & 1)]);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) p[mt][nt][e] *= dpt[mt][nt][e] - d;
+      }
     }
 
     // dK += dS^T Q: k runs over the tile's queries.
     mma_pb(dk_acc, p, sQ, kStride, lane);
 
-    // dS^T to shared memory, rows = this warp's keys: dQ needs all 64 keys of a query.
+    // dS^T to shared memory, rows = this warp's keys: dQ needs all the tile's keys of a query.
 #pragma unroll
-    for (int nt = 0; nt < kBlockM / 8; ++nt) {
+    for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-      for (int i = 0; i < 2; ++i)
-        st_shared(reinterpret_cast<uint32_t*>(sdS + (warp * 16 + g + 8 * i) * kSStride + nt * 8 + 2 * t),
-                  pack2<T>(p[0][nt][2 * i], p[0][nt][2 * i + 1]));
+      for (int nt = 0; nt < kBlockM / 8; ++nt) {
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+          st_shared(reinterpret_cast<uint32_t*>(sdS + (key0 + mt * 16 + g + 8 * i) * kSStride + nt * 8 + 2 * t),
+                    pack2<T>(p[mt][nt][2 * i], p[mt][nt][2 * i + 1]));
+      }
     }
     if (more) store_stats(next, next_stats);
     __syncthreads();  // barrier: every warp's dS^T rows are written
 
     // dQ = dS K for this warp's 16 queries and kDqCols head dims: A = dS read transposed
-    // from dS^T, B = K (rows = keys = k); k runs over the tile's 64 keys.
+    // from dS^T, B = K (rows = keys = k); k runs over the tile's keys.
     float dq[1][kDqCols / 8][4] = {};
 #pragma unroll
-    for (int kj = 0; kj < kBwdBlockN / 16; ++kj) {
+    for (int kj = 0; kj < kBlockN / 16; ++kj) {
       uint32_t da[1][4];
       ldmatrix_x4_trans(da[0], a_cols(sdS, kSStride, dq_strip * 16, kj * 16, lane));
       mma_ab_step<T>(dq, da, sK + dq_col0, kStride, kj * 16, lane);
@@ -522,15 +545,19 @@ attention_bwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* 
   }
 
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int key = n0 + warp * 16 + g + 8 * i;
-    if (key < len) {
-      const int64_t at = base + key * row_stride + 2 * t;
+  for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-      for (int dt = 0; dt < HD / 8; ++dt) {
-        *reinterpret_cast<uint32_t*>(dk + at + dt * 8) =
-            pack2<T>(dk_acc[0][dt][2 * i] * scale, dk_acc[0][dt][2 * i + 1] * scale);
-        *reinterpret_cast<uint32_t*>(dv + at + dt * 8) = pack2<T>(dv_acc[0][dt][2 * i], dv_acc[0][dt][2 * i + 1]);
+    for (int i = 0; i < 2; ++i) {
+      const int key = n0 + key0 + mt * 16 + g + 8 * i;
+      if (key < len) {
+        const int64_t at = base + key * row_stride + 2 * t;
+#pragma unroll
+        for (int dt = 0; dt < HD / 8; ++dt) {
+          *reinterpret_cast<uint32_t*>(dk + at + dt * 8) =
+              pack2<T>(dk_acc[mt][dt][2 * i] * scale, dk_acc[mt][dt][2 * i + 1] * scale);
+          *reinterpret_cast<uint32_t*>(dv + at + dt * 8) =
+              pack2<T>(dv_acc[mt][dt][2 * i], dv_acc[mt][dt][2 * i + 1]);
+        }
       }
     }
   }
@@ -603,7 +630,7 @@ extern "C" cudaError_t bds_varlen_attention_bwd(const void* dout, const void* q,
         static_cast<const T*>(dout), static_cast<const T*>(out), dsum, num_heads, total);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
 
-    const dim3 grid((max_seqlen + kBwdBlockN - 1) / kBwdBlockN, batch, num_heads);
+    const dim3 grid((max_seqlen + kBwdBlockN<HD> - 1) / kBwdBlockN<HD>, batch, num_heads);
     attention_bwd_kernel<T, HD><<<grid, kThreads, 0, stream>>>(
         static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v),
         static_cast<const T*>(dout), lse, dsum, cu_seqlens, dq_accum, static_cast<T*>(dk),

@@ -270,9 +270,9 @@ def test_bias_gelu(emu, dtype, approximate, rows, cols, aligned, bias_fp32):
 
 # --------------------------------------------------------------------------- attention
 
-# One batch from 1 to 512 tokens: full and partial forward query tiles (128), key tiles
-# (64 at head dim 64, 128 at 32) and backward query tiles (32 / 64); 512 cycles both
-# cp.async stages several times.
+# One batch from 1 to 512 tokens: full and partial tiles of every size the kernels use
+# (forward: 128 queries, 64 keys at head dim 64 and 128 at 32; backward: 64 or 128 keys,
+# 32 queries); 512 cycles both cp.async stages several times.
 LENGTHS_1_TO_512 = [512, 1, 129, 64, 255, 17]
 ATTENTION_CASES = [  # (lengths, heads, head_dim)
     ([1, 130, 64, 17], 2, 64),
