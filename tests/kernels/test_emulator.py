@@ -53,6 +53,13 @@ def run_pipeline(library: str, fault: str, tiles: int = 5, n: int = 5 * THREADS 
     assert torch.equal(out[:, :, 1], landed[:, torch.arange(THREADS) % 32])
 
 
+def test_a_copy_lands_at_the_wait_not_at_the_issue(library):
+    src = torch.tensor([1, 2, 3, 4], dtype=torch.int32)
+    out = torch.zeros(2, 4, dtype=torch.int32)
+    assert ctypes.CDLL(library).emu_landing(_ptr(src), _ptr(out)) == 0
+    assert out[0].tolist() == [7, 7, 7, 7] and out[1].tolist() == [1, 2, 3, 4]
+
+
 def test_double_buffered_pipeline_reads_what_was_copied(library):
     """Correct waits and barriers: no report, and warp 1 reads warp 0's landed copies."""
     run_pipeline(library, "none")
