@@ -10,10 +10,18 @@
 // the block's fibers. Kernel launches are rewritten to emu::launch by the test before
 // compiling (`k<<<grid, block, smem, stream>>>(args)` -> `::emu::launch(k, grid, ...)`).
 //
-// What it checks: indexing, tiling, masking, synchronisation (a missing barrier shows
-// up as a deadlock report or wrong values), fragment bookkeeping and the arithmetic.
-// What it cannot: timing, memory-model races between real concurrent warps, the real
-// hardware's accumulation order inside an mma, and device-only failure modes.
+// What it checks: indexing, tiling, masking, fragment bookkeeping and the arithmetic;
+// barriers that can never open (a deadlock report); and, for shared memory reached through
+// the kernels' contract (cp_async_16/commit/wait, ld_shared/st_shared, ldmatrix: see
+// shared_memory.h), every read of bytes whose cp.async the issuing thread has not waited
+// for, and every write-then-read, write-then-write or read-then-write of the same bytes by
+// two different warps with no __syncthreads between. Those are found from the accesses
+// themselves, whatever order the fibers run in, and end the process with one line
+// `emu: ...` naming the block, warp, lane and shared address.
+// What it cannot: timing; races on shared memory a kernel touches directly (plain loads
+// and stores of a __shared__ array: only wrong values can show those), on global memory,
+// or between lanes of one warp; the real hardware's accumulation order inside an mma; and
+// device-only failure modes.
 #pragma once
 
 #define __shared__ static  // before host_defines.h, which leaves a defined __shared__ alone

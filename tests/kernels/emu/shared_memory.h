@@ -25,6 +25,7 @@
 // seen: only kernels that use the contract throughout are checked.
 #pragma once
 
+#include <cstdarg>
 #include <memory>
 #include <unordered_map>
 
@@ -66,43 +67,45 @@ inline Shadow& shadow() {
   return s;
 }
 
-[[noreturn]] inline void report(const char* what, uintptr_t address, const char* detail, int other) {
+// One line, `emu: <what> in block (x, y, z): warp W lane L, shared address A, <detail>`,
+// then abort: the process ends at the first error, like the deadlock report.
+[[noreturn]] __attribute__((format(printf, 3, 4))) inline void report(const char* what, uintptr_t address,
+                                                                      const char* detail, ...) {
   const State& s = state();
   const int self = me().linear;
-  std::fprintf(stderr, "emu: %s in block (%u, %u, %u): warp %d lane %d, shared address %#lx, %s", what,
-               s.block_idx.x, s.block_idx.y, s.block_idx.z, self / 32, self % 32, (unsigned long)address, detail);
-  if (other >= 0) std::fprintf(stderr, " (warp %d lane %d)", other / 32, other % 32);
+  std::fprintf(stderr, "emu: %s in block (%u, %u, %u): warp %d lane %d, shared address %#lx, ", what, s.block_idx.x,
+               s.block_idx.y, s.block_idx.z, self / 32, self % 32, (unsigned long)address);
+  va_list args;
+  va_start(args, detail);
+  std::vfprintf(stderr, detail, args);
+  va_end(args);
   std::fputc('\n', stderr);
   std::abort();
 }
 
-inline void check_not_in_flight(const Word& w, uintptr_t address, const char* access) {
+inline void check_read_not_in_flight(const Word& w, uintptr_t address, const char* access) {
   if (w.in_flight < 0) return;
-  char detail[160];
-  if (w.in_flight == me().linear) {
-    std::snprintf(detail, sizeof detail, "%s bytes its own cp.async has not landed in (no cp_async_wait covers it)",
-                  access);
-    report("read before cp.async wait", address, detail, -1);
-  }
-  std::snprintf(detail, sizeof detail, "%s bytes while another thread's cp.async to them is in flight", access);
-  report("race", address, detail, w.in_flight);
+  if (w.in_flight == me().linear)
+    report("read before cp.async wait", address, "%s bytes its own cp.async has not landed in (no cp_async_wait "
+           "covers it)", access);
+  report("race", address, "%s bytes while a cp.async to them is in flight (issued by warp %d lane %d)", access,
+         w.in_flight / 32, w.in_flight % 32);
+}
+
+inline void check_not_written_by_another_warp(const Word& w, uintptr_t address, const char* access) {
+  if (w.write_epoch == state().epoch && w.writer / 32 != me().linear / 32)
+    report("race", address, "%s bytes another warp wrote with no __syncthreads between (warp %d lane %d)", access,
+           w.writer / 32, w.writer % 32);
 }
 
 // A write (st_shared, a copy's issue or landing) must follow every other warp's access
 // to the word in this epoch by a __syncthreads.
 inline void check_write(const Word& w, uintptr_t address, const char* access) {
-  const uint32_t now = state().epoch;
-  const int warp = me().linear / 32;
-  char detail[160];
-  if (w.write_epoch == now && w.writer / 32 != warp) {
-    std::snprintf(detail, sizeof detail, "%s bytes another warp wrote with no __syncthreads between", access);
-    report("race", address, detail, w.writer);
-  }
-  const uint32_t others = w.read_epoch == now ? w.readers & ~(1u << warp) : 0u;
-  if (others != 0) {
-    std::snprintf(detail, sizeof detail, "%s bytes another warp read with no __syncthreads between", access);
-    report("race", address, detail, 32 * __builtin_ctz(others));  // that warp's lane is not kept: lane 0 stands in
-  }
+  check_not_written_by_another_warp(w, address, access);
+  const uint32_t others = w.read_epoch == state().epoch ? w.readers & ~(1u << (me().linear / 32)) : 0u;
+  if (others != 0)  // readers are kept per warp: the reader's lane is not known
+    report("race", address, "%s bytes another warp read with no __syncthreads between (warp %d)", access,
+           __builtin_ctz(others));
 }
 
 inline void record_write(Word& w) {
@@ -115,12 +118,8 @@ inline void track_read(const void* p, size_t bytes, const char* access) {
   const int warp = me().linear / 32;
   for (uintptr_t a = reinterpret_cast<uintptr_t>(p), end = a + bytes; a < end; a += 4) {
     Word& w = shadow().at(a);
-    check_not_in_flight(w, a, access);
-    if (w.write_epoch == now && w.writer / 32 != warp) {
-      char detail[160];
-      std::snprintf(detail, sizeof detail, "%s bytes another warp wrote with no __syncthreads between", access);
-      report("race", a, detail, w.writer);
-    }
+    check_read_not_in_flight(w, a, access);
+    check_not_written_by_another_warp(w, a, access);
     if (w.read_epoch != now) {
       w.read_epoch = now;
       w.readers = 0;
@@ -132,7 +131,9 @@ inline void track_read(const void* p, size_t bytes, const char* access) {
 inline void track_write(const void* p, size_t bytes) {
   for (uintptr_t a = reinterpret_cast<uintptr_t>(p), end = a + bytes; a < end; a += 4) {
     Word& w = shadow().at(a);
-    check_not_in_flight(w, a, "writes");
+    if (w.in_flight >= 0)
+      report("race", a, "writes bytes a cp.async is still in flight to (issued by warp %d lane %d)", w.in_flight / 32,
+             w.in_flight % 32);
     check_write(w, a, "writes");
     record_write(w);
   }
@@ -158,7 +159,9 @@ inline void issue_copy(void* dst, const void* src, bool valid) {
   if (valid) std::memcpy(copy.bytes, src, 16);
   for (uintptr_t a = reinterpret_cast<uintptr_t>(dst), end = a + 16; a < end; a += 4) {
     Word& w = shadow().at(a);
-    if (w.in_flight >= 0) report("race", a, "issues a cp.async to bytes that already have one in flight", w.in_flight);
+    if (w.in_flight >= 0)
+      report("race", a, "issues a cp.async to bytes that already have one in flight (issued by warp %d lane %d)",
+             w.in_flight / 32, w.in_flight % 32);
     check_write(w, a, "issues a cp.async to");
     w.in_flight = (int16_t)f.linear;
   }

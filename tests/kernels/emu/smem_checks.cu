@@ -1,6 +1,7 @@
 // Self-test kernels for the emulator's shared-memory checks (tests/kernels/test_emulator.py):
-// a cp.async double-buffered pipeline written through the contract that attention.cu uses,
-// and the same pipeline with one step left out.
+// a cp.async double-buffered pipeline written through the contract that attention.cu uses
+// (and the same pipeline with one step left out), a word exchanged between two warps through
+// st_shared/ld_shared, and one copy observed before and after its wait.
 #include <cuda_runtime.h>
 #include <stdint.h>
 
@@ -51,7 +52,24 @@ __global__ void exchange_kernel(const float* in, float* out, int barrier) {
   out[tid] = bds::ld_shared(&words[(tid + 32) % kThreads]);
 }
 
+// When a copy lands: out[0] is read straight from the array (past the checks, which would
+// refuse it) after the issue, out[1] through ld_shared after the wait.
+__global__ void landing_kernel(const uint4* src, uint4* out) {
+  __shared__ __align__(16) uint4 slot[1];
+  bds::st_shared(&slot[0], make_uint4(7u, 7u, 7u, 7u));
+  bds::cp_async_16(&slot[0], src, true);
+  bds::cp_async_commit();
+  out[0] = slot[0];
+  bds::cp_async_wait<0>();
+  out[1] = bds::ld_shared(&slot[0]);
+}
+
 }  // namespace
+
+extern "C" int emu_landing(const uint4* src, uint4* out) {
+  landing_kernel<<<1, 1, 0, 0>>>(src, out);
+  return (int)cudaGetLastError();
+}
 
 extern "C" int emu_pipeline(const uint4* src, int n, uint4* out, int tiles, int fault) {
   pipeline_kernel<<<1, kThreads, 0, 0>>>(src, n, out, tiles, fault);
