@@ -1,32 +1,73 @@
-// Bidirectional attention over unpadded variable-length sequences (FlashAttention-2
-// style), forward and backward, fp16/bf16 on tensor cores.
+// Bidirectional attention over unpadded variable-length sequences at FlashAttention-2's
+// design point, forward and backward, fp16/bf16 on tensor cores (sm_80 instructions:
+// mma.sync m16n8k16, ldmatrix, cp.async; the same code runs on A100 and H100).
 //
 // Layout: q, k, v, out are (total, num_heads, head_dim); sequence b is the token rows
 // cu_seqlens[b] .. cu_seqlens[b+1]. A token's head vector is head_dim contiguous
 // elements, the next token's is num_heads * head_dim further on.
 //
-// Tiling (both passes): a CTA of 4 warps takes one (sequence, head) and one tile of
-// 64 rows; each warp owns 16 of those rows, the M of one mma.sync.m16n8k16. The other
-// operand streams through shared memory 64 rows at a time. Shared tiles are padded
-// to head_dim + 8 elements per row so that the eight 16-byte rows an ldmatrix reads
-// fall in eight different bank groups.
+// A CTA is 4 warps. Shared tiles are row-major, padded to head_dim + 8 elements per row
+// so that the eight 16-byte rows an ldmatrix reads fall in eight different bank groups.
+// Tiles stream in with cp.async into two stages: the copy of tile j + 1 is issued right
+// after the barrier that opens tile j, so it lands while tile j is computed. Rows past
+// the sequence end are zero-filled by the copy itself: they must be finite, since they
+// meet P = 0 in a product and 0 * NaN is NaN. Every shared access goes through
+// ldmatrix, cp_async_16, ld_shared or st_shared (common.cuh), which the CPU emulation
+// checks for reads of copies in flight and for cross-warp races.
 //
-// Forward (grid: query tiles x sequences x heads). Per key tile:
+// Register budget: __launch_bounds__(128, 2), so ptxas may use up to 255 registers per
+// thread and 2 CTAs (8 warps) fit an SM's 64K registers on A100 and H100 alike. Per
+// thread, a warp's m16 x n8 fp32 accumulator tile costs 4 registers and a 16 x 16 A
+// operand 4. Static shared memory stays within 48 KB per CTA.
+//
+// Forward (grid: query tiles x sequences x heads). A CTA takes 128 queries, a warp 32 of
+// them (two m16 tiles), so each K or V fragment a warp ldmatrix's feeds two mma rows:
+// twice the reuse of 16 rows per warp, and every K/V tile is read from L2 once per 128
+// queries. Live state per thread: O is 2 x HD/8 x 4 = HD floats, Q's A operands
+// 2 x HD/16 x 4 = HD/2 registers (held for the whole pass), and S (then P, in place) 2 x
+// kBlockN/8 x 4 = kBlockN floats. The key tile kBlockN is the largest that fits:
+//   hd 64: 64 + 32 + kBlockN; 128 keys would be 224 before indices, softmax state and
+//          addresses (spills); 64 keys give 160. kBlockN = 64.
+//   hd 32: 32 + 16 + kBlockN; 128 keys give 176. Taken: a key costs half the mma work of
+//          hd 64 while the per-tile costs (barrier, row max shuffles, O rescale) do not
+//          shrink, so the larger tile halves their share. kBlockN = 128.
+// Shared memory: two stages of (K, V), 2 x kBlockN x (HD + 8) elements each: 18 KB
+// (hd 64) / 20 KB (hd 32), 36 / 40 KB in all. Q (128 x (HD + 8): 18 / 10 KB) is copied
+// into stage 1, which the first prefetch (tile 1) overwrites only once every warp holds
+// Q in registers. Per key tile:
 //   S = Q K^T (fp32), masked past the sequence end; running row max m and row sum l
 //   (online softmax in base 2, scale folded into log2(e) * softmax_scale); O is
 //   rescaled by exp2(m_old - m_new) and O += P V, where P's accumulator registers are
 //   reused as the A operand without a trip through shared memory. At the end
 //   O /= l and lse = ln(sum exp(scale * q.k)) is saved per row for the backward.
+// Barriers: one before Q is read (it was copied by all threads), then one per key tile.
 //
 // Backward (grid: key tiles x sequences x heads). Preprocessing: D = rowsum(dO * O).
-// The CTA keeps its 64 keys (K, V) and accumulates dK, dV in registers while it walks
-// the query tiles; each warp computes, for its 16 keys,
+// A CTA keeps kBlockN keys, a warp 16 MT of them (MT m16 tiles): their K and V as A
+// operands (2 x MT x HD/16 x 4 registers) and dK, dV accumulators (2 x MT x HD/8 x 4
+// floats) stay in registers while the CTA walks the query tiles of kBlockM = 32 queries,
+// double-buffered (Q, dO with cp.async; lse and D, which are not 16-byte aligned in
+// global memory, through registers). Each warp computes, for its keys and the tile's
+// queries,
 //   P^T = exp(scale K Q^T - lse)          (recomputed from the saved lse)
 //   dV += P^T dO,   dP^T = V dO^T,   dS^T = P^T * (dP^T - D),   dK += dS^T Q
-// then dS^T goes to shared memory so that each warp can form dQ = dS K for 16 queries
-// over all 64 keys, added in fp32 with atomics to a dq accumulator (several key tiles
-// contribute to every query row) and converted to the output dtype at the end.
-// softmax_scale is applied to dK and dQ once, at the end.
+// then dS^T goes to shared memory so that the warps can form dQ = dS K over all the
+// tile's keys (warp w: query m-tile w % 2, half of the head dims), added in fp32 with
+// atomics to a dq accumulator (several key tiles contribute to every query row) and
+// converted to the output dtype at the end. softmax_scale is applied to dK and dQ once,
+// at the end. Each Q or dO fragment a warp loads feeds its MT key tiles, and a larger
+// kBlockN means fewer CTAs adding to each dQ row. The resident state is 3 x MT x HD / 2
+// registers (K, V operands + dK, dV) plus P^T and dP^T, MT x kBlockM:
+//   hd 64: MT = 2 would be 192 + 64 before dQ, indices and addresses: over budget.
+//          MT = 1 (kBlockN = 64): 96 + 32.
+//   hd 32: MT = 2 (kBlockN = 128): 96 + 64.
+// The query tile kBlockM is what shared memory allows beside K, V (kBlockN x (HD + 8)
+// each), two stages of (Q, dO) (kBlockM x (HD + 8) each), dS^T (kBlockN x (kBlockM + 8))
+// and lse, D: at hd 64, kBlockM = 64 would need 64 KB; kBlockM = 32 needs 41.5 KB (hd 64)
+// and 40.5 KB (hd 32). kBlockM = 32 also keeps P^T and dP^T small enough for MT = 2.
+// Barriers: one before K and V are read, then two per query tile: one opens the tile
+// (its copies visible; the other stage and dS^T free again), one publishes dS^T to the
+// warps that read it for dQ. dS must cross warps, so two is the least.
 //
 // Not supported: dropout (the binding refuses dropout_p > 0), causal masks, head dims
 // other than 32 and 64.
@@ -39,25 +80,32 @@
 namespace bds {
 namespace {
 
-constexpr int kBlockM = 64;  // query rows per tile: 4 warps x 16
-constexpr int kBlockN = 64;  // key rows per tile
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
+constexpr int kFwdBlockM = 128;  // queries per forward CTA: 4 warps x 32
+constexpr int kFwdWarpTiles = 2;  // m16 tiles per warp in the forward
+constexpr int kBwdBlockM = 32;    // queries per backward query tile
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.69314718055994531f;
 
-// Copies rows [0, valid) of a (ROWS, HD) slice, `row_stride` elements apart, into a
-// padded shared tile and zero-fills the rest: rows past the sequence end must hold
-// finite values, since they meet P = 0 in a product and 0 * NaN is NaN.
+// The tile sizes the header derives, per head dim.
+template <int HD> constexpr int kFwdBlockN = HD == 32 ? 128 : 64;  // keys per forward key tile
+template <int HD> constexpr int kBwdWarpTiles = HD == 32 ? 2 : 1;  // m16 key tiles per warp in the backward
+template <int HD> constexpr int kBwdBlockN = kWarps * 16 * kBwdWarpTiles<HD>;  // keys per backward CTA
+
+// Issues the copies of rows [0, valid) of a (ROWS, HD) slice, `row_stride` elements
+// apart, into a padded shared tile; rows from `valid` on are zero-filled.
 template <typename T, int HD, int ROWS>
-__device__ __forceinline__ void load_tile(T* tile, const T* src, int64_t row_stride, int valid) {
+__device__ __forceinline__ void copy_tile_async(T* tile, const T* src, int64_t row_stride, int valid) {
   constexpr int kChunks = HD / 8;  // 16-byte chunks per row
   constexpr int kStride = HD + 8;
-  for (int c = threadIdx.x; c < ROWS * kChunks; c += kThreads) {
+  static_assert(ROWS * kChunks % kThreads == 0, "every thread issues the same number of copies");
+#pragma unroll
+  for (int i = 0; i < ROWS * kChunks / kThreads; ++i) {
+    const int c = i * kThreads + threadIdx.x;
     const int r = c / kChunks, chunk = c % kChunks;
-    uint4 value = make_uint4(0u, 0u, 0u, 0u);
-    if (r < valid) value = *reinterpret_cast<const uint4*>(src + r * row_stride + chunk * 8);
-    *reinterpret_cast<uint4*>(tile + r * kStride + chunk * 8) = value;
+    const bool real = r < valid;  // a zero-filled row still names a real address (row 0)
+    cp_async_16(tile + r * kStride + chunk * 8, src + (real ? r : 0) * row_stride + chunk * 8, real);
   }
 }
 
@@ -97,152 +145,208 @@ __device__ __forceinline__ void accumulators_as_a(uint32_t (&a)[4], const float 
   a[3] = pack2<T>(hi[2], hi[3]);
 }
 
-// Warp tile products, the same three shapes in both passes. A warp owns a strip of 16
-// rows; `float acc[NT][4]` is that strip times 8 NT columns in the mma D layout (n8 tile
-// nt: rows g, g + 8, columns 2t, 2t + 1). B comes from a shared tile, `stride` elements
-// per row. The sizes are template parameters so that every loop unrolls fully and the
-// fragment arrays stay in registers.
+// Warp tile products, the same three shapes in both passes. A warp owns MT strips of 16
+// rows; `float acc[MT][NT][4]` is those strips times 8 NT columns in the mma D layout
+// (n8 tile nt: rows g, g + 8, columns 2t, 2t + 1). B comes from a shared tile, `stride`
+// elements per row; each B fragment loaded feeds all MT strips. The sizes are template
+// parameters so that every loop unrolls fully and the fragment arrays stay in registers.
 
-// acc (16 x 8 NT) += A B^T over k = 16 KT: a[kk] the A operand of k step kk, B^T the first
-// 8 NT rows of a tile stored rows = n, cols = k (S = Q K^T, P^T = K Q^T, dP^T = V dO^T).
-template <typename T, int NT, int KT>
-__device__ __forceinline__ void mma_abt(float (&acc)[NT][4], const uint32_t (&a)[KT][4], const T* tile, int stride,
-                                        int lane) {
+// acc (16 MT x 8 NT) += A B^T over k = 16 KT: a[mt][kk] the A operand of strip mt, k step
+// kk; B^T the first 8 NT rows of a tile stored rows = n, cols = k (S = Q K^T, P^T = K Q^T,
+// dP^T = V dO^T).
+template <typename T, int MT, int NT, int KT>
+__device__ __forceinline__ void mma_abt(float (&acc)[MT][NT][4], const uint32_t (&a)[MT][KT][4], const T* tile,
+                                        int stride, int lane) {
 #pragma unroll
   for (int kk = 0; kk < KT; ++kk) {
 #pragma unroll
     for (int np = 0; np < NT / 2; ++np) {
       uint32_t b[4];
       ldmatrix_x4(b, b_rows_n(tile, stride, np * 16, kk * 16, lane));
-      mma_16816<T>(acc[2 * np], a[kk], b[0], b[1]);
-      mma_16816<T>(acc[2 * np + 1], a[kk], b[2], b[3]);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        mma_16816<T>(acc[mt][2 * np], a[mt][kk], b[0], b[1]);
+        mma_16816<T>(acc[mt][2 * np + 1], a[mt][kk], b[2], b[3]);
+      }
     }
   }
 }
 
-// acc (16 x 8 NT) += A B over one k step: `a` a 16 x 16 A operand, B rows k0 .. k0 + 15
+// acc (16 MT x 8 NT) += A B over one k step: a[mt] a 16 x 16 A operand, B rows k0 .. k0 + 15
 // of a tile stored rows = k, cols = n (ldmatrix .trans). One step at a time because the
 // callers make A on the fly (accumulators_as_a, or dS read transposed for dQ = dS K).
-template <typename T, int NT>
-__device__ __forceinline__ void mma_ab_step(float (&acc)[NT][4], const uint32_t (&a)[4], const T* tile, int stride,
-                                            int k0, int lane) {
+template <typename T, int MT, int NT>
+__device__ __forceinline__ void mma_ab_step(float (&acc)[MT][NT][4], const uint32_t (&a)[MT][4], const T* tile,
+                                            int stride, int k0, int lane) {
 #pragma unroll
   for (int np = 0; np < NT / 2; ++np) {
     uint32_t b[4];
     ldmatrix_x4_trans(b, b_rows_k(tile, stride, np * 16, k0, lane));
-    mma_16816<T>(acc[2 * np], a, b[0], b[1]);
-    mma_16816<T>(acc[2 * np + 1], a, b[2], b[3]);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      mma_16816<T>(acc[mt][2 * np], a[mt], b[0], b[1]);
+      mma_16816<T>(acc[mt][2 * np + 1], a[mt], b[2], b[3]);
+    }
   }
 }
 
-// acc (16 x 8 NT) += P B over k = 8 PT: P the accumulator of an earlier product, turned
+// acc (16 MT x 8 NT) += P B over k = 8 PT: P the accumulator of an earlier product, turned
 // into A operands in registers (accumulators_as_a), B a tile stored rows = k, cols = n
 // (O += P V, dV += P^T dO, dK += dS^T Q).
-template <typename T, int NT, int PT>
-__device__ __forceinline__ void mma_pb(float (&acc)[NT][4], const float (&p)[PT][4], const T* tile, int stride,
-                                       int lane) {
+template <typename T, int MT, int NT, int PT>
+__device__ __forceinline__ void mma_pb(float (&acc)[MT][NT][4], const float (&p)[MT][PT][4], const T* tile,
+                                       int stride, int lane) {
 #pragma unroll
   for (int j = 0; j < PT / 2; ++j) {
-    uint32_t pa[4];
-    accumulators_as_a<T>(pa, p[2 * j], p[2 * j + 1]);
+    uint32_t pa[MT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) accumulators_as_a<T>(pa[mt], p[mt][2 * j], p[mt][2 * j + 1]);
     mma_ab_step<T>(acc, pa, tile, stride, j * 16, lane);
+  }
+}
+
+// The A operands of a warp's MT strips of 16 rows (from row m0 on) over the whole head
+// dim, from a tile stored rows = m, cols = head dim.
+template <typename T, int MT, int KT>
+__device__ __forceinline__ void load_a_strips(uint32_t (&a)[MT][KT][4], const T* tile, int stride, int m0,
+                                              int lane) {
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int kk = 0; kk < KT; ++kk) ldmatrix_x4(a[mt][kk], a_rows(tile, stride, m0 + mt * 16, kk * 16, lane));
   }
 }
 
 // ---------------------------------------------------------------- forward
 
-// (kThreads, 2): without a minimum-blocks hint ptxas 13 caps the sm_90 build at 128
-// registers and spills; 2 blocks per SM lets it use what it needs (163).
+// Online softmax over one key tile, in place: s holds scale_log2 * q.k on entry (masked
+// keys -inf) and P = exp2(s - m_new) on exit; O (acc) and l (row_sum) are rescaled by
+// exp2(m_old - m_new). Row r = 2 mt + i of this thread is row g + 8 i of strip mt; its
+// columns live in the 4 threads of a quad.
+template <int MT, int NT, int DT>
+__device__ __forceinline__ void online_softmax(float (&s)[MT][NT][4], float (&acc)[MT][DT][4],
+                                               float (&row_max)[MT][2], float (&row_sum)[MT][2]) {
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      float tile_max = row_max[mt][i];
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) tile_max = fmaxf(tile_max, fmaxf(s[mt][nt][2 * i], s[mt][nt][2 * i + 1]));
+      tile_max = fmaxf(tile_max, __shfl_xor_sync(kFullMask, tile_max, 1));
+      tile_max = fmaxf(tile_max, __shfl_xor_sync(kFullMask, tile_max, 2));
+      // Every tile holds at least one real key, so tile_max is finite and the
+      // correction is 0 on the first tile (exp2(-inf)), never NaN.
+      const float correction = exp2f(row_max[mt][i] - tile_max);
+      row_max[mt][i] = tile_max;
+      float sum = row_sum[mt][i] * correction;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        s[mt][nt][2 * i] = exp2f(s[mt][nt][2 * i] - tile_max);
+        s[mt][nt][2 * i + 1] = exp2f(s[mt][nt][2 * i + 1] - tile_max);
+        sum += s[mt][nt][2 * i] + s[mt][nt][2 * i + 1];
+      }
+      row_sum[mt][i] = sum;  // this thread's columns only; the quad is summed at the end
+#pragma unroll
+      for (int dt = 0; dt < DT; ++dt) {
+        acc[mt][dt][2 * i] *= correction;
+        acc[mt][dt][2 * i + 1] *= correction;
+      }
+    }
+  }
+}
+
 template <typename T, int HD>
 __global__ void __launch_bounds__(kThreads, 2)
 attention_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                      const int* __restrict__ cu_seqlens, T* __restrict__ out, float* __restrict__ lse,
                      int num_heads, int64_t total, float scale_log2) {
+  constexpr int kBlockN = kFwdBlockN<HD>;
+  constexpr int MT = kFwdWarpTiles;
   constexpr int kStride = HD + 8;
-  __shared__ __align__(16) T sQ[kBlockM * kStride];
-  __shared__ __align__(16) T sK[kBlockN * kStride];
-  __shared__ __align__(16) T sV[kBlockN * kStride];
+  constexpr int kTile = kBlockN * kStride;  // elements of a K or a V tile
+  static_assert(kFwdBlockM * kStride <= 2 * kTile, "Q must fit in a (K, V) stage");
+  static_assert(2 * 2 * kTile * sizeof(T) <= 48 * 1024, "static shared memory over 48 KB");
+  __shared__ __align__(16) T stages[2][2 * kTile];  // stage s: K at [s][0], V at [s][kTile]; Q first in [1]
 
   const int head = blockIdx.z;
   const int start = cu_seqlens[blockIdx.y];
   const int len = cu_seqlens[blockIdx.y + 1] - start;
-  const int m0 = blockIdx.x * kBlockM;  // the tile's first query, counted within the sequence
-  if (m0 >= len) return;                // the whole CTA: grid.x is sized for the longest sequence
+  const int m0 = blockIdx.x * kFwdBlockM;  // the tile's first query, counted within the sequence
+  if (m0 >= len) return;                   // the whole CTA: grid.x is sized for the longest sequence
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;  // accumulator rows g, g + 8; columns 2t, 2t + 1 of each n8 tile
   const int64_t row_stride = (int64_t)num_heads * HD;
   const int64_t base = (int64_t)start * row_stride + (int64_t)head * HD;  // element (start, head, 0)
+  auto copy_kv = [&](T* stage, int n0) {
+    copy_tile_async<T, HD, kBlockN>(stage, k + base + n0 * row_stride, row_stride, len - n0);
+    copy_tile_async<T, HD, kBlockN>(stage + kTile, v + base + n0 * row_stride, row_stride, len - n0);
+    cp_async_commit();
+  };
 
-  load_tile<T, HD, kBlockM>(sQ, q + base + m0 * row_stride, row_stride, len - m0);
-  __syncthreads();
-  uint32_t qa[HD / 16][4];  // this warp's 16 query rows, the A operand of S = Q K^T
+  copy_tile_async<T, HD, kFwdBlockM>(stages[1], q + base + m0 * row_stride, row_stride, len - m0);
+  cp_async_commit();
+  copy_kv(stages[0], 0);
+  cp_async_wait<1>();  // this thread's Q copies have landed (K, V of tile 0 may still fly)
+  __syncthreads();     // barrier: every thread's Q copies have landed
+  uint32_t qa[MT][HD / 16][4];  // this warp's 32 query rows, the A operands of S = Q K^T
+  load_a_strips(qa, stages[1], kStride, warp * 16 * MT, lane);
+
+  float acc[MT][HD / 8][4] = {};  // O, unnormalised: n8 tile dt covers head dims 8 dt .. 8 dt + 7
+  float row_max[MT][2], row_sum[MT][2];  // rows g, g + 8 of each strip; the max in log2 units
 #pragma unroll
-  for (int kk = 0; kk < HD / 16; ++kk) ldmatrix_x4(qa[kk], a_rows(sQ, kStride, warp * 16, kk * 16, lane));
+  for (int mt = 0; mt < MT; ++mt) {
+    row_max[mt][0] = row_max[mt][1] = -INFINITY;
+    row_sum[mt][0] = row_sum[mt][1] = 0.f;
+  }
 
-  float acc[HD / 8][4] = {};  // O, unnormalised: n8 tile dt covers head dims 8 dt .. 8 dt + 7
-  float row_max[2] = {-INFINITY, -INFINITY};  // rows g, g + 8, in log2 units
-  float row_sum[2] = {0.f, 0.f};  // this thread's columns only; the quad is summed at the end
-
-  for (int n0 = 0; n0 < len; n0 += kBlockN) {
-    __syncthreads();  // every warp is done with the previous K, V tiles
-    load_tile<T, HD, kBlockN>(sK, k + base + n0 * row_stride, row_stride, len - n0);
-    load_tile<T, HD, kBlockN>(sV, v + base + n0 * row_stride, row_stride, len - n0);
+  for (int j = 0, n0 = 0; n0 < len; ++j, n0 += kBlockN) {
+    cp_async_wait<0>();  // this thread's copies of tile j have landed (the only group in flight)
+    // Barrier: every thread's copies of tile j have landed, and every warp is done with
+    // the other stage (tile j - 1, or Q before tile 1), which the prefetch below refills.
     __syncthreads();
+    if (n0 + kBlockN < len) copy_kv(stages[(j + 1) % 2], n0 + kBlockN);
+    const T* sK = stages[j % 2];
+    const T* sV = sK + kTile;
 
-    float s[kBlockN / 8][4] = {};  // S for 16 queries x 64 keys
+    float s[MT][kBlockN / 8][4] = {};  // S for 32 queries x kBlockN keys
     mma_abt(s, qa, sK, kStride, lane);
+    const bool partial = n0 + kBlockN > len;  // only the last tile has keys past the end
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+      for (int nt = 0; nt < kBlockN / 8; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = n0 + nt * 8 + 2 * t + (e & 1);
+          s[mt][nt][e] = partial && key >= len ? -INFINITY : s[mt][nt][e] * scale_log2;
+        }
+      }
+    }
+    online_softmax(s, acc, row_max, row_sum);
 
-    // Online softmax. Every tile holds at least one real key (n0 < len), so the new
-    // max is finite and exp2(old - new) is 0 on the first tile, never NaN.
-    float tile_max[2] = {row_max[0], row_max[1]};
-#pragma unroll
-    for (int nt = 0; nt < kBlockN / 8; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int key = n0 + nt * 8 + 2 * t + (e & 1);
-        s[nt][e] = key < len ? s[nt][e] * scale_log2 : -INFINITY;
-        tile_max[e / 2] = fmaxf(tile_max[e / 2], s[nt][e]);
-      }
-    }
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {  // a row's 64 columns live in the 4 threads of a quad
-      tile_max[i] = fmaxf(tile_max[i], __shfl_xor_sync(kFullMask, tile_max[i], 1));
-      tile_max[i] = fmaxf(tile_max[i], __shfl_xor_sync(kFullMask, tile_max[i], 2));
-      const float correction = exp2f(row_max[i] - tile_max[i]);
-      row_max[i] = tile_max[i];
-      row_sum[i] *= correction;
-#pragma unroll
-      for (int dt = 0; dt < HD / 8; ++dt) {
-        acc[dt][2 * i] *= correction;
-        acc[dt][2 * i + 1] *= correction;
-      }
-    }
-#pragma unroll
-    for (int nt = 0; nt < kBlockN / 8; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        s[nt][e] = exp2f(s[nt][e] - row_max[e / 2]);
-        row_sum[e / 2] += s[nt][e];
-      }
-    }
-
-    // O += P V: k runs over the tile's 64 keys, 16 per mma.
+    // O += P V: k runs over the tile's keys, 16 per mma.
     mma_pb(acc, s, sV, kStride, lane);
   }
 
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    row_sum[i] += __shfl_xor_sync(kFullMask, row_sum[i], 1);
-    row_sum[i] += __shfl_xor_sync(kFullMask, row_sum[i], 2);
-    const int row = m0 + warp * 16 + g + 8 * i;
-    if (row < len) {
-      const float inv = 1.f / row_sum[i];
-      T* o = out + base + row * row_stride;
+  for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-      for (int dt = 0; dt < HD / 8; ++dt)
-        *reinterpret_cast<uint32_t*>(o + dt * 8 + 2 * t) = pack2<T>(acc[dt][2 * i] * inv, acc[dt][2 * i + 1] * inv);
-      if (t == 0) lse[(int64_t)head * total + start + row] = (row_max[i] + log2f(row_sum[i])) * kLn2;
+    for (int i = 0; i < 2; ++i) {
+      float sum = row_sum[mt][i];
+      sum += __shfl_xor_sync(kFullMask, sum, 1);
+      sum += __shfl_xor_sync(kFullMask, sum, 2);
+      const int row = m0 + warp * 16 * MT + mt * 16 + g + 8 * i;
+      if (row < len) {
+        const float inv = 1.f / sum;
+        T* o = out + base + row * row_stride;
+#pragma unroll
+        for (int dt = 0; dt < HD / 8; ++dt)
+          *reinterpret_cast<uint32_t*>(o + dt * 8 + 2 * t) =
+              pack2<T>(acc[mt][dt][2 * i] * inv, acc[mt][dt][2 * i + 1] * inv);
+        if (t == 0) lse[(int64_t)head * total + start + row] = (row_max[mt][i] + log2f(sum)) * kLn2;
+      }
     }
   }
 }
@@ -264,21 +368,47 @@ attention_dsum_kernel(const T* __restrict__ dout, const T* __restrict__ out, flo
   if (lane == 0) dsum[(row % num_heads) * total + row / num_heads] = sum;
 }
 
+// A query tile's lse (log2 units) and D, as one thread (threadIdx.x < kBlockM) fetches
+// them from global memory into registers and later stores them to shared memory.
+struct QueryRowStats {
+  float lse_log2, dsum;
+};
+
+template <int BM>
+__device__ __forceinline__ QueryRowStats fetch_row_stats(const float* lse, const float* dsum, int64_t at0,
+                                                         int m0, int len) {
+  const int i = threadIdx.x;
+  // Past the sequence end: lse = +inf, so that P = 0 for those queries.
+  if (i >= BM || m0 + i >= len) return {INFINITY, 0.f};
+  return {lse[at0 + m0 + i] * kLog2e, dsum[at0 + m0 + i]};
+}
+
 template <typename T, int HD>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, 2)
 attention_bwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                      const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ dsum,
                      const int* __restrict__ cu_seqlens, float* __restrict__ dq_accum, T* __restrict__ dk,
                      T* __restrict__ dv, int num_heads, int64_t total, float scale, float scale_log2) {
-  constexpr int kStride = HD + 8;        // Q, K, V, dO tiles: (rows, head dim)
-  constexpr int kSStride = kBlockM + 8;  // dS^T tile: (keys, queries)
+  constexpr int MT = kBwdWarpTiles<HD>;
+  constexpr int kBlockN = kBwdBlockN<HD>;
+  constexpr int kBlockM = kBwdBlockM;
+  constexpr int kStride = HD + 8;          // Q, K, V, dO tiles: (rows, head dim)
+  constexpr int kSStride = kBlockM + 8;    // dS^T tile: (keys, queries)
+  constexpr int kQTile = kBlockM * kStride;
+  // dQ = dS K: warp w takes query strip w % kDqStrips and the (w / kDqStrips)-th of
+  // kWarps / kDqStrips column groups of the head dim.
+  constexpr int kDqStrips = kBlockM / 16;
+  constexpr int kDqCols = HD * kDqStrips / kWarps;
+  static_assert(kWarps % kDqStrips == 0 && kDqCols % 16 == 0, "dQ work must split evenly over the warps");
   __shared__ __align__(16) T sK[kBlockN * kStride];
   __shared__ __align__(16) T sV[kBlockN * kStride];
-  __shared__ __align__(16) T sQ[kBlockM * kStride];
-  __shared__ __align__(16) T sdO[kBlockM * kStride];
+  __shared__ __align__(16) T stages[2][2 * kQTile];  // stage s: Q at [s][0], dO at [s][kQTile]
   __shared__ __align__(16) T sdS[kBlockN * kSStride];
-  __shared__ float sLse[kBlockM];   // log2 units; +inf past the sequence end, so that P = 0 there
-  __shared__ float sDsum[kBlockM];
+  __shared__ float sLse[2][kBlockM];   // per stage; log2 units, +inf past the sequence end
+  __shared__ float sDsum[2][kBlockM];
+  static_assert(sizeof(sK) + sizeof(sV) + sizeof(stages) + sizeof(sdS) + sizeof(sLse) + sizeof(sDsum) <=
+                    48 * 1024,
+                "static shared memory over 48 KB");
 
   const int head = blockIdx.z;
   const int start = cu_seqlens[blockIdx.y];
@@ -290,107 +420,144 @@ attention_bwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* 
   const int g = lane / 4, t = lane % 4;
   const int64_t row_stride = (int64_t)num_heads * HD;
   const int64_t base = (int64_t)start * row_stride + (int64_t)head * HD;
+  const int64_t stats_at = (int64_t)head * total + start;  // (head, start) in lse and dsum
+  auto copy_q_do = [&](int stage, int m0) {
+    copy_tile_async<T, HD, kBlockM>(stages[stage], q + base + m0 * row_stride, row_stride, len - m0);
+    copy_tile_async<T, HD, kBlockM>(stages[stage] + kQTile, dout + base + m0 * row_stride, row_stride, len - m0);
+    cp_async_commit();
+  };
+  auto store_stats = [&](int stage, QueryRowStats stats) {
+    if (threadIdx.x < kBlockM) {
+      st_shared(&sLse[stage][threadIdx.x], stats.lse_log2);
+      st_shared(&sDsum[stage][threadIdx.x], stats.dsum);
+    }
+  };
 
-  load_tile<T, HD, kBlockN>(sK, k + base + n0 * row_stride, row_stride, len - n0);
-  load_tile<T, HD, kBlockN>(sV, v + base + n0 * row_stride, row_stride, len - n0);
-  __syncthreads();
-  // This warp's 16 keys as A operands (rows = keys, k = head dim), kept for the whole pass.
-  uint32_t ka[HD / 16][4], va[HD / 16][4];
-#pragma unroll
-  for (int kk = 0; kk < HD / 16; ++kk) {
-    ldmatrix_x4(ka[kk], a_rows(sK, kStride, warp * 16, kk * 16, lane));
-    ldmatrix_x4(va[kk], a_rows(sV, kStride, warp * 16, kk * 16, lane));
-  }
+  copy_tile_async<T, HD, kBlockN>(sK, k + base + n0 * row_stride, row_stride, len - n0);
+  copy_tile_async<T, HD, kBlockN>(sV, v + base + n0 * row_stride, row_stride, len - n0);
+  cp_async_commit();
+  copy_q_do(0, 0);
+  store_stats(0, fetch_row_stats<kBlockM>(lse, dsum, stats_at, 0, len));
+  cp_async_wait<1>();  // this thread's K, V copies have landed (query tile 0 may still fly)
+  __syncthreads();     // barrier: every thread's K, V copies have landed
+  // This warp's 16 MT keys as A operands (rows = keys, k = head dim), kept for the whole pass.
+  const int key0 = warp * 16 * MT;  // the warp's first key, counted within the tile
+  uint32_t ka[MT][HD / 16][4], va[MT][HD / 16][4];
+  load_a_strips(ka, sK, kStride, key0, lane);
+  load_a_strips(va, sV, kStride, key0, lane);
   // Keys past the sequence end get P = 0. Not needed for the result (their dK, dV are
   // never stored and their zero K rows cancel their dS in dQ), but it keeps P^T honest.
-  const bool key_real[2] = {n0 + warp * 16 + g < len, n0 + warp * 16 + g + 8 < len};
-  float dk_acc[HD / 8][4] = {};
-  float dv_acc[HD / 8][4] = {};
+  bool key_real[MT][2];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    key_real[mt][0] = n0 + key0 + mt * 16 + g < len;
+    key_real[mt][1] = n0 + key0 + mt * 16 + g + 8 < len;
+  }
+  float dk_acc[MT][HD / 8][4] = {};
+  float dv_acc[MT][HD / 8][4] = {};
+  const int dq_strip = warp % kDqStrips, dq_col0 = (warp / kDqStrips) * kDqCols;
 
-  for (int m0 = 0; m0 < len; m0 += kBlockM) {
-    __syncthreads();  // every warp is done with the previous query tile and its dS^T
-    load_tile<T, HD, kBlockM>(sQ, q + base + m0 * row_stride, row_stride, len - m0);
-    load_tile<T, HD, kBlockM>(sdO, dout + base + m0 * row_stride, row_stride, len - m0);
-    for (int i = threadIdx.x; i < kBlockM; i += kThreads) {
-      const bool real = m0 + i < len;
-      const int64_t at = (int64_t)head * total + start + m0 + i;
-      sLse[i] = real ? lse[at] * kLog2e : INFINITY;
-      sDsum[i] = real ? dsum[at] : 0.f;
-    }
+  for (int j = 0, m0 = 0; m0 < len; ++j, m0 += kBlockM) {
+    const int cur = j % 2, next = 1 - cur;
+    cp_async_wait<0>();  // this thread's copies of query tile j have landed
+    // Barrier: tile j (every thread's copies, and its lse, D) is visible; every warp is
+    // done with the other stage (tile j - 1), refilled below, and with dS^T, rewritten below.
     __syncthreads();
+    const bool more = m0 + kBlockM < len;
+    QueryRowStats next_stats{};
+    if (more) {
+      copy_q_do(next, m0 + kBlockM);
+      next_stats = fetch_row_stats<kBlockM>(lse, dsum, stats_at, m0 + kBlockM, len);  // lands during the math
+    }
+    const T* sQ = stages[cur];
+    const T* sdO = sQ + kQTile;
 
-    // P^T = exp2(scale_log2 * K Q^T - lse_log2): 16 keys x 64 queries.
-    float p[kBlockM / 8][4] = {};
+    // P^T = exp2(scale_log2 * K Q^T - lse_log2): 16 MT keys x kBlockM queries.
+    float p[MT][kBlockM / 8][4] = {};
     mma_abt(p, ka, sQ, kStride, lane);
 #pragma unroll
     for (int nt = 0; nt < kBlockM / 8; ++nt) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int query = nt * 8 + 2 * t + (e & 1);
-        p[nt][e] = key_real[e / 2] ? exp2f(p[nt][e] * scale_log2 - sLse[query]) : 0.f;
+        const float lse_q = ld_shared(&sLse[cur][nt * 8 + 2 * t + (e & 1)]);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+          p[mt][nt][e] = key_real[mt][e / 2] ? exp2f(p[mt][nt][e] * scale_log2 - lse_q) : 0.f;
       }
     }
 
-    // dV += P^T dO: k runs over the 64 queries.
+    // dV += P^T dO: k runs over the tile's queries.
     mma_pb(dv_acc, p, sdO, kStride, lane);
 
-    // dP^T = V dO^T: 16 keys x 64 queries, k runs over the head dim.
-    float dpt[kBlockM / 8][4] = {};
+    // dP^T = V dO^T: 16 MT keys x kBlockM queries, k runs over the head dim.
+    float dpt[MT][kBlockM / 8][4] = {};
     mma_abt(dpt, va, sdO, kStride, lane);
 
     // dS^T = P^T * (dP^T - D), in place of P^T (softmax_scale comes at the end).
 #pragma unroll
     for (int nt = 0; nt < kBlockM / 8; ++nt) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) p[nt][e] *= dpt[nt][e] - sDsum[nt * 8 + 2 * t + (e & 1)];
+      for (int e = 0; e < 4; ++e) {
+        const float d = ld_shared(&sDsum[cur][nt * 8 + 2 * t + (e & 1)]);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) p[mt][nt][e] *= dpt[mt][nt][e] - d;
+      }
     }
 
-    // dK += dS^T Q: k runs over the 64 queries.
+    // dK += dS^T Q: k runs over the tile's queries.
     mma_pb(dk_acc, p, sQ, kStride, lane);
 
-    // dS^T to shared memory, rows = this warp's keys: dQ needs all 64 keys of a query.
+    // dS^T to shared memory, rows = this warp's keys: dQ needs all the tile's keys of a query.
 #pragma unroll
-    for (int nt = 0; nt < kBlockM / 8; ++nt) {
+    for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-      for (int i = 0; i < 2; ++i)
-        *reinterpret_cast<uint32_t*>(sdS + (warp * 16 + g + 8 * i) * kSStride + nt * 8 + 2 * t) =
-            pack2<T>(p[nt][2 * i], p[nt][2 * i + 1]);
+      for (int nt = 0; nt < kBlockM / 8; ++nt) {
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+          st_shared(reinterpret_cast<uint32_t*>(sdS + (key0 + mt * 16 + g + 8 * i) * kSStride + nt * 8 + 2 * t),
+                    pack2<T>(p[mt][nt][2 * i], p[mt][nt][2 * i + 1]));
+      }
     }
-    __syncthreads();
+    if (more) store_stats(next, next_stats);
+    __syncthreads();  // barrier: every warp's dS^T rows are written
 
-    // dQ = dS K for this warp's 16 queries: A = dS read transposed from dS^T, B = K
-    // (rows = keys = k); k runs over the tile's 64 keys.
-    float dq[HD / 8][4] = {};
+    // dQ = dS K for this warp's 16 queries and kDqCols head dims: A = dS read transposed
+    // from dS^T, B = K (rows = keys = k); k runs over the tile's keys.
+    float dq[1][kDqCols / 8][4] = {};
 #pragma unroll
-    for (int j = 0; j < kBlockN / 16; ++j) {
-      uint32_t da[4];
-      ldmatrix_x4_trans(da, a_cols(sdS, kSStride, warp * 16, j * 16, lane));
-      mma_ab_step(dq, da, sK, kStride, j * 16, lane);
+    for (int kj = 0; kj < kBlockN / 16; ++kj) {
+      uint32_t da[1][4];
+      ldmatrix_x4_trans(da[0], a_cols(sdS, kSStride, dq_strip * 16, kj * 16, lane));
+      mma_ab_step<T>(dq, da, sK + dq_col0, kStride, kj * 16, lane);
     }
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-      const int row = m0 + warp * 16 + g + 8 * i;
+      const int row = m0 + dq_strip * 16 + g + 8 * i;
       if (row < len) {
-        float* dst = dq_accum + base + row * row_stride + 2 * t;
+        float* dst = dq_accum + base + row * row_stride + dq_col0 + 2 * t;
 #pragma unroll
-        for (int dt = 0; dt < HD / 8; ++dt) {
-          atomicAdd(dst + dt * 8, dq[dt][2 * i] * scale);
-          atomicAdd(dst + dt * 8 + 1, dq[dt][2 * i + 1] * scale);
+        for (int dt = 0; dt < kDqCols / 8; ++dt) {
+          atomicAdd(dst + dt * 8, dq[0][dt][2 * i] * scale);
+          atomicAdd(dst + dt * 8 + 1, dq[0][dt][2 * i + 1] * scale);
         }
       }
     }
   }
 
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int key = n0 + warp * 16 + g + 8 * i;
-    if (key < len) {
-      const int64_t at = base + key * row_stride + 2 * t;
+  for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-      for (int dt = 0; dt < HD / 8; ++dt) {
-        *reinterpret_cast<uint32_t*>(dk + at + dt * 8) =
-            pack2<T>(dk_acc[dt][2 * i] * scale, dk_acc[dt][2 * i + 1] * scale);
-        *reinterpret_cast<uint32_t*>(dv + at + dt * 8) = pack2<T>(dv_acc[dt][2 * i], dv_acc[dt][2 * i + 1]);
+    for (int i = 0; i < 2; ++i) {
+      const int key = n0 + key0 + mt * 16 + g + 8 * i;
+      if (key < len) {
+        const int64_t at = base + key * row_stride + 2 * t;
+#pragma unroll
+        for (int dt = 0; dt < HD / 8; ++dt) {
+          *reinterpret_cast<uint32_t*>(dk + at + dt * 8) =
+              pack2<T>(dk_acc[mt][dt][2 * i] * scale, dk_acc[mt][dt][2 * i + 1] * scale);
+          *reinterpret_cast<uint32_t*>(dv + at + dt * 8) =
+              pack2<T>(dv_acc[mt][dt][2 * i], dv_acc[mt][dt][2 * i + 1]);
+        }
       }
     }
   }
@@ -435,7 +602,7 @@ extern "C" cudaError_t bds_varlen_attention_fwd(const void* q, const void* k, co
     using T = decltype(t);
     constexpr int HD = decltype(hd)::value;
     if (batch == 0 || total == 0 || max_seqlen == 0) return cudaSuccess;
-    const dim3 grid((max_seqlen + kBlockM - 1) / kBlockM, batch, num_heads);
+    const dim3 grid((max_seqlen + kFwdBlockM - 1) / kFwdBlockM, batch, num_heads);
     attention_fwd_kernel<T, HD><<<grid, kThreads, 0, stream>>>(
         static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v), cu_seqlens,
         static_cast<T*>(out), lse, num_heads, total, softmax_scale * kLog2e);
@@ -463,7 +630,7 @@ extern "C" cudaError_t bds_varlen_attention_bwd(const void* dout, const void* q,
         static_cast<const T*>(dout), static_cast<const T*>(out), dsum, num_heads, total);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
 
-    const dim3 grid((max_seqlen + kBlockN - 1) / kBlockN, batch, num_heads);
+    const dim3 grid((max_seqlen + kBwdBlockN<HD> - 1) / kBwdBlockN<HD>, batch, num_heads);
     attention_bwd_kernel<T, HD><<<grid, kThreads, 0, stream>>>(
         static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v),
         static_cast<const T*>(dout), lse, dsum, cu_seqlens, dq_accum, static_cast<T*>(dk),

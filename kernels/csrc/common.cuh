@@ -1,6 +1,7 @@
 // Device helpers shared by the kernels: dtype conversion, vector access, warp
-// reductions, the per-column reduction of fp32 partial sums, and the two tensor-core
-// instructions the attention uses (ldmatrix, mma.sync m16n8k16).
+// reductions, the per-column reduction of fp32 partial sums, the two tensor-core
+// instructions the attention uses (ldmatrix, mma.sync m16n8k16) and its shared-memory
+// access (cp.async, ld_shared/st_shared).
 //
 // Torch-free on purpose: these files build with nvcc alone (kernels/compile_check.py
 // runs on CPU-only CI). The PTX helpers are the only inline assembly; everything
@@ -197,6 +198,43 @@ __device__ __forceinline__ void mma_16816<__half>(float (&d)[4], const uint32_t 
       "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// ----------------------------------------------------------------- shared memory (the attention's)
+//
+// attention.cu touches shared memory only through ldmatrix and these, so that the CPU
+// emulation (tests/kernels/emu) can see every access: it lands a cp.async copy only at
+// the wait that covers it and reports reads of bytes still in flight and cross-warp
+// accesses with no barrier between.
+
+// 16 bytes global -> shared, asynchronously; both addresses 16-byte aligned. valid ==
+// false reads nothing (src-size 0) and zero-fills the 16 shared bytes. The bytes may be
+// read only after a cp_async_wait that covers the group they were committed in. .cg:
+// cached in L2 only, since a tile is read once per CTA.
+__device__ __forceinline__ void cp_async_16(void* smem_dst, const void* gmem_src, bool valid) {
+  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem_dst));
+  const int src_bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem_src), "r"(src_bytes)
+               : "memory");
+}
+
+// Closes this thread's current group of copies.
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+
+// Returns when at most N of this thread's committed groups are still in flight. The
+// memory clobber keeps the compiler from moving shared-memory reads above it.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+template <typename V>
+__device__ __forceinline__ V ld_shared(const V* p) {
+  return *p;
+}
+template <typename V>
+__device__ __forceinline__ void st_shared(V* p, const V& v) {
+  *p = v;
 }
 
 #endif  // BDS_EMULATE

@@ -2,65 +2,40 @@
 
 ``kernels/csrc/*.cu`` are compiled as C++ against ``tests/kernels/emu/cuda_runtime.h``
 (threads as fibers, warp shuffles, ldmatrix and mma.sync by the PTX fragment layouts)
-into a shared library whose ``extern "C"`` launchers are called through ctypes on CPU
-tensors, and compared with the references as the GPU tests do. This covers indexing,
-tiling, masking, barriers and the fast/general path choice on every CI run; it cannot
-cover timing, real concurrency or the hardware itself (tests/kernels/test_cuda_ops.py
-does, on a GPU). Skipped without g++ or the CUDA headers.
+by ``tests/kernels/emulation.py`` into a shared library whose ``extern "C"`` launchers
+are called through ctypes on CPU tensors, and compared with the references as the GPU
+tests do. This covers indexing, tiling, masking, barriers and the fast/general path
+choice on every CI run. The attention's shared memory is checked on every access: a
+cp.async copy lands only at the wait that covers it, and a read of bytes in flight or a
+cross-warp access with no barrier between ends the run with an ``emu:`` report, which
+copies of the kernel with a wait or a barrier removed must produce. It cannot cover
+timing, real concurrency or the hardware itself (tests/kernels/test_cuda_ops.py does, on
+a GPU). Skipped without g++ or the CUDA headers.
 """
 
 import ctypes
 import importlib
 import math
 import re
-import shutil
-import subprocess
-from pathlib import Path
 
 import pytest
 import torch
 
 import kernels
+from tests.kernels import emulation
 from tests.kernels.helpers import (
     ATOL, assert_close_to_reference, attention_per_sequence, cu_seqlens_of, gelu_fp64, gelu_same_dtype,
     layer_norm_fp64, layer_norm_same_dtype, misaligned, rand,
 )
 
-CSRC = Path(__file__).resolve().parents[2] / "kernels" / "csrc"
-EMU = Path(__file__).resolve().parent / "emu"
 CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-# `kernel<...><<<grid, block, smem, stream>>>(args)` -> `::emu::launch(kernel<...>, grid, block, smem, stream, args)`
-LAUNCH = re.compile(r"([A-Za-z_][\w:]*(?:<[^<>;]*>)?)\s*<<<(.*?)>>>\s*\(", re.S)
-
-
-def _cuda_include() -> Path | None:
-    candidates = []
-    nvcc = shutil.which("nvcc")
-    if nvcc:
-        candidates.append(Path(nvcc).resolve().parent.parent / "include")
-    candidates += [Path("/usr/local/cuda/include")]
-    return next((c for c in candidates if (c / "cuda_bf16.h").exists()), None)
 
 
 @pytest.fixture(scope="module")
 def emu(tmp_path_factory):
-    include = _cuda_include()
-    if shutil.which("g++") is None or include is None:
-        pytest.skip("needs g++ and the CUDA headers (cuda_bf16.h)")
-    out = tmp_path_factory.mktemp("emu")
-    sources = []
-    for path in sorted(CSRC.glob("*.cu*")):  # the .cu files and the headers that launch kernels
-        text = LAUNCH.sub(lambda m: f"::emu::launch({m.group(1)}, {m.group(2)}, ", path.read_text())
-        assert "<<<" not in text, f"{path.name}: a kernel launch the emulation cannot rewrite"
-        name = f"{path.stem}.cpp" if path.suffix == ".cu" else path.name  # rewritten headers shadow csrc's
-        (out / name).write_text(text)
-        if path.suffix == ".cu":
-            sources.append(str(out / name))
-    library = out / "libbds_emu.so"
-    cmd = ["g++", "-std=c++17", "-O1", "-g0", "-shared", "-fPIC", "-fno-strict-aliasing", "-DBDS_EMULATE",
-           f"-I{EMU}", f"-I{CSRC}", f"-I{include}", *sources, "-o", str(library)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-6000:]
+    if reason := emulation.unavailable():
+        pytest.skip(reason)
+    library = emulation.build_library(emulation.csrc_sources(), tmp_path_factory.mktemp("emu"))
     return Emulated(ctypes.CDLL(str(library)))
 
 
@@ -296,10 +271,16 @@ def test_bias_gelu(emu, dtype, approximate, rows, cols, aligned, bias_fp32):
 
 # --------------------------------------------------------------------------- attention
 
+# One batch from 1 to 512 tokens: full and partial tiles of every size the kernels use
+# (forward: 128 queries, 64 keys at head dim 64 and 128 at 32; backward: 64 or 128 keys,
+# 32 queries); 512 cycles both cp.async stages several times.
+LENGTHS_1_TO_512 = [512, 1, 129, 64, 255, 17]
 ATTENTION_CASES = [  # (lengths, heads, head_dim)
     ([1, 130, 64, 17], 2, 64),
     ([65, 3], 1, 32),
     ([200], 1, 64),
+    (LENGTHS_1_TO_512, 1, 64),
+    (LENGTHS_1_TO_512, 2, 32),
 ]
 
 
@@ -335,6 +316,56 @@ def test_varlen_attention(emu, dtype, lengths, heads, head_dim):
     truth, same = _fp64_grads(truth_fn, inputs, grad_out), _same_dtype_grads(torch_fn, inputs, grad_out)
     for name, ours in (("q", dq), ("k", dk), ("v", dv)):
         assert_close_to_reference(f"d{name}", ours, same[name], truth[name], atol)
+
+
+# Copies of attention.cu with one synchronisation removed, and the emulator's report each must
+# cause. The forward's wait is the only one covering key tile 0, so its first ldmatrix reads
+# copies in flight; without the barrier after dS^T, a warp reads the dS^T rows of the others
+# for dQ before they are written (or they overwrite rows it read), whichever order the warps run.
+BROKEN_ATTENTION = {
+    "missing cp_async_wait": (
+        "    cp_async_wait<0>();  // this thread's copies of tile j have landed (the only group in flight)\n",
+        r"race .* reads bytes .*cp\.async"),
+    "missing __syncthreads": (
+        "    __syncthreads();  // barrier: every warp's dS^T rows are written\n",
+        r"race .* with no __syncthreads between"),
+}
+
+_RUN_ATTENTION = """
+import ctypes
+import torch
+from tests.kernels.helpers import cu_seqlens_of, rand
+from tests.kernels.test_cuda_emulated import Emulated
+
+emu = Emulated(ctypes.CDLL({library!r}))
+lengths = [70, 5]
+q, k, v, dout = (rand(sum(lengths), 1, 64, dtype=torch.bfloat16, seed=seed) for seed in range(4))
+cu_seqlens = cu_seqlens_of(lengths)
+out, lse = emu.varlen_attention_fwd(q, k, v, cu_seqlens, max(lengths), 0.0, 0.125)
+emu.varlen_attention_bwd(dout, q, k, v, out, lse, cu_seqlens, max(lengths), 0.125)
+print("ran to the end")
+"""
+
+
+def test_attention_run_for_the_broken_copies_passes_on_the_real_source(emu):
+    outcome = emulation.run_python(_RUN_ATTENTION.format(library=emu.lib._name))
+    assert outcome.returncode == 0 and "ran to the end" in outcome.stdout, outcome.stderr[-2000:]
+
+
+@pytest.mark.parametrize("broken", sorted(BROKEN_ATTENTION))
+def test_attention_missing_a_synchronisation_fails_in_the_emulator(tmp_path, broken):
+    if reason := emulation.unavailable():
+        pytest.skip(reason)
+    removed, report = BROKEN_ATTENTION[broken]
+    sources = {path.name: path.read_text() for path in emulation.csrc_sources()}
+    source = sources["attention.cu"]
+    assert source.count(removed) == 1, f"{broken}: the line to remove is not in attention.cu exactly once"
+    sources["attention.cu"] = source.replace(removed, "")
+    assert sources["attention.cu"] != source
+    library = emulation.build_library(sources, tmp_path)
+    outcome = emulation.run_python(_RUN_ATTENTION.format(library=str(library)))
+    assert outcome.aborted, f"{broken}: the emulated kernel ran to the end\n{outcome.stdout}{outcome.stderr[-2000:]}"
+    assert re.search(report, outcome.emu_error), f"{broken}: {outcome.emu_error or outcome.stderr[-2000:]}"
 
 
 # --------------------------------------------------------------------------- public ops and model on the emulation

@@ -10,10 +10,18 @@
 // the block's fibers. Kernel launches are rewritten to emu::launch by the test before
 // compiling (`k<<<grid, block, smem, stream>>>(args)` -> `::emu::launch(k, grid, ...)`).
 //
-// What it checks: indexing, tiling, masking, synchronisation (a missing barrier shows
-// up as a deadlock report or wrong values), fragment bookkeeping and the arithmetic.
-// What it cannot: timing, memory-model races between real concurrent warps, the real
-// hardware's accumulation order inside an mma, and device-only failure modes.
+// What it checks: indexing, tiling, masking, fragment bookkeeping and the arithmetic;
+// barriers that can never open (a deadlock report); and, for shared memory reached through
+// the kernels' contract (cp_async_16/commit/wait, ld_shared/st_shared, ldmatrix: see
+// shared_memory.h), every read of bytes whose cp.async the issuing thread has not waited
+// for, and every write-then-read, write-then-write or read-then-write of the same bytes by
+// two different warps with no __syncthreads between. Those are found from the accesses
+// themselves, whatever order the fibers run in, and end the process with one line
+// `emu: ...` naming the block, warp, lane and shared address.
+// What it cannot: timing; races on shared memory a kernel touches directly (plain loads
+// and stores of a __shared__ array: only wrong values can show those), on global memory,
+// or between lanes of one warp; the real hardware's accumulation order inside an mma; and
+// device-only failure modes.
 #pragma once
 
 #define __shared__ static  // before host_defines.h, which leaves a defined __shared__ alone
@@ -72,6 +80,13 @@ struct Warp {
   uint32_t regs[32][6];
 };
 
+// A cp.async in flight: its bytes, snapshotted at issue, land at the wait covering `group`.
+struct AsyncCopy {
+  unsigned char* dst;
+  unsigned char bytes[16];
+  unsigned group;  // the thread's committed-group count when it was issued
+};
+
 struct Fiber {
   ucontext_t context;
   std::vector<char> stack;
@@ -80,6 +95,8 @@ struct Fiber {
   bool done = false;
   bool at_block_barrier = false;  // waiting in __syncthreads for `block_generation` to pass
   unsigned block_generation = 0;
+  std::vector<AsyncCopy> copies;  // issued, not landed; oldest first
+  unsigned committed_groups = 0;
 };
 
 struct State {
@@ -91,6 +108,7 @@ struct State {
   std::vector<Warp> warps;
   std::function<void()> body;
   long idle_yields = 0;  // yields since a barrier last opened or a fiber finished
+  uint32_t epoch = 0;    // advances at every block start and __syncthreads: shared_memory.h's race clock
 };
 
 inline State& state() {
@@ -115,6 +133,7 @@ inline void open(Barrier& b) {
   b.arrived = 0;
   ++b.generation;
   state().idle_yields = 0;
+  if (&b == &state().block) ++state().epoch;
 }
 
 inline void arrive_and_wait(Barrier& b) {
@@ -156,9 +175,12 @@ inline Warp& full_warp(const char* what) {
 }
 inline void warp_sync() { arrive_and_wait(my_warp().barrier); }
 
+inline void land_copies(int pending);  // shared_memory.h: lands a thread's cp.async copies
+
 inline void fiber_entry() {
   State& s = state();
   s.body();
+  land_copies(-1);
   Fiber& f = me();
   f.done = true;
   leave(s.block);
@@ -175,12 +197,15 @@ inline void run_block(dim3 block_idx) {
   s.warps.assign((n + 31) / 32, Warp{});
   s.block = Barrier{};
   s.block.alive = n;
+  ++s.epoch;
   for (int i = 0; i < n; ++i) s.warps[i / 32].barrier.alive++;
   for (int i = 0; i < n; ++i) {
     Fiber& f = s.fibers[i];
     f.stack.resize(1 << 18);
     f.linear = i;
     f.done = false;
+    f.copies.clear();
+    f.committed_groups = 0;
     f.thread_idx = dim3(i % s.block_dim.x, (i / s.block_dim.x) % s.block_dim.y, i / (s.block_dim.x * s.block_dim.y));
     getcontext(&f.context);
     f.context.uc_stack.ss_sp = f.stack.data();
@@ -269,6 +294,8 @@ inline float atomicAdd(float* address, float value) {
   return old;
 }
 
+#include "shared_memory.h"
+
 // ----------------------------------------------------------------- tensor-core operations
 
 namespace bds {
@@ -276,10 +303,8 @@ namespace bds {
 inline void emu_ldmatrix(uint32_t (&r)[4], const void* row_address, bool trans) {
   emu::Warp& w = emu::full_warp("ldmatrix");
   const int lane = emu::lane_id();
-  if (reinterpret_cast<uintptr_t>(row_address) % 16 != 0) {
-    std::fprintf(stderr, "emu: ldmatrix row address %p is not 16-byte aligned\n", row_address);
-    std::abort();
-  }
+  emu::require_aligned("ldmatrix row", row_address, 16);
+  emu::track_read(row_address, 16, "ldmatrix reads");
   w.address[lane] = row_address;
   emu::warp_sync();
   for (int i = 0; i < 4; ++i) {

@@ -1,0 +1,128 @@
+"""Builds CUDA sources into a CPU library against the emulator in ``tests/kernels/emu``.
+
+``build_library`` is the one place that turns ``.cu`` text into something ctypes can load:
+kernel launches (``k<<<grid, block, smem, stream>>>(args)``) are rewritten to
+``::emu::launch(k, grid, block, smem, stream, args)`` and the result is compiled by g++ as
+C++ with ``-DBDS_EMULATE`` and the emulator's ``cuda_runtime.h`` first on the include path.
+Sources are paths or ``{file name: text}``, so a test can build an edited copy of a kernel
+(a barrier removed, a wait dropped) next to the real one.
+
+The emulator ends the process on a kernel error (``emu: ...`` on stderr, then abort), so
+tests that expect one run the library in a fresh interpreter: ``run_python``.
+"""
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+CSRC = REPO / "kernels" / "csrc"
+EMU = Path(__file__).resolve().parent / "emu"
+# `kernel<...><<<grid, block, smem, stream>>>(args)` -> `::emu::launch(kernel<...>, grid, block, smem, stream, args)`
+LAUNCH = re.compile(r"([A-Za-z_][\w:]*(?:<[^<>;]*>)?)\s*<<<(.*?)>>>\s*\(", re.S)
+CXXFLAGS = ["-std=c++17", "-O1", "-g0", "-shared", "-fPIC", "-fno-strict-aliasing", "-DBDS_EMULATE"]
+COMPILED = (".cu", ".cpp")  # translation units; any other file is a header, written beside them
+
+
+class BuildError(RuntimeError):
+    """A source the emulation cannot take, or a failed compile (the message carries g++'s output)."""
+
+
+def cuda_include() -> Path | None:
+    """The CUDA toolkit's include directory (for cuda_bf16.h and friends), or None."""
+    candidates = []
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        candidates.append(Path(nvcc).resolve().parent.parent / "include")
+    candidates.append(Path("/usr/local/cuda/include"))
+    return next((c for c in candidates if (c / "cuda_bf16.h").exists()), None)
+
+
+def unavailable() -> str:
+    """Why nothing can be built here ('' when g++ and the CUDA headers are present)."""
+    if shutil.which("g++") is None or cuda_include() is None:
+        return "needs g++ and the CUDA headers (cuda_bf16.h)"
+    return ""
+
+
+def rewrite_launches(text: str, name: str) -> str:
+    """``text`` with every ``<<<...>>>`` launch turned into a call of ``emu::launch``."""
+    text = LAUNCH.sub(lambda m: f"::emu::launch({m.group(1)}, {m.group(2)}, ", text)
+    if "<<<" in text:
+        raise BuildError(f"{name}: a kernel launch the emulation cannot rewrite")
+    return text
+
+
+def _as_texts(sources: Iterable[str | Path] | Mapping[str, str]) -> dict[str, str]:
+    if isinstance(sources, Mapping):
+        return dict(sources)
+    return {Path(p).name: Path(p).read_text() for p in sources}
+
+
+def csrc_sources() -> list[Path]:
+    """kernels/csrc's .cu files and the headers that launch kernels: what the extension is built from."""
+    return sorted(CSRC.glob("*.cu*"))
+
+
+def build_library(sources: Iterable[str | Path] | Mapping[str, str], out_dir: str | Path,
+                  name: str = "libbds_emu.so") -> Path:
+    """Compiles ``sources`` into ``out_dir / name`` and returns its path.
+
+    Every source is written into ``out_dir`` with its launches rewritten; ``.cu`` files
+    become ``.cpp`` translation units. Headers given here shadow kernels/csrc's for the
+    sources beside them (``#include "x.cuh"`` looks in the includer's folder first); headers
+    not given come from kernels/csrc.
+    """
+    include = cuda_include()
+    if shutil.which("g++") is None or include is None:
+        raise BuildError(unavailable())
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    units = []
+    for file_name, text in _as_texts(sources).items():
+        path = Path(file_name)
+        written = out_dir / (f"{path.stem}.cpp" if path.suffix == ".cu" else path.name)
+        written.write_text(rewrite_launches(text, file_name))
+        if path.suffix in COMPILED:
+            units.append(str(written))
+    if not units:
+        raise BuildError("no .cu or .cpp file among the sources")
+    library = out_dir / name
+    cmd = ["g++", *CXXFLAGS, f"-I{EMU}", f"-I{CSRC}", f"-I{include}", *units, "-o", str(library)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise BuildError(f"g++ failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
+    return library
+
+
+@dataclass
+class Outcome:
+    """How a child interpreter ended: its exit code (negative: the signal) and its stderr."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+    @property
+    def aborted(self) -> bool:
+        return self.returncode == -signal.SIGABRT
+
+    @property
+    def emu_error(self) -> str:
+        """The emulator's one-line report (``emu: ...``), or '' if there is none."""
+        return next((line for line in self.stderr.splitlines() if line.startswith("emu: ")), "")
+
+
+def run_python(code: str, timeout: float = 600) -> Outcome:
+    """Runs ``code`` in a fresh interpreter with this checkout first on the path, so that an
+    emulator abort ends the child, not the test process; the caller asserts on the Outcome."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=env,
+                          cwd=REPO)
+    return Outcome(proc.returncode, proc.stdout, proc.stderr)
