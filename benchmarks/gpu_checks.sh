@@ -3,7 +3,9 @@
 #
 #   benchmarks/gpu_checks.sh [OUT_DIR]     (default: benchmarks/results/<gpu>-<yyyy-mm-dd>)
 #
-#   1. python -m kernels.build                       build the extension, self-check every op
+#   1. python -m kernels.build --recheck             build the extension, self-check every op and time
+#                                                     each against its native alternative (auto's verdicts)
+#      python -m kernels.inspect --summary            registers, spills, CTAs per SM as that machine's nvcc builds them
 #   2. pytest tests/kernels/test_cuda_ops.py          every fused op and gradient against its reference
 #   3. python -m kernels.bench                        each op against torch eager / compile / SDPA
 #   4. python -m bert_ds.bench                        (a) fused, (b) torch, (c) transformers at
@@ -41,7 +43,8 @@ step() {  # step NAME COMMAND...: run, keep stdout+stderr in OUT/NAME.log, count
     echo "== $name: $*"
     "$@" 2>&1 | tee "$out/$name.log" || { echo "== $name FAILED"; failed=$((failed + 1)); }
 }
-step kernels_build "$python" -m kernels.build
+step kernels_build "$python" -m kernels.build --recheck
+step kernels_inspect "$python" -m kernels.inspect --summary
 step test_cuda_ops "$python" -m pytest -q -rs tests/kernels/test_cuda_ops.py
 step kernels_bench "$python" -m kernels.bench --json "$out/kernels_bench.json"
 # shellcheck disable=SC2086  # BENCH_ARGS is a list of words

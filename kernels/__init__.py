@@ -13,9 +13,13 @@ candidate on the device (``speed.py``).
 - ``_build.py``: the one loader (in-process -> prebuilt -> JIT build -> None with the
   reason) and the per-device verdicts: self-check (``selfcheck.py``) and speed (``speed.py``).
 - ``python -m kernels.build``: build, self-check and time ahead of time.
-- ``python -m kernels.compile_check``: nvcc-only compile of every ``.cu`` for sm_80 and
-  sm_90 (CI, no GPU needed).
-- ``python -m kernels.bench``: the kernels against PyTorch at BERT shapes (GPU).
+- ``python -m kernels.compile_check``: every ``.cu`` with nvcc for sm_80 and sm_90, and
+  the binding with the host compiler against torch's headers (CI, no GPU needed);
+  ``--with-torch``: the real extension build against the CUDA build of torch.
+- ``python -m kernels.inspect``: registers, spills, shared memory, CTAs per SM and the
+  tensor-core / cp.async instruction counts of every kernel, from ptxas and the PTX/SASS.
+- ``python -m kernels.bench``: the kernels against PyTorch at BERT shapes, with a
+  roofline line per op (GPU).
 """
 
 from kernels.attention import varlen_attention, varlen_attention_native, varlen_attention_ref

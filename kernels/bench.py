@@ -40,7 +40,6 @@ Design choices, and why:
 """
 
 import argparse
-import importlib
 import json
 import math
 import sys
@@ -54,7 +53,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import _build, probes
-from kernels.attention import varlen_attention, varlen_attention_ref
+from kernels.attention import VARLEN_ATTN, varlen_attention, varlen_attention_ref
 from kernels.bias_gelu import bias_gelu, bias_gelu_ref
 from kernels.layer_norm import layer_norm, layer_norm_ref
 
@@ -125,19 +124,6 @@ def roofline(work: Work, device: dict[str, Any]) -> dict[str, float | str]:
     memory_ms = work.bytes / (device["copy_gb_per_s"] * 1e9) * 1e3
     return {"compute_ms": compute_ms, "memory_ms": memory_ms, "bound_ms": max(compute_ms, memory_ms),
             "limit": "compute" if compute_ms >= memory_ms else "memory"}
-
-
-def find_varlen_attn() -> Callable | None:
-    """torch's varlen FlashAttention wherever this torch keeps it (it has moved between
-    releases; found by looking, never by version), or None."""
-    for module, name in (("torch.nn.attention.varlen", "varlen_attn"), ("torch.nn.attention", "varlen_attn")):
-        try:
-            found = getattr(importlib.import_module(module), name, None)
-        except ImportError:
-            continue
-        if callable(found):
-            return found
-    return None
 
 
 # --------------------------------------------------------------------------- timing
@@ -257,12 +243,10 @@ def _nested_flash(offsets: torch.Tensor, lengths: list[int]) -> Callable:
 
 
 def _varlen_attn(cu_seqlens: torch.Tensor, max_seqlen: int) -> Callable:
-    varlen_attn = find_varlen_attn()
-
     def run(q, k, v):
-        if varlen_attn is None:
+        if VARLEN_ATTN is None:
             raise RuntimeError(f"torch {torch.__version__} has no varlen_attn")
-        return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
+        return VARLEN_ATTN.fn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
     return run
 
 

@@ -29,7 +29,8 @@ cudaError_t bds_layer_norm_fwd(const void* x, const void* residual, const void* 
                                void* y, float* mean, float* rstd, int64_t rows, int hidden, float eps,
                                int dtype, int residual_dtype, int weight_dtype, cudaStream_t stream);
 
-// Rows of fp32 partial sums the backward needs: pass a workspace of 2 * parts * hidden floats.
+// Rows of fp32 partial sums the backward may use (an upper bound: its grid is one wave of
+// the device, from the occupancy API): pass a workspace of 2 * parts * hidden floats.
 int bds_layer_norm_bwd_parts(int64_t rows, int hidden);
 
 // dx: (rows, hidden) of `dtype`, the gradient of both x and residual; dresidual (may be NULL):
@@ -46,7 +47,8 @@ cudaError_t bds_layer_norm_bwd(const void* dy, const void* x, const void* residu
 cudaError_t bds_bias_gelu_fwd(const void* x, const void* bias, void* y, int64_t rows, int cols, int tanh_approx,
                               int dtype, int bias_dtype, cudaStream_t stream);
 
-// Rows of fp32 partial sums the backward needs: pass a workspace of parts * cols floats.
+// Rows of fp32 partial sums the backward may use (an upper bound, as above): pass a
+// workspace of parts * cols floats.
 int bds_bias_gelu_bwd_parts(int64_t rows, int cols);
 
 // dx = dy * gelu'(x + bias); dbias = sum over rows of dx, accumulated in fp32.

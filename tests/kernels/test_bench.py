@@ -92,11 +92,6 @@ def test_roofline_table_lists_ours_and_the_attention_alternatives_beside_measure
     assert "torch eager" not in text  # the roofline lines are for the fastest candidates only
 
 
-def test_varlen_attn_is_found_where_this_torch_keeps_it():
-    varlen = pytest.importorskip("torch.nn.attention.varlen")
-    assert bench.find_varlen_attn() is varlen.varlen_attn
-
-
 def test_padding_puts_each_sequence_at_the_start_of_its_row():
     x = torch.arange(6 * 2, dtype=torch.float32).view(6, 1, 2)  # (T=6, nh=1, hd=2)
     padded = bench._padded(x, [2, 4], 4)  # (B=2, nh=1, S=4, hd=2)
