@@ -206,6 +206,10 @@ inline void run_block(dim3 block_idx) {
   State& s = state();
   s.block_idx = block_idx;
   const int n = (int)(s.block_dim.x * s.block_dim.y * s.block_dim.z);
+  if (n < 1 || n > 1024) {  // CUDA's limit, which the shared-memory shadow relies on (a warp mask in 32 bits)
+    std::fprintf(stderr, "emu: a block of %d threads (CUDA allows 1 to 1024)\n", n);
+    std::abort();
+  }
   s.fibers.resize(n);
   s.warps.assign((n + 31) / 32, Warp{});
   s.block = Barrier{};
