@@ -26,7 +26,10 @@ CSRC = REPO / "kernels" / "csrc"
 EMU = Path(__file__).resolve().parent / "emu"
 # `kernel<...><<<grid, block, smem, stream>>>(args)` -> `::emu::launch(kernel<...>, grid, block, smem, stream, args)`
 LAUNCH = re.compile(r"([A-Za-z_][\w:]*(?:<[^<>;]*>)?)\s*<<<(.*?)>>>\s*\(", re.S)
-CXXFLAGS = ["-std=c++17", "-O1", "-g0", "-shared", "-fPIC", "-fno-strict-aliasing", "-DBDS_EMULATE"]
+# -fno-gnu-unique: the emulator's state and the kernels' __shared__ arrays are statics in inline
+# functions, which g++ otherwise binds process-wide (STB_GNU_UNIQUE) across every library loaded,
+# so two libraries built from different sources would share, and corrupt, each other's.
+CXXFLAGS = ["-std=c++17", "-O1", "-g0", "-shared", "-fPIC", "-fno-strict-aliasing", "-fno-gnu-unique", "-DBDS_EMULATE"]
 COMPILED = (".cu", ".cpp")  # translation units; any other file is a header, written beside them
 
 

@@ -65,6 +65,10 @@ def test_double_buffered_pipeline_reads_what_was_copied(library):
     run_pipeline(library, "none")
 
 
+# Of two conflicting accesses, the later one reports, and the order is the emulator's own
+# (cuda_runtime.h, run_block): in block 0 warp 0 runs first up to its first barrier, and the
+# warp whose arrival opens a barrier runs first after it. The races below are races in any
+# order; the expected wording follows from that order.
 ADDRESS = r"shared address 0x[0-9a-f]+"
 PIPELINE_ERRORS = {
     "missing wait": rf"emu: read before cp\.async wait in block \(0, 0, 0\): warp [01] lane \d+, {ADDRESS}, "

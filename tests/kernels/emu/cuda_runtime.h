@@ -73,11 +73,22 @@ struct Barrier {
   unsigned generation = 0;
 };
 
+// What the lanes of a warp exchange in one warp-wide operation: each writes its entry,
+// all meet at the warp barrier, each reads what it needs.
+struct Slots {
+  uint64_t value[32];          // shuffles
+  const void* address[32];     // ldmatrix row addresses
+  uint32_t regs[32][6];        // mma operands
+  float product[16][8];        // mma: A B, computed once by the first lane that needs it
+  bool product_ready;
+};
+
+// Two sets of slots, for alternate operations: a lane can start the operation after next
+// (which reuses a set) only once every lane has arrived at the next one, so by then every
+// lane has read this operation's set, and one barrier per operation suffices.
 struct Warp {
   Barrier barrier;
-  uint64_t value[32];
-  const void* address[32];
-  uint32_t regs[32][6];
+  Slots slots[2];
 };
 
 // A cp.async in flight: its bytes, snapshotted at issue, land at the wait covering `group`.
@@ -97,6 +108,7 @@ struct Fiber {
   unsigned block_generation = 0;
   std::vector<AsyncCopy> copies;  // issued, not landed; oldest first
   unsigned committed_groups = 0;
+  unsigned warp_ops = 0;  // warp-wide operations so far: picks the Slots set (every lane calls the same sequence)
 };
 
 struct State {
@@ -174,6 +186,7 @@ inline Warp& full_warp(const char* what) {
   return w;
 }
 inline void warp_sync() { arrive_and_wait(my_warp().barrier); }
+inline Slots& next_slots(Warp& w) { return w.slots[me().warp_ops++ % 2]; }
 
 inline void land_copies(int pending);  // shared_memory.h: lands a thread's cp.async copies
 
@@ -193,6 +206,10 @@ inline void run_block(dim3 block_idx) {
   State& s = state();
   s.block_idx = block_idx;
   const int n = (int)(s.block_dim.x * s.block_dim.y * s.block_dim.z);
+  if (n < 1 || n > 1024) {  // CUDA's limit, which the shared-memory shadow relies on (a warp mask in 32 bits)
+    std::fprintf(stderr, "emu: a block of %d threads (CUDA allows 1 to 1024)\n", n);
+    std::abort();
+  }
   s.fibers.resize(n);
   s.warps.assign((n + 31) / 32, Warp{});
   s.block = Barrier{};
@@ -206,6 +223,7 @@ inline void run_block(dim3 block_idx) {
     f.done = false;
     f.copies.clear();
     f.committed_groups = 0;
+    f.warp_ops = 0;
     f.thread_idx = dim3(i % s.block_dim.x, (i / s.block_dim.x) % s.block_dim.y, i / (s.block_dim.x * s.block_dim.y));
     getcontext(&f.context);
     f.context.uc_stack.ss_sp = f.stack.data();
@@ -279,11 +297,11 @@ T __shfl_xor_sync(unsigned, T v, int lane_mask) {
   static_assert(sizeof(T) <= 8, "shuffle of a value wider than 8 bytes");
   emu::Warp& w = emu::full_warp("__shfl_xor_sync");
   const int lane = emu::lane_id();
-  std::memcpy(&w.value[lane], &v, sizeof(T));
+  emu::Slots& slots = emu::next_slots(w);
+  std::memcpy(&slots.value[lane], &v, sizeof(T));
   emu::warp_sync();
   T out;
-  std::memcpy(&out, &w.value[lane ^ lane_mask], sizeof(T));
-  emu::warp_sync();
+  std::memcpy(&out, &slots.value[lane ^ lane_mask], sizeof(T));
   return out;
 }
 
@@ -305,10 +323,11 @@ inline void emu_ldmatrix(uint32_t (&r)[4], const void* row_address, bool trans) 
   const int lane = emu::lane_id();
   emu::require_aligned("ldmatrix row", row_address, 16);
   emu::track_read(row_address, 16, "ldmatrix reads");
-  w.address[lane] = row_address;
+  emu::Slots& slots = emu::next_slots(w);
+  slots.address[lane] = row_address;
   emu::warp_sync();
   for (int i = 0; i < 4; ++i) {
-    auto row = [&](int r8) { return static_cast<const uint16_t*>(w.address[8 * i + r8]); };
+    auto row = [&](int r8) { return static_cast<const uint16_t*>(slots.address[8 * i + r8]); };
     uint16_t lo, hi;
     if (!trans) {  // row lane/4, columns 2(lane%4), 2(lane%4)+1
       lo = row(lane / 4)[2 * (lane % 4)];
@@ -319,25 +338,20 @@ inline void emu_ldmatrix(uint32_t (&r)[4], const void* row_address, bool trans) 
     }
     r[i] = (uint32_t)lo | ((uint32_t)hi << 16);
   }
-  emu::warp_sync();
 }
 
 inline void ldmatrix_x4(uint32_t (&r)[4], const void* row_address) { emu_ldmatrix(r, row_address, false); }
 inline void ldmatrix_x4_trans(uint32_t (&r)[4], const void* row_address) { emu_ldmatrix(r, row_address, true); }
 
+// The warp's A (16 x 16) and B (16 x 8) from the lanes' operand registers, and their product.
 template <typename T>
-void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  emu::Warp& w = emu::full_warp("mma.sync");
-  const int lane = emu::lane_id();
-  const uint32_t mine[6] = {a[0], a[1], a[2], a[3], b0, b1};
-  std::memcpy(w.regs[lane], mine, sizeof(mine));
-  emu::warp_sync();
+void mma_product(emu::Slots& slots) {
   float A[16][16], B[16][8];
   auto lo = [](uint32_t r) { return emu::decode<T>((uint16_t)(r & 0xffffu)); };
   auto hi = [](uint32_t r) { return emu::decode<T>((uint16_t)(r >> 16)); };
   for (int l = 0; l < 32; ++l) {
     const int g = l / 4, t = l % 4;
-    const uint32_t* r = w.regs[l];
+    const uint32_t* r = slots.regs[l];
     A[g][2 * t] = lo(r[0]);         A[g][2 * t + 1] = hi(r[0]);
     A[g + 8][2 * t] = lo(r[1]);     A[g + 8][2 * t + 1] = hi(r[1]);
     A[g][2 * t + 8] = lo(r[2]);     A[g][2 * t + 9] = hi(r[2]);
@@ -345,14 +359,28 @@ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) 
     B[2 * t][g] = lo(r[4]);         B[2 * t + 1][g] = hi(r[4]);
     B[2 * t + 8][g] = lo(r[5]);     B[2 * t + 9][g] = hi(r[5]);
   }
-  const int g = lane / 4, t = lane % 4;
-  for (int e = 0; e < 4; ++e) {
-    const int row = g + 8 * (e / 2), col = 2 * t + (e & 1);
-    float sum = 0.f;
-    for (int k = 0; k < 16; ++k) sum += A[row][k] * B[k][col];
-    d[e] += sum;
+  for (int row = 0; row < 16; ++row) {
+    for (int col = 0; col < 8; ++col) {
+      float sum = 0.f;
+      for (int k = 0; k < 16; ++k) sum += A[row][k] * B[k][col];
+      slots.product[row][col] = sum;
+    }
   }
+  slots.product_ready = true;
+}
+
+template <typename T>
+void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  emu::Warp& w = emu::full_warp("mma.sync");
+  const int lane = emu::lane_id();
+  emu::Slots& slots = emu::next_slots(w);
+  const uint32_t mine[6] = {a[0], a[1], a[2], a[3], b0, b1};
+  std::memcpy(slots.regs[lane], mine, sizeof(mine));
+  slots.product_ready = false;  // no lane reads this set's product again: see Warp
   emu::warp_sync();
+  if (!slots.product_ready) mma_product<T>(slots);
+  const int g = lane / 4, t = lane % 4;
+  for (int e = 0; e < 4; ++e) d[e] += slots.product[g + 8 * (e / 2)][2 * t + (e & 1)];
 }
 
 }  // namespace bds

@@ -1,7 +1,8 @@
-// Shared memory as the attention kernel reaches it through the contract of
-// /work/wt/issues/SMEM_INTERFACE.md (kernels/csrc/common.cuh has the GPU side):
-// cp_async_16 / cp_async_commit / cp_async_wait<N>, ld_shared / st_shared, and the
-// reads of ldmatrix. Included by cuda_runtime.h after the fibers, before ldmatrix.
+// Shared memory as a kernel reaches it through the contract between kernels/csrc and this
+// emulator (the GPU definitions sit in kernels/csrc/common.cuh, outside BDS_EMULATE):
+// cp_async_16 / cp_async_commit / cp_async_wait<N> (cp.async.cg 16 bytes, commit_group,
+// wait_group N), ld_shared / st_shared for every other access, and the reads of ldmatrix.
+// Included by cuda_runtime.h after the fibers, before ldmatrix.
 //
 // cp.async: a copy is snapshotted at issue and lands (its 16 bytes written) only when
 // the issuing thread's cp_async_wait covers its group, or when that thread exits (the
