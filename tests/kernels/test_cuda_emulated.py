@@ -321,14 +321,16 @@ def test_varlen_attention(emu, dtype, lengths, heads, head_dim):
 # Copies of attention.cu with one synchronisation removed, and the emulator's report each must
 # cause. The forward's wait is the only one covering key tile 0, so its first ldmatrix reads
 # copies in flight; without the barrier after dS^T, a warp reads the dS^T rows of the others
-# for dQ before they are written (or they overwrite rows it read), whichever order the warps run.
+# for dQ before they are written (in the first query tile no thread of the block has written
+# them yet; later, another warp's rows of the previous tile), or they overwrite rows it read,
+# whichever order the warps run.
 BROKEN_ATTENTION = {
     "missing cp_async_wait": (
         "    cp_async_wait<0>();  // this thread's copies of tile j have landed (the only group in flight)\n",
         r"race .* reads bytes .*cp\.async"),
     "missing __syncthreads": (
         "    __syncthreads();  // barrier: every warp's dS^T rows are written\n",
-        r"race .* with no __syncthreads between"),
+        r"race .* with no __syncthreads between|uninitialised read .* no thread of this block wrote"),
 }
 
 _RUN_ATTENTION = """

@@ -103,12 +103,14 @@ def test_st_shared_then_ld_shared_across_warps_after_a_barrier(library):
 
 
 def test_st_shared_without_a_barrier_is_a_race(library):
-    """Warp 0 runs first (block 0 goes forward): it reads warp 1's words before warp 1 writes them."""
+    """After the opening barrier one warp runs ahead: it reads the other warp's words before
+    that warp overwrites them, and the overwrite is the race (write after read)."""
     outcome = run_python(f"from tests.kernels.test_emulator import run_exchange\n"
                          f"run_exchange({library!r}, barrier=False)")
     assert outcome.aborted, (outcome.returncode, outcome.stderr[-2000:])
-    assert re.fullmatch(rf"emu: race in block \(0, 0, 0\): warp 1 lane \d+, {ADDRESS}, writes bytes another warp "
-                        r"read with no __syncthreads between \(warp 0\)", outcome.emu_error), outcome.stderr
+    found = re.fullmatch(rf"emu: race in block \(0, 0, 0\): warp (\d) lane \d+, {ADDRESS}, writes bytes another warp "
+                         r"read with no __syncthreads between \(warp (\d)\)", outcome.emu_error)
+    assert found and {found.group(1), found.group(2)} == {"0", "1"}, outcome.stderr
 
 
 # --------------------------------------------------------------------------- fragment layouts, from the PTX ISA
@@ -316,3 +318,20 @@ def test_launches_are_rewritten_and_the_unrewritable_refused():
 def test_a_failed_compile_raises_with_the_compiler_output(library, tmp_path):
     with pytest.raises(BuildError, match="no_such_function"):
         build_library({"broken.cu": '#include <cuda_runtime.h>\nint f() { return no_such_function(); }\n'}, tmp_path)
+
+
+def test_reading_shared_memory_no_thread_of_the_block_wrote_is_an_error(library):
+    """Shared arrays keep an earlier block's bytes in the emulation (and whatever is left on
+    a GPU): a kernel that reads words it never wrote must not pass on them."""
+    outcome = run_python(f"from tests.kernels.test_emulator import run_uninitialised\n"
+                         f"run_uninitialised({library!r})")
+    assert outcome.aborted, (outcome.returncode, outcome.stderr[-2000:])
+    assert re.fullmatch(rf"emu: uninitialised read in block \(1, 0, 0\): warp 0 lane \d+, {ADDRESS}, reads bytes no "
+                        r"thread of this block wrote", outcome.emu_error), outcome.stderr
+
+
+def run_uninitialised(path: str) -> None:
+    """Two blocks: the first writes every word, the second reads them without writing."""
+    lib = ctypes.CDLL(path)
+    out = torch.full((2 * THREADS,), float("nan"))
+    lib.emu_uninitialised(_ptr(out))

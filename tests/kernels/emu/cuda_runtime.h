@@ -121,6 +121,7 @@ struct State {
   std::function<void()> body;
   long idle_yields = 0;  // yields since a barrier last opened or a fiber finished
   uint32_t epoch = 0;    // advances at every block start and __syncthreads: shared_memory.h's race clock
+  uint32_t block_epoch = 0;  // the epoch this block started in: older writes are another block's bytes
 };
 
 inline State& state() {
@@ -214,7 +215,7 @@ inline void run_block(dim3 block_idx) {
   s.warps.assign((n + 31) / 32, Warp{});
   s.block = Barrier{};
   s.block.alive = n;
-  ++s.epoch;
+  s.block_epoch = ++s.epoch;
   for (int i = 0; i < n; ++i) s.warps[i / 32].barrier.alive++;
   for (int i = 0; i < n; ++i) {
     Fiber& f = s.fibers[i];

@@ -21,7 +21,11 @@
 // - RAW / WAW: bytes written by warp A (st_shared, or a copy at landing) then read or
 //   written by warp B != A in the same epoch (no __syncthreads between);
 // - WAR: bytes read by warp B then written by warp A != B in the same epoch (a cp.async
-//   counts as a write at issue here, so refilling a buffer too early is caught at once).
+//   counts as a write at issue here, so refilling a buffer too early is caught at once);
+// - reading bytes no thread of this block wrote: shared arrays are statics here, so they
+//   would hold an earlier block's (finite, plausible) values, and on a GPU whatever is
+//   left there; a kernel that forgets to zero-fill the rows past a sequence's end must
+//   not pass because of them.
 // Shared memory touched directly (plain loads and stores of a __shared__ array) is not
 // seen: only kernels that use the contract throughout are checked.
 #pragma once
@@ -120,6 +124,8 @@ inline void track_read(const void* p, size_t bytes, const char* access) {
   for (uintptr_t a = reinterpret_cast<uintptr_t>(p), end = a + bytes; a < end; a += 4) {
     Word& w = shadow().at(a);
     check_read_not_in_flight(w, a, access);
+    if (w.write_epoch < state().block_epoch)
+      report("uninitialised read", a, "%s bytes no thread of this block wrote", access);
     check_not_written_by_another_warp(w, a, access);
     if (w.read_epoch != now) {
       w.read_epoch = now;

@@ -43,10 +43,13 @@ __global__ void pipeline_kernel(const uint4* src, int n, uint4* out, int tiles, 
 }
 
 // One word per thread through st_shared/ld_shared: each thread writes its word, then reads
-// its partner's in the other warp. `barrier` == 0 leaves the __syncthreads out.
+// its partner's in the other warp. `barrier` == 0 leaves the __syncthreads out. The words
+// start at 0 (written and published first), so the race is the only fault.
 __global__ void exchange_kernel(const float* in, float* out, int barrier) {
   __shared__ __align__(16) float words[kThreads];
   const int tid = threadIdx.x;
+  bds::st_shared(&words[tid], 0.f);
+  __syncthreads();
   bds::st_shared(&words[tid], in[tid]);
   if (barrier) __syncthreads();
   out[tid] = bds::ld_shared(&words[(tid + 32) % kThreads]);
@@ -64,7 +67,21 @@ __global__ void landing_kernel(const uint4* src, uint4* out) {
   out[1] = bds::ld_shared(&slot[0]);
 }
 
+// Block 0 writes its words and reads them back; block 1 only reads (it forgot to write).
+__global__ void uninitialised_kernel(float* out) {
+  __shared__ __align__(16) float words[kThreads];
+  const int tid = threadIdx.x;
+  if (blockIdx.x == 0) bds::st_shared(&words[tid], (float)tid);
+  __syncthreads();
+  out[blockIdx.x * kThreads + tid] = bds::ld_shared(&words[tid]);
+}
+
 }  // namespace
+
+extern "C" int emu_uninitialised(float* out) {
+  uninitialised_kernel<<<2, kThreads, 0, 0>>>(out);
+  return (int)cudaGetLastError();
+}
 
 extern "C" int emu_landing(const uint4* src, uint4* out) {
   landing_kernel<<<1, 1, 0, 0>>>(src, out);
