@@ -11,7 +11,7 @@ forward -> backward -> optimizer step:
 - (a) bert_ds: ``bert_ds.model`` with ``kernels=cuda`` (every op fused; where that is
   impossible, the variant reports why and the others still run), unpadded, the MLM
   decoder on masked tokens only, and LAMB (``bert_ds.lamb``); on a CPU, ``kernels=auto``;
-- (b) bert_ds with ``kernels=torch``: the same model on the PyTorch reference ops;
+- (b) bert_ds with ``kernels=torch``: the same model on the PyTorch-native ops (varlen_attn on CUDA);
 - (c) ``transformers.BertForPreTraining`` with SDPA attention and torch's fused AdamW,
   fed the padded batch and dense labels: what a user would otherwise run.
 
@@ -108,7 +108,7 @@ class Variant:
 
 VARIANTS = {v.key: v for v in (
     Variant("a", "bert_ds", "fused", "lamb", "bert_ds: fused kernels, unpadded, sparse MLM decoder, LAMB"),
-    Variant("b", "bert_ds", "torch", "lamb", "bert_ds: PyTorch reference ops, unpadded, sparse MLM decoder, LAMB"),
+    Variant("b", "bert_ds", "torch", "lamb", "bert_ds: PyTorch-native ops, unpadded, sparse MLM decoder, LAMB"),
     Variant("c", "transformers", "", "adamw", "transformers BertForPreTraining: SDPA, padded, fused AdamW"),
 )}
 BASELINE = "c"
