@@ -63,7 +63,7 @@ def as_umask_allows(path: str | os.PathLike) -> None:
     """Give a file 0666, a folder 0777, less the umask: what open() and mkdir() give.
 
     tempfile.mkdtemp (0700) and safetensors (0600) make owner-only files, so an export or
-    a checkpoint shared with a team would answer "Permission denied" to everyone else (R7).
+    a checkpoint shared with a team would answer "Permission denied" to everyone else.
     """
     base = 0o777 if os.path.isdir(path) else 0o666
     os.chmod(path, base & ~process_umask())

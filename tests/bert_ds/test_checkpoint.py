@@ -88,7 +88,7 @@ def test_non_finite_weights_are_never_committed(tmp_path):
 
 
 def test_checkpoint_files_follow_the_umask(tmp_path):
-    """R7: safetensors writes 0600; a checkpoint is readable as the umask allows (here 022: by all)."""
+    """safetensors writes 0600; a checkpoint is readable as the umask allows (here 022: by all)."""
     old = os.umask(0o022)
     try:
         final = _save(tmp_path, 10)

@@ -73,7 +73,7 @@ def test_export_loads_in_transformers_with_same_logits(tmp_path, with_tied_alias
 
 @pytest.mark.parametrize("umask,file_mode,dir_mode", [(0o022, 0o644, 0o755), (0o077, 0o600, 0o700)])
 def test_export_follows_the_umask(tmp_path, umask, file_mode, dir_mode):
-    """R7: a teammate can read an export exactly as far as the exporter's umask allows."""
+    """A teammate can read an export exactly as far as the exporter's umask allows."""
     import os
 
     _write_checkpoint(tmp_path / "ckpt", _config())

@@ -1,4 +1,4 @@
-"""metrics.jsonl: a last line cut short by a crash is removed when the run resumes (R13)."""
+"""metrics.jsonl: a last line cut short by a crash is removed when the run resumes."""
 
 import json
 

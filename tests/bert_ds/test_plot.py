@@ -93,7 +93,7 @@ def test_moving_average():
 
 
 def test_a_damaged_line_is_skipped_with_one_warning(tmp_path, capsys):
-    """R13: a line cut by a crash inside the file (a run that resumed before the repair
+    """A line cut by a crash inside the file (a run that resumed before the repair
     existed) costs that line, not the whole plot."""
     run = tmp_path / "run"
     run.mkdir()
