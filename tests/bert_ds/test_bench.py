@@ -125,16 +125,17 @@ def test_projection_carries_each_measured_gpu_mfu_to_the_anchor_run():
 
 def test_projection_arithmetic_reproduces_the_anchor():
     assert hours_minutes(ANCHOR.seconds) == "10 h 38 min"
-    assert ANCHOR.tokens_per_s_per_gpu == pytest.approx(35.2e9 / 38280 / 8)
+    assert ANCHOR.tokens_per_s_per_gpu == pytest.approx(32.8e9 / 38280 / 8)
+    assert (ANCHOR.mlm_loss, ANCHOR.mlm_accuracy) == (1.59, 0.67)
     per_token = 0.545e9
     same = project(anchor_mfu(per_token), per_token)
     assert same["seconds"] == pytest.approx(ANCHOR.seconds) and same["speedup"] == pytest.approx(1.0)
     twice = project(2 * anchor_mfu(per_token), per_token)
     assert twice["seconds"] == pytest.approx(ANCHOR.seconds / 2)
-    # 50% MFU on a 312 TFLOP/s A100 at 0.545 GFLOP/token: 286k tokens/s per GPU, 35.2B tokens in 4.27 h.
+    # 50% MFU on a 312 TFLOP/s A100 at 0.545 GFLOP/token: 286k tokens/s per GPU, 32.8B tokens in 3.98 h.
     half = project(0.5, per_token)
     assert half["tokens_per_s_per_gpu"] == pytest.approx(0.5 * 312e12 / per_token)
-    assert hours_minutes(half["seconds"]) == "4 h 16 min"
+    assert hours_minutes(half["seconds"]) == "3 h 59 min"
     with pytest.raises(ValueError):
         project(0.0, per_token)
 
