@@ -1,6 +1,7 @@
 """``python -m data_tools {build,verify,inspect,bench}``: raw text -> token shards, and checks.
 
     build    --input FILE... --output DIR (--vocab FILE | --train-vocab SIZE) [--overwrite]
+             [--documents blank|file] [--join-wrapped-lines]
              [--workers N] [--split-sentences] [--[no-]lowercase] [--shard-tokens N]
              [--text-field NAME]     FILE: text (.gz), .jsonl(.gz), .parquet, a datasets
                                      folder, or hf:NAME[:CONFIG][@SPLIT]
@@ -83,6 +84,12 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--split-sentences", action="store_true",
                    help="split lines into sentences after . ! ? followed by whitespace and an uppercase "
                    "letter, digit or quote")
+    b.add_argument("--documents", choices=["blank", "file"], default="blank",
+                   help="plain text: what ends a document: a blank line (BERT's convention; WikiText titles "
+                        "too), or the end of the file (one document per file, blank lines between paragraphs)")
+    b.add_argument("--join-wrapped-lines", dest="join_wrapped", action="store_true",
+                   help="plain text broken by width, not by sentence (documentation, books): join each "
+                        "paragraph's lines, then cut it into sentences")
     b.add_argument("--lowercase", action=argparse.BooleanOptionalAction, default=True,
                    help="lowercase and strip accents (default: on)")
     b.add_argument("--shard-tokens", type=_positive_int, default=DEFAULT_SHARD_TOKENS, metavar="N",
@@ -105,6 +112,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     i.add_argument("directory", metavar="DIR")
     i.add_argument("--decode", type=int, default=0, metavar="K", help="print the first K documents as text")
+    i.add_argument("--seq-len", type=_positive_int, default=128, metavar="S",
+                   help="the training sequence length: warn when documents average fewer tokens")
     i.set_defaults(func=_inspect)
 
     n = sub.add_parser(
@@ -134,6 +143,7 @@ def _build(args: argparse.Namespace) -> int:
         inputs=args.input, output=args.output, vocab=args.vocab, train_vocab=args.train_vocab,
         split_sentences=args.split_sentences, lowercase=args.lowercase,
         shard_tokens=args.shard_tokens, progress=args.progress, text_field=args.text_field, overwrite=args.overwrite,
+        documents=args.documents, join_wrapped=args.join_wrapped,
         **({"workers": args.workers} if args.workers is not None else {}),
     )
     with _stop_signals_raise():
@@ -188,7 +198,7 @@ def _verify(args: argparse.Namespace) -> int:
 def _inspect(args: argparse.Namespace) -> int:
     from data_tools.verify import inspect_dataset
 
-    inspect_dataset(args.directory, decode=args.decode)
+    inspect_dataset(args.directory, decode=args.decode, seq_len=args.seq_len)
     return 0
 
 

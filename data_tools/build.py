@@ -71,7 +71,7 @@ from data_tools.shard_format import (
 )
 from data_tools.sources import RECORD_KINDS, check_inputs, input_kind, source_info
 from data_tools.text import (
-    HEADING_RE, PIECE_BYTES, SENTENCE_SPLIT_RE, CorpusReader, Cursor, DocEnd, ReadStats, mark_sentences,
+    DOCUMENT_MODES, HEADING_RE, PIECE_BYTES, SENTENCE_SPLIT_RE, CorpusReader, Cursor, DocEnd, ReadStats, mark_sentences,
     split_sentences,
 )
 from data_tools.tokenizer import TokenizerSpec, install_tokenizer, read_vocab, train_vocab, vocab_fingerprint
@@ -104,6 +104,8 @@ class BuildOptions:
     piece_bytes: int = PIECE_BYTES  # longest line read in one piece (shapes output)
     progress: bool = True  # tqdm bars on stderr
     text_field: str = "text"  # the field of JSONL / Parquet / datasets records that holds the text
+    documents: str = "blank"  # plain text: a blank line ends a document ("blank"), or the file's end ("file")
+    join_wrapped: bool = False  # plain text: join a paragraph's lines, then cut it into sentences
     overwrite: bool = False  # replace whatever DIR holds (a dataset of other inputs, other files' neighbours)
 
     def __post_init__(self):
@@ -115,6 +117,8 @@ class BuildOptions:
             raise UserError(f"--shard-tokens must be at least 1, got {self.shard_tokens}")
         if self.piece_bytes < 64:
             raise UserError(f"piece_bytes must be at least 64, got {self.piece_bytes}")
+        if self.documents not in DOCUMENT_MODES:
+            raise UserError(f"--documents must be one of {', '.join(DOCUMENT_MODES)}, got {self.documents!r}")
         check_inputs(self.inputs, self.text_field)
         if self.vocab is not None and not os.path.isfile(self.vocab):
             raise UserError(f"vocabulary not found: {self.vocab}")
@@ -128,7 +132,8 @@ class BuildOptions:
 
     def reader(self, **resume) -> CorpusReader:
         """A reader of the inputs, from the start or from ``start=``, ``stats=``."""
-        return CorpusReader(self.inputs, piece_bytes=self.piece_bytes, text_field=self.text_field, **resume)
+        return CorpusReader(self.inputs, piece_bytes=self.piece_bytes, text_field=self.text_field,
+                            documents=self.documents, join_wrapped=self.join_wrapped, **resume)
 
 
 @dataclass
@@ -335,7 +340,7 @@ def _chunks(reader: CorpusReader, chunk_chars: int, split_sentences: bool) -> It
         else:
             parts.append(lines)
             ends.append(item)
-        split.append(split_sentences or reader.reading_records)
+        split.append(split_sentences or reader.yields_paragraphs)
         if ends[-1] is not None and size < chunk_chars and len(parts) < _MAX_PARTS:
             lines = []
             continue
@@ -442,6 +447,8 @@ def _plan_key(sources: list[dict], vocab: bytes, opts: BuildOptions) -> str:
         "piece_bytes": opts.piece_bytes,
         # Only where it shapes the output: journals of text-only builds stay valid.
         **({"text_field": opts.text_field} if opts.has_records else {}),
+        **({"documents": opts.documents} if opts.documents != "blank" else {}),
+        **({"join_wrapped": True} if opts.join_wrapped else {}),
     }
     return hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()
 
@@ -686,7 +693,10 @@ def _write_shards(opts: BuildOptions, directory: Path, spec: TokenizerSpec, key:
             "vocab": {"train": opts.train_vocab} if opts.vocab is None else {"file": opts.vocab},
             "lowercase": opts.lowercase,
             "split_sentences": opts.split_sentences,
-            "sentence_split_re": SENTENCE_SPLIT_RE.pattern if opts.split_sentences or opts.has_records else None,
+            "documents": opts.documents,
+            "join_wrapped": opts.join_wrapped,
+            "sentence_split_re": (SENTENCE_SPLIT_RE.pattern
+                                  if opts.split_sentences or opts.has_records or opts.join_wrapped else None),
             **({"text_field": opts.text_field} if opts.has_records else {}),
             "heading_re": HEADING_RE.pattern,
             "shard_tokens": opts.shard_tokens,

@@ -5,6 +5,19 @@ one sentence per line; a blank line between documents. Documents never span file
 With ``--split-sentences`` a line may hold several sentences; :func:`split_sentences`
 cuts it.
 
+Text as most of it comes (documentation, books, web dumps) breaks lines by width, not by
+sentence, and keeps one document per file. Two options read it as such:
+
+* ``documents="file"`` (``--documents file``): each file is one document; blank lines
+  separate paragraphs, not documents, and titles do not start new documents.
+* ``join_wrapped=True`` (``--join-wrapped-lines``): the lines of a paragraph (a run of
+  non-blank lines) are joined with a space, and the paragraph is cut into sentences
+  by :func:`split_sentences`. A paragraph longer than ``piece_bytes`` is passed on in
+  pieces of about that size, so memory stays bounded.
+
+Without them, hard-wrapped prose becomes paragraph-sized documents whose "sentences"
+are line fragments: short samples, and a sentence-pair task with little to learn from.
+
 Headings (WikiText): a line matching ``HEADING_RE``, ``^\\s*(=+)\\s.*\\s\\1\\s*$``, is a
 heading and is never text. Its level is the number of ``=`` before its title
 (`` = Title = `` is 1, `` = = Section = = `` is 2). A level-1 heading (a title) ends
@@ -65,6 +78,7 @@ from data_tools.errors import UserError
 from data_tools.sources import BLANK, MISSING, input_kind, input_size, open_records
 
 PIECE_BYTES = 1 << 20
+DOCUMENT_MODES = ("blank", "file")  # what ends a plain-text document: a blank line (or a title), or the file's end
 HEADING_RE = re.compile(r"^\s*(=+)\s.*\s\1\s*$")
 # Split after . ! or ? when whitespace follows and then an uppercase letter (ASCII or
 # Latin-1), a digit or an opening quote. Deterministic and dumb on purpose: "Mr. Smith"
@@ -215,9 +229,13 @@ class CorpusReader:
 
     def __init__(self, paths: list[str], *, start: Cursor | None = None,
                  stats: ReadStats | None = None, piece_bytes: int = PIECE_BYTES,
-                 text_field: str = "text"):
+                 text_field: str = "text", documents: str = "blank", join_wrapped: bool = False):
         if piece_bytes < 64:
             raise ValueError("piece_bytes must be at least 64")
+        if documents not in DOCUMENT_MODES:
+            raise ValueError(f"documents must be one of {', '.join(DOCUMENT_MODES)}, got {documents!r}")
+        self.documents = documents
+        self.join_wrapped = join_wrapped
         self.paths = list(paths)
         self.start = start or Cursor(0, 0, None)
         self.stats = copy.copy(stats) if stats is not None else ReadStats()
@@ -230,9 +248,10 @@ class CorpusReader:
         self._index: int | None = None
 
     @property
-    def reading_records(self) -> bool:
-        """Whether the line last yielded came from a record input (its lines hold paragraphs)."""
-        return self._index is not None and self._kinds[self._index] != "text"
+    def yields_paragraphs(self) -> bool:
+        """Whether the line last yielded holds a paragraph (a record's line, or joined wrapped
+        lines) rather than one sentence: the build cuts those into sentences."""
+        return self._index is not None and (self._kinds[self._index] != "text" or self.join_wrapped)
 
     @property
     def total_bytes(self) -> int:
@@ -267,6 +286,9 @@ class CorpusReader:
         src = self._source = _Source(self.paths[index], offset)
         pos = offset
         doc_open = False
+        if self.documents == "file":
+            mode = "file"
+        paragraph = _Paragraph(self.piece_bytes) if self.join_wrapped else None
         for data, ends_line, cut_line in _pieces(src.stream, self.piece_bytes):
             line_start, pos = pos, pos + len(data)
             # Counts for this line are added after any DocEnd that precedes the line, so
@@ -291,7 +313,9 @@ class CorpusReader:
             s = text.strip()
             data = text = b""  # only s is needed from here: one copy of the piece, not three
             level = heading_level(s) if not cut_line else 0
-            if level == 1 and doc_open:
+            if level and paragraph is not None:
+                yield from paragraph.flush()
+            if level == 1 and doc_open and mode != "file":
                 doc_open = False
                 yield DocEnd(Cursor(index, line_start, mode), copy.copy(st))
             st.bytes += n_bytes
@@ -303,6 +327,8 @@ class CorpusReader:
                 if cut_line:
                     st.long_lines_cut += 1
             if not s and not cut_line:  # a blank line
+                if paragraph is not None:
+                    yield from paragraph.flush()
                 if mode == "blank" and doc_open:
                     doc_open = False
                     yield DocEnd(Cursor(index, pos, mode), copy.copy(st))
@@ -314,8 +340,12 @@ class CorpusReader:
                 st.documents += 1
             if level:
                 st.headings += 1
+            elif s and paragraph is not None:
+                yield from paragraph.add(s)
             elif s:
                 yield s
+        if paragraph is not None:
+            yield from paragraph.flush()
         st.files += 1
         if doc_open:
             yield DocEnd(Cursor(index + 1, 0, None), copy.copy(st))
@@ -365,8 +395,30 @@ class CorpusReader:
                 yield s
 
 
-def iter_text(paths: list[str], piece_bytes: int = PIECE_BYTES, text_field: str = "text") -> Iterator[str]:
-    """Only the text lines of the inputs (for vocabulary training)."""
-    for item in CorpusReader(paths, piece_bytes=piece_bytes, text_field=text_field):
+class _Paragraph:
+    """The lines of one hard-wrapped paragraph, joined; passed on whole, or in pieces of
+    about ``limit`` characters when it grows past that (memory stays bounded)."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.lines: list[str] = []
+        self.size = 0
+
+    def add(self, line: str) -> Iterator[str]:
+        self.lines.append(line)
+        self.size += len(line) + 1
+        if self.size >= self.limit:
+            yield from self.flush()
+
+    def flush(self) -> Iterator[str]:
+        if self.lines:
+            yield " ".join(self.lines)
+            self.lines, self.size = [], 0
+
+
+def iter_text(paths: list[str], piece_bytes: int = PIECE_BYTES, text_field: str = "text", **layout) -> Iterator[str]:
+    """Only the text lines of the inputs (for vocabulary training); ``layout``: ``documents``
+    and ``join_wrapped`` as :class:`CorpusReader` takes them."""
+    for item in CorpusReader(paths, piece_bytes=piece_bytes, text_field=text_field, **layout):
         if isinstance(item, str):
             yield item

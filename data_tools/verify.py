@@ -50,8 +50,22 @@ def _percentiles(values: np.ndarray, qs=(50, 90, 99)) -> str:
     return ", ".join(parts + [f"max {int(values.max())}", f"mean {values.mean():.1f}"])
 
 
-def inspect_dataset(directory: str | os.PathLike, decode: int = 0, out: TextIO | None = None) -> None:
-    """Print the dataset summary; with ``decode`` > 0 also its first documents as text."""
+def short_documents_warning(tokens_per_doc: float, seq_len: int, build: dict) -> str:
+    hint = ""
+    if build.get("documents", "blank") == "blank" or not build.get("join_wrapped"):
+        hint = (" If the text is hard-wrapped or holds one document per file, rebuild with --join-wrapped-lines "
+                "and/or --documents file.")
+    return (f"warning: documents average {tokens_per_doc:.0f} tokens, fewer than a sequence of {seq_len}: "
+            f"samples never cross a document, so most will be short.{hint}")
+
+
+def inspect_dataset(directory: str | os.PathLike, decode: int = 0, out: TextIO | None = None,
+                    seq_len: int = 128) -> None:
+    """Print the dataset summary; with ``decode`` > 0 also its first documents as text.
+
+    Warns (on stderr) when documents average fewer tokens than ``seq_len``: BERT's samples
+    never cross a document, so such a dataset trains mostly on short samples.
+    """
     out = out or sys.stdout
 
     def p(line: str) -> None:
@@ -85,6 +99,8 @@ def inspect_dataset(directory: str | os.PathLike, decode: int = 0, out: TextIO |
         for s in m.sources:
             p(f"source:      {s.get('path')} ({s.get('bytes', 0):,} bytes, sha256 {str(s.get('sha256'))[:16]})")
         p("build:       " + ", ".join(f"{k}={v}" for k, v in m.build.items() if not k.endswith("_re")))
+        if m.totals["docs"] and tokens / m.totals["docs"] < seq_len:
+            print(short_documents_warning(tokens / m.totals["docs"], seq_len, m.build), file=sys.stderr)
         if decode > 0:
             tok = load_tokenizer(directory)
             shown = 0
