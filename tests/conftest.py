@@ -1,9 +1,19 @@
 """Shared fixtures: a small real dataset built from the bundled sample corpus,
-and helpers that run the entry points the way a user does (as processes)."""
+and helpers that run the entry points the way a user does (as processes).
+
+Every process a test starts is ended when the test ends, whether it passed, failed or
+timed out, the ranks under a launcher included: :func:`spawn` starts the command in its
+own session and marks it (and so everything it starts) with ``TEST_TAG_ENV`` in its
+environment. The session's process group is killed first; the tag then finds the
+processes that left the group (``torchrun`` starts each rank in a session of its own)
+or outlived their parent.
+"""
 
 from __future__ import annotations
 
+import itertools
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -22,16 +32,78 @@ def cli_env() -> dict[str, str]:
     return env
 
 
+TEST_TAG_ENV = "BERT_DS_TEST_PROCESS"
+_tags = itertools.count()
+_started: list[tuple[subprocess.Popen, str]] = []  # by spawn(), ended after each test
+
+
+def spawn(cmd: list[str], env: dict[str, str] | None = None, **popen_kwargs) -> subprocess.Popen:
+    """``subprocess.Popen`` in a session of its own, ended with all it started after the test."""
+    tag = f"{os.getpid()}-{next(_tags)}"
+    env = {**(env if env is not None else cli_env()), TEST_TAG_ENV: tag}
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True, **popen_kwargs)
+    _started.append((proc, tag))
+    return proc
+
+
+def _tagged(tag: str) -> list[int]:
+    marker = f"{TEST_TAG_ENV}={tag}".encode()
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            environ = Path("/proc", pid, "environ").read_bytes()
+        except OSError:  # ended meanwhile, or not ours
+            continue
+        if marker in environ.split(b"\0"):
+            pids.append(int(pid))
+    return pids
+
+
+def end_process_tree(proc: subprocess.Popen, tag: str) -> None:
+    """SIGKILL ``proc``'s process group and every process carrying its tag; reap ``proc``."""
+    if proc.poll() is None:  # while the leader lives its group id cannot name another group
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for pid in _tagged(tag):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+
+
+def end(proc: subprocess.Popen) -> None:
+    """End a process from :func:`spawn` now, with everything it started."""
+    for entry in [e for e in _started if e[0] is proc]:
+        _started.remove(entry)
+        end_process_tree(*entry)
+
+
+@pytest.fixture(autouse=True)
+def _end_started_processes():
+    yield
+    while _started:
+        end_process_tree(*_started.pop())
+
+
 def run_cli(*args: str, timeout: float = 600, check: bool = True, nproc: int = 1,
             launcher: str = "torchrun") -> subprocess.CompletedProcess:
-    """Run ``python -m ARGS`` (``nproc`` > 1: under torchrun or the deepspeed launcher)."""
+    """Run ``python -m ARGS`` (``nproc`` > 1: under torchrun or the deepspeed launcher);
+    whatever it started is ended on return, on a timeout and on any error."""
     cmd = [sys.executable, "-m"]
     if nproc > 1 and launcher == "torchrun":
         cmd += ["torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m"]
     elif nproc > 1:
         port = str(20000 + os.getpid() % 20000)
         cmd += ["deepspeed.launcher.runner", f"--num_gpus={nproc}", f"--master_port={port}", "--module"]
-    proc = subprocess.run(cmd + list(args), capture_output=True, text=True, timeout=timeout, env=cli_env(), cwd=REPO)
+    child = spawn(cmd + list(args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        stdout, stderr = child.communicate(timeout=timeout)
+    finally:
+        end(child)
+    proc = subprocess.CompletedProcess(child.args, child.returncode, stdout, stderr)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(args)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"
                              f"\n--- stderr\n{proc.stderr[-6000:]}")
