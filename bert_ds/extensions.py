@@ -34,10 +34,13 @@ Design choices:
   (bounded wait only).
 - A live lock held by another process is waited on for at most ``BERT_DS_BUILD_LOCK_TIMEOUT``
   seconds (default 900: a cold CUDA op build takes minutes), with a message naming the lock
-  and its holder after a few seconds; then the process ends with one ``error:`` line and
-  :data:`EXIT_USER_ERROR`. The check runs in a thread while DeepSpeed starts, because the
-  wait itself is ``FileBaton.wait`` inside DeepSpeed: a polling loop with no timeout, which
-  returns once the lock file is gone.
+  and its holder after a few seconds; then the start fails with one ``error:`` line and
+  :data:`EXIT_USER_ERROR`. The wait is ours and comes before DeepSpeed starts: DeepSpeed's
+  own is ``FileBaton.wait``, a polling loop with no timeout that nothing interrupts, so while
+  DeepSpeed starts a thread keeps watching, and ends the process if a lock taken meanwhile
+  by another start outlasts the bound.
+- The bound and the lock check are polls, not signals: a stop signal during the wait ends
+  the process at once (``bert_ds.signals``).
 """
 
 from __future__ import annotations
@@ -139,7 +142,7 @@ class LockWatch:
             del self._held_since[gone]
             self._announced.discard(gone)
         self._unheld = {lock: ident for lock, ident in self._unheld.items() if lock in locks}
-        return any([self._in_the_way(lock, now) for lock in sorted(locks)])
+        return any([self._in_the_way(lock, now) for lock in sorted(locks)])  # a list: every lock is looked at
 
     def _in_the_way(self, lock: Path, now: float) -> bool:
         try:
@@ -223,6 +226,9 @@ def main() -> int:
         built = build()
     except UserError as e:
         return report(e)
+    except (ImportError, OSError, RuntimeError) as e:  # torch's build error follows the compiler's output
+        return report(f"building DeepSpeed's extensions into {cache_root()} failed: {e} (the build needs a C++ "
+                      "compiler and ninja; a training start would fail the same way)")
     log(f"DeepSpeed extensions ready in {os.environ[CACHE_ENV]}: {', '.join(built) or 'none needed here'}")
     return 0
 

@@ -34,7 +34,8 @@ def cli_env() -> dict[str, str]:
 
 TEST_TAG_ENV = "BERT_DS_TEST_PROCESS"
 _tags = itertools.count()
-_started: list[tuple[subprocess.Popen, str]] = []  # by spawn(), ended after each test
+_tag_of: dict[int, str] = {}  # pid of a spawn()ed process -> the tag of everything it starts
+_started: list[subprocess.Popen] = []  # by spawn(), ended after each test
 
 
 def spawn(cmd: list[str], env: dict[str, str] | None = None, **popen_kwargs) -> subprocess.Popen:
@@ -42,12 +43,14 @@ def spawn(cmd: list[str], env: dict[str, str] | None = None, **popen_kwargs) -> 
     tag = f"{os.getpid()}-{next(_tags)}"
     env = {**(env if env is not None else cli_env()), TEST_TAG_ENV: tag}
     proc = subprocess.Popen(cmd, env=env, start_new_session=True, **popen_kwargs)
-    _started.append((proc, tag))
+    _tag_of[proc.pid] = tag
+    _started.append(proc)
     return proc
 
 
-def _tagged(tag: str) -> list[int]:
-    marker = f"{TEST_TAG_ENV}={tag}".encode()
+def started_by(proc: subprocess.Popen) -> list[int]:
+    """The live processes of :func:`spawn`'s ``proc``: it and everything it started."""
+    marker = f"{TEST_TAG_ENV}={_tag_of[proc.pid]}".encode()
     pids = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -59,14 +62,16 @@ def _tagged(tag: str) -> list[int]:
     return pids
 
 
-def end_process_tree(proc: subprocess.Popen, tag: str) -> None:
-    """SIGKILL ``proc``'s process group and every process carrying its tag; reap ``proc``."""
+def end(proc: subprocess.Popen) -> None:
+    """SIGKILL :func:`spawn`'s ``proc``, its process group and every process it started; reap it."""
+    if proc in _started:
+        _started.remove(proc)
     if proc.poll() is None:  # while the leader lives its group id cannot name another group
         try:
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    for pid in _tagged(tag):
+    for pid in started_by(proc):
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -74,36 +79,34 @@ def end_process_tree(proc: subprocess.Popen, tag: str) -> None:
     proc.wait()
 
 
-def end(proc: subprocess.Popen) -> None:
-    """End a process from :func:`spawn` now, with everything it started."""
-    for entry in [e for e in _started if e[0] is proc]:
-        _started.remove(entry)
-        end_process_tree(*entry)
-
-
 @pytest.fixture(autouse=True)
 def _end_started_processes():
     yield
     while _started:
-        end_process_tree(*_started.pop())
+        end(_started[-1])
+
+
+def run_command(cmd: list[str], timeout: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``subprocess.run`` with output captured; whatever the command started is ended on
+    return, on a timeout and on any error."""
+    child = spawn(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        stdout, stderr = child.communicate(timeout=timeout)
+    finally:
+        end(child)
+    return subprocess.CompletedProcess(child.args, child.returncode, stdout, stderr)
 
 
 def run_cli(*args: str, timeout: float = 600, check: bool = True, nproc: int = 1,
             launcher: str = "torchrun") -> subprocess.CompletedProcess:
-    """Run ``python -m ARGS`` (``nproc`` > 1: under torchrun or the deepspeed launcher);
-    whatever it started is ended on return, on a timeout and on any error."""
+    """Run ``python -m ARGS`` (``nproc`` > 1: under torchrun or the deepspeed launcher)."""
     cmd = [sys.executable, "-m"]
     if nproc > 1 and launcher == "torchrun":
         cmd += ["torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m"]
     elif nproc > 1:
         port = str(20000 + os.getpid() % 20000)
         cmd += ["deepspeed.launcher.runner", f"--num_gpus={nproc}", f"--master_port={port}", "--module"]
-    child = spawn(cmd + list(args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
-    try:
-        stdout, stderr = child.communicate(timeout=timeout)
-    finally:
-        end(child)
-    proc = subprocess.CompletedProcess(child.args, child.returncode, stdout, stderr)
+    proc = run_command(cmd + list(args), timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(args)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"
                              f"\n--- stderr\n{proc.stderr[-6000:]}")
