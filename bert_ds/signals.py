@@ -19,8 +19,10 @@ Design choices:
   once with one line and status 128 + the signal number (143 for SIGTERM), what a shell
   reports for a process the signal ended: the run was not done and saved nothing, which a
   requeue script must not read as success. The exit unwinds (``finally`` blocks release
-  build locks); a main thread blocked in C++ (a rendezvous) is ended after
-  ``STARTUP_EXIT_GRACE_S`` instead.
+  build locks); if unwinding stalls, the process ends after ``STARTUP_EXIT_GRACE_S``.
+  Python runs the handler between bytecodes, so a main thread inside one long C++ call
+  (the rendezvous waiting for its peers) sees the signal when that call returns, within
+  the collective timeout.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ import pytest
 
 from bert_ds import extensions
 from bert_ds.signals import STARTUP_EXIT_GRACE_S
-from data_tools.errors import EXIT_USER_ERROR
+from data_tools.errors import EXIT_USER_ERROR, UserError
 from tests.conftest import REPO, cli_env, run_cli, spawn
 
 OP = "deepspeed_shm_comm"  # the op DeepSpeed's init_distributed loads on CPU
@@ -68,6 +68,22 @@ def _train(data: dict[str, Path], out: Path, cache: Path, **env: str) -> subproc
 
 def _polls(watch: extensions.LockWatch, n: int) -> list[bool]:
     return [watch.poll(time.monotonic()) for _ in range(n)]
+
+
+def test_r14_the_build_cache_belongs_to_the_environment_unless_the_user_chose_one(tmp_path, monkeypatch):
+    monkeypatch.delenv(extensions.CACHE_ENV, raising=False)
+    # two environments (two checkouts, a symlinked venv) no longer share ~/.cache/torch_extensions
+    assert extensions.use_environment_cache() == Path(sys.prefix) / "torch_extensions"
+    assert os.environ[extensions.CACHE_ENV] == str(Path(sys.prefix) / "torch_extensions")
+    monkeypatch.setenv(extensions.CACHE_ENV, str(tmp_path))
+    assert extensions.use_environment_cache() == tmp_path
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "soon", "inf", "nan"])
+def test_r14_a_bad_lock_timeout_is_one_line(monkeypatch, value):
+    monkeypatch.setenv(extensions.LOCK_TIMEOUT_ENV, value)
+    with pytest.raises(UserError, match=extensions.LOCK_TIMEOUT_ENV):
+        extensions.lock_timeout_s()
 
 
 def test_r14_a_stale_lock_is_removed_with_a_note(tmp_path, capfd):
