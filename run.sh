@@ -6,7 +6,7 @@
 #                            through DeepSpeed (ZeRO-1, bf16), export a Hugging Face directory,
 #                            load it back and run a fill-mask example.
 #   ./run.sh test [ARGS]     the test suite (pytest ARGS)
-#   ./run.sh setup           only create the environment
+#   ./run.sh setup           only create the environment (and build DeepSpeed's JIT ops into it)
 #   ./run.sh prepare         sample corpus -> $DATA_DIR/{train,heldout} shards
 #   ./run.sh pretrain [ARGS] python -m bert_ds.train on $DATA_DIR; ARGS override the defaults.
 #                            One node: NGPU processes via torchrun --standalone (one plain process
@@ -81,6 +81,10 @@ setup_env() {
     fi
     log "installing bert-ds and its dependencies"
     "${pip[@]}" -e ".[test]"
+    # DeepSpeed's JIT-built ops (on CPU its shared-memory op, 35-50 s) are built now, into
+    # $VENV/torch_extensions, rather than at the first training start.
+    log "building DeepSpeed's extensions"
+    (export_accelerator && python_ -m bert_ds.extensions)
     echo "$want" > "$stamp"
 }
 

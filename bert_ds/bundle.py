@@ -505,6 +505,7 @@ BUNDLE=/path/to/this/folder
 (cd "$BUNDLE" && sha256sum -c --quiet SHA256SUMS)   # optional: check the copy
 {venv}
 .venv/bin/python -m pip install --no-index --find-links "$BUNDLE" -r "$BUNDLE/requirements.txt"
+.venv/bin/python -m bert_ds.extensions   # DeepSpeed's JIT ops, built now rather than at the first start
 .venv/bin/python -m bert_ds.train --help
 ```
 

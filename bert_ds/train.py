@@ -16,7 +16,11 @@ same or on another number of ranks.
 Faults (RELIABILITY.md) and what the run does about them:
 - SIGTERM or SIGUSR1 to any rank: all ranks learn of it through the step's one
   all-reduce, commit a checkpoint after that step and exit 0 (``bert_ds.signals``).
-  Each rank writes its pid to ``OUTPUT/pids/rank_N.pid`` while it runs.
+  Each rank writes its pid to ``OUTPUT/pids/rank_N.pid`` while it runs. Before the first
+  step there is nothing to save: the process exits at once with 128 + the signal number.
+- DeepSpeed's extension build lock left by a killed start is removed with a note; one a
+  live process holds is waited on for at most ``BERT_DS_BUILD_LOCK_TIMEOUT`` seconds
+  (``bert_ds.extensions``).
 - A non-finite loss or gradient on any rank: the optimizer step is skipped (no update,
   counted in ``skipped_steps``); ``--max-bad-steps`` such steps in a row stop the run
   without checkpointing them. fp16 loss-scale overflows are skipped and counted too,
@@ -26,7 +30,8 @@ Faults (RELIABILITY.md) and what the run does about them:
 
 Exit status: 0 finished, or stopped by a signal after a checkpoint; 1 a bug (traceback);
 2 bad input or a damaged checkpoint (one ``error:`` line); 3 ``--max-bad-steps``
-non-finite steps in a row; 4 a rank failed or hung.
+non-finite steps in a row; 4 a rank failed or hung; 128 + N stopped by signal N before
+the first step (nothing saved).
 """
 
 from __future__ import annotations
@@ -189,6 +194,9 @@ def _free_port() -> int:
 def init_distributed(timeout_s: float = 600.0) -> tuple[int, int, torch.device]:
     """Join the launcher's process group, or form a group of one. Every collective, the
     start-up rendezvous included, fails after ``timeout_s`` instead of waiting forever."""
+    from bert_ds import extensions
+
+    extensions.use_environment_cache()  # before DeepSpeed builds its communication op
     import deepspeed
 
     if "RANK" not in os.environ:
@@ -196,7 +204,8 @@ def init_distributed(timeout_s: float = 600.0) -> tuple[int, int, torch.device]:
                           MASTER_PORT=str(_free_port()))
     cuda = torch.cuda.is_available()
     timeout = timedelta(seconds=timeout_s)
-    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", timeout=timeout)
+    with extensions.bounded_build_locks():  # the JIT build's lock: stale removed, live waited on (bounded)
+        deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", timeout=timeout)
     # DeepSpeed runs ZeRO's collectives on a clone of the world group that it makes with
     # torch's default timeout (30 min), not the one above; make that clone ourselves, first.
     from deepspeed.utils import groups
@@ -624,8 +633,8 @@ def _summary(state: RunState, losses: list[float], rates: list[float], mfus: lis
 @contextlib.contextmanager
 def training_session(collective_timeout: float) -> Iterator[tuple[int, int, torch.device, StopRequest]]:
     """Stop-signal handlers and the process group, for one or more runs in this process."""
-    stop = StopRequest(deadline_s=collective_timeout)
-    stop.install()  # before the process group: a signal during start-up is honoured at the first step
+    stop = StopRequest(deadline_s=collective_timeout, rank=int(os.environ.get("RANK", "0")))
+    stop.install()  # before the process group: a signal during start-up ends the process at once
     try:
         rank, world, device = init_distributed(collective_timeout)
         stop.rank = rank

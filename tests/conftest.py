@@ -1,9 +1,19 @@
 """Shared fixtures: a small real dataset built from the bundled sample corpus,
-and helpers that run the entry points the way a user does (as processes)."""
+and helpers that run the entry points the way a user does (as processes).
+
+Every process a test starts is ended when the test ends, whether it passed, failed or
+timed out, the ranks under a launcher included: :func:`spawn` starts the command in its
+own session and marks it (and so everything it starts) with ``TEST_TAG_ENV`` in its
+environment. The session's process group is killed first; the tag then finds the
+processes that left the group (``torchrun`` starts each rank in a session of its own)
+or outlived their parent.
+"""
 
 from __future__ import annotations
 
+import itertools
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +32,71 @@ def cli_env() -> dict[str, str]:
     return env
 
 
+TEST_TAG_ENV = "BERT_DS_TEST_PROCESS"
+_tags = itertools.count()
+_tag_of: dict[int, str] = {}  # pid of a spawn()ed process -> the tag of everything it starts
+_started: list[subprocess.Popen] = []  # by spawn(), ended after each test
+
+
+def spawn(cmd: list[str], env: dict[str, str] | None = None, **popen_kwargs) -> subprocess.Popen:
+    """``subprocess.Popen`` in a session of its own, ended with all it started after the test."""
+    tag = f"{os.getpid()}-{next(_tags)}"
+    env = {**(env if env is not None else cli_env()), TEST_TAG_ENV: tag}
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True, **popen_kwargs)
+    _tag_of[proc.pid] = tag
+    _started.append(proc)
+    return proc
+
+
+def started_by(proc: subprocess.Popen) -> list[int]:
+    """The live processes of :func:`spawn`'s ``proc``: it and everything it started."""
+    marker = f"{TEST_TAG_ENV}={_tag_of[proc.pid]}".encode()
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            environ = Path("/proc", pid, "environ").read_bytes()
+        except OSError:  # ended meanwhile, or not ours
+            continue
+        if marker in environ.split(b"\0"):
+            pids.append(int(pid))
+    return pids
+
+
+def end(proc: subprocess.Popen) -> None:
+    """SIGKILL :func:`spawn`'s ``proc``, its process group and every process it started; reap it."""
+    if proc in _started:
+        _started.remove(proc)
+    if proc.poll() is None:  # while the leader lives its group id cannot name another group
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for pid in started_by(proc):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+
+
+@pytest.fixture(autouse=True)
+def _end_started_processes():
+    yield
+    while _started:
+        end(_started[-1])
+
+
+def run_command(cmd: list[str], timeout: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``subprocess.run`` with output captured; whatever the command started is ended on
+    return, on a timeout and on any error."""
+    child = spawn(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        stdout, stderr = child.communicate(timeout=timeout)
+    finally:
+        end(child)
+    return subprocess.CompletedProcess(child.args, child.returncode, stdout, stderr)
+
+
 def run_cli(*args: str, timeout: float = 600, check: bool = True, nproc: int = 1,
             launcher: str = "torchrun") -> subprocess.CompletedProcess:
     """Run ``python -m ARGS`` (``nproc`` > 1: under torchrun or the deepspeed launcher)."""
@@ -31,7 +106,7 @@ def run_cli(*args: str, timeout: float = 600, check: bool = True, nproc: int = 1
     elif nproc > 1:
         port = str(20000 + os.getpid() % 20000)
         cmd += ["deepspeed.launcher.runner", f"--num_gpus={nproc}", f"--master_port={port}", "--module"]
-    proc = subprocess.run(cmd + list(args), capture_output=True, text=True, timeout=timeout, env=cli_env(), cwd=REPO)
+    proc = run_command(cmd + list(args), timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(args)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"
                              f"\n--- stderr\n{proc.stderr[-6000:]}")

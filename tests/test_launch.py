@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO, cli_env
+from tests.conftest import REPO, cli_env, end, spawn
 
 pytestmark = pytest.mark.distributed
 
@@ -47,17 +47,15 @@ def _launch_two_nodes(mode, env_per_node, venv, sample_data, out):
     procs = []
     for node_env in env_per_node:
         env = {**cli_env(), "VENV": str(venv), "SETUP": "none", "NGPU": "1", **node_env}
-        procs.append(subprocess.Popen([str(REPO / "run.sh"), mode, *args], cwd=REPO, env=env, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+        procs.append(spawn([str(REPO / "run.sh"), mode, *args], cwd=REPO, env=env, text=True,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
     outputs = []
     try:
         for proc in procs:
             outputs.append(proc.communicate(timeout=300)[0])
     finally:
         for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+            end(proc)
     for node, (proc, output) in enumerate(zip(procs, outputs)):
         assert proc.returncode == 0, f"node {node} exited {proc.returncode}\n{output[-6000:]}"
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

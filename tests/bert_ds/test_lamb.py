@@ -12,7 +12,6 @@ serves all of them.
 from __future__ import annotations
 
 import functools
-import subprocess
 import sys
 
 import pytest
@@ -21,7 +20,7 @@ import torch.nn.functional as F
 
 from bert_ds.lamb import Lamb, LambReference, _flat_layout, lamb_reference_step
 from tests.bert_ds import lamb_zero_worker as worker
-from tests.conftest import REPO, cli_env
+from tests.conftest import run_command
 
 FP32_RUNS = [f"zero{stage}-fp32-{kind}" for stage in (1, 2) for kind in ("lamb", "naive", "lamb-paper")]
 # bf16 runs use the paper's variant, which puts a trust ratio on every parameter: the
@@ -262,7 +261,7 @@ def _launch(world: int, runs: list[str], out_dir) -> dict:
     out = out_dir / "result.pt"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
            "-m", "tests.bert_ds.lamb_zero_worker", "--out", str(out), "--runs", ",".join(runs)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=cli_env(), cwd=REPO)
+    proc = run_command(cmd, timeout=300)
     if proc.returncode != 0:
         raise AssertionError(f"worker on {world} ranks exited {proc.returncode}\n{proc.stderr[-6000:]}")
     return torch.load(out, weights_only=False)

@@ -17,7 +17,7 @@ from bert_ds import checkpoint
 from bert_ds.config import TrainConfig
 from bert_ds.errors import ConfigError
 from bert_ds.phases import PhasePlan
-from tests.conftest import REPO, cli_env, run_cli
+from tests.conftest import REPO, run_cli, spawn
 
 RECIPES = REPO / "bert_ds" / "recipes"
 
@@ -100,7 +100,7 @@ def test_two_phases_run_and_a_crash_in_phase_two_resumes_phase_two(sample_data, 
     p1, p2 = root / "phase1", root / "phase2"
     cmd = [sys.executable, "-m", "bert_ds.phases", "--config", str(config)]
     with open(tmp_path / "first.log", "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=cli_env(), cwd=REPO)
+        proc = spawn(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
         deadline = time.monotonic() + 180
         while not (_records(p2) and _records(p2)[-1]["step"] >= 3):
             assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "first.log").read_text()[-3000:]

@@ -28,7 +28,7 @@ from bert_ds import checkpoint
 from bert_ds.checkpoint import CheckpointError
 from bert_ds.signals import StopRequest
 from bert_ds.train import consumed_positions
-from tests.conftest import REPO, cli_env, run_cli
+from tests.conftest import REPO, run_cli, spawn
 
 R1_TRIALS = int(os.environ.get("BERT_DS_R1_TRIALS", "3"))
 GLOBAL_BATCH = 16
@@ -57,7 +57,7 @@ def _command(args: list[str], nproc: int) -> list[str]:
 def _start(args: list[str], nproc: int = 1, log: Path | None = None) -> subprocess.Popen:
     """The trainer in the background; its output goes to a file (a pipe could fill and block it)."""
     sink = open(log, "w") if log else subprocess.DEVNULL
-    return subprocess.Popen(_command(args, nproc), stdout=sink, stderr=subprocess.STDOUT, env=cli_env(), cwd=REPO)
+    return spawn(_command(args, nproc), stdout=sink, stderr=subprocess.STDOUT, cwd=REPO)
 
 
 def _steps_logged(out: Path) -> list[dict]:
@@ -240,6 +240,7 @@ def test_r2_sigterm_to_one_rank_checkpoints_and_exits_0(sample_data, tmp_path, r
 def test_r2_sigusr1_is_a_stop_request_too():
     stop = StopRequest(deadline_s=0)
     stop.install()
+    stop.begin_steps()  # before the first step a stop signal ends the process (R14)
     try:
         os.kill(os.getpid(), signal.SIGUSR1)
         deadline = time.monotonic() + 5

@@ -2,12 +2,11 @@
 
 import json
 import shutil
-import subprocess
 import sys
 
 import torch
 
-from tests.conftest import REPO, cli_env
+from tests.conftest import REPO, run_command
 
 SCRIPT = REPO / "examples" / "finetune_classification.py"
 
@@ -28,8 +27,7 @@ def _tiny_export(sample_data, tmp_path):
 
 
 def _run(*args):
-    return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], capture_output=True, text=True,
-                          timeout=300, env=cli_env(), cwd=REPO)
+    return run_command([sys.executable, str(SCRIPT), *map(str, args)], timeout=300)
 
 
 def test_finetunes_a_tiny_export_and_reports_accuracy(sample_data, tmp_path):
