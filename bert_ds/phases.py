@@ -87,13 +87,15 @@ class PhasePlan:
     model: dict[str, Any]  # {"preset": name, **ModelConfig overrides}; vocab_size comes from the data
     base: dict[str, Any]  # TrainConfig fields shared by all phases (no model, output or steps)
     phases: list[Phase]
+    # The commands that make the plan's datasets (optional): named when they are missing.
+    prepare: list[str] = dataclasses.field(default_factory=list)
 
     @classmethod
     def from_dict(cls, d: Any) -> "PhasePlan":
         if not isinstance(d, dict):
             raise ConfigError("a phase plan must be a JSON object")
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown, missing = sorted(set(d) - known), sorted(known - set(d))
+        unknown, missing = sorted(set(d) - known), sorted(known - set(d) - {"prepare"})
         if unknown or missing:
             raise ConfigError(f"phase plan: {'unknown key(s) ' + ', '.join(unknown) if unknown else ''}"
                               f"{'; ' if unknown and missing else ''}"
@@ -111,7 +113,10 @@ class PhasePlan:
         names = [p.name for p in phases]
         if len(set(names)) != len(names):
             raise ConfigError(f"phase plan: phase names must be unique, got {names}")
-        return cls(str(d["output"]), dict(d["model"]), dict(d["base"]), phases)
+        prepare = d.get("prepare", [])
+        if not isinstance(prepare, list) or not all(isinstance(c, str) for c in prepare):
+            raise ConfigError('phase plan: "prepare" must be a list of commands (strings)')
+        return cls(str(d["output"]), dict(d["model"]), dict(d["base"]), phases, prepare)
 
     @classmethod
     def load(cls, path: Path) -> "PhasePlan":
@@ -168,10 +173,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
 
     def body() -> None:
+        from data_tools.errors import ShardError
         from data_tools.manifest import Manifest
 
         plan = PhasePlan.load(Path(args.config))
-        configs = plan.train_configs(Manifest.load(plan.first_dataset()).vocab_size)
+        try:
+            manifest = Manifest.load(plan.first_dataset())
+        except ShardError as e:
+            if not plan.prepare:
+                raise
+            raise ConfigError(f"{e}; this plan's data is made by: {' && '.join(plan.prepare)}") from None
+        configs = plan.train_configs(manifest.vocab_size)
         if args.check:
             for phase, cfg in zip(plan.phases, configs):
                 print(f"{phase.name}: {cfg.steps} steps, seq {cfg.data.max_seq_length}, batch "

@@ -17,7 +17,7 @@ from bert_ds import checkpoint
 from bert_ds.config import TrainConfig
 from bert_ds.errors import ConfigError
 from bert_ds.phases import PhasePlan
-from tests.conftest import REPO, run_cli, spawn
+from tests.conftest import REPO, cli_env, run_cli, spawn
 
 RECIPES = REPO / "bert_ds" / "recipes"
 
@@ -65,6 +65,27 @@ def test_bad_plans_are_config_errors(edit, message):
     edit(d)
     with pytest.raises(ConfigError, match=message):
         PhasePlan.from_dict(d).train_configs(vocab_size=2048)
+
+
+@pytest.mark.parametrize("recipe", sorted(p.name for p in RECIPES.glob("*.json")))
+def test_a_bundled_recipe_without_its_data_names_the_command_that_makes_it(recipe, tmp_path):
+    """On a fresh clone (the datasets not built yet) --check says how to make them, in one line."""
+    plan = PhasePlan.load(RECIPES / recipe)
+    assert plan.prepare and all("data_tools build" in c or c == "./run.sh prepare" for c in plan.prepare)
+    proc = subprocess.run([sys.executable, "-m", "bert_ds.phases", "--config", str(RECIPES / recipe), "--check"],
+                          capture_output=True, text=True, cwd=tmp_path, env=cli_env(), timeout=120)
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(err) == 1, proc.stderr
+    assert err[0].endswith(f"; this plan's data is made by: {' && '.join(plan.prepare)}")
+
+
+def test_the_tiny_recipe_checks_once_run_sh_prepare_made_its_data(sample_data, tmp_path):
+    (tmp_path / "runs" / "sample").mkdir(parents=True)
+    (tmp_path / "runs" / "sample" / "data").symlink_to(sample_data["train"].parent)
+    proc = subprocess.run([sys.executable, "-m", "bert_ds.phases", "--config", str(RECIPES / "tiny_two_phase.json"),
+                           "--check"], capture_output=True, text=True, cwd=tmp_path, env=cli_env(), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "phase1: 6 steps, seq 64" in proc.stdout
 
 
 def test_check_prints_the_plan_and_a_typo_is_one_line(sample_data, tmp_path):
