@@ -18,6 +18,9 @@ Why: a crash at any point leaves either the previous checkpoint or the new one,
 never a mix. Everything is written into ``.tmp-step_...``, fsynced, marked
 ``COMPLETE``, then renamed; only then is ``latest`` moved. A folder without its
 marker is never loaded, and a file whose CRC no longer matches is reported by name.
+A write that fails (disk full, a read-only folder) on any rank is agreed by every rank
+where a barrier stood: the temporary folder is removed, every rank raises
+:class:`CheckpointSaveError`, and the previous checkpoint stays ``latest``.
 ``model.safetensors`` lets `bert_ds.export` work without DeepSpeed or the world size
 the run had.
 
