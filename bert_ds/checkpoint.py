@@ -18,6 +18,9 @@ Why: a crash at any point leaves either the previous checkpoint or the new one,
 never a mix. Everything is written into ``.tmp-step_...``, fsynced, marked
 ``COMPLETE``, then renamed; only then is ``latest`` moved. A folder without its
 marker is never loaded, and a file whose CRC no longer matches is reported by name.
+A write that fails (disk full, a read-only folder) on any rank is agreed by every rank
+where a barrier stood: the temporary folder is removed, every rank raises
+:class:`CheckpointSaveError`, and the previous checkpoint stays ``latest``.
 ``model.safetensors`` lets `bert_ds.export` work without DeepSpeed or the world size
 the run had.
 
@@ -52,11 +55,11 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from data_tools.atomic import as_umask_allows, file_crc32, fsync_path
-from data_tools.errors import UserError
+from data_tools.errors import UserError, describe
 from data_tools.tokenizer import HF_FILES
 
 MARKER = "COMPLETE"
@@ -150,38 +153,99 @@ def save(engine, root: Path, step: int, *, rank: int, model_config: dict, train_
         newest = find_latest(root)
         raise NonFiniteWeightsError(f"step {step}: the weights hold inf or NaN (first in {poisoned}); nothing was "
                                     f"saved; newest checkpoint: {newest if newest else 'none'}")
-    if rank == 0:
+
+    def make_tmp() -> None:
         root.mkdir(parents=True, exist_ok=True)
         for debris in [*root.glob(".tmp-*"), *root.glob(f"{_TRASH}*")]:  # left by a crash in an earlier save
             shutil.rmtree(debris, ignore_errors=True)
         tmp.mkdir()
         (tmp / "rng").mkdir()
-    _barrier()
+
+    def write_files() -> None:
+        engine.save_checkpoint(str(tmp / "ds"), tag="state", save_latest=False)
+        _reach("engine_saved", final)
+        torch.save(rng_state(), tmp / "rng" / f"rank_{rank:05d}.pt")
+        if rank == 0:
+            save_safetensors(weights, tmp / WEIGHTS, metadata={"format": "pt"})
+            if optimizer is not None:
+                optimizer.write(tmp / OPTIMIZER)
+            _write_json(tmp / "model_config.json", model_config)
+            _write_json(tmp / "train_config.json", train_config)
+            _write_json(tmp / "train_state.json", train_state)
+            if tokenizer_dir is not None:  # the tokenizer files only, not the dataset beside them
+                (tmp / "tokenizer").mkdir()
+                for name in HF_FILES:
+                    shutil.copyfile(tokenizer_dir / name, tmp / "tokenizer" / name)
+
+    def commit() -> None:
+        try:
+            _commit(tmp, final)
+            _point_latest(root, final.name)
+        except OSError:
+            if final.is_dir() and (root / LATEST).resolve() != final.resolve():
+                _discard(final)  # renamed but not `latest`: the previous checkpoint stays the newest
+            raise
+
+    # Each step's verdict is agreed by every rank where a barrier would be: a write that fails
+    # on one rank (disk full, a read-only folder) stops every rank at the same point.
+    _agree(_write_failure(make_tmp) if rank == 0 else None, step, root, tmp, rank)
     _reach("started", final)
-    engine.save_checkpoint(str(tmp / "ds"), tag="state", save_latest=False)
-    _reach("engine_saved", final)
-    torch.save(rng_state(), tmp / "rng" / f"rank_{rank:05d}.pt")
-    if rank == 0:
-        save_safetensors(weights, tmp / WEIGHTS, metadata={"format": "pt"})
-        if optimizer is not None:
-            optimizer.write(tmp / OPTIMIZER)
-        _write_json(tmp / "model_config.json", model_config)
-        _write_json(tmp / "train_config.json", train_config)
-        _write_json(tmp / "train_state.json", train_state)
-        if tokenizer_dir is not None:  # the tokenizer files only, not the dataset beside them
-            (tmp / "tokenizer").mkdir()
-            for name in HF_FILES:
-                shutil.copyfile(tokenizer_dir / name, tmp / "tokenizer" / name)
+    failure = _write_failure(write_files)
     _reach("files_written", final)
-    _barrier()
+    _agree(failure, step, root, tmp, rank)
     if rank == 0:
-        _commit(tmp, final)
-        _point_latest(root, final.name)
-        _reach("latest_moved", final)
-        _prune(root, keep_last)
+        failure = _write_failure(commit)
+        if failure is None:
+            _reach("latest_moved", final)
+            _prune(root, keep_last)
     _reach("pruned", final)
-    _barrier()
+    _agree(failure if rank == 0 else None, step, root, tmp, rank)
     return final
+
+
+class CheckpointSaveError(UserError):
+    """A checkpoint could not be written (disk full, a read-only folder): nothing was committed."""
+
+
+def _write_failure(action: Callable[[], None]) -> Exception | None:
+    """Run ``action``; return the failure of a write (disk full, no permission), raise anything else."""
+    try:
+        action()
+    except (OSError, SafetensorError) as e:
+        return e
+    except RuntimeError as e:
+        if "inline_container" not in str(e):
+            raise
+        return e  # torch.save's zip writer reports a short write (ENOSPC) as "unexpected pos"
+    return None
+
+
+def _any_rank(flag: bool) -> bool:
+    if not (dist.is_available() and dist.is_initialized()):
+        return flag
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    t = torch.tensor([float(flag)], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def _agree(failure: Exception | None, step: int, root: Path, tmp: Path, rank: int) -> None:
+    """A barrier that also tells every rank whether any rank's writes failed; if one did, rank 0
+    removes the temporary folder and every rank raises :class:`CheckpointSaveError`."""
+    if not _any_rank(failure is not None):
+        return
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    cause = describe(failure) if failure is not None else "another rank could not write its files"
+    newest = find_latest(root)
+    raise CheckpointSaveError(f"step {step}: checkpoint not saved ({cause}; {_free_mib(root)} MiB free there); "
+                              f"newest checkpoint: {newest if newest else 'none'}")
+
+
+def _free_mib(path: Path) -> int:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free >> 20
 
 
 def _write_json(path: Path, obj: Any) -> None:
@@ -317,13 +381,23 @@ def _load_portable(engine, ckpt: Path, saved_world: int | None, world_size: int)
         raise CheckpointError(f"{ckpt}: saved on {saved_world} rank(s) without {OPTIMIZER}, so it can only be "
                               f"resumed on {saved_world} rank(s), not {world_size}")
     _check_portable_engine(engine, ckpt)
-    install_weights(engine, load_file(str(ckpt / WEIGHTS)), source=ckpt / WEIGHTS)
+    install_weights(engine, read_weights(ckpt / WEIGHTS), source=ckpt / WEIGHTS)
     OptimizerSnapshot.read(ckpt / OPTIMIZER).install(engine, source=ckpt / OPTIMIZER)
 
 
 def load_weights(engine, path: Path) -> Path:
     """Initialize the engine's weights (fp32 master copy included) from a checkpoint folder or a
     ``model.safetensors``; the optimizer and schedule stay fresh. Returns the file read."""
+    file = weights_file(path)
+    _check_portable_engine(engine, file)
+    install_weights(engine, read_weights(file), source=file)
+    return file
+
+
+def weights_file(path: Path) -> Path:
+    """The weights file behind ``--init-from`` (a checkpoint folder, its ``latest``, or a
+    ``.safetensors`` file), checked without loading it: a folder against its marker's CRCs, a
+    file by its safetensors header (which also catches truncation; a bare file has no checksum)."""
     path = Path(path)
     if path.suffix == ".safetensors":
         file = path
@@ -333,9 +407,19 @@ def load_weights(engine, path: Path) -> Path:
         file = folder / WEIGHTS
     if not file.is_file():
         raise CheckpointError(f"{file}: no such weights file")
-    _check_portable_engine(engine, file)
-    install_weights(engine, load_file(str(file)), source=file)
+    try:
+        with safe_open(str(file), framework="pt"):
+            pass
+    except (OSError, SafetensorError) as e:
+        raise CheckpointError(f"{file}: not a readable safetensors file ({describe(e)})") from None
     return file
+
+
+def read_weights(file: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(str(file))
+    except (OSError, SafetensorError) as e:
+        raise CheckpointError(f"{file}: not a readable safetensors file ({describe(e)})") from None
 
 
 # --------------------------------------------------------------------------- world-size-free state

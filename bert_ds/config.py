@@ -17,6 +17,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -201,6 +203,29 @@ class BatchPlan:
         return cls(global_batch_size, micro_batch_size, world_size, global_batch_size // per_step)
 
 
+def check_writable(path: str | Path, flag: str, *, folder: bool) -> None:
+    """Refuse, before anything starts, a path a run could not write: ``path`` must be a folder
+    (``folder``) or a file to append to, existing or creatable. The probe creates an unnamed
+    temporary file and nothing else: permission bits alone say nothing for root or a read-only
+    mount, and a run that fails at its first write would leave a half-made run folder behind."""
+    path = Path(path)
+    if path.exists() and folder != path.is_dir():
+        raise ConfigError(f"{flag} {path}: " + ("exists and is not a folder" if folder else "is a folder; give a file"))
+    try:
+        if path.exists() and not folder:
+            os.close(os.open(path, os.O_WRONLY | os.O_APPEND))
+            return
+        base = path if folder else path.parent
+        while not base.exists():
+            base = base.parent
+        if not base.is_dir():
+            raise ConfigError(f"{flag} {path}: {base} exists and is not a folder")
+        with tempfile.TemporaryFile(dir=base):
+            pass
+    except OSError as e:
+        raise ConfigError(f"{flag} {path}: cannot write there ({e.strerror})") from None
+
+
 def resolve_ds_config_path(name: str) -> Path:
     """A bare file name is looked up in ds_configs/; anything else is a path."""
     path = Path(name)
@@ -219,9 +244,9 @@ def deepspeed_config(cfg: TrainConfig, plan: BatchPlan) -> dict[str, Any]:
         ds = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path}: not valid JSON ({e})") from None
-    clash = [k for k in _DERIVED_DS_KEYS if k in ds]
-    if clash:
-        raise ConfigError(f"{path}: sets {', '.join(clash)}, which bert-ds derives from the training config; remove them")
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
+    check_engine_json(ds, path)
     stage = ds.get("zero_optimization", {}).get("stage", 0)
     if cfg.optim.name == "lamb" and stage == 3:
         raise ConfigError(f"{path}: LAMB with per-parameter trust ratios supports ZeRO stages 0-2, not 3; "
@@ -241,6 +266,68 @@ def deepspeed_config(cfg: TrainConfig, plan: BatchPlan) -> dict[str, Any]:
     # bert-ds always hands DeepSpeed its own optimizer; LAMB binds to ZeRO's partitions.
     ds["zero_allow_untested_optimizer"] = True
     return ds
+
+
+# Top-level engine settings that DeepSpeed reads as plain values, without a schema of its own:
+# a wrong type there fails deep inside the engine, after the process group exists.
+_DS_SCALARS: dict[str, tuple[tuple[type, ...], str]] = {
+    "steps_per_print": ((int,), "an integer"),
+    "wall_clock_breakdown": ((bool,), "true or false"),
+    "memory_breakdown": ((bool,), "true or false"),
+    "prescale_gradients": ((bool,), "true or false"),
+    "gradient_predivide_factor": ((int, float), "a number"),
+}
+_COMM_DTYPES = (None, "fp32", "fp16", "bf16")
+_PRECISION_KEYS = ("bf16", "bfloat16", "fp16")  # "bfloat16": DeepSpeed's older name for bf16
+
+
+def check_engine_json(ds: Any, path: Path) -> None:
+    """Reject, in one line, a DeepSpeed JSON that DeepSpeed would fail on only after start-up.
+
+    DeepSpeed validates its ``zero_optimization``, ``bf16`` and ``fp16`` sections with pydantic
+    models when the engine is built, and asserts on the rest; the same models run here, before
+    any process group exists, and their ValidationError becomes one ConfigError.
+    """
+    if not isinstance(ds, dict):
+        raise ConfigError(f"{path}: must hold a JSON object, got {type(ds).__name__}")
+    clash = [k for k in _DERIVED_DS_KEYS if k in ds]
+    if clash:
+        raise ConfigError(f"{path}: sets {', '.join(clash)}, which bert-ds derives from the training config; remove them")
+    for key, (types, what) in _DS_SCALARS.items():
+        value = ds.get(key)
+        if key in ds and (not isinstance(value, types) or (isinstance(value, bool) and bool not in types)):
+            raise ConfigError(f"{path}: {key} must be {what}, got {value!r}")
+    if ds.get("communication_data_type") not in _COMM_DTYPES:
+        raise ConfigError(f"{path}: communication_data_type must be fp32, fp16, bf16 or null, "
+                          f"got {ds['communication_data_type']!r}")
+    for key in ("zero_optimization", *_PRECISION_KEYS):
+        if not isinstance(ds.get(key, {}), dict):
+            raise ConfigError(f"{path}: {key} must be a JSON object, got {ds[key]!r}")
+    stage = ds.get("zero_optimization", {}).get("stage", 0)
+    if isinstance(stage, bool) or stage not in (0, 1, 2, 3):  # pydantic would also take "2" or true
+        raise ConfigError(f"{path}: zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}")
+    enabled = [k for k in _PRECISION_KEYS if ds.get(k, {}).get("enabled") is True]
+    if len(enabled) > 1:
+        raise ConfigError(f"{path}: {' and '.join(enabled)} are both enabled; enable at most one")
+    from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    models = {"zero_optimization": DeepSpeedZeroConfig, "bf16": DeepSpeedBF16Config,
+              "bfloat16": DeepSpeedBF16Config, "fp16": DeepSpeedFP16Config}
+    for key, model in models.items():
+        if key in ds:
+            _validate_section(ds[key], key, model, path)
+
+
+def _validate_section(section: dict[str, Any], key: str, model: type, path: Path) -> None:
+    from pydantic import ValidationError
+
+    try:
+        model(**section)
+    except ValidationError as e:
+        problems = [f"{'.'.join([key, *map(str, err['loc'])])}: {err['msg']} (got {err.get('input')!r})"
+                    for err in e.errors()]
+        raise ConfigError(f"{path}: {'; '.join(problems)}") from None
 
 
 def precision_of(ds: dict[str, Any]) -> Literal["bf16", "fp16", "fp32"]:

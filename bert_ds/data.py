@@ -238,6 +238,7 @@ class PretrainingDataset(Dataset):
         rng = self._rng.keyed(_sample_key(self.seed, epoch, index))
         shard, doc, first, end, target = self.samples[index].tolist()
         tokens, offsets, _ = self.readers[shard]
+        self._check_ids(shard, int(offsets[first]), int(offsets[end]))
         task = self.cfg.pair_task
         if task == "none":
             a = tokens[offsets[first]: min(offsets[end], offsets[first] + self.max_num_tokens)]
@@ -277,7 +278,26 @@ class PretrainingDataset(Dataset):
         start = int(offsets[int(rng.integers(lo, hi))])
         # whole sentences until `want` tokens are reached (the last one may overshoot)
         stop = int(offsets[lo: hi + 1].searchsorted(start + want, side="left")) + lo
-        return tokens[start: int(offsets[min(stop, hi)])]
+        end = int(offsets[min(stop, hi)])
+        self._check_ids(s, start, end)
+        return tokens[start: end]
+
+    def _check_ids(self, shard: int, lo: int, hi: int) -> None:
+        """Token ids ``[lo, hi)`` of a shard must be in the vocabulary.
+
+        Opening a shard checks its header's max id, not the payload; reading every token at
+        start-up is what ``data_tools verify`` does and would cost a full pass over the data.
+        Checked here instead, where a sample's tokens are read: one ``max`` over at most a
+        sample's tokens, 1-2 us of a 14-22 us sample (a damaged id would otherwise reach the
+        embedding as an IndexError, or a device-side assert on a GPU).
+        """
+        ids = self.readers[shard][0][lo:hi]
+        if ids.size and int(ids.max()) >= self.vocab_size:
+            at = int((ids >= self.vocab_size).argmax())
+            raise ShardError(
+                f"{self.path / self.manifest.shards[shard].name}.bin: token id {int(ids[at])} at token offset "
+                f"{lo + at} is outside the vocabulary [0, {self.vocab_size}): the shard is damaged "
+                f"(`python -m data_tools verify {self.path}` checks every shard)")
 
     def _sop_pair(self, rng, shard: int, first: int, end: int):
         """ALBERT's sentence-order prediction: label 1 when the two halves are swapped."""
@@ -542,7 +562,10 @@ class PretrainingLoader:
         """The grad_accum micro-batches of the next optimizer step for this rank."""
         if self._iter is None:
             self._iter = self._make_iter()
-        batches = [next(self._iter) for _ in range(self.plan.grad_accum)]
+        try:
+            batches = [next(self._iter) for _ in range(self.plan.grad_accum)]
+        except ShardError as e:
+            raise ShardError(_worker_message(e)) from None
         self.consumed_samples += self.plan.global_batch_size
         return batches
 
@@ -559,6 +582,20 @@ class PretrainingLoader:
             )
         self.consumed_samples = int(state["consumed_samples"])
         self._iter = None
+
+
+def _worker_message(err: ShardError) -> str:
+    """The one-line message of an error raised in a loader worker.
+
+    DataLoader re-raises a worker's exception in the main process as the same class, with
+    the worker's whole traceback as its message; the original message is that traceback's
+    last line, after the class name.
+    """
+    text = str(err)
+    if "Original Traceback" not in text:
+        return text
+    last = text.rstrip().splitlines()[-1]
+    return last.split(": ", 1)[1] if ": " in last else last
 
 
 def validation_batches(dataset: PretrainingDataset, samples: int, micro_batch: int, rank: int,

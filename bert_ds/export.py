@@ -37,7 +37,7 @@ from safetensors.torch import load_file
 
 from bert_ds import checkpoint
 from bert_ds.errors import ConfigError, UserError
-from data_tools.errors import report
+from data_tools.errors import describe, report
 from bert_ds.model import BertForPreTraining, ModelConfig
 from bert_ds.padding import gather_tokens, unpad
 from data_tools.atomic import as_umask_allows, fsync_path
@@ -95,8 +95,11 @@ def export_hf(state_dict: Mapping[str, torch.Tensor], config: ModelConfig,
     _check_replaceable(out_dir)
     full_state = _with_tied_aliases(state_dict)
     _check_keys(full_state, config)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f"{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f"{out_dir.name}.tmp-", dir=out_dir.parent))
+    except OSError as err:
+        raise ExportError(f"cannot write {out_dir}: {describe(err)}") from None
     try:
         as_umask_allows(tmp)
         hf_config.save_pretrained(tmp)
@@ -108,8 +111,11 @@ def export_hf(state_dict: Mapping[str, torch.Tensor], config: ModelConfig,
         _check_round_trip(full_state, config, tmp)
         _fsync_folder(tmp)
         _replace_folder(tmp, out_dir)
-    except BaseException:
+    except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(err, (OSError, SafetensorError)):  # disk full, a folder made read-only meanwhile
+            raise ExportError(f"export to {out_dir} not written ({describe(err)}); "
+                              f"{out_dir} is as it was") from None
         raise
     return out_dir
 

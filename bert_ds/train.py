@@ -55,7 +55,8 @@ import torch
 import torch.distributed as dist
 
 from bert_ds import checkpoint
-from bert_ds.config import BatchPlan, DataConfig, OptimConfig, TrainConfig, deepspeed_config, precision_of
+from bert_ds.config import (BatchPlan, DataConfig, OptimConfig, TrainConfig, check_writable, deepspeed_config,
+                            precision_of)
 from bert_ds.data import (Batch, PretrainingDataset, PretrainingLoader, open_pretraining_data, step_positions,
                           to_device, validation_batches)
 from bert_ds.errors import ConfigError
@@ -678,8 +679,14 @@ def main(argv: list[str] | None = None) -> int:
         vocab_size = Manifest.load(Path(args.data[0])).vocab_size
         cfg = config_from_args(args, vocab_size)
         options = RunOptions.from_args(args)
+        check_writable(cfg.output, "--output", folder=True)
+        if options.log_samples:
+            check_writable(options.log_samples, "--log-samples", folder=False)
         found = checkpoint.find_latest(Path(cfg.output) / "checkpoints") if args.resume == "auto" else None
-        _batch_plan(cfg, int(os.environ.get("WORLD_SIZE", "1")), found)  # before any rank waits on another
+        plan = _batch_plan(cfg, int(os.environ.get("WORLD_SIZE", "1")), found)  # before any rank waits on another
+        deepspeed_config(cfg, plan)  # an engine JSON that DeepSpeed would refuse after start-up fails here
+        if cfg.init_from and found is None:
+            checkpoint.weights_file(Path(cfg.init_from))
         with training_session(cfg.collective_timeout) as (rank, world, device, stop):
             summary = run(cfg, args.resume == "auto", rank, world, device, options, stop)
             if rank == 0:

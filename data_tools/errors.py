@@ -19,6 +19,13 @@ class ShardError(UserError):
     """A token shard or dataset manifest is missing, damaged or inconsistent."""
 
 
+def describe(err: BaseException) -> str:
+    """An OS or library error as a short clause: ``FILE: reason`` where the file is known."""
+    if isinstance(err, OSError) and err.strerror:
+        return f"{err.filename}: {err.strerror}" if err.filename else err.strerror
+    return " ".join(str(err).split())
+
+
 def report(err: Exception | str) -> int:
     """Print ``error: <message>`` as one line on stderr; return :data:`EXIT_USER_ERROR`."""
     print(f"error: {' '.join(str(err).split())}", file=sys.stderr, flush=True)

@@ -168,18 +168,41 @@ def vocab_fingerprint(vocab: bytes) -> str:
 def install_tokenizer(directory: str | os.PathLike, vocab: bytes, lowercase: bool) -> TokenizerSpec:
     """Write the HF tokenizer files for ``vocab`` into DIR, each atomically."""
     from tokenizers import Tokenizer
-    from transformers import BertTokenizerFast
 
     directory = Path(directory)
     tmp = directory / _TMP_DIR
     shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        _write_hf_files(tmp, vocab, lowercase)
+        for name in HF_FILES:
+            fsync_path(tmp / name)
+            os.replace(tmp / name, directory / name)
+        fsync_path(directory)
+    finally:  # a failed write (disk full) leaves no temporary folder; final names are whole files
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    tokenizer_json = (directory / "tokenizer.json").read_text(encoding="utf-8")
+    tok = Tokenizer.from_str(tokenizer_json)
+    special = {k: tok.token_to_id(v) for k, v in SPECIAL_TOKENS.items()}
+    return TokenizerSpec(
+        tokenizer_json=tokenizer_json,
+        vocab_size=len(vocab_entries(vocab)),
+        special_tokens=special,
+        fingerprint=vocab_fingerprint(vocab),
+        lowercase=lowercase,
+    )
+
+
+def _write_hf_files(tmp: Path, vocab: bytes, lowercase: bool) -> None:
+    """The HF tokenizer files for ``vocab`` in a new folder ``tmp``."""
+    from transformers import BertTokenizerFast
+
     tmp.mkdir(parents=True)
     write_synced(tmp / "vocab.txt", vocab)
     # from_pretrained on a folder holding only vocab.txt builds the fast tokenizer the
     # same way in transformers 4 and 5 (5 ignores a vocab_file= constructor argument).
     hf = BertTokenizerFast.from_pretrained(str(tmp), do_lower_case=lowercase)
-    entries = vocab_entries(vocab)
-    expected = {t: i for i, t in enumerate(entries)}
+    expected = {t: i for i, t in enumerate(vocab_entries(vocab))}
     if hf.get_vocab() != expected:
         raise RuntimeError(f"transformers built a tokenizer of {len(hf.get_vocab())} entries from a "
                            f"vocab.txt of {len(expected)}: the HF files would not match the shards")
@@ -189,22 +212,6 @@ def install_tokenizer(directory: str | os.PathLike, vocab: bytes, lowercase: boo
     if not (tmp / "special_tokens_map.json").exists():
         smap = {f"{k}_token": v for k, v in sorted(SPECIAL_TOKENS.items())}
         write_synced(tmp / "special_tokens_map.json", (json.dumps(smap, indent=2, sort_keys=True) + "\n").encode())
-    for name in HF_FILES:
-        fsync_path(tmp / name)
-        os.replace(tmp / name, directory / name)
-    shutil.rmtree(tmp)
-    fsync_path(directory)
-
-    tokenizer_json = (directory / "tokenizer.json").read_text(encoding="utf-8")
-    tok = Tokenizer.from_str(tokenizer_json)
-    special = {k: tok.token_to_id(v) for k, v in SPECIAL_TOKENS.items()}
-    return TokenizerSpec(
-        tokenizer_json=tokenizer_json,
-        vocab_size=len(entries),
-        special_tokens=special,
-        fingerprint=vocab_fingerprint(vocab),
-        lowercase=lowercase,
-    )
 
 
 def load_tokenizer(directory: str | os.PathLike):
