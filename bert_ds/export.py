@@ -107,7 +107,7 @@ def export_hf(state_dict: Mapping[str, torch.Tensor], config: ModelConfig,
                    for name, tensor in full_state.items() if name not in TIED_ALIASES}
         checkpoint.save_safetensors(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
         if tokenizer_dir is not None:
-            _copy_tokenizer(Path(tokenizer_dir), tmp)
+            _copy_tokenizer(Path(tokenizer_dir), tmp, config.max_position_embeddings)
         _check_round_trip(full_state, config, tmp)
         _fsync_folder(tmp)
         _replace_folder(tmp, out_dir)
@@ -177,7 +177,10 @@ def _check_keys(state_dict: Mapping[str, torch.Tensor], config: ModelConfig) -> 
                               f"the model config needs {tuple(tensor.shape)}")
 
 
-def _copy_tokenizer(tokenizer_dir: Path, dest: Path) -> None:
+def _copy_tokenizer(tokenizer_dir: Path, dest: Path, max_length: int) -> None:
+    """The tokenizer files, its config saying how long an input the model takes: transformers
+    otherwise writes model_max_length 1e30, and ``tok(text, truncation=True)`` would hand
+    the model more positions than it has."""
     if not tokenizer_dir.is_dir():
         raise ExportError(f"tokenizer folder {tokenizer_dir} does not exist")
     files = [path for path in sorted(tokenizer_dir.iterdir()) if path.is_file()]
@@ -187,6 +190,13 @@ def _copy_tokenizer(tokenizer_dir: Path, dest: Path) -> None:
         if path.name in _EXPORT_FILES:
             raise ExportError(f"tokenizer folder {tokenizer_dir} holds {path.name}, which the export writes")
         shutil.copyfile(path, dest / path.name)  # a new file, with the umask's permissions (not the source's)
+    config = dest / "tokenizer_config.json"
+    try:
+        settings = json.loads(config.read_text(encoding="utf-8")) if config.is_file() else {}
+    except ValueError as err:
+        raise ExportError(f"{tokenizer_dir / config.name}: not valid JSON ({err})") from None
+    settings["model_max_length"] = max_length
+    config.write_text(json.dumps(settings, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
 def _check_round_trip(state_dict: Mapping[str, torch.Tensor], config: ModelConfig, export_dir: Path) -> None:

@@ -75,7 +75,8 @@ def _parser() -> argparse.ArgumentParser:
                         "as it is; anything else there is refused without --overwrite)")
     b.add_argument("--overwrite", action="store_true",
                    help="replace a dataset of other inputs or options in DIR, or build into a non-empty folder")
-    b.add_argument("--vocab", metavar="FILE", help="existing vocab.txt or WordPiece tokenizer.json")
+    b.add_argument("--vocab", metavar="FILE", help="an existing tokenizer, kept as it is: a Hugging Face tokenizer "
+                   "folder, a WordPiece tokenizer.json, or a vocab.txt")
     b.add_argument("--train-vocab", type=_positive_int, metavar="SIZE",
                    help="train a WordPiece vocabulary of SIZE entries on the inputs")
     b.add_argument("--workers", type=_positive_int, default=None,
@@ -90,8 +91,10 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--join-wrapped-lines", dest="join_wrapped", action="store_true",
                    help="plain text broken by width, not by sentence (documentation, books): join each "
                         "paragraph's lines, then cut it into sentences")
-    b.add_argument("--lowercase", action=argparse.BooleanOptionalAction, default=True,
-                   help="lowercase and strip accents (default: on)")
+    b.add_argument("--lowercase", action=argparse.BooleanOptionalAction, default=None,
+                   help="lowercase and strip accents. With --train-vocab: on unless --no-lowercase. With "
+                        "--vocab: the tokenizer's own normalizer is kept (a bare vocab.txt is cased exactly "
+                        "when it holds cased tokens); a flag that disagrees with it is refused")
     b.add_argument("--shard-tokens", type=_positive_int, default=DEFAULT_SHARD_TOKENS, metavar="N",
                    help=f"close a shard at the first document end after N tokens (default {DEFAULT_SHARD_TOKENS:,})")
     b.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")

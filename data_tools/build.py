@@ -74,7 +74,10 @@ from data_tools.text import (
     DOCUMENT_MODES, HEADING_RE, PIECE_BYTES, SENTENCE_SPLIT_RE, CorpusReader, Cursor, DocEnd, ReadStats, mark_sentences,
     split_sentences,
 )
-from data_tools.tokenizer import TokenizerSpec, install_tokenizer, read_vocab, train_vocab, vocab_fingerprint
+from data_tools.tokenizer import (
+    Normalization, TokenizerSpec, holds_cased_tokens, install_tokenizer, load_vocabulary, train_vocab,
+    vocab_fingerprint,
+)
 
 DEFAULT_SHARD_TOKENS = 1 << 26  # ~64M tokens: 128 MiB of uint16 per shard
 CHUNK_CHARS = 1 << 18  # characters per tokenization task: ~60k tokens, ~10 MB of Encodings
@@ -99,7 +102,7 @@ class BuildOptions:
     train_vocab: int | None = None  # or: train a WordPiece vocabulary of this size
     workers: int = field(default_factory=lambda: len(os.sched_getaffinity(0)))
     split_sentences: bool = False
-    lowercase: bool = True
+    lowercase: bool | None = None  # None: as the given tokenizer has it (see tokenizer.py); True when training
     shard_tokens: int = DEFAULT_SHARD_TOKENS
     piece_bytes: int = PIECE_BYTES  # longest line read in one piece (shapes output)
     progress: bool = True  # tqdm bars on stderr
@@ -120,7 +123,7 @@ class BuildOptions:
         if self.documents not in DOCUMENT_MODES:
             raise UserError(f"--documents must be one of {', '.join(DOCUMENT_MODES)}, got {self.documents!r}")
         check_inputs(self.inputs, self.text_field)
-        if self.vocab is not None and not os.path.isfile(self.vocab):
+        if self.vocab is not None and not os.path.exists(self.vocab):
             raise UserError(f"vocabulary not found: {self.vocab}")
         if os.path.exists(self.output) and not os.path.isdir(self.output):
             raise UserError(f"--output {self.output} exists and is not a folder")
@@ -439,10 +442,10 @@ class _Workers:
 
 # -- resume journal ------------------------------------------------------------------------
 
-def _plan_key(sources: list[dict], vocab: bytes, opts: BuildOptions) -> str:
+def _plan_key(sources: list[dict], vocab: bytes, normalization: Normalization, opts: BuildOptions) -> str:
     plan = {
         "shard_format": FORMAT_VERSION, "created_by": created_by(), "sources": sources,
-        "tokenizer": vocab_fingerprint(vocab), "lowercase": opts.lowercase,
+        "tokenizer": vocab_fingerprint(vocab), "normalizer": normalization.to_json(),
         "split_sentences": opts.split_sentences, "shard_tokens": opts.shard_tokens,
         "piece_bytes": opts.piece_bytes,
         # Only where it shapes the output: journals of text-only builds stay valid.
@@ -551,12 +554,22 @@ def _text_lines(opts: BuildOptions, desc: str) -> Iterator[str]:
         bar.update(reader.progress - bar.n)
 
 
-def _vocab(opts: BuildOptions) -> bytes:
-    """vocab.txt bytes, loaded or trained; writes nothing."""
-    if opts.vocab is not None:
-        return read_vocab(opts.vocab)
-    passes = iter(("vocab: alphabet", "vocab: train"))
-    return train_vocab(lambda: _text_lines(opts, next(passes)), opts.train_vocab, opts.lowercase)
+def _vocab(opts: BuildOptions) -> tuple[bytes, Normalization]:
+    """(vocab.txt bytes, the normalizer), loaded or trained; writes nothing."""
+    if opts.vocab is None:
+        lowercase = True if opts.lowercase is None else opts.lowercase
+        passes = iter(("vocab: alphabet", "vocab: train"))
+        return train_vocab(lambda: _text_lines(opts, next(passes)), opts.train_vocab, lowercase), \
+            Normalization(lowercase=lowercase)
+    vocab, given = load_vocabulary(opts.vocab)
+    if given is None:  # a bare vocab.txt: cased exactly when it holds cased tokens, unless told
+        lowercase = not holds_cased_tokens(vocab) if opts.lowercase is None else opts.lowercase
+        return vocab, Normalization(lowercase=lowercase)
+    if opts.lowercase is not None and opts.lowercase != given.lowercase:
+        flag = "--lowercase" if opts.lowercase else "--no-lowercase"
+        raise UserError(f"{opts.vocab}: this tokenizer {'lowercases' if given.lowercase else 'keeps case'}; "
+                        f"{flag} would change it and the model it belongs to: drop {flag}")
+    return vocab, given
 
 
 def build(opts: BuildOptions) -> BuildResult:
@@ -570,8 +583,8 @@ def build(opts: BuildOptions) -> BuildResult:
         existing = _existing(directory, opts.overwrite)
         if existing.kind == "dataset" and existing.sources != sources and not opts.overwrite:
             _refuse_other(directory, existing)  # decided before a vocabulary is trained
-        vocab = _vocab(opts)
-        key = _plan_key(sources, vocab, opts)
+        vocab, normalization = _vocab(opts)
+        key = _plan_key(sources, vocab, normalization, opts)
         with FolderLock(directory, "a data_tools build"):
             # Again under the lock, which decides: another build may have finished meanwhile.
             existing = _existing(directory, opts.overwrite)
@@ -581,14 +594,14 @@ def build(opts: BuildOptions) -> BuildResult:
                                    already_built=True)
             if existing.kind != "nothing" and existing.key != key and not opts.overwrite:
                 _refuse_other(directory, existing)
-            manifest, records, t_vocab = _build_locked(opts, directory, sources, vocab, key, t0)
+            manifest, records, t_vocab = _build_locked(opts, directory, sources, vocab, normalization, key, t0)
     except OSError as e:
         raise UserError(f"{directory}: build failed: {e}") from None
     return BuildResult(directory, manifest, time.perf_counter() - t0, t_vocab, len(records))
 
 
-def _build_locked(opts: BuildOptions, directory: Path, sources: list[dict], vocab: bytes, key: str,
-                  t0: float) -> tuple[Manifest, list[dict], float]:
+def _build_locked(opts: BuildOptions, directory: Path, sources: list[dict], vocab: bytes,
+                  normalization: Normalization, key: str, t0: float) -> tuple[Manifest, list[dict], float]:
     """The build proper, in a folder this process holds; returns (manifest, reused records, set-up seconds)."""
     with _Workers(opts.workers) as workers:
         records = _resumable(directory, key)
@@ -597,7 +610,7 @@ def _build_locked(opts: BuildOptions, directory: Path, sources: list[dict], voca
         (directory / MANIFEST_NAME).unlink(missing_ok=True)
         _write_json(directory / JOURNAL_NAME, {"key": key, "shards": records})
         _remove_stale(directory, keep_shards=1 << 62)
-        spec = install_tokenizer(directory, vocab, opts.lowercase)
+        spec = install_tokenizer(directory, vocab, normalization)
         workers.start(directory, spec)
         t_vocab = time.perf_counter() - t0
         manifest = _write_shards(opts, directory, spec, key, records, workers)
@@ -691,7 +704,8 @@ def _write_shards(opts: BuildOptions, directory: Path, spec: TokenizerSpec, key:
         },
         build={
             "vocab": {"train": opts.train_vocab} if opts.vocab is None else {"file": opts.vocab},
-            "lowercase": opts.lowercase,
+            "lowercase": spec.lowercase,
+            "normalizer": spec.normalization.to_json(),
             "split_sentences": opts.split_sentences,
             "documents": opts.documents,
             "join_wrapped": opts.join_wrapped,

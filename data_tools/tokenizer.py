@@ -24,6 +24,12 @@ Design choices:
   [MASK]=4, then ``##x``, then the single characters, then merges.
 * The alphabet takes at most a quarter of the requested size (each character costs two
   entries, ``x`` and ``##x``), capped at 1000 as in BERT.
+* A tokenizer given with ``--vocab`` is kept as given: its vocabulary, and its
+  normalizer (case, accents, Chinese-character handling) exactly, read from its
+  ``tokenizer.json`` or, beside a ``vocab.txt``, from its ``tokenizer_config.json``
+  (:func:`load_vocabulary`). Adapting a cased model must never quietly lowercase. Only a
+  bare ``vocab.txt`` says nothing of case: it is cased exactly when it holds cased
+  tokens (an uncased vocabulary has none), unless ``--[no-]lowercase`` says otherwise.
 """
 
 from __future__ import annotations
@@ -49,6 +55,31 @@ _TMP_DIR = ".tokenizer.tmp"
 
 
 @dataclass(frozen=True)
+class Normalization:
+    """BERT's normalizer (tokenizers' BertNormalizer): what a dataset's text goes through."""
+
+    lowercase: bool
+    strip_accents: bool | None = None  # None: strip exactly when lowercasing (BERT's rule)
+    handle_chinese_chars: bool = True  # a space around every CJK ideograph
+    clean_text: bool = True  # control characters removed, whitespace made spaces
+
+    def to_json(self) -> dict:
+        """tokenizer.json's ``normalizer`` entry for these settings."""
+        return {"type": "BertNormalizer", "clean_text": self.clean_text,
+                "handle_chinese_chars": self.handle_chinese_chars, "strip_accents": self.strip_accents,
+                "lowercase": self.lowercase}
+
+    @classmethod
+    def from_json(cls, entry: object, where: str) -> "Normalization":
+        if not isinstance(entry, dict) or entry.get("type") != "BertNormalizer":
+            kind = entry.get("type") if isinstance(entry, dict) else entry
+            raise UserError(f"{where}: its normalizer is {kind!r}; a BERT tokenizer has a BertNormalizer")
+        return cls(lowercase=bool(entry.get("lowercase", True)), strip_accents=entry.get("strip_accents"),
+                   handle_chinese_chars=bool(entry.get("handle_chinese_chars", True)),
+                   clean_text=bool(entry.get("clean_text", True)))
+
+
+@dataclass(frozen=True)
 class TokenizerSpec:
     """What the build needs to know of the tokenizer installed in a dataset folder."""
 
@@ -56,7 +87,11 @@ class TokenizerSpec:
     vocab_size: int  # number of vocab.txt entries; ids are 0 .. vocab_size - 1
     special_tokens: dict[str, int]  # {"pad": 0, ...}
     fingerprint: str  # sha256 hex of vocab.txt
-    lowercase: bool
+    normalization: Normalization
+
+    @property
+    def lowercase(self) -> bool:
+        return self.normalization.lowercase
 
 
 def vocab_entries(vocab: bytes) -> list[str]:
@@ -68,12 +103,42 @@ def vocab_entries(vocab: bytes) -> list[str]:
     return [line.rstrip("\r") for line in lines]
 
 
-def read_vocab(path: str) -> bytes:
-    """vocab.txt content from a vocab.txt, or built from a WordPiece tokenizer.json.
+def load_vocabulary(path: str) -> tuple[bytes, Normalization | None]:
+    """(vocab.txt bytes, the normalizer) of a Hugging Face tokenizer folder, a WordPiece
+    ``tokenizer.json`` or a ``vocab.txt``; the normalizer is None only for a bare vocab.txt
+    (no ``tokenizer_config.json`` beside it)."""
+    source = Path(path)
+    if source.is_dir():
+        for name in ("tokenizer.json", "vocab.txt"):
+            if (source / name).is_file():
+                return load_vocabulary(str(source / name))
+        raise UserError(f"{path}: a tokenizer folder holds tokenizer.json or vocab.txt; this one holds neither")
+    vocab = read_vocab(path)
+    if path.endswith(".json"):
+        entry = json.loads(Path(path).read_text(encoding="utf-8")).get("normalizer")
+        return vocab, Normalization.from_json(entry, path)
+    config = source.with_name("tokenizer_config.json")
+    if not config.is_file():
+        return vocab, None
+    try:
+        settings = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise UserError(f"{config}: unreadable ({e})") from None
+    lowercase = bool(settings.get("do_lower_case", True))
+    return vocab, Normalization(lowercase=lowercase, strip_accents=settings.get("strip_accents"),
+                                handle_chinese_chars=bool(settings.get("tokenize_chinese_chars", True)))
 
-    From a tokenizer.json only the vocabulary is taken; normalization follows
-    ``--lowercase``.
-    """
+
+def holds_cased_tokens(vocab: bytes) -> bool:
+    """Whether a vocabulary has tokens with upper-case letters (besides the special ones):
+    an uncased vocabulary has none, and lowercasing would make them unreachable."""
+    special = set(SPECIAL_TOKENS.values())
+    return any(t not in special and t != t.lower() for t in vocab_entries(vocab))
+
+
+def read_vocab(path: str) -> bytes:
+    """vocab.txt content from a vocab.txt, or built from a WordPiece tokenizer.json
+    (the vocabulary only: :func:`load_vocabulary` also reads the normalizer)."""
     try:
         data = Path(path).read_bytes()
     except FileNotFoundError:
@@ -165,7 +230,7 @@ def vocab_fingerprint(vocab: bytes) -> str:
     return hashlib.sha256(vocab).hexdigest()
 
 
-def install_tokenizer(directory: str | os.PathLike, vocab: bytes, lowercase: bool) -> TokenizerSpec:
+def install_tokenizer(directory: str | os.PathLike, vocab: bytes, normalization: Normalization) -> TokenizerSpec:
     """Write the HF tokenizer files for ``vocab`` into DIR, each atomically."""
     from tokenizers import Tokenizer
 
@@ -173,7 +238,7 @@ def install_tokenizer(directory: str | os.PathLike, vocab: bytes, lowercase: boo
     tmp = directory / _TMP_DIR
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        _write_hf_files(tmp, vocab, lowercase)
+        _write_hf_files(tmp, vocab, normalization)
         for name in HF_FILES:
             fsync_path(tmp / name)
             os.replace(tmp / name, directory / name)
@@ -189,11 +254,11 @@ def install_tokenizer(directory: str | os.PathLike, vocab: bytes, lowercase: boo
         vocab_size=len(vocab_entries(vocab)),
         special_tokens=special,
         fingerprint=vocab_fingerprint(vocab),
-        lowercase=lowercase,
+        normalization=normalization,
     )
 
 
-def _write_hf_files(tmp: Path, vocab: bytes, lowercase: bool) -> None:
+def _write_hf_files(tmp: Path, vocab: bytes, normalization: Normalization) -> None:
     """The HF tokenizer files for ``vocab`` in a new folder ``tmp``."""
     from transformers import BertTokenizerFast
 
@@ -201,12 +266,19 @@ def _write_hf_files(tmp: Path, vocab: bytes, lowercase: bool) -> None:
     write_synced(tmp / "vocab.txt", vocab)
     # from_pretrained on a folder holding only vocab.txt builds the fast tokenizer the
     # same way in transformers 4 and 5 (5 ignores a vocab_file= constructor argument).
-    hf = BertTokenizerFast.from_pretrained(str(tmp), do_lower_case=lowercase)
+    hf = BertTokenizerFast.from_pretrained(str(tmp), do_lower_case=normalization.lowercase,
+                                           strip_accents=normalization.strip_accents,
+                                           tokenize_chinese_chars=normalization.handle_chinese_chars)
     expected = {t: i for i, t in enumerate(vocab_entries(vocab))}
     if hf.get_vocab() != expected:
         raise RuntimeError(f"transformers built a tokenizer of {len(hf.get_vocab())} entries from a "
                            f"vocab.txt of {len(expected)}: the HF files would not match the shards")
     hf.save_pretrained(str(tmp))
+    # The normalizer exactly as given (transformers' constructor has no clean_text switch).
+    tokenizer_json = json.loads((tmp / "tokenizer.json").read_text(encoding="utf-8"))
+    if tokenizer_json.get("normalizer") != normalization.to_json():
+        tokenizer_json["normalizer"] = normalization.to_json()
+        write_synced(tmp / "tokenizer.json", json.dumps(tokenizer_json, ensure_ascii=False, indent=2).encode())
     # Older transformers rewrite vocab.txt from their dict; keep the exact input bytes.
     write_synced(tmp / "vocab.txt", vocab)
     if not (tmp / "special_tokens_map.json").exists():

@@ -62,6 +62,9 @@ def test_export_loads_in_transformers_with_same_logits(tmp_path, with_tied_alias
     enc = tokenizer(["the cats sat", "a dog sat on the mat"], ["the mat", "a cat"],
                     padding=True, return_tensors="pt")
     assert (enc["input_ids"] != tokenizer.unk_token_id).all()  # the vocabulary came along
+    # The tokenizer knows how long an input the model takes: truncation stops at its positions.
+    assert tokenizer.model_max_length == 32
+    assert len(tokenizer(" ".join(["cat"] * 100), truncation=True)["input_ids"]) == 32
     with torch.no_grad():
         our_out = ours.eval()(enc["input_ids"], enc["token_type_ids"], enc["attention_mask"])
         their_out = theirs(**enc)
