@@ -49,18 +49,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from bert_ds import checkpoint
+from bert_ds import checkpoint, resume as resuming
 from bert_ds.config import BatchPlan, DataConfig, OptimConfig, TrainConfig, deepspeed_config, precision_of
 from bert_ds.data import (Batch, PretrainingDataset, PretrainingLoader, open_pretraining_data, step_positions,
                           to_device, validation_batches)
 from bert_ds.errors import ConfigError
 from bert_ds.flops import datasheet_peak_tflops, training_flops
 from bert_ds.metrics import MetricsLogger
-from bert_ds.model import PRESETS, BertForPreTraining, model_preset, pretraining_inputs
+from bert_ds.model import PRESETS, BertForPreTraining, ModelConfig, model_preset, pretraining_inputs
 from bert_ds.optim import bind_to_engine, build_optimizer, build_schedule
 from bert_ds.signals import EXIT_RANK_FAILURE, StopRequest
 from data_tools.errors import EXIT_USER_ERROR, UserError
 EXIT_BAD_STEPS = 3
+DEFAULT_PRESET = "mini"  # without --preset and without a checkpoint to resume
 
 
 class BadStepsError(Exception):
@@ -91,7 +92,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="without --val-data: share of the first dataset's documents held out for validation")
     p.add_argument("--whole-word-mask", action="store_true", help="mask every WordPiece of a chosen word")
     p.add_argument("--output", default="runs/train", help="run folder: metrics, TensorBoard, checkpoints")
-    p.add_argument("--preset", default="mini", help=f"model size: {', '.join(PRESETS)}")
+    p.add_argument("--preset", default=None,
+                   help=f"model size: {', '.join(PRESETS)} (default: the checkpoint's model when resuming, "
+                        f"else {DEFAULT_PRESET})")
     p.add_argument("--kernels", default="auto", choices=["auto", "cuda", "torch"], help="fused CUDA kernels or the PyTorch path")
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute layer activations in backward")
     p.add_argument("--dropout", type=float, default=None,
@@ -142,10 +145,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def config_from_args(args: argparse.Namespace, vocab_size: int) -> TrainConfig:
+def config_from_args(args: argparse.Namespace, vocab_size: int, saved_model: dict[str, Any] | None = None) -> TrainConfig:
+    """The run's configuration; without --preset, the model of ``saved_model`` (the checkpoint
+    being resumed) if there is one. The vocabulary always comes from the data, so that a
+    resume on another tokenizer is a refused change, not a silent one."""
     dropout = {} if args.dropout is None else {"hidden_dropout": args.dropout}
-    model = model_preset(args.preset, vocab_size, kernels=args.kernels,
-                         activation_checkpointing=args.activation_checkpointing, **dropout)
+    runtime = dict(vocab_size=vocab_size, kernels=args.kernels, activation_checkpointing=args.activation_checkpointing,
+                   **dropout)
+    if args.preset is None and saved_model is not None:
+        model = ModelConfig.from_dict({**saved_model, **runtime})
+    else:
+        model = model_preset(args.preset or DEFAULT_PRESET, **runtime)
     data = DataConfig(train=args.data, weights=args.data_weights, val=args.val_data, held_out=args.held_out,
                       whole_word_mask=args.whole_word_mask, max_seq_length=args.seq_len, pair_task=args.pair_task,
                       mask_rate=args.mask_rate, num_workers=args.num_workers, val_samples=args.val_samples)
@@ -293,8 +303,11 @@ def run(cfg: TrainConfig, resume: bool, rank: int, world: int, device: torch.dev
     output = Path(cfg.output)
     ckpt_root = output / "checkpoints"
     found = checkpoint.find_latest(ckpt_root) if resume else None
+    if resume and rank == 0:
+        resuming.report_incomplete(ckpt_root)
     if found is not None:
-        checkpoint.verify(found)  # a damaged checkpoint fails here, before any engine is built
+        resuming.verify_newest(found)  # a damaged checkpoint fails here, before any engine is built
+    recipe_changes = resuming.changes(found, cfg, world) if found is not None else []
     plan = _batch_plan(cfg, world, found)
     ds_cfg = deepspeed_config(cfg, plan)
     torch.manual_seed(cfg.seed)
@@ -338,7 +351,11 @@ def run(cfg: TrainConfig, resume: bool, rank: int, world: int, device: torch.dev
               f"{plan.grad_accum} accum x {world} ranks, {precision}, ZeRO-{ds_cfg['zero_optimization']['stage']}, "
               f"device {device.type}")
     output.mkdir(parents=True, exist_ok=True)
+    if recipe_changes:
+        log.print(f"resuming with changes: {resuming.describe(recipe_changes)} (recorded in {resuming.LOG_NAME})")
     if rank == 0:
+        if found is not None:
+            resuming.record(output, found, state.step, recipe_changes)
         (output / "train_config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
     peak = datasheet_peak_tflops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
     tokenizer_dir = Path(cfg.data.train[0])  # every dataset of a run shares one tokenizer
@@ -666,11 +683,21 @@ def main(argv: list[str] | None = None) -> int:
         # Validate everything that needs no process group first: bad input fails fast.
         from data_tools.manifest import Manifest
 
+        resuming.check_run_folder(Path(args.output))
         vocab_size = Manifest.load(Path(args.data[0])).vocab_size
-        cfg = config_from_args(args, vocab_size)
+        found = checkpoint.find_latest(Path(args.output) / "checkpoints") if args.resume == "auto" else None
+        cfg = config_from_args(args, vocab_size, resuming.saved_model(found) if found else None)
         options = RunOptions.from_args(args)
-        found = checkpoint.find_latest(Path(cfg.output) / "checkpoints") if args.resume == "auto" else None
-        _batch_plan(cfg, int(os.environ.get("WORLD_SIZE", "1")), found)  # before any rank waits on another
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if found is not None:
+            resuming.changes(found, cfg, world)  # a refused change fails here, before any rank waits on another
+            done_at = resuming.finished(found, cfg)
+            if done_at is not None:
+                if os.environ.get("RANK", "0") == "0":
+                    print(f"{cfg.output}: finished at step {done_at} (--steps {cfg.steps}), nothing to do; summary.json "
+                          "left as it was; a larger --steps trains on", flush=True)
+                return
+        _batch_plan(cfg, world, found)  # before any rank waits on another
         with training_session(cfg.collective_timeout) as (rank, world, device, stop):
             summary = run(cfg, args.resume == "auto", rank, world, device, options, stop)
             if rank == 0:
