@@ -145,17 +145,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def model_from_args(args: argparse.Namespace, vocab_size: int, saved_model: dict[str, Any] | None) -> ModelConfig:
+    """The model a run asks for. Resuming (``saved_model``: the checkpoint's), every field not
+    given on the command line stays as saved, the preset's sizes included when --preset is
+    absent; a different size or vocabulary (which comes from the data) is then a refused
+    change (bert_ds.resume), not a silent one."""
+    given = dict(vocab_size=vocab_size, kernels=args.kernels, activation_checkpointing=args.activation_checkpointing)
+    if args.dropout is not None:
+        given["hidden_dropout"] = args.dropout
+    if saved_model is None:
+        return model_preset(args.preset or DEFAULT_PRESET, **given)
+    if args.preset is None:
+        return ModelConfig.from_dict({**saved_model, **given})
+    kept = {k: v for k, v in saved_model.items() if k not in PRESETS.get(args.preset, {})}
+    return model_preset(args.preset, **{**kept, **given})
+
+
 def config_from_args(args: argparse.Namespace, vocab_size: int, saved_model: dict[str, Any] | None = None) -> TrainConfig:
-    """The run's configuration; without --preset, the model of ``saved_model`` (the checkpoint
-    being resumed) if there is one. The vocabulary always comes from the data, so that a
-    resume on another tokenizer is a refused change, not a silent one."""
-    dropout = {} if args.dropout is None else {"hidden_dropout": args.dropout}
-    runtime = dict(vocab_size=vocab_size, kernels=args.kernels, activation_checkpointing=args.activation_checkpointing,
-                   **dropout)
-    if args.preset is None and saved_model is not None:
-        model = ModelConfig.from_dict({**saved_model, **runtime})
-    else:
-        model = model_preset(args.preset or DEFAULT_PRESET, **runtime)
+    model = model_from_args(args, vocab_size, saved_model)
     data = DataConfig(train=args.data, weights=args.data_weights, val=args.val_data, held_out=args.held_out,
                       whole_word_mask=args.whole_word_mask, max_seq_length=args.seq_len, pair_task=args.pair_task,
                       mask_rate=args.mask_rate, num_workers=args.num_workers, val_samples=args.val_samples)

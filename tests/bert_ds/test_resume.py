@@ -19,6 +19,7 @@ from bert_ds import checkpoint, resume
 from bert_ds.config import DataConfig, OptimConfig, TrainConfig
 from bert_ds.errors import ConfigError
 from bert_ds.model import model_preset
+from bert_ds.train import model_from_args, parse_args
 from tests.conftest import run_cli
 
 STEPS, SAVE_EVERY = 6, 2
@@ -99,6 +100,19 @@ def test_safe_changes_are_returned_and_an_unchanged_recipe_has_none(tmp_path):
     got = {c["field"]: (c["saved"], c["requested"]) for c in resume.changes(ckpt, changed, world_size=1)}
     assert got == {"steps": (1000, 2000), "micro_batch_size": (32, 8), "save_every": (0, 50),
                    "optim.lr": (6e-3, 1e-3), "data.num_workers": (1, 4), "world_size": (2, 1)}
+
+
+@pytest.mark.parametrize("flags, want", [
+    ([], {"hidden_size": 64, "hidden_dropout": 0.0}),  # all from the checkpoint
+    (["--preset", "tiny"], {"hidden_size": 64, "hidden_dropout": 0.0}),  # the same preset keeps the rest as saved
+    (["--preset", "mini", "--dropout", "0.2"], {"hidden_size": 256, "hidden_dropout": 0.2}),  # R15 refuses the size
+])
+def test_resume_takes_each_model_field_not_given_from_the_checkpoint(flags, want):
+    saved = model_preset("tiny", 128, hidden_dropout=0.0).to_dict()
+    args = parse_args(["--data", "d", *flags])
+    model = model_from_args(args, 128, saved)
+    assert {k: getattr(model, k) for k in want} == want
+    assert model_from_args(args, 128, None).hidden_size == (64 if "tiny" in flags else 256)  # fresh: default mini
 
 
 # --------------------------------------------------------------------------- the trainer
