@@ -296,6 +296,20 @@ def _complete_steps(root: Path) -> list[Path]:
     return sorted(found, key=lambda p: p.name)
 
 
+def incomplete_steps(root: Path) -> list[Path]:
+    """Checkpoint folders without their marker: never loaded (a save commits the marker before
+    the folder gets its final name, so these were damaged or copied in by hand)."""
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.glob(f"{_PREFIX}*") if p.is_dir() and not (p / MARKER).is_file())
+
+
+def previous_complete(ckpt: Path) -> Path | None:
+    """The newest complete checkpoint older than ``ckpt``, or None."""
+    older = [p for p in _complete_steps(ckpt.parent) if p.name < ckpt.name]
+    return older[-1] if older else None
+
+
 def _prune(root: Path, keep_last: int) -> None:
     latest = (root / LATEST).resolve()
     for old in _complete_steps(root)[:-keep_last]:

@@ -54,7 +54,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from bert_ds import checkpoint
+from bert_ds import checkpoint, resume as resuming
 from bert_ds.config import (BatchPlan, DataConfig, OptimConfig, TrainConfig, check_writable, deepspeed_config,
                             precision_of)
 from bert_ds.data import (Batch, PretrainingDataset, PretrainingLoader, open_pretraining_data, step_positions,
@@ -62,11 +62,12 @@ from bert_ds.data import (Batch, PretrainingDataset, PretrainingLoader, open_pre
 from bert_ds.errors import ConfigError
 from bert_ds.flops import datasheet_peak_tflops, training_flops
 from bert_ds.metrics import MetricsLogger
-from bert_ds.model import PRESETS, BertForPreTraining, model_preset, pretraining_inputs
+from bert_ds.model import PRESETS, BertForPreTraining, ModelConfig, model_preset, pretraining_inputs
 from bert_ds.optim import bind_to_engine, build_optimizer, build_schedule
 from bert_ds.signals import EXIT_RANK_FAILURE, StopRequest
 from data_tools.errors import EXIT_USER_ERROR, UserError
 EXIT_BAD_STEPS = 3
+DEFAULT_PRESET = "mini"  # without --preset and without a checkpoint to resume
 
 
 class BadStepsError(Exception):
@@ -97,7 +98,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="without --val-data: share of the first dataset's documents held out for validation")
     p.add_argument("--whole-word-mask", action="store_true", help="mask every WordPiece of a chosen word")
     p.add_argument("--output", default="runs/train", help="run folder: metrics, TensorBoard, checkpoints")
-    p.add_argument("--preset", default="mini", help=f"model size: {', '.join(PRESETS)}")
+    p.add_argument("--preset", default=None,
+                   help=f"model size: {', '.join(PRESETS)} (default: the checkpoint's model when resuming, "
+                        f"else {DEFAULT_PRESET})")
     p.add_argument("--kernels", default="auto", choices=["auto", "cuda", "torch"], help="fused CUDA kernels or the PyTorch path")
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute layer activations in backward")
     p.add_argument("--dropout", type=float, default=None,
@@ -148,10 +151,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def config_from_args(args: argparse.Namespace, vocab_size: int) -> TrainConfig:
-    dropout = {} if args.dropout is None else {"hidden_dropout": args.dropout}
-    model = model_preset(args.preset, vocab_size, kernels=args.kernels,
-                         activation_checkpointing=args.activation_checkpointing, **dropout)
+def model_from_args(args: argparse.Namespace, vocab_size: int, saved_model: dict[str, Any] | None) -> ModelConfig:
+    """The model a run asks for. Resuming (``saved_model``: the checkpoint's), every field not
+    given on the command line stays as saved, the preset's sizes included when --preset is
+    absent; a different size or vocabulary (which comes from the data) is then a refused
+    change (bert_ds.resume), not a silent one."""
+    given = dict(vocab_size=vocab_size, kernels=args.kernels, activation_checkpointing=args.activation_checkpointing)
+    if args.dropout is not None:
+        given["hidden_dropout"] = args.dropout
+    if saved_model is None:
+        return model_preset(args.preset or DEFAULT_PRESET, **given)
+    if args.preset is None:
+        return ModelConfig.from_dict({**saved_model, **given})
+    kept = {k: v for k, v in saved_model.items() if k not in PRESETS.get(args.preset, {})}
+    return model_preset(args.preset, **{**kept, **given})
+
+
+def config_from_args(args: argparse.Namespace, vocab_size: int, saved_model: dict[str, Any] | None = None) -> TrainConfig:
+    model = model_from_args(args, vocab_size, saved_model)
     data = DataConfig(train=args.data, weights=args.data_weights, val=args.val_data, held_out=args.held_out,
                       whole_word_mask=args.whole_word_mask, max_seq_length=args.seq_len, pair_task=args.pair_task,
                       mask_rate=args.mask_rate, num_workers=args.num_workers, val_samples=args.val_samples)
@@ -303,8 +320,11 @@ def run(cfg: TrainConfig, resume: bool, rank: int, world: int, device: torch.dev
     output = Path(cfg.output)
     ckpt_root = output / "checkpoints"
     found = checkpoint.find_latest(ckpt_root) if resume else None
+    if resume and rank == 0:
+        resuming.report_incomplete(ckpt_root)
     if found is not None:
-        checkpoint.verify(found)  # a damaged checkpoint fails here, before any engine is built
+        resuming.verify_newest(found)  # a damaged checkpoint fails here, before any engine is built
+    recipe_changes = resuming.changes(found, cfg, world) if found is not None else []
     plan = _batch_plan(cfg, world, found)
     ds_cfg = deepspeed_config(cfg, plan)
     torch.manual_seed(cfg.seed)
@@ -348,7 +368,11 @@ def run(cfg: TrainConfig, resume: bool, rank: int, world: int, device: torch.dev
               f"{plan.grad_accum} accum x {world} ranks, {precision}, ZeRO-{ds_cfg['zero_optimization']['stage']}, "
               f"device {device.type}")
     output.mkdir(parents=True, exist_ok=True)
+    if recipe_changes:
+        log.print(f"resuming with changes: {resuming.describe(recipe_changes)} (recorded in {resuming.LOG_NAME})")
     if rank == 0:
+        if found is not None:
+            resuming.record(output, found, state.step, recipe_changes)
         (output / "train_config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
     peak = datasheet_peak_tflops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
     tokenizer_dir = Path(cfg.data.train[0])  # every dataset of a run shares one tokenizer
@@ -676,14 +700,24 @@ def main(argv: list[str] | None = None) -> int:
         # Validate everything that needs no process group first: bad input fails fast.
         from data_tools.manifest import Manifest
 
+        resuming.check_run_folder(Path(args.output))
         vocab_size = Manifest.load(Path(args.data[0])).vocab_size
-        cfg = config_from_args(args, vocab_size)
+        found = checkpoint.find_latest(Path(args.output) / "checkpoints") if args.resume == "auto" else None
+        cfg = config_from_args(args, vocab_size, resuming.saved_model(found) if found else None)
         options = RunOptions.from_args(args)
         check_writable(cfg.output, "--output", folder=True)
         if options.log_samples:
             check_writable(options.log_samples, "--log-samples", folder=False)
-        found = checkpoint.find_latest(Path(cfg.output) / "checkpoints") if args.resume == "auto" else None
-        plan = _batch_plan(cfg, int(os.environ.get("WORLD_SIZE", "1")), found)  # before any rank waits on another
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if found is not None:
+            resuming.changes(found, cfg, world)  # a refused change fails here, before any rank waits on another
+            done_at = resuming.finished(found, cfg)
+            if done_at is not None:
+                if os.environ.get("RANK", "0") == "0":
+                    print(f"{cfg.output}: finished at step {done_at} (--steps {cfg.steps}), nothing to do; summary.json "
+                          "left as it was; a larger --steps trains on", flush=True)
+                return
+        plan = _batch_plan(cfg, world, found)  # before any rank waits on another
         deepspeed_config(cfg, plan)  # an engine JSON that DeepSpeed would refuse after start-up fails here
         if cfg.init_from and found is None:
             checkpoint.weights_file(Path(cfg.init_from))
