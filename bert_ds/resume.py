@@ -172,11 +172,11 @@ def record(output: Path, ckpt: Path, step: int, recorded: list[dict[str, Any]]) 
 
 
 def finished(ckpt: Path, cfg: TrainConfig) -> int | None:
-    """The step of a finished run (newest checkpoint at or past ``--steps`` and a summary
-    written), or None when there is training left to do."""
+    """The step of a finished run (newest checkpoint at or past ``--steps``), or None when
+    there is training left to do. A run killed between its last checkpoint and its summary
+    is finished too: rerunning it would write a summary of no steps (NaN losses)."""
     step = _read_json(ckpt, "train_state.json").get("step", 0)
-    done = step >= cfg.steps and (Path(cfg.output) / "summary.json").is_file()
-    return step if done else None
+    return step if step >= cfg.steps else None
 
 
 def check_run_folder(output: Path) -> None:

@@ -714,8 +714,10 @@ def main(argv: list[str] | None = None) -> int:
             done_at = resuming.finished(found, cfg)
             if done_at is not None:
                 if os.environ.get("RANK", "0") == "0":
-                    print(f"{cfg.output}: finished at step {done_at} (--steps {cfg.steps}), nothing to do; summary.json "
-                          "left as it was; a larger --steps trains on", flush=True)
+                    kept = ("summary.json left as it was" if (Path(cfg.output) / "summary.json").is_file()
+                            else "no summary.json: the run ended after its last checkpoint")
+                    print(f"{cfg.output}: finished at step {done_at} (--steps {cfg.steps}), nothing to do; {kept}; "
+                          "a larger --steps trains on", flush=True)
                 return
         plan = _batch_plan(cfg, world, found)  # before any rank waits on another
         deepspeed_config(cfg, plan)  # an engine JSON that DeepSpeed would refuse after start-up fails here

@@ -127,6 +127,12 @@ def test_a_finished_run_rerun_says_so_and_leaves_its_files(sample_data, trained,
     assert {name: (out / name).read_bytes() for name in before} == before
     assert not (out / resume.LOG_NAME).exists()
 
+    # Killed between its last checkpoint and its summary: finished too, and no NaN summary appears.
+    (out / "summary.json").unlink()
+    proc = run_cli(*_args(sample_data, out, "--preset", "tiny", "--steps", str(STEPS), "--save-every", str(SAVE_EVERY)))
+    assert "finished at step 6" in proc.stdout and "no summary.json" in proc.stdout
+    assert not (out / "summary.json").exists() and (out / "metrics.jsonl").read_bytes() == before["metrics.jsonl"]
+
 
 def test_a_changed_recipe_is_refused_in_one_line(sample_data, trained, tmp_path):
     out = _copy(trained, tmp_path)
