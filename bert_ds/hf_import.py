@@ -119,12 +119,14 @@ def _hf_folder(folder: Path) -> InitSource:
         raise InitFromError(f"{config}: unreadable ({describe(e) if isinstance(e, OSError) else e})") from None
     if not isinstance(values, dict):
         raise InitFromError(f"{config}: not a JSON object")
+    model = _architecture(from_hf_config(values, config))
     weights = next((folder / name for name in HF_WEIGHTS if (folder / name).is_file()), None)
     if weights is None:
         raise InitFromError(f"{folder}: holds {HF_CONFIG} but neither {' nor '.join(HF_WEIGHTS)}")
+    if weights.suffix == ".safetensors":
+        checkpoint.weights_file(weights)  # a damaged file fails here, before any rank starts
     has_tokenizer = (folder / "tokenizer.json").is_file() or (folder / "vocab.txt").is_file()
-    return InitSource(folder, weights, _architecture(from_hf_config(values, config)), config,
-                      folder if has_tokenizer else None)
+    return InitSource(folder, weights, model, config, folder if has_tokenizer else None)
 
 
 def _architecture(model: dict[str, Any]) -> dict[str, Any]:

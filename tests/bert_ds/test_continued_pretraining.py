@@ -10,8 +10,8 @@ import transformers
 
 from bert_ds import hf_import, train
 from bert_ds.config import BatchPlan
-from bert_ds.errors import ConfigError
 from bert_ds.data import PretrainingLoader, open_pretraining_data
+from bert_ds.errors import ConfigError, UserError
 from bert_ds.export import export_checkpoint
 from bert_ds.model import BertForPreTraining, ModelConfig
 from data_tools.manifest import Manifest
@@ -104,6 +104,11 @@ def test_walkthrough_hf_folder_to_fill_mask(corpus, vocab, tmp_path):
     out = export_checkpoint(tmp_path / "run" / "checkpoints", tmp_path / "export")
     model = transformers.BertForPreTraining.from_pretrained(out)
     assert (model.config.hidden_size, model.config.num_hidden_layers) == (48, 3)
+    # The run folder and the export start the next run the same way, without --preset.
+    for again in (tmp_path / "run", out):
+        source_again = hf_import.open_source(again)
+        assert ModelConfig.from_dict(source_again.model) == ModelConfig.from_dict(hf_import.open_source(hf).model)
+        hf_import.check_vocabulary(source_again, data)
     fill = transformers.pipeline("fill-mask", model=str(out), device="cpu")
     guesses = fill("the [MASK] of the river.")
     assert len(guesses) == 5 and all(g["token_str"] and 0.0 <= g["score"] <= 1.0 for g in guesses)
@@ -226,10 +231,13 @@ def test_sources_that_cannot_start_a_run_are_one_line(vocab, tmp_path):
     with pytest.raises(hf_import.InitFromError, match="neither a Hugging Face BERT folder"):
         hf_import.open_source(empty)
     (empty / "config.json").write_text(json.dumps({"model_type": "roberta"}))
+    with pytest.raises(ConfigError, match="model_type 'roberta'; --init-from takes a BERT model"):
+        hf_import.open_source(empty)
+    (empty / "config.json").write_text(json.dumps({"model_type": "bert", "hidden_size": 48}))
     with pytest.raises(hf_import.InitFromError, match="holds config.json but neither model.safetensors nor pytorch_model.bin"):
         hf_import.open_source(empty)
-    (empty / "model.safetensors").write_bytes(b"")
-    with pytest.raises(ConfigError, match="model_type 'roberta'; --init-from takes a BERT model"):
+    (empty / "model.safetensors").write_bytes(b"\x00" * 7)
+    with pytest.raises(UserError, match="model.safetensors: not a readable safetensors file"):
         hf_import.open_source(empty)
 
     hf = tmp_path / "hf"
