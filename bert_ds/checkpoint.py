@@ -394,23 +394,13 @@ def _load_portable(engine, ckpt: Path, saved_world: int | None, world_size: int)
     if not (ckpt / OPTIMIZER).is_file():
         raise CheckpointError(f"{ckpt}: saved on {saved_world} rank(s) without {OPTIMIZER}, so it can only be "
                               f"resumed on {saved_world} rank(s), not {world_size}")
-    _check_portable_engine(engine, ckpt)
     install_weights(engine, read_weights(ckpt / WEIGHTS), source=ckpt / WEIGHTS)
     OptimizerSnapshot.read(ckpt / OPTIMIZER).install(engine, source=ckpt / OPTIMIZER)
 
 
-def load_weights(engine, path: Path) -> Path:
-    """Initialize the engine's weights (fp32 master copy included) from a checkpoint folder or a
-    ``model.safetensors``; the optimizer and schedule stay fresh. Returns the file read."""
-    file = weights_file(path)
-    _check_portable_engine(engine, file)
-    install_weights(engine, read_weights(file), source=file)
-    return file
-
-
 def weights_file(path: Path) -> Path:
-    """The weights file behind ``--init-from`` (a checkpoint folder, its ``latest``, or a
-    ``.safetensors`` file), checked without loading it: a folder against its marker's CRCs, a
+    """The weights file of a checkpoint folder (or its ``latest``, or a folder of checkpoints) or
+    a ``.safetensors`` file, checked without loading it: a folder against its marker's CRCs, a
     file by its safetensors header (which also catches truncation; a bare file has no checksum)."""
     path = Path(path)
     if path.suffix == ".safetensors":
@@ -460,11 +450,14 @@ def _client_optimizer(engine) -> torch.optim.Optimizer:
     return engine.optimizer.optimizer if _partitioned(engine) else engine.optimizer
 
 
-def install_weights(engine, weights: dict[str, torch.Tensor], *, source: Path) -> None:
-    """Set every parameter and, under ZeRO-1/2, its fp32 master fragment, from full fp32 tensors."""
+def install_weights(engine, weights: dict[str, torch.Tensor], *, source: Path,
+                    fresh: frozenset[str] = frozenset()) -> None:
+    """Set every parameter and, under ZeRO-1/2, its fp32 master fragment, from full fp32 tensors;
+    the parameters named in ``fresh`` may be absent and keep their initial values."""
     from deepspeed.utils import safe_set_full_fp32_param
 
-    params = dict(engine.module.named_parameters())
+    _check_portable_engine(engine, source)
+    params = {name: p for name, p in engine.module.named_parameters() if name in weights or name not in fresh}
     missing, unexpected = sorted(set(params) - set(weights)), sorted(set(weights) - set(params))
     if missing or unexpected:
         raise CheckpointError(f"{source}: does not match the model (missing {missing[:3]}, unexpected {unexpected[:3]})")

@@ -134,7 +134,7 @@ class TrainConfig:
     save_every: int = 0  # steps between checkpoints; 0 = only at the end
     keep_last: int = 3  # checkpoints kept; older ones are deleted after a commit
     exit_after: int = 0  # save and stop after this many steps of one invocation (time-limited jobs); 0 = off
-    init_from: str | None = None  # checkpoint folder or model.safetensors whose weights a fresh run starts from
+    init_from: str | None = None  # weights a fresh run starts from: HF BERT folder, bert_ds checkpoint/run folder, .safetensors
     max_bad_steps: int = 10  # this many non-finite steps in a row stop the run (exit 3); 0 = never stop
     collective_timeout: float = 600.0  # seconds a rank waits on its peers before the job fails (exit 4)
     tensorboard: bool = True

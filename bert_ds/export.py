@@ -49,6 +49,24 @@ TIED_ALIASES = {
 }
 ROUND_TRIP_TOLERANCE = 1e-4  # max abs logit difference, fp32, between our model and the export
 _HF_HIDDEN_ACT = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh"}
+# HF's older name of the same tanh approximation, read but never written.
+_HF_HIDDEN_ACT_READ = {**{hf: ours for ours, hf in _HF_HIDDEN_ACT.items()}, "gelu_new": "gelu_tanh"}
+# ModelConfig field -> transformers.BertConfig attribute: the one mapping between the two configs.
+HF_CONFIG_NAMES = {
+    "vocab_size": "vocab_size",
+    "hidden_size": "hidden_size",
+    "num_layers": "num_hidden_layers",
+    "num_heads": "num_attention_heads",
+    "intermediate_size": "intermediate_size",
+    "hidden_act": "hidden_act",
+    "hidden_dropout": "hidden_dropout_prob",
+    "attention_dropout": "attention_probs_dropout_prob",
+    "max_position_embeddings": "max_position_embeddings",
+    "type_vocab_size": "type_vocab_size",
+    "initializer_range": "initializer_range",
+    "layer_norm_eps": "layer_norm_eps",
+    "pad_token_id": "pad_token_id",
+}
 _EXPORT_FILES = ("config.json", "model.safetensors")  # what marks a folder as an earlier export
 
 
@@ -63,23 +81,29 @@ def to_hf_config(config: ModelConfig):
     if config.pre_layernorm:
         raise ConfigError("a pre-LN model (pre_layernorm=true) has no Hugging Face BertForPreTraining "
                           "equivalent and cannot be exported")
-    return BertConfig(
-        architectures=["BertForPreTraining"],
-        vocab_size=config.vocab_size,
-        hidden_size=config.hidden_size,
-        num_hidden_layers=config.num_layers,
-        num_attention_heads=config.num_heads,
-        intermediate_size=config.intermediate_size,
-        hidden_act=_HF_HIDDEN_ACT[config.hidden_act],
-        hidden_dropout_prob=config.hidden_dropout,
-        attention_probs_dropout_prob=config.attention_dropout,
-        max_position_embeddings=config.max_position_embeddings,
-        type_vocab_size=config.type_vocab_size,
-        initializer_range=config.initializer_range,
-        layer_norm_eps=config.layer_norm_eps,
-        pad_token_id=config.pad_token_id,
-        tie_word_embeddings=True,
-    )
+    values = {hf: getattr(config, ours) for ours, hf in HF_CONFIG_NAMES.items()}
+    values["hidden_act"] = _HF_HIDDEN_ACT[config.hidden_act]
+    return BertConfig(architectures=["BertForPreTraining"], tie_word_embeddings=True, **values)
+
+
+def from_hf_config(values: Mapping[str, object], where: Path) -> dict[str, object]:
+    """The :class:`ModelConfig` fields a Hugging Face BERT ``config.json`` states (absent ones are
+    left out: BertConfig's defaults equal ModelConfig's). Raises :class:`ConfigError` for a model
+    this BERT cannot compute the same way (another model type, relative positions, a decoder)."""
+    if values.get("model_type", "bert") != "bert":
+        raise ConfigError(f"{where}: model_type {values['model_type']!r}; --init-from takes a BERT model")
+    if values.get("position_embedding_type", "absolute") != "absolute":
+        raise ConfigError(f"{where}: position_embedding_type {values['position_embedding_type']!r}; "
+                          "only absolute position embeddings are supported")
+    if values.get("is_decoder") or values.get("add_cross_attention"):
+        raise ConfigError(f"{where}: a BERT decoder (is_decoder / add_cross_attention); only the encoder is supported")
+    fields = {ours: values[hf] for ours, hf in HF_CONFIG_NAMES.items() if values.get(hf) is not None}
+    if "hidden_act" in fields:
+        act = fields["hidden_act"]
+        if act not in _HF_HIDDEN_ACT_READ:
+            raise ConfigError(f"{where}: hidden_act {act!r}; supported: {', '.join(_HF_HIDDEN_ACT_READ)}")
+        fields["hidden_act"] = _HF_HIDDEN_ACT_READ[act]
+    return fields
 
 
 def export_hf(state_dict: Mapping[str, torch.Tensor], config: ModelConfig,

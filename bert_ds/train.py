@@ -54,7 +54,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from bert_ds import checkpoint, resume as resuming
+from bert_ds import checkpoint, hf_import, resume as resuming
 from bert_ds.config import (BatchPlan, DataConfig, OptimConfig, TrainConfig, check_writable, deepspeed_config,
                             precision_of)
 from bert_ds.data import (Batch, PretrainingDataset, PretrainingLoader, open_pretraining_data, step_positions,
@@ -131,8 +131,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="save a checkpoint and exit after this many steps of this invocation (time-limited jobs); 0: off")
     p.add_argument("--resume", default="auto", choices=["auto", "never"], help="resume from OUTPUT/checkpoints if present")
     p.add_argument("--init-from", default=None, metavar="CKPT",
-                   help="start a fresh run from these weights (checkpoint folder or model.safetensors); "
-                        "optimizer and schedule start fresh; ignored when resuming")
+                   help="start a fresh run from these weights: a Hugging Face BERT folder (config.json and "
+                        "model.safetensors or pytorch_model.bin), a bert_ds export, checkpoint or run folder, or a "
+                        "model.safetensors; without --preset the model's sizes come from it; optimizer and "
+                        "schedule start fresh; ignored when resuming")
     p.add_argument("--max-bad-steps", type=int, default=t.max_bad_steps,
                    help="stop (exit 3) after this many non-finite steps in a row; single ones are skipped; 0: never")
     p.add_argument("--collective-timeout", type=float, default=t.collective_timeout, metavar="SECONDS",
@@ -151,14 +153,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def model_from_args(args: argparse.Namespace, vocab_size: int, saved_model: dict[str, Any] | None) -> ModelConfig:
+def model_from_args(args: argparse.Namespace, vocab_size: int, saved_model: dict[str, Any] | None,
+                    init: hf_import.InitSource | None = None) -> ModelConfig:
     """The model a run asks for. Resuming (``saved_model``: the checkpoint's), every field not
     given on the command line stays as saved, the preset's sizes included when --preset is
     absent; a different size or vocabulary (which comes from the data) is then a refused
-    change (bert_ds.resume), not a silent one."""
+    change (bert_ds.resume), not a silent one. Starting from ``init`` (--init-from), the
+    architecture is the source's (bert_ds.hf_import)."""
     given = dict(vocab_size=vocab_size, kernels=args.kernels, activation_checkpointing=args.activation_checkpointing)
     if args.dropout is not None:
         given["hidden_dropout"] = args.dropout
+    if saved_model is None and init is not None and init.model is not None:
+        return hf_import.model_config(init, args.preset, given)
     if saved_model is None:
         return model_preset(args.preset or DEFAULT_PRESET, **given)
     if args.preset is None:
@@ -167,8 +173,9 @@ def model_from_args(args: argparse.Namespace, vocab_size: int, saved_model: dict
     return model_preset(args.preset, **{**kept, **given})
 
 
-def config_from_args(args: argparse.Namespace, vocab_size: int, saved_model: dict[str, Any] | None = None) -> TrainConfig:
-    model = model_from_args(args, vocab_size, saved_model)
+def config_from_args(args: argparse.Namespace, vocab_size: int, saved_model: dict[str, Any] | None = None,
+                     init: hf_import.InitSource | None = None) -> TrainConfig:
+    model = model_from_args(args, vocab_size, saved_model, init)
     data = DataConfig(train=args.data, weights=args.data_weights, val=args.val_data, held_out=args.held_out,
                       whole_word_mask=args.whole_word_mask, max_seq_length=args.seq_len, pair_task=args.pair_task,
                       mask_rate=args.mask_rate, num_workers=args.num_workers, val_samples=args.val_samples)
@@ -351,8 +358,7 @@ def run(cfg: TrainConfig, resume: bool, rank: int, world: int, device: torch.dev
                          f"weights and optimizer state onto {world}")
         state = RunState(**{**saved, "world_size": world})
     elif cfg.init_from:
-        source = checkpoint.load_weights(engine, Path(cfg.init_from))
-        notes.append(f"initialized weights from {source} (fresh optimizer and schedule)")
+        notes += hf_import.init_weights(engine, Path(cfg.init_from))
     loader = PretrainingLoader(train_set, plan, rank, num_workers=cfg.data.num_workers,
                                pin_memory=device.type == "cuda")
     if state.loader:
@@ -703,7 +709,10 @@ def main(argv: list[str] | None = None) -> int:
         resuming.check_run_folder(Path(args.output))
         vocab_size = Manifest.load(Path(args.data[0])).vocab_size
         found = checkpoint.find_latest(Path(args.output) / "checkpoints") if args.resume == "auto" else None
-        cfg = config_from_args(args, vocab_size, resuming.saved_model(found) if found else None)
+        init = hf_import.open_source(Path(args.init_from)) if args.init_from and found is None else None
+        if init is not None:
+            hf_import.check_vocabulary(init, Path(args.data[0]))
+        cfg = config_from_args(args, vocab_size, resuming.saved_model(found) if found else None, init)
         options = RunOptions.from_args(args)
         check_writable(cfg.output, "--output", folder=True)
         if options.log_samples:
@@ -721,8 +730,6 @@ def main(argv: list[str] | None = None) -> int:
                 return
         plan = _batch_plan(cfg, world, found)  # before any rank waits on another
         deepspeed_config(cfg, plan)  # an engine JSON that DeepSpeed would refuse after start-up fails here
-        if cfg.init_from and found is None:
-            checkpoint.weights_file(Path(cfg.init_from))
         with training_session(cfg.collective_timeout) as (rank, world, device, stop):
             summary = run(cfg, args.resume == "auto", rank, world, device, options, stop)
             if rank == 0:
