@@ -1,15 +1,27 @@
-"""A graceful stop on SIGTERM or SIGUSR1 that every rank agrees on within one step.
+"""A graceful stop on SIGINT (Ctrl-C), SIGTERM or SIGUSR1 that every rank agrees on within one step.
 
 Design choices:
 - The handler only records the signal. The training loop adds "a stop was requested" to
   the statistics it already all-reduces once per step, so a signal that reaches any one
   rank is known to every rank at the end of that step (or of the next one, when it lands
   after this rank's share of the all-reduce), without an extra collective. All ranks then
-  commit a checkpoint together and exit 0.
+  commit a checkpoint together and exit 0. The slow parts between steps (a validation
+  pass, a periodic save) ask every rank with :meth:`StopRequest.agreed`, so that a signal
+  there stops the run at the last finished step instead of after one more.
 - SIGTERM is what schedulers and ``torchrun`` send before killing a job; SIGUSR1 is the
-  usual early warning (Slurm ``--signal=USR1@90``). Both mean the same here. To signal a
-  whole process group with ``--num-workers`` > 0, prefer SIGUSR1: PyTorch's data-loader
-  workers die on SIGTERM, and the trainer would then fail on its next batch.
+  usual early warning (Slurm ``--signal=USR1@90``); SIGINT is Ctrl-C. All three mean the
+  same here. PyTorch's data-loader workers die on SIGTERM (their own handler), so to
+  signal a whole process group with ``--num-workers`` > 0, prefer SIGUSR1 or SIGINT: the
+  workers, forked with this handler, ignore those and leave the decision to the trainer.
+- A second Ctrl-C ends the process at once (exit 130, no checkpoint: the newest committed
+  one stays). Python runs signal handlers only between bytecodes of the main thread, which
+  can sit for long inside one call (a collective waiting on a peer, a save), so a watcher
+  thread reads the signals from ``signal.set_wakeup_fd``'s pipe, which the interpreter
+  writes the moment a signal arrives, and ends the process from there.
+- Ctrl-C in a terminal signals the whole process group, and ``torchrun`` forwards the
+  SIGINT it gets to every rank as well, so one key press can reach a rank twice within
+  milliseconds. A SIGINT counts as a second Ctrl-C only when it comes more than
+  :data:`REPEAT_AFTER_S` after the first stop signal.
 - A rank that cannot reach the end of its step in time (it is hung, or waits for a hung
   peer) exits by itself after ``deadline_s`` with :data:`EXIT_RANK_FAILURE`, instead of
   waiting for the launcher's SIGKILL (``torchrun`` waits 30 s). The deadline is the
@@ -21,13 +33,19 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+import torch
+import torch.distributed as dist
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 EXIT_RANK_FAILURE = 4  # the process exit status of a rank that gave up on its peers (see bert_ds.train)
+EXIT_INTERRUPTED = 128 + signal.SIGINT  # a second Ctrl-C: the shell's status for a process ended by SIGINT
+REPEAT_AFTER_S = 1.0  # an earlier SIGINT is the same key press reaching this rank twice (terminal + launcher)
 
 
 class StopRequest:
-    """Records SIGTERM / SIGUSR1; install once, in the main thread, before training."""
+    """Records SIGINT / SIGTERM / SIGUSR1; install once, in the main thread, before training."""
 
     def __init__(self, deadline_s: float, rank: int = 0):
         self.deadline_s = deadline_s
@@ -38,6 +56,7 @@ class StopRequest:
         self._pid = os.getpid()
         self._timer: threading.Timer | None = None
         self._lock = threading.RLock()  # the handler runs on the main thread, maybe inside acknowledge()
+        self._wakeup: tuple[int, int] | None = None  # (the pipe's write end, the wakeup fd it replaced)
 
     @property
     def requested(self) -> bool:
@@ -47,12 +66,21 @@ class StopRequest:
         self._pid = os.getpid()
         for sig in STOP_SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handle)
+        read_end, write_end = os.pipe()
+        os.set_blocking(write_end, False)
+        self._wakeup = (write_end, signal.set_wakeup_fd(write_end, warn_on_full_buffer=False))
+        threading.Thread(target=self._watch, args=(read_end,), name="bert_ds-stop-signals", daemon=True).start()
 
     def uninstall(self) -> None:
         self.end_steps()
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
         self._previous.clear()
+        if self._wakeup is not None:
+            write_end, replaced = self._wakeup
+            signal.set_wakeup_fd(replaced)
+            os.close(write_end)  # the watcher reads the end of the pipe and finishes
+            self._wakeup = None
 
     def begin_steps(self) -> None:
         with self._lock:
@@ -72,6 +100,17 @@ class StopRequest:
                 self._timer.cancel()
                 self._timer = None
 
+    def agreed(self, device: torch.device) -> int:
+        """How many ranks hold a stop request: one all-reduce of one number, so every rank must
+        call this at the same point of the run. Non-zero means every rank stops here."""
+        votes = torch.tensor([float(self.requested)], dtype=torch.float64, device=device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(votes)
+        count = int(votes.item())
+        if count:
+            self.acknowledge()
+        return count
+
     def _arm(self) -> None:
         if self._timer is None and self._stepping and self.deadline_s > 0:
             self._timer = threading.Timer(self.deadline_s, self._give_up, args=(self.signal_name,))
@@ -82,12 +121,29 @@ class StopRequest:
         if os.getpid() != self._pid:
             return  # a forked data-loader worker inherited the handler: the trainer process decides
         name = signal.Signals(signum).name
-        # os.write: the main thread may be inside a print to the same stream
-        os.write(2, f"[bert_ds] rank {self.rank}: received {name}; checkpointing after this step\n".encode())
         with self._lock:
             if self.signal_name is None:
                 self.signal_name = name
+                # os.write: the main thread may be inside a print to the same stream
+                os.write(2, (f"[bert_ds] rank {self.rank}: received {name}; checkpointing the last finished step "
+                             "and exiting (Ctrl-C again to stop at once)\n").encode())
             self._arm()
+
+    def _watch(self, read_end: int) -> None:
+        """The watcher thread: every signal's number, as it arrives; a second Ctrl-C ends the process."""
+        first_stop_at = None
+        with open(read_end, "rb", buffering=0) as pipe:
+            while chunk := pipe.read(64):
+                for signum in chunk:
+                    if signum not in STOP_SIGNALS:
+                        continue  # another handler's signal (the data loader's SIGCHLD)
+                    now = time.monotonic()
+                    if first_stop_at is None:
+                        first_stop_at = now
+                    elif signum == signal.SIGINT and now - first_stop_at > REPEAT_AFTER_S:
+                        os.write(2, f"[bert_ds] rank {self.rank}: second SIGINT; exiting now without a checkpoint "
+                                    "(the newest committed one stays)\n".encode())
+                        os._exit(EXIT_INTERRUPTED)
 
     def _give_up(self, name: str) -> None:
         os.write(2, (f"[bert_ds] rank {self.rank}: {name} received {self.deadline_s:g} s ago and the current step "
@@ -95,4 +151,4 @@ class StopRequest:
         os._exit(EXIT_RANK_FAILURE)
 
 
-__all__ = ["EXIT_RANK_FAILURE", "STOP_SIGNALS", "StopRequest"]
+__all__ = ["EXIT_INTERRUPTED", "EXIT_RANK_FAILURE", "REPEAT_AFTER_S", "STOP_SIGNALS", "StopRequest"]
