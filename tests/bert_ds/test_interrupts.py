@@ -141,16 +141,16 @@ def test_r13_sigint_twice_within_the_window_is_one_request(tmp_path):
 
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_r13_sigterm_during_validation_abandons_the_pass(sample_data, tmp_path, nproc, group_cleanup):
-    """SIGTERM to the last rank during a validation pass (512 samples, many seconds on this
+    """SIGTERM to the last rank during a validation pass (8,192 samples, many seconds on this
     preset): exit within seconds, the pass abandoned, the finished step saved, no step more."""
     out = tmp_path / "run"
     log = tmp_path / "run.log"
     args = _args(sample_data, out, "--steps", "6", "--val-data", str(sample_data["heldout"]), "--val-every", "3",
-                 "--val-samples", "512")
+                 "--val-samples", "8192")
     proc = _start_group(args, nproc, log)
     group_cleanup(proc)
     _wait_for_step(out, 3, proc)
-    time.sleep(1.0)  # into step 3's validation pass
+    time.sleep(0.5)  # into step 3's validation pass
     os.kill(int((out / "pids" / f"rank_{nproc - 1}.pid").read_text()), signal.SIGTERM)
     sent = time.monotonic()
     rc = proc.wait(timeout=120)
@@ -166,7 +166,8 @@ def test_r13_sigterm_during_validation_abandons_the_pass(sample_data, tmp_path, 
     assert "during validation, pass abandoned" in text
     assert [r["step"] for r in records] == [1, 2, 3]  # no validation record, no step 4
     assert checkpoint.find_latest(out / "checkpoints") == _ckpt(out, 3)
-    assert summary["stopped_by"] == "SIGTERM" and elapsed <= bound
+    assert summary["stopped_by"] == ("SIGTERM" if nproc == 1 else "a signal to another rank")  # rank 0 writes it
+    assert elapsed <= bound
 
 
 # --------------------------------------------------------------------------- R17: one run per folder
