@@ -10,9 +10,10 @@ Design choices:
   there stops the run at the last finished step instead of after one more.
 - SIGTERM is what schedulers and ``torchrun`` send before killing a job; SIGUSR1 is the
   usual early warning (Slurm ``--signal=USR1@90``); SIGINT is Ctrl-C. All three mean the
-  same here. PyTorch's data-loader workers die on SIGTERM (their own handler), so to
-  signal a whole process group with ``--num-workers`` > 0, prefer SIGUSR1 or SIGINT: the
-  workers, forked with this handler, ignore those and leave the decision to the trainer.
+  same here. The data-loader workers ignore all three (:func:`loader_worker_init`): a
+  signal to the whole process group (Ctrl-C, a scheduler, the deepspeed launcher, which
+  sends SIGTERM to every process under it) leaves the decision to the trainer, which ends
+  its workers itself; workers whose trainer died end by PyTorch's own check on their parent.
 - A second Ctrl-C ends the process at once (exit 130, no checkpoint: the newest committed
   one stays). Python runs signal handlers only between bytecodes of the main thread, which
   can sit for long inside one call (a collective waiting on a peer, a save), so a watcher
@@ -151,4 +152,12 @@ class StopRequest:
         os._exit(EXIT_RANK_FAILURE)
 
 
-__all__ = ["EXIT_INTERRUPTED", "EXIT_RANK_FAILURE", "REPEAT_AFTER_S", "STOP_SIGNALS", "StopRequest"]
+def loader_worker_init(worker_id: int) -> None:
+    """``worker_init_fn`` of the training data loader (runs after PyTorch set its own worker
+    handlers): the worker ignores stop signals, as above. Without this, PyTorch's SIGTERM handler
+    ends the worker and the trainer fails on its next batch instead of checkpointing."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
+__all__ = ["loader_worker_init", "EXIT_INTERRUPTED", "EXIT_RANK_FAILURE", "REPEAT_AFTER_S", "STOP_SIGNALS", "StopRequest"]

@@ -24,6 +24,7 @@ from tests.bert_ds.test_reliability import _args, _command, _losses, _steps_logg
 from tests.conftest import REPO, cli_env, run_cli
 
 STEPS = 8
+EXTRA = ("--steps", str(STEPS), "--num-workers", "1")  # with a loader worker, which the signal reaches too
 
 
 def _start_group(args: list[str], nproc: int, log: Path) -> subprocess.Popen:
@@ -33,6 +34,7 @@ def _start_group(args: list[str], nproc: int, log: Path) -> subprocess.Popen:
 
 
 def _ctrl_c(proc: subprocess.Popen) -> None:
+    """SIGINT to the command's process group, as a terminal sends it."""
     os.killpg(proc.pid, signal.SIGINT)
 
 
@@ -45,6 +47,19 @@ def group_cleanup():
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+@pytest.fixture(scope="module")
+def reference(sample_data, tmp_path_factory):
+    """reference(nproc): the folder of an uninterrupted run on nproc ranks (made once)."""
+    made: dict[int, Path] = {}
+
+    def get(nproc: int) -> Path:
+        if nproc not in made:
+            made[nproc] = tmp_path_factory.mktemp(f"reference-{nproc}") / "run"
+            run_cli(*_args(sample_data, made[nproc], *EXTRA), nproc=nproc)
+        return made[nproc]
+    return get
 
 
 def _rank_tracebacks(log: str) -> list[str]:
@@ -60,27 +75,27 @@ def _ckpt(out: Path, step: int) -> Path:
 
 # --------------------------------------------------------------------------- R13: Ctrl-C
 
-@pytest.mark.parametrize("nproc", [1, 2])
-def test_r13_ctrl_c_checkpoints_the_step_and_the_rerun_resumes_exactly(sample_data, tmp_path, nproc, group_cleanup):
+@pytest.mark.parametrize("nproc, sig", [(1, signal.SIGINT), (2, signal.SIGINT), (1, signal.SIGTERM)],
+                         ids=["ctrl-c-1rank", "ctrl-c-2ranks", "sigterm-to-group-1rank"])
+def test_r13_ctrl_c_checkpoints_the_step_and_the_rerun_resumes_exactly(sample_data, tmp_path, nproc, sig, reference,
+                                                                      group_cleanup):
     """One Ctrl-C mid-run (loader workers on): a checkpoint of the step in flight, exit 0 on every rank, no
-    traceback; the rerun of the same command logs the losses of an uninterrupted run, bitwise."""
-    extra = ("--steps", str(STEPS), "--num-workers", "1")
-    reference = tmp_path / "reference"
-    run_cli(*_args(sample_data, reference, *extra), nproc=nproc)
+    traceback; the rerun of the same command logs the losses of an uninterrupted run, bitwise. SIGTERM to
+    the whole group (a scheduler, the deepspeed launcher) likewise: the loader worker must survive it."""
     out = tmp_path / "run"
-    args = _args(sample_data, out, *extra)
+    args = _args(sample_data, out, *EXTRA)
     log = tmp_path / "interrupted.log"
     proc = _start_group(args, nproc, log)
     group_cleanup(proc)
     logged = _wait_for_step(out, 3, proc)
-    _ctrl_c(proc)
+    os.killpg(proc.pid, sig)
     sent = time.monotonic()
     rc = proc.wait(timeout=120)
     elapsed = time.monotonic() - sent
     text = log.read_text()
     stopped = _steps_logged(out)[-1]["step"]
     summary = json.loads((out / "summary.json").read_text())
-    print(f"R13: Ctrl-C to {nproc} rank(s) while step {logged + 1} ran: stopped after step {stopped}, "
+    print(f"R13: {sig.name} to the group of {nproc} rank(s) while step {logged + 1} ran: stopped after step {stopped}, "
           f"exit {rc} after {elapsed:.1f} s, checkpoint {checkpoint.find_latest(out / 'checkpoints')}")
     if nproc == 1:
         assert rc == 0, text[-3000:]
@@ -88,11 +103,11 @@ def test_r13_ctrl_c_checkpoints_the_step_and_the_rerun_resumes_exactly(sample_da
         assert not list((out / "pids").glob("*.pid")), text[-3000:]
         assert text.count("received SIGINT") == nproc
     assert not _rank_tracebacks(text), text[-3000:]
-    assert summary["stopped_by"] == "SIGINT" and summary["steps"] == stopped < STEPS
+    assert summary["stopped_by"] == sig.name and summary["steps"] == stopped < STEPS
     assert checkpoint.find_latest(out / "checkpoints") == _ckpt(out, stopped)
 
     run_cli(*args, nproc=nproc)
-    assert _losses(out) == _losses(reference)
+    assert _losses(out) == _losses(reference(nproc))
 
 
 def test_r13_a_second_ctrl_c_exits_at_once(sample_data, tmp_path, group_cleanup):
