@@ -94,6 +94,7 @@ def test_r13_ctrl_c_checkpoints_the_step_and_the_rerun_resumes_exactly(sample_da
     elapsed = time.monotonic() - sent
     text = log.read_text()
     stopped = _steps_logged(out)[-1]["step"]
+    assert (out / "summary.json").is_file(), text[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     print(f"R13: {sig.name} to the group of {nproc} rank(s) while step {logged + 1} ran: stopped after step {stopped}, "
           f"exit {rc} after {elapsed:.1f} s, checkpoint {checkpoint.find_latest(out / 'checkpoints')}")
