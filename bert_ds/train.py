@@ -485,7 +485,7 @@ def run(cfg: TrainConfig, resume: bool, rank: int, world: int, device: torch.dev
                     save_now()
                     saved_at = state.step
                     if stop.agreed(device):  # a signal during the save: this checkpoint is the last step
-                        stopped_by = stopping("during a save")
+                        stopped_by = stopping("after this step's save")
                         break
             stop.end_steps()
             if (val_set is not None and state.step == cfg.steps and stopped_by is None
