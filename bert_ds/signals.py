@@ -160,4 +160,5 @@ def loader_worker_init(worker_id: int) -> None:
         signal.signal(sig, signal.SIG_IGN)
 
 
-__all__ = ["loader_worker_init", "EXIT_INTERRUPTED", "EXIT_RANK_FAILURE", "REPEAT_AFTER_S", "STOP_SIGNALS", "StopRequest"]
+__all__ = ["EXIT_INTERRUPTED", "EXIT_RANK_FAILURE", "REPEAT_AFTER_S", "STOP_SIGNALS", "StopRequest",
+           "loader_worker_init"]
