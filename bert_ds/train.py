@@ -554,7 +554,8 @@ def output_lock(output: str | os.PathLike, command: str) -> Iterator[None]:
     it: the ranks of one run share the folder, on one node or, through a shared filesystem,
     on several, and must not lock each other out. A second run is therefore refused where
     its rank 0 sees the first run's folder: on the first run's rank-0 node, or anywhere on a
-    shared filesystem. Its other ranks end when their launcher sees rank 0 fail."""
+    shared filesystem. Its other ranks, waiting for rank 0 at the rendezvous, end when their
+    launcher stops them (``torchrun``: SIGTERM, then SIGKILL 30 s later)."""
     if int(os.environ.get("RANK", "0")) != 0:
         yield
         return
