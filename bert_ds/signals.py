@@ -19,10 +19,15 @@ Design choices:
   can sit for long inside one call (a collective waiting on a peer, a save), so a watcher
   thread reads the signals from ``signal.set_wakeup_fd``'s pipe, which the interpreter
   writes the moment a signal arrives, and ends the process from there.
-- Ctrl-C in a terminal signals the whole process group, and ``torchrun`` forwards the
-  SIGINT it gets to every rank as well, so one key press can reach a rank twice within
-  milliseconds. A SIGINT counts as a second Ctrl-C only when it comes more than
-  :data:`REPEAT_AFTER_S` after the first stop signal.
+- What a second Ctrl-C looks like to a rank depends on the launcher. Alone, or under the
+  deepspeed launcher (ranks in the terminal's process group), the rank gets SIGINT from
+  the terminal, under the deepspeed launcher with the launcher's SIGTERM a moment later.
+  ``torchrun`` starts each rank in a session of its own: the terminal reaches only
+  torchrun, which forwards the first Ctrl-C as SIGINT and answers the second by sending
+  SIGTERM. So after a first SIGINT, a SIGINT or a SIGTERM that comes more than
+  :data:`REPEAT_AFTER_S` later is a second Ctrl-C (earlier, it is the same key press
+  arriving twice); after a first SIGTERM or SIGUSR1 (a scheduler's warning, then its
+  SIGTERM), only a SIGINT is.
 - A rank that cannot reach the end of its step in time (it is hung, or waits for a hung
   peer) exits by itself after ``deadline_s`` with :data:`EXIT_RANK_FAILURE`, instead of
   waiting for the launcher's SIGKILL (``torchrun`` waits 30 s). The deadline is the
@@ -132,24 +137,32 @@ class StopRequest:
 
     def _watch(self, read_end: int) -> None:
         """The watcher thread: every signal's number, as it arrives; a second Ctrl-C ends the process."""
-        first_stop_at = None
+        first: tuple[int, float] | None = None  # the first stop signal and when it came
         with open(read_end, "rb", buffering=0) as pipe:
             while chunk := pipe.read(64):
                 for signum in chunk:
                     if signum not in STOP_SIGNALS:
                         continue  # another handler's signal (the data loader's SIGCHLD)
                     now = time.monotonic()
-                    if first_stop_at is None:
-                        first_stop_at = now
-                    elif signum == signal.SIGINT and now - first_stop_at > REPEAT_AFTER_S:
-                        os.write(2, f"[bert_ds] rank {self.rank}: second SIGINT; exiting now without a checkpoint "
-                                    "(the newest committed one stays)\n".encode())
+                    if first is None:
+                        first = (signum, now)
+                    elif _second_ctrl_c(first[0], signum, now - first[1]):
+                        name = signal.Signals(signum).name
+                        os.write(2, f"[bert_ds] rank {self.rank}: {name} after Ctrl-C; exiting now without a "
+                                    "checkpoint (the newest committed one stays)\n".encode())
                         os._exit(EXIT_INTERRUPTED)
 
     def _give_up(self, name: str) -> None:
         os.write(2, (f"[bert_ds] rank {self.rank}: {name} received {self.deadline_s:g} s ago and the current step "
                      f"has not finished (this rank or a peer is hung); exiting without a checkpoint\n").encode())
         os._exit(EXIT_RANK_FAILURE)
+
+
+def _second_ctrl_c(first: int, signum: int, after_s: float) -> bool:
+    """Whether stop signal ``signum``, ``after_s`` seconds after the first one, ends the process now."""
+    if after_s <= REPEAT_AFTER_S:
+        return False  # one key press reaching the rank twice
+    return signum == signal.SIGINT or (first == signal.SIGINT and signum == signal.SIGTERM)
 
 
 def loader_worker_init(worker_id: int) -> None:
