@@ -145,7 +145,7 @@ def test_r13_sigint_twice_within_the_window_is_one_request(tmp_path):
     a SIGINT after the window ends the process at once."""
     script = ("import os, signal, sys, time\n"
               "from bert_ds.signals import StopRequest, REPEAT_AFTER_S\n"
-              "stop = StopRequest(deadline_s=0); stop.install()\n"
+              "stop = StopRequest(deadline_s=0); stop.install(); stop.begin_steps()\n"
               "os.kill(os.getpid(), signal.SIGINT); os.kill(os.getpid(), signal.SIGINT)\n"
               "time.sleep(0.2); print('recorded', stop.signal_name, flush=True)\n"
               "time.sleep(REPEAT_AFTER_S)\n"
