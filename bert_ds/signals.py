@@ -148,8 +148,8 @@ class StopRequest:
                         first = (signum, now)
                     elif _second_ctrl_c(first[0], signum, now - first[1]):
                         name = signal.Signals(signum).name
-                        os.write(2, f"[bert_ds] rank {self.rank}: {name} after Ctrl-C; exiting now without a "
-                                    "checkpoint (the newest committed one stays)\n".encode())
+                        os.write(2, f"[bert_ds] rank {self.rank}: a second stop signal ({name}); exiting now "
+                                    "without a checkpoint (the newest committed one stays)\n".encode())
                         os._exit(EXIT_INTERRUPTED)
 
     def _give_up(self, name: str) -> None:
