@@ -37,6 +37,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from bert_ds.config import BatchPlan, DataConfig
+from bert_ds.signals import loader_worker_init
 from bert_ds.padding import IGNORE_INDEX, unpad
 from data_tools.atomic import atomic_write
 from data_tools.errors import ShardError
@@ -554,6 +555,7 @@ class PretrainingLoader:
             # draw off the global RNG, which drives dropout and must resume exactly.
             generator=torch.Generator().manual_seed(self.dataset.seed),
             persistent_workers=False,
+            worker_init_fn=loader_worker_init,  # a stop signal is the trainer's to handle
             prefetch_factor=4 if self.num_workers else None,
         )
         return iter(loader)

@@ -45,7 +45,7 @@ from bert_ds import checkpoint
 from bert_ds.config import TrainConfig
 from bert_ds.errors import ConfigError
 from bert_ds.model import model_preset
-from bert_ds.train import _print_summary, guarded, run, training_session
+from bert_ds.train import _print_summary, guarded, output_lock, run, training_session
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 _MERGED = ("data", "optim")  # sections a phase overrides key by key
@@ -190,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"{cfg.global_batch_size} (micro {cfg.micro_batch_size}), lr {cfg.optim.lr:g}, "
                       f"warm-up {cfg.optim.warmup_steps}, {cfg.ds_config} -> {cfg.output}")
             return
-        with training_session(configs[0].collective_timeout) as (rank, world, device, stop):
+        with (output_lock(plan.output, "bert_ds.phases"),  # the phases' folders are inside it
+              training_session(configs[0].collective_timeout) as (rank, world, device, stop)):
             say = print if rank == 0 else (lambda *a, **k: None)
             previous: Path | None = None
             for phase, cfg in zip(plan.phases, configs):
@@ -206,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
                 summary = run(cfg, True, rank, world, device, stop=stop)
                 if rank == 0:
                     _print_summary(summary)
-                if summary["steps"] < cfg.steps:  # stopped by a signal or --exit_after: rerun to go on
+                if summary["steps"] < cfg.steps or summary["stopped_by"]:  # a signal or --exit-after: rerun to go on
                     say(f"[bert_ds.phases] {phase.name}: stopped at step {summary['steps']}; rerun the same "
                         "command to resume", file=sys.stderr, flush=True)
                     return

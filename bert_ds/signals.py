@@ -1,15 +1,33 @@
-"""A graceful stop on SIGTERM or SIGUSR1 that every rank agrees on within one step.
+"""A graceful stop on SIGINT (Ctrl-C), SIGTERM or SIGUSR1 that every rank agrees on within one step.
 
 Design choices:
 - The handler only records the signal. The training loop adds "a stop was requested" to
   the statistics it already all-reduces once per step, so a signal that reaches any one
   rank is known to every rank at the end of that step (or of the next one, when it lands
   after this rank's share of the all-reduce), without an extra collective. All ranks then
-  commit a checkpoint together and exit 0.
+  commit a checkpoint together and exit 0. The slow parts between steps (a validation
+  pass, a periodic save) ask every rank with :meth:`StopRequest.agreed`, so that a signal
+  there stops the run at the last finished step instead of after one more.
 - SIGTERM is what schedulers and ``torchrun`` send before killing a job; SIGUSR1 is the
-  usual early warning (Slurm ``--signal=USR1@90``). Both mean the same here. To signal a
-  whole process group with ``--num-workers`` > 0, prefer SIGUSR1: PyTorch's data-loader
-  workers die on SIGTERM, and the trainer would then fail on its next batch.
+  usual early warning (Slurm ``--signal=USR1@90``); SIGINT is Ctrl-C. All three mean the
+  same here. The data-loader workers ignore all three (:func:`loader_worker_init`): a
+  signal to the whole process group (Ctrl-C, a scheduler, the deepspeed launcher, which
+  sends SIGTERM to every process under it) leaves the decision to the trainer, which ends
+  its workers itself; workers whose trainer died end by PyTorch's own check on their parent.
+- A second Ctrl-C ends the process at once (exit 130, no checkpoint: the newest committed
+  one stays). Python runs signal handlers only between bytecodes of the main thread, which
+  can sit for long inside one call (a collective waiting on a peer, a save), so a watcher
+  thread reads the signals from ``signal.set_wakeup_fd``'s pipe, which the interpreter
+  writes the moment a signal arrives, and ends the process from there.
+- What a second Ctrl-C looks like to a rank depends on the launcher. Alone, or under the
+  deepspeed launcher (ranks in the terminal's process group), the rank gets SIGINT from
+  the terminal, under the deepspeed launcher with the launcher's SIGTERM a moment later.
+  ``torchrun`` starts each rank in a session of its own: the terminal reaches only
+  torchrun, which forwards the first Ctrl-C as SIGINT and answers the second by sending
+  SIGTERM. So after a first SIGINT, a SIGINT or a SIGTERM that comes more than
+  :data:`REPEAT_AFTER_S` later is a second Ctrl-C (earlier, it is the same key press
+  arriving twice); after a first SIGTERM or SIGUSR1 (a scheduler's warning, then its
+  SIGTERM), only a SIGINT is.
 - A rank that cannot reach the end of its step in time (it is hung, or waits for a hung
   peer) exits by itself after ``deadline_s`` with :data:`EXIT_RANK_FAILURE`, instead of
   waiting for the launcher's SIGKILL (``torchrun`` waits 30 s). The deadline is the
@@ -30,14 +48,20 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+import torch
+import torch.distributed as dist
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 EXIT_RANK_FAILURE = 4  # the process exit status of a rank that gave up on its peers (see bert_ds.train)
 STARTUP_EXIT_GRACE_S = 5.0  # a stop signal before the first step: the longest the exit may unwind
+EXIT_INTERRUPTED = 128 + signal.SIGINT  # a second Ctrl-C: the shell's status for a process ended by SIGINT
+REPEAT_AFTER_S = 1.0  # an earlier SIGINT is the same key press reaching this rank twice (terminal + launcher)
 
 
 class StopRequest:
-    """Records SIGTERM / SIGUSR1; install once, in the main thread, before training."""
+    """Records SIGINT / SIGTERM / SIGUSR1; install once, in the main thread, before training."""
 
     def __init__(self, deadline_s: float, rank: int = 0):
         self.deadline_s = deadline_s
@@ -49,6 +73,7 @@ class StopRequest:
         self._pid = os.getpid()
         self._timer: threading.Timer | None = None
         self._lock = threading.RLock()  # the handler runs on the main thread, maybe inside acknowledge()
+        self._wakeup: tuple[int, int] | None = None  # (the pipe's write end, the wakeup fd it replaced)
 
     @property
     def requested(self) -> bool:
@@ -58,12 +83,21 @@ class StopRequest:
         self._pid = os.getpid()
         for sig in STOP_SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handle)
+        read_end, write_end = os.pipe()
+        os.set_blocking(write_end, False)
+        self._wakeup = (write_end, signal.set_wakeup_fd(write_end, warn_on_full_buffer=False))
+        threading.Thread(target=self._watch, args=(read_end,), name="bert_ds-stop-signals", daemon=True).start()
 
     def uninstall(self) -> None:
         self.end_steps()
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
         self._previous.clear()
+        if self._wakeup is not None:
+            write_end, replaced = self._wakeup
+            signal.set_wakeup_fd(replaced)
+            os.close(write_end)  # the watcher reads the end of the pipe and finishes
+            self._wakeup = None
 
     def begin_steps(self) -> None:
         with self._lock:
@@ -84,6 +118,17 @@ class StopRequest:
                 self._timer.cancel()
                 self._timer = None
 
+    def agreed(self, device: torch.device) -> int:
+        """How many ranks hold a stop request: one all-reduce of one number, so every rank must
+        call this at the same point of the run. Non-zero means every rank stops here."""
+        votes = torch.tensor([float(self.requested)], dtype=torch.float64, device=device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(votes)
+        count = int(votes.item())
+        if count:
+            self.acknowledge()
+        return count
+
     def _arm(self) -> None:
         if self._timer is None and self._stepping and self.deadline_s > 0:
             self._timer = threading.Timer(self.deadline_s, self._give_up, args=(self.signal_name,))
@@ -96,11 +141,12 @@ class StopRequest:
         name = signal.Signals(signum).name
         if not self._started:
             self._exit_before_first_step(signum, name)
-        # os.write: the main thread may be inside a print to the same stream
-        os.write(2, f"[bert_ds] rank {self.rank}: received {name}; checkpointing after this step\n".encode())
         with self._lock:
             if self.signal_name is None:
                 self.signal_name = name
+                # os.write: the main thread may be inside a print to the same stream
+                os.write(2, (f"[bert_ds] rank {self.rank}: received {name}; checkpointing the last finished step "
+                             "and exiting (Ctrl-C again to stop at once)\n").encode())
             self._arm()
 
     def _exit_before_first_step(self, signum: int, name: str) -> None:
@@ -111,10 +157,43 @@ class StopRequest:
         timer.start()
         raise SystemExit(status)
 
+    def _watch(self, read_end: int) -> None:
+        """The watcher thread: every signal's number, as it arrives; a second Ctrl-C ends the process."""
+        first: tuple[int, float] | None = None  # the first stop signal and when it came
+        with open(read_end, "rb", buffering=0) as pipe:
+            while chunk := pipe.read(64):
+                for signum in chunk:
+                    if signum not in STOP_SIGNALS:
+                        continue  # another handler's signal (the data loader's SIGCHLD)
+                    now = time.monotonic()
+                    if first is None:
+                        first = (signum, now)
+                    elif _second_ctrl_c(first[0], signum, now - first[1]):
+                        name = signal.Signals(signum).name
+                        os.write(2, f"[bert_ds] rank {self.rank}: a second stop signal ({name}); exiting now "
+                                    "without a checkpoint (the newest committed one stays)\n".encode())
+                        os._exit(EXIT_INTERRUPTED)
+
     def _give_up(self, name: str) -> None:
         os.write(2, (f"[bert_ds] rank {self.rank}: {name} received {self.deadline_s:g} s ago and the current step "
                      f"has not finished (this rank or a peer is hung); exiting without a checkpoint\n").encode())
         os._exit(EXIT_RANK_FAILURE)
 
 
-__all__ = ["EXIT_RANK_FAILURE", "STARTUP_EXIT_GRACE_S", "STOP_SIGNALS", "StopRequest"]
+def _second_ctrl_c(first: int, signum: int, after_s: float) -> bool:
+    """Whether stop signal ``signum``, ``after_s`` seconds after the first one, ends the process now."""
+    if after_s <= REPEAT_AFTER_S:
+        return False  # one key press reaching the rank twice
+    return signum == signal.SIGINT or (first == signal.SIGINT and signum == signal.SIGTERM)
+
+
+def loader_worker_init(worker_id: int) -> None:
+    """``worker_init_fn`` of the training data loader (runs after PyTorch set its own worker
+    handlers): the worker ignores stop signals, as above. Without this, PyTorch's SIGTERM handler
+    ends the worker and the trainer fails on its next batch instead of checkpointing."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
+__all__ = ["EXIT_INTERRUPTED", "EXIT_RANK_FAILURE", "REPEAT_AFTER_S", "STARTUP_EXIT_GRACE_S", "STOP_SIGNALS",
+           "StopRequest", "loader_worker_init"]

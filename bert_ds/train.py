@@ -14,10 +14,15 @@ folder holds a checkpoint resumes from it (``--resume never`` starts afresh), on
 same or on another number of ranks.
 
 Faults (RELIABILITY.md) and what the run does about them:
-- SIGTERM or SIGUSR1 to any rank: all ranks learn of it through the step's one
-  all-reduce, commit a checkpoint after that step and exit 0 (``bert_ds.signals``).
-  Each rank writes its pid to ``OUTPUT/pids/rank_N.pid`` while it runs. Before the first
-  step there is nothing to save: the process exits at once with 128 + the signal number.
+- SIGINT (Ctrl-C), SIGTERM or SIGUSR1 to any rank: all ranks learn of it through the
+  step's one all-reduce, commit a checkpoint after that step and exit 0; during a
+  validation pass or a periodic save, the pass is abandoned and the last finished step is
+  saved, without training another (``bert_ds.signals``). A second Ctrl-C ends the process
+  at once (exit 130; the newest committed checkpoint stays). Each rank writes its pid to
+  ``OUTPUT/pids/rank_N.pid`` while it runs. Before the first step there is nothing to
+  save: the process exits at once with 128 + the signal number.
+- A second run into the same OUTPUT while one runs: refused in one line naming the holder
+  (exit 2); the lock goes with the process that held it, however it ended (R17).
 - DeepSpeed's extension build lock left by a killed start is removed with a note; one a
   live process holds is waited on for at most ``BERT_DS_BUILD_LOCK_TIMEOUT`` seconds
   (``bert_ds.extensions``).
@@ -29,9 +34,9 @@ Faults (RELIABILITY.md) and what the run does about them:
   name the ranks that did not report back.
 
 Exit status: 0 finished, or stopped by a signal after a checkpoint; 1 a bug (traceback);
-2 bad input or a damaged checkpoint (one ``error:`` line); 3 ``--max-bad-steps``
-non-finite steps in a row; 4 a rank failed or hung; 128 + N stopped by signal N before
-the first step (nothing saved).
+2 bad input, a damaged checkpoint or an OUTPUT in use (one ``error:`` line); 3
+``--max-bad-steps`` non-finite steps in a row; 4 a rank failed or hung; 128 + N stopped
+by signal N before the first step (nothing saved); 130 a second Ctrl-C.
 """
 
 from __future__ import annotations
@@ -66,6 +71,7 @@ from bert_ds.model import PRESETS, BertForPreTraining, ModelConfig, model_preset
 from bert_ds.optim import bind_to_engine, build_optimizer, build_schedule
 from bert_ds.signals import EXIT_RANK_FAILURE, StopRequest
 from data_tools.errors import EXIT_USER_ERROR, UserError
+from data_tools.locking import FolderLock
 EXIT_BAD_STEPS = 3
 DEFAULT_PRESET = "mini"  # without --preset and without a checkpoint to resume
 
@@ -301,19 +307,35 @@ def _ratio(a: float, b: float) -> float:
     return a / b if b else float("nan")
 
 
+# Validation batches between two checks that no rank was asked to stop: a signal during a
+# pass ends it within this many forward passes (a fraction of a second on the tiny preset).
+VAL_STOP_CHECK_EVERY = 4
+
+
 def validate(engine, dataset: PretrainingDataset, cfg: TrainConfig, rank: int, world: int,
-             device: torch.device) -> dict[str, float]:
+             device: torch.device, stop: StopRequest) -> dict[str, float] | None:
+    """The held-out metrics, or None when a stop was requested on any rank during the pass
+    (the pass is abandoned; every rank returns None at the same batch)."""
     engine.eval()
     totals = torch.zeros(len(_STATS) + 1, dtype=torch.float64, device=device)
-    with torch.no_grad():
-        for batch in validation_batches(dataset, cfg.data.val_samples, cfg.micro_batch_size, rank, world):
-            batch = to_device(batch, device, non_blocking=True)
-            out = _forward(engine, batch)
-            mlm_loss_sum = out.mlm_loss.detach().double() * out.mlm_count
-            totals += torch.cat([_batch_stats(out, batch, out.loss), mlm_loss_sum.reshape(1)])
-    engine.train()
+    try:
+        with torch.no_grad():
+            batches = validation_batches(dataset, cfg.data.val_samples, cfg.micro_batch_size, rank, world)
+            for i, batch in enumerate(batches):
+                if i % VAL_STOP_CHECK_EVERY == 0 and stop.agreed(device):
+                    return None
+                batch = to_device(batch, device, non_blocking=True)
+                out = _forward(engine, batch)
+                mlm_loss_sum = out.mlm_loss.detach().double() * out.mlm_count
+                totals += torch.cat([_batch_stats(out, batch, out.loss), mlm_loss_sum.reshape(1)])
+    finally:
+        engine.train()
+    totals[_AT["stop"]] = float(stop.requested)  # a signal after the last check: the closing all-reduce tells
     *sums, mlm_loss_sum = _all_reduce(totals)
     s = dict(zip(_STATS, sums))
+    if s["stop"] > 0:
+        stop.acknowledge()
+        return None
     return {"loss": _ratio(s["loss_sum"], s["micro_batches"]),
             "mlm_loss": _ratio(mlm_loss_sum, s["mlm_count"]),
             "mlm_acc": _ratio(s["mlm_correct"], s["mlm_count"]),
@@ -395,6 +417,23 @@ def run(cfg: TrainConfig, resume: bool, rank: int, world: int, device: torch.dev
         save_s = time.perf_counter() - t
         return path
 
+    def stopping(where: str) -> str:
+        """Every rank agreed to stop: say so (rank 0) and name the cause for the summary."""
+        name = stop.signal_name or "a signal to another rank"
+        log.print(f"stop requested ({name}, {where}): checkpointing step {state.step} and exiting")
+        return name
+
+    def validate_now() -> bool:
+        """A validation pass at this step, logged; False when a stop signal abandoned it."""
+        nonlocal val, stopped_by
+        result = validate(engine, val_set, cfg, rank, world, device, stop)
+        if result is None:
+            stopped_by = stopping("during validation, pass abandoned")
+            return False
+        val = result
+        log.log_val({"step": state.step, **val})
+        return True
+
     losses: list[float] = []
     rates: list[float] = []
     mfus: list[float] = []  # on GPUs (where the peak is known), one per good step
@@ -475,23 +514,23 @@ def run(cfg: TrainConfig, resume: bool, rank: int, world: int, device: torch.dev
                         mfus.append(record["mfu"])
                 if s["stop"] > 0:
                     stop.acknowledge()
-                    stopped_by = stop.signal_name or "a signal to another rank"
-                    log.print(f"stop requested ({stopped_by}, {int(s['stop'])} rank(s)): checkpointing step "
-                              f"{state.step} and exiting")
+                    stopped_by = stopping(f"{int(s['stop'])} rank(s)")
                     break
                 if val_set is not None and cfg.val_every and state.step % cfg.val_every == 0:
-                    val = validate(engine, val_set, cfg, rank, world, device)
-                    log.log_val({"step": state.step, **val})
+                    if not validate_now():
+                        break
                 # A step whose update was skipped is not checkpointed on schedule: the newest
                 # checkpoint stays a good one while a bad streak lasts.
                 if cfg.save_every and state.step % cfg.save_every == 0 and not bad:
                     save_now()
                     saved_at = state.step
+                    if stop.agreed(device):  # a signal during the save: this checkpoint is the last step
+                        stopped_by = stopping("after this step's save")
+                        break
             stop.end_steps()
             if (val_set is not None and state.step == cfg.steps and stopped_by is None
                     and not (cfg.val_every and state.step % cfg.val_every == 0)):
-                val = validate(engine, val_set, cfg, rank, world, device)
-                log.log_val({"step": state.step, **val})
+                validate_now()
             final_ckpt = save_now() if saved_at != state.step else ckpt_root / checkpoint.step_dir_name(state.step)
     finally:
         stop.end_steps()
@@ -544,6 +583,24 @@ def _hang_forever() -> None:
     """Test hook (--debug-hang-at): stand in for a rank stuck in I/O or a deadlock."""
     while True:
         time.sleep(3600)
+
+
+@contextlib.contextmanager
+def output_lock(output: str | os.PathLike, command: str) -> Iterator[None]:
+    """Hold OUTPUT's folder lock (``data_tools.locking``) for the run's whole life, so that a
+    second run into the same folder refuses (R17) before it reads or builds anything.
+
+    Only global rank 0 (the launcher's ``RANK``, read before the process group exists) takes
+    it: the ranks of one run share the folder, on one node or, through a shared filesystem,
+    on several, and must not lock each other out. A second run is therefore refused where
+    its rank 0 sees the first run's folder: on the first run's rank-0 node, or anywhere on a
+    shared filesystem. Its other ranks, waiting for rank 0 at the rendezvous, end when their
+    launcher stops them (``torchrun``: SIGTERM, then SIGKILL 30 s later)."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        yield
+        return
+    with FolderLock(output, command):
+        yield
 
 
 @contextlib.contextmanager
@@ -730,7 +787,10 @@ def main(argv: list[str] | None = None) -> int:
                 return
         plan = _batch_plan(cfg, world, found)  # before any rank waits on another
         deepspeed_config(cfg, plan)  # an engine JSON that DeepSpeed would refuse after start-up fails here
-        with training_session(cfg.collective_timeout) as (rank, world, device, stop):
+        # Every input is checked before the lock, which creates OUTPUT: a refused command
+        # leaves no folder behind. run() finds the checkpoint to resume again, under the lock.
+        with output_lock(cfg.output, "bert_ds.train"), \
+                training_session(cfg.collective_timeout) as (rank, world, device, stop):
             summary = run(cfg, args.resume == "auto", rank, world, device, options, stop)
             if rank == 0:
                 _print_summary(summary)
