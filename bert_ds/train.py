@@ -779,6 +779,7 @@ def main(argv: list[str] | None = None) -> int:
             resuming.changes(found, cfg, world)  # a refused change fails here, before any rank waits on another
             done_at = resuming.finished(found, cfg)
             if done_at is not None:
+                resuming.verify_newest(found)  # "finished" must not hide a damaged final checkpoint
                 if os.environ.get("RANK", "0") == "0":
                     kept = ("summary.json left as it was" if (Path(cfg.output) / "summary.json").is_file()
                             else "no summary.json: the run ended after its last checkpoint")
