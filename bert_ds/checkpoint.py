@@ -24,7 +24,7 @@ where a barrier stood: the temporary folder is removed, every rank raises
 ``model.safetensors`` lets `bert_ds.export` work without DeepSpeed or the world size
 the run had.
 
-Resuming on another world size (RELIABILITY R8): DeepSpeed's ZeRO-1/2 files hold one
+Resuming on another world size (R8 in the README's reliability promises): DeepSpeed's ZeRO-1/2 files hold one
 optimizer partition per rank, laid out for that world size. Rather than re-cutting
 DeepSpeed's flat partitions offline (its universal-checkpoint converter), every
 checkpoint also carries the world-size-free state: the fp32 master weights

@@ -64,7 +64,7 @@ class SpecialTokens:
 
 # Sample maps are cached beside the data (or in ~/.cache when that is read-only); the key
 # holds every shard's header fingerprint, so a shard rewritten under the same path
-# gets a fresh map (RELIABILITY R10).
+# gets a fresh map (R10 in the README's reliability promises).
 _MAP_VERSION = 2
 _HELD_OUT_SALT = 0x9E3779B97F4A7C15  # Fibonacci hashing constant: spreads (shard, doc) evenly
 

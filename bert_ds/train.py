@@ -13,7 +13,7 @@ TensorBoard events to ``OUTPUT/tensorboard``, checkpoints to
 folder holds a checkpoint resumes from it (``--resume never`` starts afresh), on the
 same or on another number of ranks.
 
-Faults (RELIABILITY.md) and what the run does about them:
+Faults (the R-numbers of the README's reliability promises) and what the run does about them:
 - SIGINT (Ctrl-C), SIGTERM or SIGUSR1 to any rank: all ranks learn of it through the
   step's one all-reduce, commit a checkpoint after that step and exit 0; during a
   validation pass or a periodic save, the pass is abandoned and the last finished step is

@@ -1,4 +1,4 @@
-"""``bert_ds.train``, SIGKILLed at one point of one checkpoint save (RELIABILITY R3).
+"""``bert_ds.train``, SIGKILLed at one point of one checkpoint save (R3).
 
     python -m tests.bert_ds.save_crash_worker POINT STEP -- <bert_ds.train arguments>
 

@@ -1,4 +1,4 @@
-"""RELIABILITY.md R13 (Ctrl-C in training), item 12 of R13 (a stop signal during validation)
+"""R13 (Ctrl-C in training, a stop signal during validation)
 and R17 (one training run per output folder), on CPU: the trainer run as processes, as in
 test_reliability.py (tiny BERT, sequence length 64, DeepSpeed with gloo, 1 or 2 ranks).
 

@@ -1,8 +1,8 @@
-"""RELIABILITY.md R1, R2, R3, R7, R8 and R11, on CPU: the trainer run as processes, the way a
+"""R1, R2, R3, R7, R8 and R11 of the README's reliability promises, on CPU: the trainer run as processes, the way a
 user runs it (tiny BERT, sequence length 64, DeepSpeed with gloo, 1 to 3 ranks).
 
 Each test prints the figure it measured (``pytest -s`` shows them) and asserts it.
-R1 runs ``BERT_DS_R1_TRIALS`` trials (default 3 here to keep CI short; RELIABILITY.md
+R1 runs ``BERT_DS_R1_TRIALS`` trials (default 3 here to keep CI short; the promise
 asks for 5: ``BERT_DS_R1_TRIALS=5 pytest -k r1``).
 """
 
