@@ -26,8 +26,11 @@
 #
 # Environment (defaults in brackets):
 #   RUN_DIR    [runs/sample]        where shards, checkpoints, metrics and the export go
-#   PRESET     [tiny]               model preset: tiny, mini, base, large
-#   STEPS      [1500]               optimizer steps of the main job
+#   PRESET     [tiny-h128]          model preset: tiny, tiny-h128, mini, base, large
+#   STEPS      [2200]               optimizer steps of the main job
+#   LR         [1e-2]               peak learning rate (LAMB); WARMUP [100] its linear warm-up steps
+#   DROPOUT    [0]                  hidden dropout (the presets' 0.1 only slows a run this short)
+#   VOCAB_SIZE [4096]               WordPiece vocabulary trained by prepare
 #   NGPU       [all visible GPUs, or 1 process on CPU]  processes on this node
 #   NNODES     [1]                  pretrain: nodes in the job (> 1: multi-node rendezvous)
 #   NODE_RANK  [unset]              pretrain: fixed rank of this node; multinode: launch without ssh as this node
@@ -54,8 +57,8 @@ SYS_PYTHON=${PYTHON:-python3}
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
 RUN_DIR=${RUN_DIR:-runs/sample}
 DATA_DIR=$RUN_DIR/data
-PRESET=${PRESET:-tiny}
-STEPS=${STEPS:-1500}
+PRESET=${PRESET:-tiny-h128}
+STEPS=${STEPS:-2200}
 
 log() { printf '[run.sh] %s\n' "$*" >&2; }
 
@@ -107,14 +110,14 @@ export_accelerator() {
 prepare() {
     local src=data_tools/sample
     python_ -m data_tools build --input "$src/valid.txt" --output "$DATA_DIR/train" \
-        --train-vocab "${VOCAB_SIZE:-8192}" --split-sentences --workers 2
+        --train-vocab "${VOCAB_SIZE:-4096}" --split-sentences --workers 2
     python_ -m data_tools build --input "$src/test.txt" --output "$DATA_DIR/heldout" \
         --vocab "$DATA_DIR/train/vocab.txt" --split-sentences --workers 2
 }
 
 train_args() {
     TRAIN_ARGS=(--data "$DATA_DIR/train" --val-data "$DATA_DIR/heldout" --output "$RUN_DIR/train"
-        --preset "$PRESET" --steps "$STEPS" --lr "${LR:-1e-2}" --warmup-steps "${WARMUP:-100}" "$@")
+        --preset "$PRESET" --steps "$STEPS" --lr "${LR:-1e-2}" --warmup-steps "${WARMUP:-100}" --dropout "${DROPOUT:-0}" "$@")
 }
 
 pretrain() {

@@ -132,6 +132,8 @@ def _check(ok: bool, field: str, message: str) -> None:
 
 PRESETS: dict[str, dict[str, int]] = {
     "tiny": dict(num_layers=2, hidden_size=64, num_heads=2, intermediate_size=256),  # tests, smoke runs
+    # The main job: the shape of Google's BERT-Tiny (Turc et al. 2019), whose "mini" is the one below.
+    "tiny-h128": dict(num_layers=2, hidden_size=128, num_heads=2, intermediate_size=512),
     "mini": dict(num_layers=4, hidden_size=256, num_heads=4, intermediate_size=1024),  # quick experiments
     "base": dict(num_layers=12, hidden_size=768, num_heads=12, intermediate_size=3072),  # BERT-Base
     "large": dict(num_layers=24, hidden_size=1024, num_heads=16, intermediate_size=4096),  # BERT-Large

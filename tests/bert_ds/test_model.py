@@ -415,7 +415,7 @@ def test_presets_build_with_transformers_parameter_count(name):
 
 def test_preset_overrides_and_unknown_name():
     assert model_preset("tiny", vocab_size=100, hidden_dropout=0.0).hidden_dropout == 0.0
-    with pytest.raises(ConfigError, match="tiny, mini, base, large"):
+    with pytest.raises(ConfigError, match="tiny, tiny-h128, mini, base, large"):
         model_preset("huge", vocab_size=100)
     with pytest.raises(ConfigError, match="unknown keys"):
         model_preset("tiny", vocab_size=100, dropout=0.0)
