@@ -44,7 +44,7 @@ import torch
 from bert_ds import checkpoint
 from bert_ds.config import TrainConfig
 from bert_ds.errors import ConfigError
-from bert_ds.model import model_preset
+from bert_ds.model import PRESETS, model_preset
 from bert_ds.train import _print_summary, guarded, output_lock, run, training_session
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
@@ -101,7 +101,7 @@ class PhasePlan:
                               f"{'; ' if unknown and missing else ''}"
                               f"{'missing key(s) ' + ', '.join(missing) if missing else ''}")
         if not isinstance(d["model"], dict) or not isinstance(d["model"].get("preset"), str):
-            raise ConfigError('phase plan: "model" must be an object with a "preset" (tiny, mini, base, large)')
+            raise ConfigError(f'phase plan: "model" must be an object with a "preset" ({", ".join(PRESETS)})')
         if not isinstance(d["base"], dict):
             raise ConfigError('phase plan: "base" must be an object of training settings')
         clash = sorted(set(d["base"]) & set(_SET_BY_PHASES))
