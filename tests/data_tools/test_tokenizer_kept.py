@@ -14,7 +14,7 @@ from data_tools.build import BuildOptions, build
 from data_tools.errors import UserError
 from data_tools.manifest import Manifest, open_dataset
 from data_tools.text import iter_text, split_sentences
-from data_tools.tokenizer import train_vocab, vocab_entries
+from data_tools.tokenizer import HF_FILES, train_vocab, vocab_entries
 
 SAMPLE = Path(__file__).resolve().parents[2] / "data_tools" / "sample" / "valid.txt"
 
@@ -89,3 +89,30 @@ def test_a_tokenizer_that_is_not_berts_is_refused(cased, tmp_path):
     other.write_text(json.dumps(data))
     with pytest.raises(UserError, match="its normalizer is 'NFKC'; a BERT tokenizer has a BertNormalizer"):
         build(_opts(other, tmp_path / "o"))
+
+
+def test_a_cased_tokenizer_survives_build_and_export_unchanged(cased, tmp_path):
+    """The round trip a continued pretraining makes: a cased HF tokenizer -> shards -> an
+    export whose tokenizer encodes text exactly as the source does, case and all."""
+    import torch
+
+    from bert_ds.export import export_hf
+    from bert_ds.model import BertForPreTraining, ModelConfig
+
+    build(_opts(cased, tmp_path / "data"))
+    vocab_size = Manifest.load(tmp_path / "data").vocab_size
+    config = ModelConfig(vocab_size=vocab_size, hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64,
+                         max_position_embeddings=64, kernels="torch")
+    torch.manual_seed(0)
+    tokenizer = tmp_path / "tokenizer"  # what a checkpoint keeps of the dataset: its tokenizer files
+    tokenizer.mkdir()
+    for name in HF_FILES:
+        shutil.copy(tmp_path / "data" / name, tokenizer / name)
+    out = export_hf(BertForPreTraining(config).state_dict(), config, tokenizer, tmp_path / "hf")
+
+    source, exported = BertTokenizerFast.from_pretrained(str(cased)), BertTokenizerFast.from_pretrained(str(out))
+    text = "The Lobster of Atlantic Ocean was Described in 1758 ."
+    assert exported(text)["input_ids"] == source(text)["input_ids"] != source(text.lower())["input_ids"]
+    assert json.loads((out / "tokenizer.json").read_text())["normalizer"] == \
+        json.loads((cased / "tokenizer.json").read_text())["normalizer"]
+    assert exported.model_max_length == 64
