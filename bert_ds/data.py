@@ -37,7 +37,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from bert_ds.config import BatchPlan, DataConfig
-from bert_ds.signals import loader_worker_init
+from bert_ds.signals import end_loader_workers_at_exit, loader_worker_init
 from bert_ds.padding import IGNORE_INDEX, unpad
 from data_tools.atomic import atomic_write
 from data_tools.errors import ShardError
@@ -545,6 +545,8 @@ class PretrainingLoader:
 
     def _make_iter(self) -> Iterator[Batch]:
         pad = self.dataset.special.pad
+        if self.num_workers:
+            end_loader_workers_at_exit()  # the workers ignore SIGTERM: see there
         loader = DataLoader(
             self.dataset,
             batch_sampler=_RankPositions(self.plan, self.rank, self.consumed_samples),

@@ -45,6 +45,8 @@ Design choices:
 
 from __future__ import annotations
 
+import atexit
+import multiprocessing
 import os
 import signal
 import threading
@@ -195,5 +197,32 @@ def loader_worker_init(worker_id: int) -> None:
         signal.signal(sig, signal.SIG_IGN)
 
 
+def end_loader_workers_at_exit() -> None:
+    """In the trainer process, once: at interpreter exit, SIGKILL the daemonic children left.
+
+    multiprocessing ends a process's daemonic children at exit with SIGTERM and then waits
+    for them; loader workers ignore SIGTERM (:func:`loader_worker_init`), so a loader still
+    open at exit (one whose iterator an exception's traceback keeps alive) would make that
+    wait last forever. This runs first (atexit is last-in, first-out, and multiprocessing
+    registered its hook when torch imported it) and ends them the way SIGTERM would have.
+    PyTorch's normal shutdown of a loader (a sentinel to each worker) needs no signal.
+    """
+    global _EXIT_HOOK
+    if _EXIT_HOOK:
+        return
+    _EXIT_HOOK = True
+    atexit.register(_kill_daemonic_children)
+
+
+_EXIT_HOOK = False
+
+
+def _kill_daemonic_children() -> None:
+    for child in multiprocessing.active_children():
+        if child.daemon:
+            child.kill()
+            child.join(timeout=5.0)
+
+
 __all__ = ["EXIT_INTERRUPTED", "EXIT_RANK_FAILURE", "REPEAT_AFTER_S", "STARTUP_EXIT_GRACE_S", "STOP_SIGNALS",
-           "StopRequest", "loader_worker_init"]
+           "StopRequest", "end_loader_workers_at_exit", "loader_worker_init"]

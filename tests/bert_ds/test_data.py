@@ -227,3 +227,25 @@ def test_reused_generator_draws_as_a_fresh_philox(dataset):
     copy = pickle.loads(pickle.dumps(dataset))  # loader workers get a copy with a generator of its own
     for idx in (0, 4, len(dataset) - 1):
         assert _equal_samples(copy.sample(1, idx), dataset.sample(1, idx))
+
+
+def test_a_process_with_an_open_loader_still_exits(sample_data):
+    """Loader workers ignore stop signals (the trainer decides), so multiprocessing's SIGTERM at
+    interpreter exit cannot end them: a loader still open then must not make the exit wait forever."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO, cli_env
+
+    script = (
+        "from bert_ds.config import BatchPlan, DataConfig\n"
+        "from bert_ds.data import PretrainingDataset, PretrainingLoader\n"
+        f"ds = PretrainingDataset({str(sample_data['train'])!r}, DataConfig(train={str(sample_data['train'])!r}), seed=1)\n"
+        "loader = PretrainingLoader(ds, BatchPlan.resolve(4, 4, 1), 0, num_workers=1)\n"
+        "loader.next_step()\n"
+        "KEPT = loader._iter  # as an exception's traceback would keep it: never shut down\n"
+        "print('fetched', flush=True)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=REPO,
+                          env=cli_env())
+    assert proc.returncode == 0 and proc.stdout.strip() == "fetched", proc.stderr[-2000:]
