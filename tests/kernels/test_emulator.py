@@ -38,19 +38,19 @@ THREADS = 64  # smem_checks.cu's block: two warps
 FAULTS = {"none": 0, "missing wait": 1, "missing barrier after wait": 2, "missing barrier before refill": 3}
 
 
-def run_pipeline(library: str, fault: str, tiles: int = 5, n: int = 5 * THREADS - 7) -> None:
+def run_pipeline(library: str, fault: str, tiles: int = 5,
+                 n: int = 5 * THREADS - 7) -> tuple[int, torch.Tensor, torch.Tensor]:
     """Runs smem_checks.cu's pipeline over `tiles` tiles of 16-byte entries, the last `tiles *
-    THREADS - n` of them past the end (zero-filled), and asserts what every thread read:
-    its own entry and the one warp 0's lane tid % 32 copied."""
+    THREADS - n` of them past the end (zero-filled). Returns (status, what every thread read:
+    (tiles, THREADS, 2, 4), what landed: (tiles, THREADS, 4)). A faulty pipeline never
+    returns: the emulator aborts the process (run it in a child)."""
     lib = ctypes.CDLL(library)
     src = torch.arange(tiles * THREADS * 4, dtype=torch.int32).view(tiles * THREADS, 4) + 1
     out = torch.full((tiles, THREADS, 2, 4), -1, dtype=torch.int32)
-    assert lib.emu_pipeline(_ptr(src), n, _ptr(out), tiles, FAULTS[fault]) == 0
+    status = lib.emu_pipeline(_ptr(src), n, _ptr(out), tiles, FAULTS[fault])
     landed = src.clone()
     landed[n:] = 0
-    landed = landed.view(tiles, THREADS, 4)
-    assert torch.equal(out[:, :, 0], landed)
-    assert torch.equal(out[:, :, 1], landed[:, torch.arange(THREADS) % 32])
+    return status, out, landed.view(tiles, THREADS, 4)
 
 
 def test_a_copy_lands_at_the_wait_not_at_the_issue(library):
@@ -61,8 +61,13 @@ def test_a_copy_lands_at_the_wait_not_at_the_issue(library):
 
 
 def test_double_buffered_pipeline_reads_what_was_copied(library):
-    """Correct waits and barriers: no report, and warp 1 reads warp 0's landed copies."""
-    run_pipeline(library, "none")
+    """Correct waits and barriers: no report; each thread reads its own entry, zeros past the
+    end, and warp 1 reads warp 0's landed copies (lane tid % 32)."""
+    status, out, landed = run_pipeline(library, "none")
+    assert status == 0
+    assert torch.equal(out[:, :, 0], landed)
+    assert torch.equal(out[:, :, 1], landed[:, torch.arange(THREADS) % 32])
+    assert (landed[-1, -7:] == 0).all() and (out[:, :, 0] != 0).any()
 
 
 # Of two conflicting accesses, the later one reports, and the order is the emulator's own
@@ -89,17 +94,21 @@ def test_broken_pipeline_aborts_with_one_line(library, fault):
     assert re.fullmatch(PIPELINE_ERRORS[fault], outcome.emu_error), outcome.stderr[-2000:]
 
 
-def run_exchange(library: str, barrier: bool) -> None:
-    """Every thread st_shared's a word, then ld_shared's its partner's in the other warp."""
+def run_exchange(library: str, barrier: bool) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """Every thread st_shared's a word, then ld_shared's its partner's in the other warp.
+    Returns (status, the words written, the words read); without the barrier the emulator
+    aborts the process instead (run it in a child)."""
     lib = ctypes.CDLL(library)
     words = torch.arange(THREADS, dtype=torch.float32) + 0.5
     out = torch.full((THREADS,), float("nan"))
-    assert lib.emu_exchange(_ptr(words), _ptr(out), int(barrier)) == 0
-    assert torch.equal(out, words.roll(THREADS // 2))
+    status = lib.emu_exchange(_ptr(words), _ptr(out), int(barrier))
+    return status, words, out
 
 
 def test_st_shared_then_ld_shared_across_warps_after_a_barrier(library):
-    run_exchange(library, barrier=True)
+    status, words, out = run_exchange(library, barrier=True)
+    assert status == 0
+    assert torch.equal(out, words.roll(THREADS // 2))  # thread t read the word of thread t + 32 (mod 64)
 
 
 def test_st_shared_without_a_barrier_is_a_race(library):
