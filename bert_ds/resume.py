@@ -179,12 +179,6 @@ def finished(ckpt: Path, cfg: TrainConfig) -> int | None:
     return step if step >= cfg.steps else None
 
 
-def check_run_folder(output: Path) -> None:
-    """``--output`` must be a folder or not exist yet."""
-    if output.exists() and not output.is_dir():
-        raise ConfigError(f"--output {output}: exists and is not a folder; name a run folder")
-
-
 def report_incomplete(root: Path) -> None:
     """One line per checkpoint folder that is skipped for want of its COMPLETE marker."""
     for folder in checkpoint.incomplete_steps(root):

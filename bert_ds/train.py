@@ -763,7 +763,7 @@ def main(argv: list[str] | None = None) -> int:
         # Validate everything that needs no process group first: bad input fails fast.
         from data_tools.manifest import Manifest
 
-        resuming.check_run_folder(Path(args.output))
+        check_writable(args.output, "--output", folder=True)  # a file, a read-only place: before anything is read
         vocab_size = Manifest.load(Path(args.data[0])).vocab_size
         found = checkpoint.find_latest(Path(args.output) / "checkpoints") if args.resume == "auto" else None
         init = hf_import.open_source(Path(args.init_from)) if args.init_from and found is None else None
@@ -771,7 +771,6 @@ def main(argv: list[str] | None = None) -> int:
             hf_import.check_vocabulary(init, Path(args.data[0]))
         cfg = config_from_args(args, vocab_size, resuming.saved_model(found) if found else None, init)
         options = RunOptions.from_args(args)
-        check_writable(cfg.output, "--output", folder=True)
         if options.log_samples:
             check_writable(options.log_samples, "--log-samples", folder=False)
         world = int(os.environ.get("WORLD_SIZE", "1"))

@@ -113,10 +113,16 @@ class Result:
 
 # --------------------------------------------------------------------------- nvcc alone
 
+def nvcc_flags(arch: str, std: str) -> list[str]:
+    """How every kernel source is compiled for one architecture: torch's extension defines,
+    every warning an error, ptxas's resource report (kernels.inspect adds its outputs)."""
+    return [f"-std={std}", "-O3", "-lineinfo", f"-gencode=arch=compute_{arch},code=sm_{arch}", *TORCH_DEFINES,
+            "-Werror", "all-warnings", "-Xptxas", "-v", f"-I{CSRC}"]
+
+
 def compile_one(nvcc: str, source: Path, arch: str, std: str, out_dir: Path) -> Result:
-    cmd = [nvcc, f"-std={std}", "-O3", "-lineinfo", f"-gencode=arch=compute_{arch},code=sm_{arch}",
-           *TORCH_DEFINES, "-Werror", "all-warnings", "-Xptxas", "-v", "-Xcompiler", "-fPIC",
-           f"-I{CSRC}", "-c", str(source), "-o", str(out_dir / f"{source.stem}.sm_{arch}.o")]
+    cmd = [nvcc, *nvcc_flags(arch, std), "-Xcompiler", "-fPIC", "-c", str(source),
+           "-o", str(out_dir / f"{source.stem}.sm_{arch}.o")]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     output = proc.stdout + proc.stderr
     if proc.returncode != 0:

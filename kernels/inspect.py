@@ -42,7 +42,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from kernels.compile_check import CSRC, TARGETS, TORCH_DEFINES, find_nvcc
+from kernels.compile_check import CSRC, TARGETS, find_nvcc, nvcc_flags
 
 
 # --------------------------------------------------------------------------- occupancy
@@ -225,17 +225,11 @@ class CompileError(RuntimeError):
     pass
 
 
-def compile_flags(arch: str, std: str) -> list[str]:
-    """compile_check's flags, for a cubin of one architecture."""
-    return [f"-std={std}", "-O3", "-lineinfo", f"-gencode=arch=compute_{arch},code=sm_{arch}", *TORCH_DEFINES,
-            "-Werror", "all-warnings", "-Xptxas", "-v", f"-I{CSRC}"]
-
-
 def inspect_source(nvcc: str, source: Path, arch: str, std: str, nvdisasm: str | None) -> list[Kernel]:
     """Every kernel of one source compiled for one architecture."""
     with tempfile.TemporaryDirectory(prefix="bds-inspect-") as tmp:
         cubin = Path(tmp) / f"{source.stem}.cubin"
-        proc = subprocess.run([nvcc, *compile_flags(arch, std), "-cubin", "-keep", "-keep-dir", tmp,
+        proc = subprocess.run([nvcc, *nvcc_flags(arch, std), "-cubin", "-keep", "-keep-dir", tmp,
                                str(source), "-o", str(cubin)], capture_output=True, text=True)
         if proc.returncode != 0:
             raise CompileError(f"{source.name} sm_{arch}: nvcc failed:\n{(proc.stdout + proc.stderr).strip()}")
