@@ -21,8 +21,8 @@
 #                            $VENV must be at the same path on every host. Without ssh, run it on
 #                            every host with NODE_RANK=0,1,... set (deepspeed --no_ssh).
 #   ./run.sh export [CKPT] [OUT]  checkpoint folder -> Hugging Face directory
-#   ./run.sh bench [ARGS]    python -m bert_ds.bench: training throughput of bert_ds vs transformers
-#   ./run.sh plot [RUN] [ARGS]  python -m bert_ds.plot: loss/accuracy curves of a run as a PNG
+#   ./run.sh bench [ARGS]    python -m bert_ds.tools.bench: training throughput of bert_ds vs transformers
+#   ./run.sh plot [RUN] [ARGS]  python -m bert_ds.tools.plot: loss/accuracy curves of a run as a PNG
 #
 # Environment (defaults in brackets):
 #   RUN_DIR    [runs/sample]        where shards, checkpoints, metrics and the export go
@@ -87,7 +87,7 @@ setup_env() {
     # DeepSpeed's JIT-built ops (on CPU its shared-memory op, 35-50 s) are built now, into
     # $VENV/torch_extensions, rather than at the first training start.
     log "building DeepSpeed's extensions"
-    (export_accelerator && python_ -m bert_ds.extensions)
+    (export_accelerator && python_ -m bert_ds.train.extensions)
     echo "$want" > "$stamp"
 }
 
@@ -109,9 +109,9 @@ export_accelerator() {
 
 prepare() {
     local src=data_tools/sample
-    python_ -m data_tools build --input "$src/valid.txt" --output "$DATA_DIR/train" \
+    python_ -m bert_ds.data_tools build --input "$src/valid.txt" --output "$DATA_DIR/train" \
         --train-vocab "${VOCAB_SIZE:-4096}" --split-sentences --workers 2
-    python_ -m data_tools build --input "$src/test.txt" --output "$DATA_DIR/heldout" \
+    python_ -m bert_ds.data_tools build --input "$src/test.txt" --output "$DATA_DIR/heldout" \
         --vocab "$DATA_DIR/train/vocab.txt" --split-sentences --workers 2
 }
 
@@ -154,7 +154,7 @@ multinode() {
 }
 
 export_hf() {
-    python_ -m bert_ds.export "${1:-$RUN_DIR/train/checkpoints/latest}" "${2:-$RUN_DIR/hf}"
+    python_ -m bert_ds.checkpoint.export "${1:-$RUN_DIR/train/checkpoints/latest}" "${2:-$RUN_DIR/hf}"
 }
 
 mode=${1:-main}
@@ -169,14 +169,14 @@ case "$mode" in
     pretrain) setup_env; pretrain "$@" ;;
     multinode) setup_env; multinode "$@" ;;
     export) setup_env; export_hf "$@" ;;
-    bench) setup_env; export_accelerator; python_ -m bert_ds.bench "$@" ;;
-    plot) setup_env; python_ -m bert_ds.plot "${1:-$RUN_DIR/train}" "${@:2}" ;;
+    bench) setup_env; export_accelerator; python_ -m bert_ds.tools.bench "$@" ;;
+    plot) setup_env; python_ -m bert_ds.tools.plot "${1:-$RUN_DIR/train}" "${@:2}" ;;
     main)
         setup_env
         prepare
         pretrain
         export_hf
-        python_ -m bert_ds.demo "$RUN_DIR" ;;
+        python_ -m bert_ds.tools.demo "$RUN_DIR" ;;
     -h|--help|help) sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//' ;;
     *) echo "run.sh: unknown mode '$mode' (modes: main, test, setup, prepare, pretrain, multinode, export, bench, plot; see ./run.sh --help)" >&2; exit 2 ;;
 esac

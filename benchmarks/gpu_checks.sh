@@ -3,12 +3,12 @@
 #
 #   benchmarks/gpu_checks.sh [OUT_DIR]     (default: benchmarks/results/<gpu>-<yyyy-mm-dd>)
 #
-#   1. python -m kernels.build --recheck             build the extension, self-check every op and time
+#   1. python -m bert_ds.kernels.build --recheck             build the extension, self-check every op and time
 #                                                     each against its native alternative (auto's verdicts)
-#      python -m kernels.inspect --summary            registers, spills, CTAs per SM as that machine's nvcc builds them
+#      python -m bert_ds.kernels.inspect --summary            registers, spills, CTAs per SM as that machine's nvcc builds them
 #   2. pytest tests/kernels/test_cuda_ops.py          every fused op and gradient against its reference
-#   3. python -m kernels.bench                        each op against torch eager / compile / SDPA
-#   4. python -m bert_ds.bench                        (a) fused, (b) torch, (c) transformers at
+#   3. python -m bert_ds.kernels.bench                        each op against torch eager / compile / SDPA
+#   4. python -m bert_ds.tools.bench                        (a) fused, (b) torch, (c) transformers at
 #                                                     BERT-Base seq 128 and 512, and the projection
 #   5. ./run.sh (the main job, MAIN_STEPS steps)      only where DeepSpeed imports: training on the
 #                                                     GPU under ZeRO-1 bf16 with LAMB, export, fill-mask
@@ -43,12 +43,12 @@ step() {  # step NAME COMMAND...: run, keep stdout+stderr in OUT/NAME.log, count
     echo "== $name: $*"
     "$@" 2>&1 | tee "$out/$name.log" || { echo "== $name FAILED"; failed=$((failed + 1)); }
 }
-step kernels_build "$python" -m kernels.build --recheck
-step kernels_inspect "$python" -m kernels.inspect --summary
+step kernels_build "$python" -m bert_ds.kernels.build --recheck
+step kernels_inspect "$python" -m bert_ds.kernels.inspect --summary
 step test_cuda_ops "$python" -m pytest -q -rs tests/kernels/test_cuda_ops.py
-step kernels_bench "$python" -m kernels.bench --json "$out/kernels_bench.json"
+step kernels_bench "$python" -m bert_ds.kernels.bench --json "$out/kernels_bench.json"
 # shellcheck disable=SC2086  # BENCH_ARGS is a list of words
-step bench "$python" -m bert_ds.bench --json "$out/bench.json" --markdown "$out/bench.md" ${BENCH_ARGS:-}
+step bench "$python" -m bert_ds.tools.bench --json "$out/bench.json" --markdown "$out/bench.md" ${BENCH_ARGS:-}
 if "$python" -c 'import deepspeed' >/dev/null 2>&1; then
     run_dir=$(mktemp -d)
     step main_job env VENV="$("$python" -c 'import sys; print(sys.prefix)')" SETUP=none RUN_DIR="$run_dir" \

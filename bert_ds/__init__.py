@@ -1,0 +1,21 @@
+"""bert-ds: BERT pretraining on DeepSpeed, from raw text to a Hugging Face checkpoint.
+
+The package, from the bottom layer up (a layer imports only the layers above it in
+this list; ``tests/test_layers.py`` checks it):
+
+- :mod:`bert_ds.base`: errors and exit statuses, atomic writes, folder locks.
+- :mod:`bert_ds.kernels` (the ``kernels/`` folder): fused CUDA ops, their references and
+  the native fallbacks.
+- :mod:`bert_ds.data_tools` (the ``data_tools/`` folder): raw text to token shards, offline.
+- :mod:`bert_ds.ds_configs` (the ``ds_configs/`` folder): DeepSpeed engine JSON.
+- :mod:`bert_ds.config`: the typed, validated training configuration.
+- :mod:`bert_ds.model`, :mod:`bert_ds.loader`, :mod:`bert_ds.optim`: the model, the
+  pretraining data and the optimizer.
+- :mod:`bert_ds.checkpoint`: checkpoints, resume rules, export and import of weights.
+- :mod:`bert_ds.train`: the training command, its loop and the two-phase runner.
+- :mod:`bert_ds.tools`: commands around the system (bench, bundle, plot, demo).
+
+``kernels/``, ``data_tools/`` and ``ds_configs/`` stay top-level folders of the repository
+and are installed only under ``bert_ds`` (``bert_ds/kernels`` etc. are links to them), so
+no generic top-level name is installed and a checkout imports the same names as a wheel.
+"""

@@ -2,7 +2,7 @@
 
 Design choices:
 - Three small dataclasses (data, optimizer, run) plus the model's own
-  :class:`bert_ds.model.ModelConfig`; each validates itself in ``__post_init__`` and
+  :class:`bert_ds.model.bert.ModelConfig`; each validates itself in ``__post_init__`` and
   raises :class:`ConfigError` naming the field, so a bad value stops the run before
   any process group or file exists.
 - DeepSpeed JSON (``ds_configs/``) holds engine settings only: ZeRO stage,
@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import ds_configs
-from bert_ds.errors import ConfigError
-from bert_ds.model import ModelConfig
+from bert_ds import ds_configs
+from bert_ds.base.errors import ConfigError
+from bert_ds.model.bert import ModelConfig
 
 DS_CONFIG_DIR = Path(ds_configs.__file__).resolve().parent  # in a checkout and in an installed wheel
 
@@ -86,7 +86,7 @@ class DataConfig:
 class OptimConfig:
     name: Literal["lamb", "adamw"] = "lamb"  # LAMB: per-parameter trust ratios, also under ZeRO-1/2
     # nvidia: the trust ratio only where weight decay is non-zero (NVIDIA's BERT recipe);
-    # paper: on every tensor (the LAMB paper). See bert_ds/lamb.py.
+    # paper: on every tensor (the LAMB paper). See bert_ds/optim/lamb.py.
     lamb_variant: Literal["nvidia", "paper"] = "nvidia"
     lr: float = 6e-3  # peak learning rate after warm-up (NVIDIA's LAMB phase 1; AdamW wants ~10x less)
     betas: tuple[float, float] = (0.9, 0.999)

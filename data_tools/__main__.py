@@ -1,4 +1,4 @@
-"""``python -m data_tools {build,verify,inspect,bench}``: raw text -> token shards, and checks.
+"""``python -m bert_ds.data_tools {build,verify,inspect,bench}``: raw text -> token shards, and checks.
 
     build    --input FILE... --output DIR (--vocab FILE | --train-vocab SIZE) [--overwrite]
              [--documents blank|file] [--join-wrapped-lines]
@@ -25,7 +25,7 @@ import os
 import signal
 import sys
 
-from data_tools.errors import UserError, report
+from bert_ds.base.errors import UserError, report
 
 
 def _positive_float(text: str) -> float:
@@ -49,9 +49,9 @@ def _positive_int(text: str) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from data_tools.build import DEFAULT_SHARD_TOKENS
+    from bert_ds.data_tools.build import DEFAULT_SHARD_TOKENS
 
-    parser = argparse.ArgumentParser(prog="python -m data_tools", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bert_ds.data_tools", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="{build,verify,inspect,bench}")
 
     b = sub.add_parser(
@@ -140,7 +140,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _build(args: argparse.Namespace) -> int:
-    from data_tools.build import BuildOptions, build
+    from bert_ds.data_tools.build import BuildOptions, build
 
     opts = BuildOptions(
         inputs=args.input, output=args.output, vocab=args.vocab, train_vocab=args.train_vocab,
@@ -187,7 +187,7 @@ def _stop_signals_raise():
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from data_tools.verify import verify_dataset
+    from bert_ds.data_tools.verify import verify_dataset
 
     problems, manifest = verify_dataset(args.directory)
     for line in problems:
@@ -199,14 +199,14 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from data_tools.verify import inspect_dataset
+    from bert_ds.data_tools.verify import inspect_dataset
 
     inspect_dataset(args.directory, decode=args.decode, seq_len=args.seq_len)
     return 0
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from data_tools import bench
+    from bert_ds.data_tools import bench
 
     workers = args.workers or len(os.sched_getaffinity(0))
     return bench.main(args.corpus_mb, workers, args.vocab_size, args.loader_seconds, args.json)

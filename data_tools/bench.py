@@ -1,4 +1,4 @@
-"""``python -m data_tools bench``: the data pipeline's figures beside their goals.
+"""``python -m bert_ds.data_tools bench``: the data pipeline's figures beside their goals.
 
 Everything is measured in one run, on one corpus, with the same number of worker
 processes (``--workers N``, default: the CPUs available), one measurement at a time:
@@ -23,7 +23,7 @@ processes (``--workers N``, default: the CPUs available), one measurement at a t
    pair passes the minimum frequency, so more copies change no entry. The bundled
    sample has fewer distinct subwords than 30,522; the actual size is reported.
 4. Loader samples/s in one process (so per core) at sequence length 128 with NSP and
-   masking: ``bert_ds.data.PretrainingDataset(...)[i]`` for consecutive positions for
+   masking: ``bert_ds.loader.pretraining.PretrainingDataset(...)[i]`` for consecutive positions for
    ``--loader-seconds`` (goal >= 20,000).
 5. Peak RSS of one build worker during figure 1 (goal < 2 GB per worker for a 1 GB
    corpus). A worker holds at most 2 chunks of ``CHUNK_CHARS`` characters, whatever
@@ -90,8 +90,8 @@ def make_corpus(path: Path, size_bytes: int) -> tuple[int, float]:
 
 def make_vocab(work: Path, corpus: Path, size: int) -> tuple[bytes, float, float]:
     """WordPiece vocab.txt trained on up to two copies of the sample; (vocab, MB trained on, seconds)."""
-    from data_tools.text import iter_text
-    from data_tools.tokenizer import train_vocab
+    from bert_ds.data_tools.text import iter_text
+    from bert_ds.data_tools.tokenizer import train_vocab
 
     sample_bytes = sum((SAMPLE_DIR / name).stat().st_size for name in SAMPLE_FILES)
     text = work / "vocab_corpus.txt"
@@ -139,7 +139,7 @@ def _build_child(conn, corpus: str, output: str, vocab: str, workers: int) -> No
 def _run_build(corpus: str, output: str, vocab: str, workers: int) -> dict:
     import transformers  # noqa: F401 -- the build's tokenizer step imports it: a fixed cost, not timed
 
-    from data_tools.build import BuildOptions, build
+    from bert_ds.data_tools.build import BuildOptions, build
 
     opts = BuildOptions(inputs=[corpus], output=output, vocab=vocab, workers=workers, split_sentences=True,
                         progress=False)
@@ -199,7 +199,7 @@ def _bare_slice(path: str, start: int, end: int, batch_chars: int) -> int:
 
 
 def run_bare(corpus: str, tokenizer_json: str, workers: int) -> dict:
-    from data_tools.build import CHUNK_CHARS
+    from bert_ds.data_tools.build import CHUNK_CHARS
 
     size = os.path.getsize(corpus)
     bounds = [size * k // workers for k in range(workers + 1)]
@@ -238,7 +238,7 @@ def _run_datasets(corpus: str, tokenizer_dir: str, work: str, workers: int) -> d
 
 def run_loader(path: str, seconds: float) -> dict:
     from bert_ds.config import DataConfig
-    from bert_ds.data import PretrainingDataset
+    from bert_ds.loader.pretraining import PretrainingDataset
 
     t0 = time.perf_counter()
     ds = PretrainingDataset(path, DataConfig(train=path, max_seq_length=128), seed=0)

@@ -1,6 +1,6 @@
 """Raw text -> tokenizer files + token shards + manifest.json (written last).
 
-Pipeline: the main process reads the inputs (:class:`data_tools.text.CorpusReader`:
+Pipeline: the main process reads the inputs (:class:`bert_ds.data_tools.text.CorpusReader`:
 text files, JSONL, Parquet, ``datasets`` tables) and cuts the stream of lines into
 chunks of about ``CHUNK_CHARS`` characters; worker processes split sentences (the
 lines of record inputs always, other lines with ``--split-sentences``), tokenize a
@@ -16,7 +16,7 @@ Design choices:
 * Determinism: chunks are cut by the main process from the input alone and results
   are written in chunk order, so ``--workers`` changes speed, never bytes. The
   manifest holds no timestamps and not the worker count. Vocabulary training is made
-  deterministic in :mod:`data_tools.tokenizer`.
+  deterministic in :mod:`bert_ds.data_tools.tokenizer`.
 * The tokenizer is the bottleneck; everything else is numpy on whole chunks (no
   Python loop per token). A document may span chunks (a 100 MB line arrives as 1 MiB
   pieces), and the shard writer takes it sentence batch by sentence batch, so memory
@@ -62,19 +62,19 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from data_tools.atomic import atomic_write
-from data_tools.errors import UserError
-from data_tools.locking import LOCK_NAME, FolderLock
-from data_tools.manifest import MANIFEST_NAME, Manifest, created_by
-from data_tools.shard_format import (
+from bert_ds.base.atomic import atomic_write
+from bert_ds.base.errors import UserError
+from bert_ds.base.locking import LOCK_NAME, FolderLock
+from bert_ds.data_tools.manifest import MANIFEST_NAME, Manifest, created_by
+from bert_ds.data_tools.shard_format import (
     FORMAT_VERSION, MAX_SENTENCE_TOKENS, ShardError, ShardInfo, ShardReader, ShardWriter, token_dtype,
 )
-from data_tools.sources import RECORD_KINDS, check_inputs, input_kind, source_info
-from data_tools.text import (
+from bert_ds.data_tools.sources import RECORD_KINDS, check_inputs, input_kind, source_info
+from bert_ds.data_tools.text import (
     DOCUMENT_MODES, HEADING_RE, PIECE_BYTES, SENTENCE_SPLIT_RE, CorpusReader, Cursor, DocEnd, ReadStats, mark_sentences,
     split_sentences,
 )
-from data_tools.tokenizer import (
+from bert_ds.data_tools.tokenizer import (
     Normalization, TokenizerSpec, holds_cased_tokens, install_tokenizer, load_vocabulary, train_vocab,
     vocab_fingerprint,
 )

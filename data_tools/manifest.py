@@ -39,9 +39,9 @@ from pathlib import Path
 
 import numpy as np
 
-from data_tools.atomic import atomic_write
-from data_tools.errors import ShardError
-from data_tools.shard_format import ShardInfo, ShardReader, token_dtype
+from bert_ds.base.atomic import atomic_write
+from bert_ds.base.errors import ShardError
+from bert_ds.data_tools.shard_format import ShardInfo, ShardReader, token_dtype
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_VERSION = 1

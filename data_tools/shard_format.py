@@ -61,8 +61,8 @@ from pathlib import Path
 
 import numpy as np
 
-from data_tools.atomic import fsync_path
-from data_tools.errors import ShardError
+from bert_ds.base.atomic import fsync_path
+from bert_ds.base.errors import ShardError
 
 MAGIC = b"BERTDSI\x00"
 FORMAT_VERSION = 1

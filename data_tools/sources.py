@@ -3,7 +3,7 @@
 An ``--input`` is read as
 
 * ``text``: any file not named below (``.gz`` allowed), in BERT's text convention
-  (see :mod:`data_tools.text`);
+  (see :mod:`bert_ds.data_tools.text`);
 * ``jsonl``: a file ending in ``.jsonl`` or ``.jsonl.gz``, one JSON object per line,
   one document per object;
 * ``parquet``: a file ending in ``.parquet``, one document per row;
@@ -15,7 +15,7 @@ An ``--input`` is read as
 
 Of a record only its text field (``--text-field``, default ``text``) is read. This
 module yields the field's raw value with the record's position and size;
-:mod:`data_tools.text` owns what the text means (lines, paragraphs, cleaning).
+:mod:`bert_ds.data_tools.text` owns what the text means (lines, paragraphs, cleaning).
 
 Design choices:
 
@@ -47,8 +47,8 @@ import re
 from collections.abc import Iterator
 from functools import lru_cache
 
-from data_tools.errors import UserError
-from data_tools.manifest import file_sha256
+from bert_ds.base.errors import UserError
+from bert_ds.data_tools.manifest import file_sha256
 
 KINDS = ("text", "jsonl", "parquet", "hf_disk", "hf_hub")
 RECORD_KINDS = frozenset(KINDS[1:])

@@ -40,7 +40,7 @@ Cleaning, each counted in :class:`ReadStats`:
   one sentence; WordPiece works word by word, so cutting at whitespace changes no
   token. Pieces of a cut line are never headings nor blank-line boundaries.
 
-Record inputs (JSONL, Parquet, ``datasets`` tables; see :mod:`data_tools.sources`) hold
+Record inputs (JSONL, Parquet, ``datasets`` tables; see :mod:`bert_ds.data_tools.sources`) hold
 one document per record, in its text field (``--text-field``). A record holds
 paragraphs, not one sentence per line, so its lines are always cut into sentences by
 :func:`split_sentences` (by the build's workers; the reader yields the lines), with or
@@ -74,8 +74,8 @@ import zlib
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
-from data_tools.errors import UserError
-from data_tools.sources import BLANK, MISSING, input_kind, input_size, open_records
+from bert_ds.base.errors import UserError
+from bert_ds.data_tools.sources import BLANK, MISSING, input_kind, input_size, open_records
 
 PIECE_BYTES = 1 << 20
 DOCUMENT_MODES = ("blank", "file")  # what ends a plain-text document: a blank line (or a title), or the file's end

@@ -43,8 +43,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from data_tools.atomic import fsync_path, write_synced
-from data_tools.errors import UserError
+from bert_ds.base.atomic import fsync_path, write_synced
+from bert_ds.base.errors import UserError
 
 SPECIAL_TOKENS = {"pad": "[PAD]", "unk": "[UNK]", "cls": "[CLS]", "sep": "[SEP]", "mask": "[MASK]"}
 HF_FILES = ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")

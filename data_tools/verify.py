@@ -3,7 +3,7 @@
 ``verify`` reports every problem it finds, one line each, naming the file: the
 manifest, the tokenizer fingerprint, each shard's header against its manifest entry,
 and each shard's full contents (checksums, max token id < vocab size). ``inspect``
-opens the dataset the way training does (:func:`data_tools.manifest.open_dataset`) and
+opens the dataset the way training does (:func:`bert_ds.data_tools.manifest.open_dataset`) and
 summarizes it, optionally decoding the first documents.
 """
 
@@ -16,10 +16,10 @@ from typing import TextIO
 
 import numpy as np
 
-from data_tools.errors import ShardError
-from data_tools.manifest import Manifest, check_shard, check_tokenizer, open_dataset
-from data_tools.shard_format import ShardReader
-from data_tools.tokenizer import load_tokenizer
+from bert_ds.base.errors import ShardError
+from bert_ds.data_tools.manifest import Manifest, check_shard, check_tokenizer, open_dataset
+from bert_ds.data_tools.shard_format import ShardReader
+from bert_ds.data_tools.tokenizer import load_tokenizer
 
 
 def verify_dataset(directory: str | os.PathLike) -> tuple[list[str], Manifest | None]:

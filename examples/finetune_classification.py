@@ -2,7 +2,7 @@
 
     python examples/finetune_classification.py EXPORT_DIR [--output DIR] [--steps 200]
 
-EXPORT_DIR is a Hugging Face folder written by ``python -m bert_ds.export`` (or
+EXPORT_DIR is a Hugging Face folder written by ``python -m bert_ds.checkpoint.export`` (or
 ``./run.sh``, which writes ``runs/sample/hf``). It is loaded the way any user of the
 export would: ``BertForSequenceClassification.from_pretrained(EXPORT_DIR, num_labels=2)``
 (the encoder and pooler come from the export, the classifier layer is new) and
@@ -13,7 +13,7 @@ sentences A and B, does B directly follow A in the same paragraph (label 1), or 
 a sentence from another article (label 0)? Pairs are balanced, so chance is 50%.
 Training pairs come from ``valid.txt`` and evaluation pairs from ``test.txt``, whose
 articles are different, so no sentence is seen in both. Articles start at a WikiText
-title line (`` = Title = ``); sentences are split with ``data_tools.text.split_sentences``,
+title line (`` = Title = ``); sentences are split with ``bert_ds.data_tools.text.split_sentences``,
 the rule the shard builder uses. The task is close to BERT's NSP on purpose: what the
 pooled [CLS] output learned in pretraining is what the new classifier layer reads.
 
@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from data_tools.text import heading_level, split_sentences
+from bert_ds.data_tools.text import heading_level, split_sentences
 
 SAMPLE = Path(__file__).resolve().parent.parent / "data_tools" / "sample"
 FOLLOWS, RANDOM = 1, 0  # labels
@@ -99,7 +99,7 @@ def accuracy(model, pairs, tokenizer, batch_size: int, max_length: int, device) 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Fine-tune a bert-ds export for sentence-pair classification.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("export_dir", type=Path, metavar="EXPORT_DIR", help="folder written by python -m bert_ds.export")
+    p.add_argument("export_dir", type=Path, metavar="EXPORT_DIR", help="folder written by python -m bert_ds.checkpoint.export")
     p.add_argument("--output", type=Path, default=Path("runs/finetune"), help="results.json and model/ go here")
     p.add_argument("--train-text", type=Path, default=SAMPLE / "valid.txt", help="WikiText file for training pairs")
     p.add_argument("--eval-text", type=Path, default=SAMPLE / "test.txt", help="WikiText file for evaluation pairs")
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
 
     for name in ("config.json", "model.safetensors"):
         if not (args.export_dir / name).is_file():
-            print(f"error: {args.export_dir} has no {name}; is it a python -m bert_ds.export folder?",
+            print(f"error: {args.export_dir} has no {name}; is it a python -m bert_ds.checkpoint.export folder?",
                   file=sys.stderr)
             return 2
     transformers.logging.set_verbosity_error()  # the "newly initialized classifier" notice: expected here

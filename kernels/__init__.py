@@ -12,21 +12,21 @@ candidate on the device (``speed.py``).
   ``csrc/bindings.cpp``: the torch module ``bert_ds_kernels`` over them.
 - ``_build.py``: the one loader (in-process -> prebuilt -> JIT build -> None with the
   reason) and the per-device verdicts: self-check (``selfcheck.py``) and speed (``speed.py``).
-- ``python -m kernels.build``: build, self-check and time ahead of time.
-- ``python -m kernels.compile_check``: every ``.cu`` with nvcc for sm_80 and sm_90, and
+- ``python -m bert_ds.kernels.build``: build, self-check and time ahead of time.
+- ``python -m bert_ds.kernels.compile_check``: every ``.cu`` with nvcc for sm_80 and sm_90, and
   the binding with the host compiler against torch's headers (CI, no GPU needed);
   ``--with-torch``: the real extension build against the CUDA build of torch.
-- ``python -m kernels.inspect``: registers, spills, shared memory, CTAs per SM and the
+- ``python -m bert_ds.kernels.inspect``: registers, spills, shared memory, CTAs per SM and the
   tensor-core / cp.async instruction counts of every kernel, from ptxas and the PTX/SASS.
-- ``python -m kernels.bench``: the kernels against PyTorch at BERT shapes, with a
+- ``python -m bert_ds.kernels.bench``: the kernels against PyTorch at BERT shapes, with a
   roofline line per op (GPU).
 """
 
-from kernels.attention import varlen_attention, varlen_attention_native, varlen_attention_ref
-from kernels.bias_gelu import bias_gelu, bias_gelu_native, bias_gelu_ref
-from kernels.dispatch import Backend, KernelUnavailable, UnknownKernelBackend, resolve_backend
-from kernels.layer_norm import layer_norm, layer_norm_native, layer_norm_ref
-from kernels.speed import OpShapes
+from bert_ds.kernels.attention import varlen_attention, varlen_attention_native, varlen_attention_ref
+from bert_ds.kernels.bias_gelu import bias_gelu, bias_gelu_native, bias_gelu_ref
+from bert_ds.kernels.dispatch import Backend, KernelUnavailable, UnknownKernelBackend, resolve_backend
+from bert_ds.kernels.layer_norm import layer_norm, layer_norm_native, layer_norm_ref
+from bert_ds.kernels.speed import OpShapes
 
 __all__ = [
     "Backend",

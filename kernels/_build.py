@@ -19,16 +19,16 @@ Verdicts, recorded beside the build in one file per device, keyed by
 
 - self-check: the first time a build meets a device, :func:`op_verdicts` runs every
   op against its ``<op>_ref`` (``kernels/selfcheck.py``: every dtype, a few shapes,
-  forward and backward). An op that failed is refused by :mod:`kernels.dispatch`: an
+  forward and backward). An op that failed is refused by :mod:`bert_ds.kernels.dispatch`: an
   error under ``kernels=cuda``, never run under ``kernels=auto``.
 - speed: the first time ``kernels=auto`` meets a device, :func:`op_choices` times each
   op's correct candidates (fused, native, apex's LayerNorm) at the model's shapes and
   records the winner with the timings (``kernels/speed.py``).
 
-A record made under another key is ignored and made again. ``python -m kernels.build``
+A record made under another key is ignored and made again. ``python -m bert_ds.kernels.build``
 does step 3, the self-check and the race ahead of time (an image build, a login node
 with a GPU) and prints the verdicts. Step 3's sources, flags and call are defined once
-(:func:`build_options`, :func:`build_into`): ``python -m kernels.compile_check``
+(:func:`build_options`, :func:`build_into`): ``python -m bert_ds.kernels.compile_check``
 compiles the binding from them on CPU machines, and its ``--with-torch`` runs the very
 build against the CUDA build of torch.
 """
@@ -51,10 +51,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from data_tools.atomic import atomic_write
+from bert_ds.base.atomic import atomic_write
 
-if TYPE_CHECKING:  # kernels.speed imports the ops, which import the dispatch, which imports this module
-    from kernels.speed import Choice, OpShapes, Timer
+if TYPE_CHECKING:  # bert_ds.kernels.speed imports the ops, which import the dispatch, which imports this module
+    from bert_ds.kernels.speed import Choice, OpShapes, Timer
 
 EXTENSION_NAME = "bert_ds_kernels"
 CSRC = Path(__file__).resolve().parent / "csrc"
@@ -128,7 +128,7 @@ def _jit_build() -> tuple[ModuleType | None, str]:
 def build_options(directory: Path) -> dict[str, object]:
     """The one definition of the build: ``torch.utils.cpp_extension.load``'s arguments.
 
-    The JIT build and ``python -m kernels.compile_check`` (its host compile of the
+    The JIT build and ``python -m bert_ds.kernels.compile_check`` (its host compile of the
     binding, and ``--with-torch``) all build from these, so a check made there is a
     check of what a GPU user's first run compiles.
     """
@@ -229,7 +229,7 @@ def op_verdicts() -> dict[str, str]:
 
 
 def _run_selfcheck() -> dict[str, str]:
-    from kernels import selfcheck  # imports the ops, which import this module
+    from bert_ds.kernels import selfcheck  # imports the ops, which import this module
 
     logger.info("kernels: self-checking the fused CUDA kernels on %s", torch.cuda.get_device_name())
     return selfcheck.run_all()
@@ -253,7 +253,7 @@ def op_choices(shapes: OpShapes | None = None) -> dict[str, Choice]:
     Raced at ``shapes`` (a BERT-Base's when None) the first time ``kernels=auto`` meets
     this device under this :func:`device_key`. Like the record, which later processes
     and models of other sizes read, the first call in a process decides for the process
-    (``python -m kernels.build --recheck`` races again).
+    (``python -m bert_ds.kernels.build --recheck`` races again).
     """
     global _choices
     if _choices is None:
@@ -262,7 +262,7 @@ def op_choices(shapes: OpShapes | None = None) -> dict[str, Choice]:
 
 
 def _decide_choices(shapes: OpShapes | None) -> dict[str, Choice]:
-    from kernels import speed
+    from bert_ds.kernels import speed
 
     fused = _fused_problems()  # before the record's lock: the self-check takes it too
     shapes = shapes or speed.OpShapes()
@@ -280,7 +280,7 @@ def _decide_choices(shapes: OpShapes | None) -> dict[str, Choice]:
 
 def _fused_problems() -> dict[str, str]:
     """Per op, why its fused kernel is no candidate ("" if it is one)."""
-    from kernels.dispatch import OPS
+    from bert_ds.kernels.dispatch import OPS
 
     extension, reason = load_extension()
     if extension is None:
@@ -291,8 +291,8 @@ def _fused_problems() -> dict[str, str]:
 
 def _apex_problem(device: torch.device) -> str:
     """Why apex's fused LayerNorm is no candidate ("" if it is one: installed and correct here)."""
-    from kernels import selfcheck
-    from kernels.layer_norm import APEX_LAYER_NORM, layer_norm_apex
+    from bert_ds.kernels import selfcheck
+    from bert_ds.kernels.layer_norm import APEX_LAYER_NORM, layer_norm_apex
 
     if APEX_LAYER_NORM is None:
         return "apex is not installed"

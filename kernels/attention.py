@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.dispatch import Backend, Impl, choose, fused_extension
+from bert_ds.kernels.dispatch import Backend, Impl, choose, fused_extension
 
 FUSED_DTYPES = (torch.float16, torch.bfloat16)
 FUSED_HEAD_DIMS = (32, 64)

@@ -1,6 +1,6 @@
 """Speed of the fused kernels against PyTorch, at BERT-Base and BERT-Large shapes (GPU only).
 
-    python -m kernels.bench [--ops layer_norm,bias_gelu,varlen_attention] [--dtype bf16]
+    python -m bert_ds.kernels.bench [--ops layer_norm,bias_gelu,varlen_attention] [--dtype bf16]
                             [--tokens 16384] [--reps 30] [--no-compile] [--json FILE]
 
 Prints a markdown table; ``--json FILE`` also writes every figure with the device,
@@ -52,10 +52,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kernels import _build, probes
-from kernels.attention import VARLEN_ATTN, varlen_attention, varlen_attention_ref
-from kernels.bias_gelu import bias_gelu, bias_gelu_ref
-from kernels.layer_norm import layer_norm, layer_norm_ref
+from bert_ds.kernels import _build, probes
+from bert_ds.kernels.attention import VARLEN_ATTN, varlen_attention, varlen_attention_ref
+from bert_ds.kernels.bias_gelu import bias_gelu, bias_gelu_ref
+from bert_ds.kernels.layer_norm import layer_norm, layer_norm_ref
 
 MODELS = {"base": dict(hidden=768, intermediate=3072, heads=12),
           "large": dict(hidden=1024, intermediate=4096, heads=16)}
@@ -345,7 +345,7 @@ def roofline_table(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kernels.bench", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bert_ds.kernels.bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--ops", default=",".join(OPS), help=f"comma-separated subset of {', '.join(OPS)}")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--tokens", type=int, default=16384, help="real tokens per call")
@@ -358,11 +358,11 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown ops: {', '.join(sorted(unknown))}")
     if not torch.cuda.is_available():
-        print("kernels.bench: no CUDA device here; the kernels bench runs on a GPU only")
+        print("bert_ds.kernels.bench: no CUDA device here; the kernels bench runs on a GPU only")
         return 0
     extension, reason = _build.load_extension()
     if extension is None:
-        print(f"kernels.bench: the fused CUDA kernels cannot load: {reason}", file=sys.stderr)
+        print(f"bert_ds.kernels.bench: the fused CUDA kernels cannot load: {reason}", file=sys.stderr)
         return 1
     result = run(args)
     print(markdown(result))

@@ -23,7 +23,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from kernels.dispatch import Backend, Impl, choose, fused_extension
+from bert_ds.kernels.dispatch import Backend, Impl, choose, fused_extension
 
 Approximate = Literal["none", "tanh"]
 FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)

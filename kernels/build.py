@@ -1,6 +1,6 @@
 """Builds the fused CUDA extension ahead of time, self-checks it and times it against PyTorch.
 
-    python -m kernels.build [--recheck] [--install DIR]
+    python -m bert_ds.kernels.build [--recheck] [--install DIR]
 
 Runs the loader of ``kernels/_build.py`` now rather than at the first model
 construction: the JIT build into ``~/.cache/bert-ds/kernels/<hash>`` (a later process
@@ -24,11 +24,11 @@ from pathlib import Path
 
 import torch
 
-from kernels import _build
+from bert_ds.kernels import _build
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kernels.build", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bert_ds.kernels.build", description=__doc__.split("\n\n")[0])
     parser.add_argument("--recheck", action="store_true", help="run the self-check again even if recorded")
     parser.add_argument("--install", type=Path, default=None, metavar="DIR",
                         help="copy the built module into DIR (a directory on sys.path)")

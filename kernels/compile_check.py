@@ -1,8 +1,8 @@
 """Compile checks of the fused kernels that need no GPU: the CI check that a kernel
 change still builds, and a user's check of the build before renting a GPU.
 
-    python -m kernels.compile_check [--verbose]
-    python -m kernels.compile_check --with-torch [--index-url URL]
+    python -m bert_ds.kernels.compile_check [--verbose]
+    python -m bert_ds.kernels.compile_check --with-torch [--index-url URL]
 
 Without options (fast, no download; part of the test suite):
 
@@ -27,7 +27,7 @@ build of the installed torch's version (from PyPI, whose Linux torch is the CUDA
 ``--index-url`` for a mirror or another CUDA), cached under
 ``~/.cache/bert-ds/torch-cuda/<torch>-<cuXYZ>`` with the tag of the installed toolkit;
 then, in that environment and with ``CUDA_HOME`` at the toolkit, builds and imports the
-extension through ``kernels._build.build_into`` (the loader's own build, in a fresh
+extension through ``bert_ds.kernels._build.build_into`` (the loader's own build, in a fresh
 directory) and checks that every op refuses CPU tensors with the binding's one-line
 error. No GPU is needed. It prints what it did and how long each part took.
 
@@ -54,9 +54,9 @@ from importlib import metadata
 from pathlib import Path
 from types import ModuleType
 
-from data_tools.atomic import atomic_write
-from data_tools.errors import UserError, report
-from kernels import _build
+from bert_ds.base.atomic import atomic_write
+from bert_ds.base.errors import UserError, report
+from bert_ds.kernels import _build
 
 REPO = Path(__file__).resolve().parents[1]
 CSRC = Path(__file__).resolve().parent / "csrc"
@@ -115,7 +115,7 @@ class Result:
 
 def nvcc_flags(arch: str, std: str) -> list[str]:
     """How every kernel source is compiled for one architecture: torch's extension defines,
-    every warning an error, ptxas's resource report (kernels.inspect adds its outputs)."""
+    every warning an error, ptxas's resource report (bert_ds.kernels.inspect adds its outputs)."""
     return [f"-std={std}", "-O3", "-lineinfo", f"-gencode=arch=compute_{arch},code=sm_{arch}", *TORCH_DEFINES,
             "-Werror", "all-warnings", "-Xptxas", "-v", f"-I{CSRC}"]
 
@@ -259,7 +259,7 @@ def with_torch(index_url: str) -> int:
     how = "reused" if reused else f"created (torch from {index_url})"
     print(f"  environment   {time.perf_counter() - start:6.1f} s  {how}: {directory} (torch {env.torch})", flush=True)
     child = {**os.environ, "CUDA_HOME": str(root), "PYTHONPATH": str(REPO)}
-    script = "import sys; from kernels.compile_check import check_torch_build; sys.exit(check_torch_build(sys.argv[1]))"
+    script = "import sys; from bert_ds.kernels.compile_check import check_torch_build; sys.exit(check_torch_build(sys.argv[1]))"
     with open(directory / "build.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one build at a time in directory/build
         proc = subprocess.run([str(env.python), "-c", script, str(directory / "build")], env=child, cwd=REPO)
@@ -421,7 +421,7 @@ def cpu_refusal_problems(module: ModuleType) -> tuple[list[str], str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kernels.compile_check", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bert_ds.kernels.compile_check", description=__doc__.split("\n\n")[0])
     parser.add_argument("--verbose", action="store_true", help="print the compilers' full output")
     parser.add_argument("--with-torch", action="store_true",
                         help="build and import the extension against the CUDA build of the installed torch's "

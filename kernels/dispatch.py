@@ -34,11 +34,11 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from data_tools.errors import UserError
-from kernels._build import load_extension, op_choices, op_verdicts, verdict_path
+from bert_ds.base.errors import UserError
+from bert_ds.kernels._build import load_extension, op_choices, op_verdicts, verdict_path
 
-if TYPE_CHECKING:  # kernels.speed imports the ops, which import this module
-    from kernels.speed import OpShapes
+if TYPE_CHECKING:  # bert_ds.kernels.speed imports the ops, which import this module
+    from bert_ds.kernels.speed import OpShapes
 
 Backend = Literal["cuda", "prefer_cuda", "torch"]  # what an op runs on, after resolution
 Impl = Literal["fused", "native", "apex"]  # an op's implementations: ours, PyTorch's, apex's
@@ -76,7 +76,7 @@ def resolve_backend(requested: str, shapes: OpShapes | None = None) -> Backend:
             raise KernelUnavailable(
                 "kernels=cuda was requested but fused kernels failed their self-check on this device: "
                 + "; ".join(f"{op}: {why}" for op, why in sorted(failed.items()))
-                + f" (recorded in {verdict_path()}; `python -m kernels.build --recheck` checks again); "
+                + f" (recorded in {verdict_path()}; `python -m bert_ds.kernels.build --recheck` checks again); "
                 "use kernels=auto to run the native op for those ops"
             )
         return "cuda"
@@ -87,7 +87,7 @@ def resolve_backend(requested: str, shapes: OpShapes | None = None) -> Backend:
 
 @functools.cache
 def _auto_backend(shapes: OpShapes | None) -> Backend:
-    from kernels.layer_norm import APEX_LAYER_NORM  # the ops import this module
+    from bert_ds.kernels.layer_norm import APEX_LAYER_NORM  # the ops import this module
 
     extension, reason = load_extension()
     apex_on_a_gpu = APEX_LAYER_NORM is not None and torch.cuda.is_available()

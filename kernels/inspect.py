@@ -2,7 +2,7 @@
 shared memory and the CTAs per SM they allow on an A100 (sm_80) and an H100 (sm_90),
 with the instruction counts that say whether a kernel uses tensor cores and ``cp.async``.
 
-    python -m kernels.inspect [--sources attention.cu,layer_norm.cu] [--summary] [--json FILE]
+    python -m bert_ds.kernels.inspect [--sources attention.cu,layer_norm.cu] [--summary] [--json FILE]
 
 Design choices, and why:
 
@@ -42,7 +42,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from kernels.compile_check import CSRC, TARGETS, find_nvcc, nvcc_flags
+from bert_ds.kernels.compile_check import CSRC, TARGETS, find_nvcc, nvcc_flags
 
 
 # --------------------------------------------------------------------------- occupancy
@@ -330,13 +330,13 @@ def summary(kernels: list[Kernel]) -> str:
 def report(kernels: list[Kernel], nvdisasm: str | None, compact: bool = False) -> str:
     sass = f"SASS counts from {nvdisasm}" if nvdisasm else \
         "no SASS counts: nvdisasm not found (pip install nvidia-cuda-nvdisasm, or the toolkit's)"
-    parts = [f"kernels.inspect: {len(kernels)} kernels; {sass}"]
+    parts = [f"bert_ds.kernels.inspect: {len(kernels)} kernels; {sass}"]
     parts += [summary(kernels)] if compact else [table(kernels, arch) for arch, _ in TARGETS]
     return "\n\n".join(parts)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kernels.inspect", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bert_ds.kernels.inspect", description=__doc__.split("\n\n")[0])
     parser.add_argument("--sources", default=None, help="comma-separated .cu files of kernels/csrc (default: all)")
     parser.add_argument("--json", type=Path, default=None, help="also write every kernel's figures to this file")
     parser.add_argument("--summary", action="store_true",
@@ -349,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
         if missing:
             parser.error(f"not in {CSRC}: {', '.join(missing)}")
     if find_nvcc() is None:
-        print("kernels.inspect: nvcc not found (PATH, CUDA_HOME, CUDA_PATH); nothing to inspect")
+        print("bert_ds.kernels.inspect: nvcc not found (PATH, CUDA_HOME, CUDA_PATH); nothing to inspect")
         return 0
     try:
         kernels, nvdisasm = inspect_all(sources)

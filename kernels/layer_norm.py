@@ -32,7 +32,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from kernels.dispatch import Backend, Impl, choose, fused_extension
+from bert_ds.kernels.dispatch import Backend, Impl, choose, fused_extension
 
 FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 

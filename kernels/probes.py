@@ -1,6 +1,6 @@
 """What a device can do, measured now, and what it is: the reference points of every bench.
 
-Both benches (``kernels.bench`` per op, ``bert_ds.bench`` per training step) express
+Both benches (``bert_ds.kernels.bench`` per op, ``bert_ds.tools.bench`` per training step) express
 their rates as fractions of two probes measured in the same process, on the same
 device, right before or after the figures they judge:
 
@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from kernels import _build
+from bert_ds.kernels import _build
 
 # (matrix size, dtype) of the matmul probe, and copy size in MiB, per device type.
 MATMUL_PROBE = {"cpu": (2048, torch.float32), "cuda": (8192, torch.bfloat16)}

@@ -20,9 +20,9 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from kernels.attention import varlen_attention_fused, varlen_attention_ref
-from kernels.bias_gelu import bias_gelu_fused, bias_gelu_ref
-from kernels.layer_norm import layer_norm_fused, layer_norm_ref
+from bert_ds.kernels.attention import varlen_attention_fused, varlen_attention_ref
+from bert_ds.kernels.bias_gelu import bias_gelu_fused, bias_gelu_ref
+from bert_ds.kernels.layer_norm import layer_norm_fused, layer_norm_ref
 
 # atol = TOLERANCE[dtype] * max(1, |truth|_max): room for the case where the same-dtype
 # reference is (nearly) exact, e.g. float32, or a sum the reference rounds only once.

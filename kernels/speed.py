@@ -27,10 +27,10 @@ from typing import Any
 
 import torch
 
-from kernels import attention, probes
-from kernels.bias_gelu import IMPLEMENTATIONS as BIAS_GELU
-from kernels.dispatch import OPS
-from kernels.layer_norm import IMPLEMENTATIONS as LAYER_NORM
+from bert_ds.kernels import attention, probes
+from bert_ds.kernels.bias_gelu import IMPLEMENTATIONS as BIAS_GELU
+from bert_ds.kernels.dispatch import OPS
+from bert_ds.kernels.layer_norm import IMPLEMENTATIONS as LAYER_NORM
 
 # Per op, its implementations by name ("native", "fused", "apex"), all with its reference's signature.
 IMPLEMENTATIONS = {"layer_norm": LAYER_NORM, "bias_gelu": BIAS_GELU, "varlen_attention": attention.IMPLEMENTATIONS}

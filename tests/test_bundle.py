@@ -16,8 +16,8 @@ import pytest
 from packaging import tags
 from packaging.utils import parse_wheel_filename
 
-from bert_ds import bundle
-from bert_ds.bundle import BundleError, LocalWheel, expand_platform, make_target, resolution_roots
+from bert_ds.tools import bundle
+from bert_ds.tools.bundle import BundleError, LocalWheel, expand_platform, make_target, resolution_roots
 from tests.conftest import REPO
 
 LINUX_311 = make_target("3.11", ["manylinux_2_28_x86_64"])
@@ -107,7 +107,7 @@ def test_a_folder_that_is_not_a_bundle_is_left_alone(tmp_path, capsys):
 
 def test_project_wheel_sources_leave_out_environments_and_build_outputs(tmp_path):
     files = {str(p) for p in bundle.source_files(REPO)}  # the checkout: git decides
-    assert {"pyproject.toml", "README.md", "bert_ds/bundle.py"} <= files
+    assert {"pyproject.toml", "README.md", "bert_ds/tools/bundle.py"} <= files
     assert not any(f.startswith((".venv/", "runs/", "build/", ".git/")) or "__pycache__" in f for f in files)
     for rel in ("pyproject.toml", "pkg/__init__.py", "pkg/__pycache__/x.pyc", "build/lib/pkg/old.py", "runs/a/ckpt",
                 "env/pyvenv.cfg", "env/lib/site.py", ".git/HEAD", "pkg.egg-info/PKG-INFO", "ds_configs/zero1.json"):
@@ -161,7 +161,7 @@ def test_bundle_installs_offline_into_a_bare_venv(tmp_path):
     version = f"{sys.version_info[0]}.{sys.version_info[1]}"
     out = tmp_path / "bundle"
     started = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "bert_ds.bundle", str(out), "--python-version", version,
+    proc = subprocess.run([sys.executable, "-m", "bert_ds.tools.bundle", str(out), "--python-version", version,
                            "--platform", platform, "--torch", str(torch_wheel)],
                           capture_output=True, text=True, cwd=REPO, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

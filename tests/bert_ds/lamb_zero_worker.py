@@ -7,9 +7,9 @@ Run under torchrun (every rank)::
 
 A run name is ``zero{stage}-{precision}-{optimizer}[-{variant}]``: precision ``fp32`` (no bf16/fp16
 section, so results compare exactly), ``bf16``, or ``bf16acc32`` (bf16 with fp32 gradient
-accumulation: DeepSpeed's BF16_Optimizer at stage 1); optimizer ``lamb`` (bert_ds.lamb.Lamb,
+accumulation: DeepSpeed's BF16_Optimizer at stage 1); optimizer ``lamb`` (bert_ds.optim.lamb.Lamb,
 bound after initialize) or ``naive`` (LambReference: one trust ratio per flat partition);
-variant ``nvidia`` (the default) or ``paper`` (see bert_ds/lamb.py).
+variant ``nvidia`` (the default) or ``paper`` (see bert_ds/optim/lamb.py).
 bf16 runs get a non-finite input on one rank at ``OVERFLOW_STEP`` so DeepSpeed's
 overflow check skips that step. All runs of one launch share one process start-up.
 
@@ -42,7 +42,7 @@ def build_model() -> nn.Module:
 
 
 def param_groups(model: nn.Module) -> list[dict]:
-    """Matrices decay; biases and LayerNorm do not (as bert_ds.optim does)."""
+    """Matrices decay; biases and LayerNorm do not (as bert_ds.optim.builders does)."""
     params = list(model.parameters())
     return [{"params": [p for p in params if p.ndim >= 2], "weight_decay": WEIGHT_DECAY},
             {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
@@ -86,7 +86,7 @@ def train(name: str, rank: int, world: int) -> dict:
     import torch.distributed as dist
     from deepspeed.utils import safe_get_full_fp32_param
 
-    from bert_ds.lamb import Lamb, LambReference
+    from bert_ds.optim.lamb import Lamb, LambReference
 
     stage_name, precision, kind, *rest = name.split("-")
     variant = rest[0] if rest else "nvidia"

@@ -2,7 +2,7 @@
 
     python -m tests.bert_ds.save_crash_worker POINT STEP -- <bert_ds.train arguments>
 
-POINT is one of ``bert_ds.checkpoint.SAVE_POINTS``; the process dies there while saving
+POINT is one of ``bert_ds.checkpoint.store.SAVE_POINTS``; the process dies there while saving
 step STEP, exactly as a ``kill -9`` at that moment would leave it.
 """
 
@@ -10,7 +10,8 @@ import os
 import signal
 import sys
 
-from bert_ds import checkpoint, train
+from bert_ds.checkpoint import store as checkpoint
+from bert_ds.train.main import main as train
 
 
 def main() -> int:

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from bert_ds.config import BatchPlan, DataConfig
-from bert_ds.data import PretrainingDataset, PretrainingLoader
-from data_tools.errors import ShardError
-from data_tools.manifest import Manifest
+from bert_ds.loader.pretraining import PretrainingDataset, PretrainingLoader
+from bert_ds.base.errors import ShardError
+from bert_ds.data_tools.manifest import Manifest
 
 
 def _damaged_copy(sample_data, tmp_path: Path, offsets: slice | int, token_id: int) -> Path:
@@ -60,7 +60,7 @@ def test_r5_a_loader_worker_reports_the_damage_in_one_line(sample_data, tmp_path
 
 def _train_config(ds_config: str):
     from bert_ds.config import TrainConfig
-    from bert_ds.model import model_preset
+    from bert_ds.model.bert import model_preset
 
     return TrainConfig(model=model_preset("tiny", 1000), data=DataConfig(train="x"), ds_config=ds_config)
 
@@ -82,7 +82,7 @@ def _train_config(ds_config: str):
 ])
 def test_r18_invalid_ds_config_values_are_one_config_error(tmp_path, ds, message):
     from bert_ds.config import deepspeed_config
-    from bert_ds.errors import ConfigError
+    from bert_ds.base.errors import ConfigError
 
     path = tmp_path / "engine.json"
     path.write_text(json.dumps(ds))
@@ -111,7 +111,7 @@ def _disk_full_at(point: str, monkeypatch) -> None:
     """Make one write of a checkpoint save fail the way a full disk fails it."""
     from safetensors import SafetensorError
 
-    from bert_ds import checkpoint
+    from bert_ds.checkpoint import store as checkpoint
 
     if point == "safetensors":  # safetensors' own error type
         def save_file(*args, **kwargs):
@@ -134,7 +134,7 @@ def _disk_full_at(point: str, monkeypatch) -> None:
 
 @pytest.mark.parametrize("point", ["engine_saved", "torch.save", "safetensors", "marked", "renamed", "latest"])
 def test_r18_disk_full_during_a_save_keeps_the_previous_checkpoint_latest(tmp_path, monkeypatch, point):
-    from bert_ds import checkpoint
+    from bert_ds.checkpoint import store as checkpoint
     from tests.bert_ds.test_checkpoint import _save
 
     good = _save(tmp_path, 10)
@@ -162,7 +162,8 @@ def _tree(folder: Path) -> dict[str, bytes]:
 def test_r18_disk_full_during_an_export_leaves_the_earlier_export(tmp_path, monkeypatch, capsys, point):
     from safetensors import SafetensorError
 
-    from bert_ds import checkpoint, export
+    from bert_ds.checkpoint import store as checkpoint
+    from bert_ds.checkpoint import export
     from tests.bert_ds.test_export import _config, _write_checkpoint
 
     _write_checkpoint(tmp_path / "ckpt", _config())
@@ -192,7 +193,7 @@ def test_r18_disk_full_during_an_export_leaves_the_earlier_export(tmp_path, monk
 def test_r18_a_damaged_init_from_file_is_one_checkpoint_error(tmp_path, damage):
     from safetensors.torch import save_file
 
-    from bert_ds import checkpoint
+    from bert_ds.checkpoint import store as checkpoint
 
     file = tmp_path / "model.safetensors"
     save_file({"weight": torch.ones(64, 64)}, str(file))
@@ -206,7 +207,7 @@ def test_r18_a_damaged_init_from_file_is_one_checkpoint_error(tmp_path, damage):
 
 
 def test_init_from_a_checkpoint_folder_names_the_damaged_file(tmp_path):
-    from bert_ds import checkpoint
+    from bert_ds.checkpoint import store as checkpoint
     from tests.bert_ds.test_checkpoint import _save
 
     final = _save(tmp_path, 10)
@@ -250,7 +251,7 @@ def test_r18_an_output_folder_that_cannot_be_written_is_refused(tmp_path, monkey
     import tempfile
 
     from bert_ds.config import check_writable
-    from bert_ds.errors import ConfigError
+    from bert_ds.base.errors import ConfigError
 
     def read_only(*args, **kwargs):
         raise OSError(errno.EROFS, os.strerror(errno.EROFS))

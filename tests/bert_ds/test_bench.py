@@ -1,4 +1,4 @@
-"""bert_ds.bench: the three variants in one run, their figures, the goals and the projection."""
+"""bert_ds.tools.bench: the three variants in one run, their figures, the goals and the projection."""
 
 import json
 
@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from bert_ds import bench
-from bert_ds.bench import FULL_LENGTH_PROB, SyntheticPretraining, synthetic_length, synthetic_sample
-from bert_ds.projection import ANCHOR, anchor_mfu, hours_minutes, project
-from kernels.dispatch import KernelUnavailable
+from bert_ds.tools import bench
+from bert_ds.tools.bench import FULL_LENGTH_PROB, SyntheticPretraining, synthetic_length, synthetic_sample
+from bert_ds.tools.projection import ANCHOR, anchor_mfu, hours_minutes, project
+from bert_ds.kernels.dispatch import KernelUnavailable
 from tests.conftest import run_cli
 
 SMOKE = ["--device", "cpu", "--preset", "tiny", "--steps", "2", "--warmup", "1", "--batch-size", "8"]
@@ -25,7 +25,7 @@ def _number(cell):
 
 
 def test_smoke_runs_the_three_variants_and_writes_json_and_markdown(tmp_path):
-    proc = run_cli("bert_ds.bench", *SMOKE, "--threads", "1", "--json", str(tmp_path / "b.json"),
+    proc = run_cli("bert_ds.tools.bench", *SMOKE, "--threads", "1", "--json", str(tmp_path / "b.json"),
                    "--markdown", str(tmp_path / "b.md"))
     assert (tmp_path / "b.md").read_text().strip() == proc.stdout.strip()
     rows = _table_rows(proc.stdout.split("## Projection")[0])

@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from bert_ds import checkpoint
-from bert_ds.checkpoint import CheckpointError
+from bert_ds.checkpoint import store as checkpoint
+from bert_ds.checkpoint.store import CheckpointError
 
 
 class _Engine:

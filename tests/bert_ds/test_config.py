@@ -3,8 +3,8 @@ import json
 import pytest
 
 from bert_ds.config import BatchPlan, DataConfig, OptimConfig, TrainConfig, deepspeed_config, precision_of
-from bert_ds.errors import ConfigError
-from bert_ds.model import model_preset
+from bert_ds.base.errors import ConfigError
+from bert_ds.model.bert import model_preset
 
 
 def _cfg(**kw) -> TrainConfig:

@@ -8,14 +8,15 @@ import pytest
 import torch
 import transformers
 
-from bert_ds import hf_import, train
+from bert_ds.checkpoint import hf_import
+from bert_ds.train.main import main as train
 from bert_ds.config import BatchPlan
-from bert_ds.data import PretrainingLoader, open_pretraining_data
-from bert_ds.errors import ConfigError, UserError
-from bert_ds.export import export_checkpoint
-from bert_ds.model import BertForPreTraining, ModelConfig
-from data_tools.manifest import Manifest
-from data_tools.tokenizer import Normalization, install_tokenizer, train_vocab, vocab_entries
+from bert_ds.loader.pretraining import PretrainingLoader, open_pretraining_data
+from bert_ds.base.errors import ConfigError, UserError
+from bert_ds.checkpoint.export import export_checkpoint
+from bert_ds.model.bert import BertForPreTraining, ModelConfig
+from bert_ds.data_tools.manifest import Manifest
+from bert_ds.data_tools.tokenizer import Normalization, install_tokenizer, train_vocab, vocab_entries
 from tests.conftest import SAMPLE, run_cli
 
 # A shape no preset has: the architecture can only come from config.json.

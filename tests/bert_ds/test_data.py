@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from bert_ds.config import BatchPlan, DataConfig
-from bert_ds.data import IGNORE_INDEX, PretrainingDataset, PretrainingLoader, collate
+from bert_ds.loader.pretraining import IGNORE_INDEX, PretrainingDataset, PretrainingLoader, collate
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +102,7 @@ def test_resume_on_another_world_size_and_worker_count_continues_the_same_stream
 
 def test_ranks_partition_each_global_batch(dataset):
     plan = BatchPlan.resolve(12, 2, 3)
-    from bert_ds.data import _RankPositions
+    from bert_ds.loader.pretraining import _RankPositions
     seen = []
     for r in range(3):
         it = iter(_RankPositions(plan, r, consumed=24))
@@ -171,7 +171,7 @@ def test_held_out_split_is_disjoint_and_deterministic(sample_data):
 
 
 def test_blend_follows_weights_and_each_part_keeps_its_own_stream(sample_data):
-    from bert_ds.data import BlendedDataset
+    from bert_ds.loader.pretraining import BlendedDataset
 
     a = PretrainingDataset(sample_data["train"], DataConfig(train=str(sample_data["train"])), seed=5)
     b = PretrainingDataset(sample_data["heldout"], DataConfig(train=str(sample_data["heldout"])), seed=5)
@@ -187,7 +187,7 @@ def test_blend_follows_weights_and_each_part_keeps_its_own_stream(sample_data):
 def test_sample_map_cache_is_rebuilt_when_a_shard_changes(sample_data, tmp_path):
     import shutil
 
-    from bert_ds.data import _MAP_VERSION  # noqa: F401  (the cache format is versioned)
+    from bert_ds.loader.pretraining import _MAP_VERSION  # noqa: F401  (the cache format is versioned)
 
     copy = tmp_path / "data"
     shutil.copytree(sample_data["train"], copy, ignore=shutil.ignore_patterns(".cache"))
@@ -210,7 +210,7 @@ def test_reused_generator_draws_as_a_fresh_philox(dataset):
     sample: it must be in the very state a fresh one starts in, whatever came before."""
     import pickle
 
-    from bert_ds.data import _sample_key
+    from bert_ds.loader.pretraining import _sample_key
 
     rng = dataset._rng.keyed(_sample_key(7, 0, 1))
     rng.random(17), rng.integers(0, 9, size=5)  # leave it mid-buffer, as a sample does
@@ -239,7 +239,7 @@ def test_a_process_with_an_open_loader_still_exits(sample_data):
 
     script = (
         "from bert_ds.config import BatchPlan, DataConfig\n"
-        "from bert_ds.data import PretrainingDataset, PretrainingLoader\n"
+        "from bert_ds.loader.pretraining import PretrainingDataset, PretrainingLoader\n"
         f"ds = PretrainingDataset({str(sample_data['train'])!r}, DataConfig(train={str(sample_data['train'])!r}), seed=1)\n"
         "loader = PretrainingLoader(ds, BatchPlan.resolve(4, 4, 1), 0, num_workers=1)\n"
         "loader.next_step()\n"

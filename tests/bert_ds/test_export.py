@@ -1,4 +1,4 @@
-"""bert_ds.export: checkpoint folder -> Hugging Face folder that loads and reproduces the model."""
+"""bert_ds.checkpoint.export: checkpoint folder -> Hugging Face folder that loads and reproduces the model."""
 
 import json
 
@@ -7,11 +7,12 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from bert_ds import checkpoint, export
-from bert_ds.errors import ConfigError, UserError
-from bert_ds.export import ExportError, export_checkpoint, export_hf, main
-from bert_ds.model import BertForPreTraining, ModelConfig
-from data_tools.atomic import file_crc32
+from bert_ds.checkpoint import store as checkpoint
+from bert_ds.checkpoint import export
+from bert_ds.base.errors import ConfigError, UserError
+from bert_ds.checkpoint.export import ExportError, export_checkpoint, export_hf, main
+from bert_ds.model.bert import BertForPreTraining, ModelConfig
+from bert_ds.base.atomic import file_crc32
 
 WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "cat", "sat", "on", "mat", "##s", "a", "dog"]
 
@@ -40,7 +41,7 @@ def _write_checkpoint(path, config: ModelConfig, *, with_tied_alias: bool = Fals
 
 
 def _seal(folder):
-    """The completion marker bert_ds.checkpoint writes last: size and CRC32 of every file."""
+    """The completion marker bert_ds.checkpoint.store writes last: size and CRC32 of every file."""
     files = {str(p.relative_to(folder)): {"bytes": p.stat().st_size, "crc32": file_crc32(p)}
              for p in sorted(folder.rglob("*")) if p.is_file()}
     (folder / checkpoint.MARKER).write_text(json.dumps({"files": files}))

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from bert_ds import extensions
-from bert_ds.signals import STARTUP_EXIT_GRACE_S
-from data_tools.errors import EXIT_USER_ERROR, UserError
+from bert_ds.train import extensions
+from bert_ds.train.signals import STARTUP_EXIT_GRACE_S
+from bert_ds.base.errors import EXIT_USER_ERROR, UserError
 from tests.conftest import REPO, cli_env, run_cli, spawn
 
 OP = "deepspeed_shm_comm"  # the op DeepSpeed's init_distributed loads on CPU
@@ -29,7 +29,7 @@ HOLD = "import os, sys, time; os.open(sys.argv[1], os.O_CREAT | os.O_EXCL); prin
 @pytest.fixture(scope="module")
 def built_cache() -> Path:
     """This environment's extension cache, built by the set-up step."""
-    run_cli("bert_ds.extensions", timeout=300)
+    run_cli("bert_ds.train.extensions", timeout=300)
     root = extensions.cache_root()
     assert (root / OP / f"{OP}.so").is_file()
     return root
@@ -114,7 +114,7 @@ def test_r14_a_lock_is_live_while_its_holder_runs_and_stale_once_it_is_killed(tm
 def test_r14_a_start_killed_during_the_build_is_followed_by_a_normal_start(sample_data, tmp_path, built_cache):
     cache = tmp_path / "torch_extensions"
     lock = cache / OP / extensions.LOCK_NAME
-    build = spawn([sys.executable, "-m", "bert_ds.extensions"], env={**cli_env(), extensions.CACHE_ENV: str(cache)},
+    build = spawn([sys.executable, "-m", "bert_ds.train.extensions"], env={**cli_env(), extensions.CACHE_ENV: str(cache)},
                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
     _wait_for(lock.exists, 120, "the build's lock")
     os.killpg(build.pid, signal.SIGKILL)  # the build and its compiler processes, mid-build

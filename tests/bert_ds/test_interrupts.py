@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from bert_ds import checkpoint
+from bert_ds.checkpoint import store as checkpoint
 from tests.bert_ds.test_reliability import _args, _command, _losses, _steps_logged, _wait_for_step
 from tests.conftest import REPO, cli_env, run_cli
 
@@ -144,7 +144,7 @@ def test_r13_sigint_twice_within_the_window_is_one_request(tmp_path):
     """The same key press reaching a rank twice (from the terminal and from a launcher) is one stop request;
     a SIGINT after the window ends the process at once."""
     script = ("import os, signal, sys, time\n"
-              "from bert_ds.signals import StopRequest, REPEAT_AFTER_S\n"
+              "from bert_ds.train.signals import StopRequest, REPEAT_AFTER_S\n"
               "stop = StopRequest(deadline_s=0); stop.install(); stop.begin_steps()\n"
               "os.kill(os.getpid(), signal.SIGINT); os.kill(os.getpid(), signal.SIGINT)\n"
               "time.sleep(0.2); print('recorded', stop.signal_name, flush=True)\n"

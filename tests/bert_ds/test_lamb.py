@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bert_ds.lamb import Lamb, LambReference, _flat_layout, lamb_reference_step
+from bert_ds.optim.lamb import Lamb, LambReference, _flat_layout, lamb_reference_step
 from tests.bert_ds import lamb_zero_worker as worker
 from tests.conftest import run_command
 
@@ -66,7 +66,7 @@ def _lamb_from_the_formula(w0: list[torch.Tensor], grads: list[list[torch.Tensor
                            lr: float, betas: tuple[float, float], eps: float, adapt_all: bool) -> list[torch.Tensor]:
     """LAMB written out from its definition in float64, one tensor and one step at a time.
 
-    Independent of bert_ds.lamb: the paper's update (You et al., 2019, Algorithm 2, with
+    Independent of bert_ds.optim.lamb: the paper's update (You et al., 2019, Algorithm 2, with
     Adam's bias correction and decoupled weight decay); NVIDIA's BERT LAMB drops the trust
     ratio where the weight decay is 0 (apex FusedLAMB, use_nvlamb=False).
     """

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from bert_ds.metrics import MetricsLogger, drop_partial_line
+from bert_ds.train.metrics import MetricsLogger, drop_partial_line
 
 
 @pytest.mark.parametrize("content,kept", [

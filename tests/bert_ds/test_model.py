@@ -1,4 +1,4 @@
-"""bert_ds.model against transformers' BertForPreTraining with identical weights, and its
+"""bert_ds.model.bert against transformers' BertForPreTraining with identical weights, and its
 training path free of host syncs."""
 
 import dataclasses
@@ -10,11 +10,11 @@ from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
-from bert_ds.data import to_device
-from bert_ds.errors import ConfigError
-from bert_ds.export import to_hf_config
-from bert_ds.model import PRESETS, BertForPreTraining, ModelConfig, model_preset, pretraining_inputs
-from bert_ds.padding import unpad
+from bert_ds.loader.pretraining import to_device
+from bert_ds.base.errors import ConfigError
+from bert_ds.checkpoint.export import to_hf_config
+from bert_ds.model.bert import PRESETS, BertForPreTraining, ModelConfig, model_preset, pretraining_inputs
+from bert_ds.model.padding import unpad
 
 VOCAB = 97
 SEQ = 16

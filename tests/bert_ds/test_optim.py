@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from bert_ds.config import OptimConfig
-from bert_ds.optim import build_optimizer, lr_multiplier
+from bert_ds.optim.builders import build_optimizer, lr_multiplier
 
 
 def test_warmup_then_linear_decay_to_zero():

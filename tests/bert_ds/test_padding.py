@@ -1,11 +1,11 @@
-"""The unpadded layout: bert_ds.padding.unpad, and the fields the loader's collate delivers."""
+"""The unpadded layout: bert_ds.model.padding.unpad, and the fields the loader's collate delivers."""
 
 import pytest
 import torch
 
 from bert_ds.config import BatchPlan, DataConfig
-from bert_ds.data import PretrainingDataset, PretrainingLoader, to_device, validation_batches
-from bert_ds.padding import IGNORE_INDEX, Unpadded, unpad
+from bert_ds.loader.pretraining import PretrainingDataset, PretrainingLoader, to_device, validation_batches
+from bert_ds.model.padding import IGNORE_INDEX, Unpadded, unpad
 
 PADDED_FIELDS = {"input_ids", "token_type_ids", "attention_mask", "labels", "next_sentence_label"}
 LAYOUT_FIELDS = {"token_indices", "cu_seqlens", "max_seqlen", "masked_positions", "masked_labels"}

@@ -1,4 +1,4 @@
-"""The two-phase recipe (bert_ds.phases): plan validation in-process, and one real run
+"""The two-phase recipe (bert_ds.train.phases): plan validation in-process, and one real run
 whose second phase is killed and resumed."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from bert_ds import checkpoint
+from bert_ds.checkpoint import store as checkpoint
 from bert_ds.config import TrainConfig
-from bert_ds.errors import ConfigError
-from bert_ds.phases import PhasePlan
+from bert_ds.base.errors import ConfigError
+from bert_ds.train.phases import PhasePlan
 from tests.conftest import REPO, cli_env, run_cli, spawn
 
 RECIPES = REPO / "bert_ds" / "recipes"
@@ -72,7 +72,7 @@ def test_a_bundled_recipe_without_its_data_names_the_command_that_makes_it(recip
     """On a fresh clone (the datasets not built yet) --check says how to make them, in one line."""
     plan = PhasePlan.load(RECIPES / recipe)
     assert plan.prepare and all("data_tools build" in c or c == "./run.sh prepare" for c in plan.prepare)
-    proc = subprocess.run([sys.executable, "-m", "bert_ds.phases", "--config", str(RECIPES / recipe), "--check"],
+    proc = subprocess.run([sys.executable, "-m", "bert_ds.train.phases", "--config", str(RECIPES / recipe), "--check"],
                           capture_output=True, text=True, cwd=tmp_path, env=cli_env(), timeout=120)
     err = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(err) == 1, proc.stderr
@@ -82,7 +82,7 @@ def test_a_bundled_recipe_without_its_data_names_the_command_that_makes_it(recip
 def test_the_tiny_recipe_checks_once_run_sh_prepare_made_its_data(sample_data, tmp_path):
     (tmp_path / "runs" / "sample").mkdir(parents=True)
     (tmp_path / "runs" / "sample" / "data").symlink_to(sample_data["train"].parent)
-    proc = subprocess.run([sys.executable, "-m", "bert_ds.phases", "--config", str(RECIPES / "tiny_two_phase.json"),
+    proc = subprocess.run([sys.executable, "-m", "bert_ds.train.phases", "--config", str(RECIPES / "tiny_two_phase.json"),
                            "--check"], capture_output=True, text=True, cwd=tmp_path, env=cli_env(), timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "phase1: 6 steps, seq 64" in proc.stdout
@@ -92,11 +92,11 @@ def test_check_prints_the_plan_and_a_typo_is_one_line(sample_data, tmp_path):
     good, bad = tmp_path / "good.json", tmp_path / "bad.json"
     plan = _tiny_plan(sample_data, tmp_path / "run")
     good.write_text(json.dumps(plan))
-    proc = run_cli("bert_ds.phases", "--config", str(good), "--check")
+    proc = run_cli("bert_ds.train.phases", "--config", str(good), "--check")
     assert "phase1: 6 steps, seq 64" in proc.stdout and "phase2: 6 steps, seq 128" in proc.stdout
     plan["phases"][1]["warmup"] = 3
     bad.write_text(json.dumps(plan))
-    proc = run_cli("bert_ds.phases", "--config", str(bad), "--check", check=False)
+    proc = run_cli("bert_ds.train.phases", "--config", str(bad), "--check", check=False)
     err = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(err) == 1 and "phase 'phase2'" in err[0] and "warmup" in err[0], proc.stderr
 
@@ -119,7 +119,7 @@ def test_two_phases_run_and_a_crash_in_phase_two_resumes_phase_two(sample_data, 
     config = tmp_path / "plan.json"
     config.write_text(json.dumps(_tiny_plan(sample_data, root)))
     p1, p2 = root / "phase1", root / "phase2"
-    cmd = [sys.executable, "-m", "bert_ds.phases", "--config", str(config)]
+    cmd = [sys.executable, "-m", "bert_ds.train.phases", "--config", str(config)]
     with open(tmp_path / "first.log", "w") as log:
         proc = spawn(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
         deadline = time.monotonic() + 180
@@ -132,7 +132,7 @@ def test_two_phases_run_and_a_crash_in_phase_two_resumes_phase_two(sample_data, 
     before = _records(p2)
     phase1_lines = len(_records(p1))
 
-    second = run_cli("bert_ds.phases", "--config", str(config))
+    second = run_cli("bert_ds.train.phases", "--config", str(config))
     phase1_final = checkpoint.step_dir_name(6)
     assert f"phase1: finished ({p1 / 'checkpoints' / phase1_final}" in second.stderr  # not rerun
     assert len(_records(p1)) == phase1_lines == 6

@@ -1,4 +1,4 @@
-"""bert_ds.plot: metrics.jsonl -> a PNG of loss and accuracies, and one-line errors."""
+"""bert_ds.tools.plot: metrics.jsonl -> a PNG of loss and accuracies, and one-line errors."""
 
 import json
 import math
@@ -6,7 +6,7 @@ import struct
 
 import pytest
 
-from bert_ds.plot import main, moving_average, read_metrics
+from bert_ds.tools.plot import main, moving_average, read_metrics
 from tests.conftest import run_cli
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -37,7 +37,7 @@ def _png_size(path):
 
 def test_cli_writes_a_readable_png(tmp_path):
     run = _write_run(tmp_path / "run")
-    proc = run_cli("bert_ds.plot", str(run), "--out", str(tmp_path / "plots" / "curves.png"))
+    proc = run_cli("bert_ds.tools.plot", str(run), "--out", str(tmp_path / "plots" / "curves.png"))
     out = tmp_path / "plots" / "curves.png"
     assert "60 train steps, 3 validation passes" in proc.stdout
     width, height = _png_size(out)

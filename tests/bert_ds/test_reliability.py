@@ -24,10 +24,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from bert_ds import checkpoint
-from bert_ds.checkpoint import CheckpointError
-from bert_ds.signals import StopRequest
-from bert_ds.train import consumed_positions
+from bert_ds.checkpoint import store as checkpoint
+from bert_ds.checkpoint.store import CheckpointError
+from bert_ds.train.signals import StopRequest
+from bert_ds.train.main import consumed_positions
 from tests.conftest import REPO, run_cli, spawn
 
 R1_TRIALS = int(os.environ.get("BERT_DS_R1_TRIALS", "3"))

@@ -15,11 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from bert_ds import checkpoint, resume
+from bert_ds.checkpoint import store as checkpoint
+from bert_ds.checkpoint import resume
 from bert_ds.config import DataConfig, OptimConfig, TrainConfig
-from bert_ds.errors import ConfigError
-from bert_ds.model import model_preset
-from bert_ds.train import model_from_args, parse_args
+from bert_ds.base.errors import ConfigError
+from bert_ds.model.bert import model_preset
+from bert_ds.train.main import model_from_args, parse_args
 from tests.conftest import run_cli
 
 STEPS, SAVE_EVERY = 6, 2

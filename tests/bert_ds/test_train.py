@@ -33,13 +33,13 @@ def test_single_process_trains_exports_and_loads_in_transformers(sample_data, tm
     first, last = sum(r["loss"] for r in train[:5]) / 5, sum(r["loss"] for r in train[-5:]) / 5
     assert last < first - 0.5, (first, last)
     assert [r["step"] for r in val] == [20, 40] and 0.0 <= val[-1]["mlm_acc"] <= 1.0
-    from data_tools.tokenizer import HF_FILES
+    from bert_ds.data_tools.tokenizer import HF_FILES
     tokenizer_files = sorted(p.name for p in (out / "checkpoints" / "latest" / "tokenizer").iterdir())
     assert tokenizer_files == sorted(HF_FILES)  # the tokenizer travels with the checkpoint, the shards do not
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 40 and "training summary" in proc.stdout
 
-    run_cli("bert_ds.export", str(out / "checkpoints" / "latest"), str(tmp_path / "hf"))
+    run_cli("bert_ds.checkpoint.export", str(out / "checkpoints" / "latest"), str(tmp_path / "hf"))
     from transformers import AutoTokenizer, BertForPreTraining
 
     model = BertForPreTraining.from_pretrained(tmp_path / "hf")

@@ -1,4 +1,4 @@
-"""``python -m data_tools bench`` on a tiny corpus: it runs, and prints every figure as a
+"""``python -m bert_ds.data_tools bench`` on a tiny corpus: it runs, and prints every figure as a
 positive number beside its goal (the figures themselves are machine-dependent)."""
 
 import json
@@ -18,7 +18,7 @@ FIGURES = [
 def test_bench_prints_every_figure_beside_its_goal(tmp_path):
     out = tmp_path / "bench.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "data_tools", "bench", "--corpus-mb", "2", "--workers", "2", "--vocab-size", "2000",
+        [sys.executable, "-m", "bert_ds.data_tools", "bench", "--corpus-mb", "2", "--workers", "2", "--vocab-size", "2000",
          "--loader-seconds", "0.3", "--json", str(out)],
         capture_output=True, text=True, timeout=300,
     )

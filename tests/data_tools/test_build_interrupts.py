@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from data_tools.build import JOURNAL_NAME, BuildOptions, build
-from data_tools.locking import LOCK_NAME, FolderLock
-from data_tools.manifest import MANIFEST_NAME
-from data_tools.shard_format import ShardReader
+from bert_ds.data_tools.build import JOURNAL_NAME, BuildOptions, build
+from bert_ds.base.locking import LOCK_NAME, FolderLock
+from bert_ds.data_tools.manifest import MANIFEST_NAME
+from bert_ds.data_tools.shard_format import ShardReader
 from tests.conftest import REPO, cli_env
 
 SAMPLE = Path(__file__).resolve().parents[2] / "data_tools" / "sample" / "valid.txt"
@@ -50,7 +50,7 @@ def _finished_shards(out: Path) -> int:
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_a_stop_signal_to_the_process_group_ends_the_build_cleanly(corpus, tmp_path, signum):
     out = tmp_path / "data"
-    proc = subprocess.Popen([sys.executable, "-m", "data_tools", *_build_args(corpus, out)], cwd=REPO, env=cli_env(),
+    proc = subprocess.Popen([sys.executable, "-m", "bert_ds.data_tools", *_build_args(corpus, out)], cwd=REPO, env=cli_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.monotonic() + 120
     while _finished_shards(out) < 2 and proc.poll() is None and time.monotonic() < deadline:
@@ -80,7 +80,7 @@ def test_a_stop_signal_to_the_process_group_ends_the_build_cleanly(corpus, tmp_p
 
 def test_the_rerun_after_ctrl_c_resumes_to_the_uninterrupted_bytes(corpus, tmp_path):
     out = tmp_path / "data"
-    proc = subprocess.Popen([sys.executable, "-m", "data_tools", *_build_args(corpus, out)], cwd=REPO, env=cli_env(),
+    proc = subprocess.Popen([sys.executable, "-m", "bert_ds.data_tools", *_build_args(corpus, out)], cwd=REPO, env=cli_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
     while _finished_shards(out) < 2 and proc.poll() is None:
         time.sleep(0.05)
@@ -98,7 +98,7 @@ def test_the_rerun_after_ctrl_c_resumes_to_the_uninterrupted_bytes(corpus, tmp_p
 
 
 def test_a_second_build_into_a_folder_in_use_is_refused_naming_the_holder(corpus, tmp_path, capsys):
-    from data_tools.__main__ import main
+    from bert_ds.data_tools.__main__ import main
 
     out = tmp_path / "data"
     with FolderLock(out, "another build"):
@@ -113,7 +113,7 @@ def test_a_second_build_into_a_folder_in_use_is_refused_naming_the_holder(corpus
 
 def test_a_lock_left_by_a_killed_holder_does_not_block(tmp_path):
     out = tmp_path / "data"
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from data_tools.locking import FolderLock\n"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from bert_ds.base.locking import FolderLock\n"
                                f"FolderLock({str(out)!r}, 'a doomed holder').__enter__(); print('held', flush=True); "
                                "time.sleep(60)"], cwd=REPO, env=cli_env(), stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "held"

@@ -1,4 +1,4 @@
-"""The ``python -m data_tools`` command line: help, one-line errors with exit 2, verify
+"""The ``python -m bert_ds.data_tools`` command line: help, one-line errors with exit 2, verify
 and inspect on sound and damaged datasets."""
 
 import subprocess
@@ -7,8 +7,8 @@ import sys
 import numpy as np
 import pytest
 
-from data_tools.__main__ import main
-from data_tools.shard_format import ShardWriter
+from bert_ds.data_tools.__main__ import main
+from bert_ds.data_tools.shard_format import ShardWriter
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +30,7 @@ def test_help(argv, capsys):
     with pytest.raises(SystemExit) as e:
         main(argv)
     assert e.value.code == 0
-    assert "usage: python -m data_tools" in capsys.readouterr().out
+    assert "usage: python -m bert_ds.data_tools" in capsys.readouterr().out
 
 
 def _one_line_error(capsys, argv):
@@ -83,7 +83,7 @@ def test_verify_reports_every_damaged_file(dataset, tmp_path, capsys):
         f.seek(4)
         f.write(b"\x01\x00")
     (d / "vocab.txt").write_text((d / "vocab.txt").read_text() + "extra\n")
-    proc = subprocess.run([sys.executable, "-m", "data_tools", "verify", str(d)], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([sys.executable, "-m", "bert_ds.data_tools", "verify", str(d)], capture_output=True, text=True, timeout=60)
     lines = proc.stderr.strip().split("\n")
     assert proc.returncode == 1
     assert len(lines) == 2

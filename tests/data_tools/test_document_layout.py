@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from data_tools.__main__ import main
-from data_tools.build import BuildOptions, build
-from data_tools.manifest import open_dataset
-from data_tools.text import CorpusReader, DocEnd, split_sentences
+from bert_ds.data_tools.__main__ import main
+from bert_ds.data_tools.build import BuildOptions, build
+from bert_ds.data_tools.manifest import open_dataset
+from bert_ds.data_tools.text import CorpusReader, DocEnd, split_sentences
 
 SAMPLE = Path(__file__).resolve().parents[2] / "data_tools" / "sample" / "valid.txt"
 

@@ -14,11 +14,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from data_tools.__main__ import main
-from data_tools.build import BuildOptions, build
-from data_tools.errors import UserError
-from data_tools.shard_format import ShardWriter
-from data_tools.text import CorpusReader, DocEnd, split_sentences
+from bert_ds.data_tools.__main__ import main
+from bert_ds.data_tools.build import BuildOptions, build
+from bert_ds.base.errors import UserError
+from bert_ds.data_tools.shard_format import ShardWriter
+from bert_ds.data_tools.text import CorpusReader, DocEnd, split_sentences
 
 # Records hold paragraphs: several sentences to a line, blank lines between paragraphs.
 DOCS = [
@@ -281,7 +281,7 @@ def test_datasetdict_folder_names_its_splits(tmp_path, capsys):
 def test_hub_dataset_offline_is_one_line_error(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf_home")}
     proc = subprocess.run(
-        [sys.executable, "-m", "data_tools", "build", "--input", "hf:someone/some-corpus:en@validation",
+        [sys.executable, "-m", "bert_ds.data_tools", "build", "--input", "hf:someone/some-corpus:en@validation",
          "--output", str(tmp_path / "o"), "--train-vocab", "100"],
         capture_output=True, text=True, timeout=120, env=env,
     )

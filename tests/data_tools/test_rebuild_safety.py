@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-import data_tools.build as build_module
-from data_tools.__main__ import main
-from data_tools.build import JOURNAL_NAME, BuildOptions, build
-from data_tools.manifest import MANIFEST_NAME, Manifest
+import bert_ds.data_tools.build as build_module
+from bert_ds.data_tools.__main__ import main
+from bert_ds.data_tools.build import JOURNAL_NAME, BuildOptions, build
+from bert_ds.data_tools.manifest import MANIFEST_NAME, Manifest
 
 SAMPLE = Path(__file__).resolve().parents[2] / "data_tools" / "sample" / "valid.txt"
 OPTS = dict(train_vocab=2048, split_sentences=True, shard_tokens=100_000, progress=False, workers=1)

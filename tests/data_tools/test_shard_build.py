@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from data_tools.__main__ import main
-from data_tools.build import JOURNAL_NAME, BuildOptions, build
-from data_tools.errors import ShardError
-from data_tools.manifest import MANIFEST_NAME, Manifest, open_dataset
-from data_tools.shard_format import ShardReader, ShardWriter
-from data_tools.text import split_sentences
+from bert_ds.data_tools.__main__ import main
+from bert_ds.data_tools.build import JOURNAL_NAME, BuildOptions, build
+from bert_ds.base.errors import ShardError
+from bert_ds.data_tools.manifest import MANIFEST_NAME, Manifest, open_dataset
+from bert_ds.data_tools.shard_format import ShardReader, ShardWriter
+from bert_ds.data_tools.text import split_sentences
 
 SAMPLE = Path(__file__).resolve().parents[2] / "data_tools" / "sample" / "valid.txt"
 OPTS = dict(train_vocab=4096, split_sentences=True, shard_tokens=100_000, progress=False)
@@ -117,7 +117,7 @@ def test_cli_build_in_another_process_is_identical(sample, tmp_path):
 
     out, _ = sample
     proc = subprocess.run(
-        [sys.executable, "-m", "data_tools", "build", "--input", str(SAMPLE), "--output", str(tmp_path),
+        [sys.executable, "-m", "bert_ds.data_tools", "build", "--input", str(SAMPLE), "--output", str(tmp_path),
          "--train-vocab", "4096", "--split-sentences", "--shard-tokens", "100000", "--workers", "2"],
         capture_output=True, text=True, timeout=120,
     )
@@ -322,7 +322,7 @@ TRICKY_LINES = [
 
 
 def _tokenize_both_ways(directory, parts, split):
-    from data_tools.build import _Tokenize
+    from bert_ds.data_tools.build import _Tokenize
 
     tok = _Tokenize((Path(directory) / "tokenizer.json").read_text(encoding="utf-8"))
     assert tok.can_join

@@ -9,8 +9,8 @@ import zlib
 import numpy as np
 import pytest
 
-from data_tools.errors import ShardError, UserError
-from data_tools.shard_format import (
+from bert_ds.base.errors import ShardError, UserError
+from bert_ds.data_tools.shard_format import (
     HEADER, HEADER_SIZE, MAX_SENTENCE_TOKENS, ShardInfo, ShardReader, ShardWriter, token_dtype,
 )
 

@@ -7,8 +7,8 @@ import tracemalloc
 
 import pytest
 
-from data_tools.errors import UserError
-from data_tools.text import (
+from bert_ds.base.errors import UserError
+from bert_ds.data_tools.text import (
     SENTENCE_SPLIT_RE, CorpusReader, DocEnd, heading_level, iter_text, mark_sentences, split_sentences,
 )
 

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 from transformers import BertTokenizerFast
 
-from data_tools.__main__ import main
-from data_tools.build import BuildOptions, build
-from data_tools.errors import UserError
-from data_tools.manifest import Manifest, open_dataset
-from data_tools.text import iter_text, split_sentences
-from data_tools.tokenizer import HF_FILES, train_vocab, vocab_entries
+from bert_ds.data_tools.__main__ import main
+from bert_ds.data_tools.build import BuildOptions, build
+from bert_ds.base.errors import UserError
+from bert_ds.data_tools.manifest import Manifest, open_dataset
+from bert_ds.data_tools.text import iter_text, split_sentences
+from bert_ds.data_tools.tokenizer import HF_FILES, train_vocab, vocab_entries
 
 SAMPLE = Path(__file__).resolve().parents[2] / "data_tools" / "sample" / "valid.txt"
 
@@ -96,8 +96,8 @@ def test_a_cased_tokenizer_survives_build_and_export_unchanged(cased, tmp_path):
     export whose tokenizer encodes text exactly as the source does, case and all."""
     import torch
 
-    from bert_ds.export import export_hf
-    from bert_ds.model import BertForPreTraining, ModelConfig
+    from bert_ds.checkpoint.export import export_hf
+    from bert_ds.model.bert import BertForPreTraining, ModelConfig
 
     build(_opts(cased, tmp_path / "data"))
     vocab_size = Manifest.load(tmp_path / "data").vocab_size

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from data_tools.__main__ import main
-from data_tools.errors import UserError
-from data_tools.manifest import MANIFEST_NAME, Manifest
-from data_tools.text import iter_text
-from data_tools.tokenizer import read_vocab, train_vocab, vocab_entries
+from bert_ds.data_tools.__main__ import main
+from bert_ds.base.errors import UserError
+from bert_ds.data_tools.manifest import MANIFEST_NAME, Manifest
+from bert_ds.data_tools.text import iter_text
+from bert_ds.data_tools.tokenizer import read_vocab, train_vocab, vocab_entries
 
 SAMPLE = Path(__file__).resolve().parents[2] / "data_tools" / "sample" / "valid.txt"
 

@@ -4,11 +4,11 @@ with no temporary folder and no tokenizer file under a final name; a rerun compl
 import errno
 import os
 
-from data_tools import tokenizer
-from data_tools.__main__ import main
-from data_tools.build import JOURNAL_NAME
-from data_tools.manifest import MANIFEST_NAME, open_dataset
-from data_tools.tokenizer import HF_FILES
+from bert_ds.data_tools import tokenizer
+from bert_ds.data_tools.__main__ import main
+from bert_ds.data_tools.build import JOURNAL_NAME
+from bert_ds.data_tools.manifest import MANIFEST_NAME, open_dataset
+from bert_ds.data_tools.tokenizer import HF_FILES
 
 from tests.data_tools.test_shard_build import SAMPLE
 

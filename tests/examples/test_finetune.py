@@ -12,10 +12,10 @@ SCRIPT = REPO / "examples" / "finetune_classification.py"
 
 
 def _tiny_export(sample_data, tmp_path):
-    from bert_ds.export import export_hf
-    from bert_ds.model import BertForPreTraining, model_preset
-    from data_tools.manifest import Manifest
-    from data_tools.tokenizer import HF_FILES
+    from bert_ds.checkpoint.export import export_hf
+    from bert_ds.model.bert import BertForPreTraining, model_preset
+    from bert_ds.data_tools.manifest import Manifest
+    from bert_ds.data_tools.tokenizer import HF_FILES
 
     tokenizer = tmp_path / "tokenizer"
     tokenizer.mkdir()

@@ -1,10 +1,10 @@
-"""kernels.bench's CPU-side behaviour: its message without a GPU, its report, the work each op
+"""bert_ds.kernels.bench's CPU-side behaviour: its message without a GPU, its report, the work each op
 does per call, its roofline arithmetic and its padding."""
 
 import pytest
 import torch
 
-from kernels import bench
+from bert_ds.kernels import bench
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible: the bench would run")

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from kernels import _build
+from bert_ds.kernels import _build
 
 
 @pytest.fixture
@@ -43,7 +43,7 @@ def test_a_prebuilt_module_from_these_sources_is_used(fresh_loader, monkeypatch)
 def test_a_prebuilt_module_from_other_sources_is_ignored(fresh_loader, monkeypatch, caplog):
     _install_fake_module(monkeypatch, fresh_loader, "0123456789abcdef")
     monkeypatch.setattr(_build, "_jit_build", lambda: (None, "the build failed: stub"))
-    with caplog.at_level(logging.WARNING, logger="kernels._build"):
+    with caplog.at_level(logging.WARNING, logger="bert_ds.kernels._build"):
         assert _build.load_extension() == (None, "the build failed: stub")
     assert "built from other sources" in caplog.text
 
@@ -76,7 +76,7 @@ def test_the_first_error_line_is_reported():
 
 
 def test_verdicts_are_recorded_once_per_build_and_device(fresh_loader, monkeypatch):
-    from kernels import selfcheck
+    from bert_ds.kernels import selfcheck
 
     _install_fake_module(monkeypatch, fresh_loader, _build.source_hash())
     runs = []
@@ -103,8 +103,8 @@ def test_no_verdicts_without_an_extension(monkeypatch):
 
 
 def test_the_selfcheck_rule_passes_the_reference_and_catches_a_wrong_kernel():
-    from kernels import selfcheck
-    from kernels.bias_gelu import bias_gelu_ref
+    from bert_ds.kernels import selfcheck
+    from bert_ds.kernels.bias_gelu import bias_gelu_ref
 
     generator = torch.Generator().manual_seed(0)
     leaves = {"x": torch.randn(8, 33, generator=generator).bfloat16(),
@@ -124,7 +124,7 @@ def test_the_selfcheck_rule_passes_the_reference_and_catches_a_wrong_kernel():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the checks would run")
 def test_a_check_that_raises_is_a_failed_verdict():
-    from kernels import selfcheck
+    from bert_ds.kernels import selfcheck
 
     verdicts = selfcheck.run_all()
     assert set(verdicts) == {"layer_norm", "bias_gelu", "varlen_attention"}
@@ -132,21 +132,21 @@ def test_a_check_that_raises_is_a_failed_verdict():
 
 
 def test_an_unwritable_cache_still_gives_verdicts(fresh_loader, monkeypatch, caplog):
-    from kernels import selfcheck
+    from bert_ds.kernels import selfcheck
 
     _install_fake_module(monkeypatch, fresh_loader, _build.source_hash())
     blocker = fresh_loader / "not-a-directory"
     blocker.write_text("")
     monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))  # every path under it fails to be created
     monkeypatch.setattr(selfcheck, "run_all", lambda: {"layer_norm": ""})
-    with caplog.at_level(logging.WARNING, logger="kernels._build"):
+    with caplog.at_level(logging.WARNING, logger="bert_ds.kernels._build"):
         assert _build.op_verdicts() == {"layer_norm": ""}
     assert "cannot record verdicts" in caplog.text
 
 
 def test_the_build_command_prints_the_self_check_and_the_speed_verdicts(fresh_loader, monkeypatch, capsys):
-    from kernels import build, selfcheck
-    from kernels.speed import Choice
+    from bert_ds.kernels import build, selfcheck
+    from bert_ds.kernels.speed import Choice
 
     _install_fake_module(monkeypatch, fresh_loader, _build.source_hash())
     monkeypatch.setattr(selfcheck, "run_all", lambda: {"layer_norm": "", "bias_gelu": "", "varlen_attention": ""})

@@ -16,13 +16,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels
-from kernels import _build, attention, dispatch, selfcheck, speed
-from kernels.dispatch import resolve_backend
+from bert_ds import kernels
+from bert_ds.kernels import _build, attention, dispatch, selfcheck, speed
+from bert_ds.kernels.dispatch import resolve_backend
 
 # The modules, which kernels' own names for the public ops hide.
-layer_norm = importlib.import_module("kernels.layer_norm")
-bias_gelu = importlib.import_module("kernels.bias_gelu")
+layer_norm = importlib.import_module("bert_ds.kernels.layer_norm")
+bias_gelu = importlib.import_module("bert_ds.kernels.bias_gelu")
 
 SHAPES = speed.OpShapes(hidden=16, intermediate=64, num_heads=2, max_seqlen=8, sequences=2, dtype="float32")
 MS = 1e-3  # the fake clock counts seconds
@@ -134,7 +134,7 @@ def test_inputs_the_winner_cannot_take_run_the_native_op(auto, caplog):
     resolve_backend("auto", SHAPES)
     auto.fused_calls.clear()
     x, bias = torch.randn(3, 16), torch.randn(16)  # CPU tensors: the fused kernels decline them
-    with caplog.at_level(logging.WARNING, logger="kernels.dispatch"):
+    with caplog.at_level(logging.WARNING, logger="bert_ds.kernels.dispatch"):
         out = kernels.layer_norm(x, torch.ones(16), bias, 1e-12, backend="prefer_cuda")
     assert not auto.fused_calls and torch.equal(out, kernels.layer_norm_native(x, torch.ones(16), bias, 1e-12))
     assert "layer_norm runs the native op where fused cannot: its inputs are not all on a CUDA device" in caplog.text
@@ -304,7 +304,7 @@ def test_the_choice_is_logged_once_with_both_timings(auto, caplog):
     with caplog.at_level(logging.INFO, logger="kernels"):
         for shapes in (SHAPES, SHAPES, speed.OpShapes()):  # models of one size, then of another
             resolve_backend("auto", shapes)
-    choices = [r.getMessage() for r in caplog.records if r.name == "kernels.dispatch"]
+    choices = [r.getMessage() for r in caplog.records if r.name == "bert_ds.kernels.dispatch"]
     assert sorted(choices) == [
         "kernels=auto: bias_gelu runs native (native 2.000 ms, fused 3.000 ms, forward + backward)",
         "kernels=auto: layer_norm runs fused (native 2.000 ms, fused 1.000 ms, forward + backward); "
@@ -316,7 +316,7 @@ def test_the_choice_is_logged_once_with_both_timings(auto, caplog):
 
 
 def test_the_model_has_its_own_shapes_timed(auto):
-    from bert_ds.model import BertForPreTraining, ModelConfig
+    from bert_ds.model.bert import BertForPreTraining, ModelConfig
 
     config = ModelConfig(vocab_size=50, hidden_size=24, num_layers=1, num_heads=3, intermediate_size=40,
                          max_position_embeddings=12, hidden_act="gelu_tanh", kernels="auto")

@@ -21,7 +21,7 @@ import re
 import pytest
 import torch
 
-import kernels
+from bert_ds import kernels
 from tests.kernels import emulation
 from tests.kernels.helpers import (
     ATOL, assert_close_to_reference, attention_per_sequence, cu_seqlens_of, gelu_fp64, gelu_same_dtype,
@@ -376,7 +376,7 @@ def test_attention_missing_a_synchronisation_fails_in_the_emulator(tmp_path, bro
 def emulated_cuda(emu, monkeypatch):
     """``backend="cuda"`` runs the ops' fused path (dispatch, autograd Functions) on the emulated
     launchers, with CPU tensors: the Python glue is tested with the real kernel source."""
-    from kernels import dispatch
+    from bert_ds.kernels import dispatch
 
     monkeypatch.setattr(dispatch, "load_extension", lambda: (emu, ""))
     monkeypatch.setattr(dispatch, "op_verdicts", lambda: {op: "" for op in dispatch.OPS})
@@ -398,7 +398,7 @@ def _public_op_grads(fn, inputs, grad_out, dtype=None):
 
 
 def test_public_ops_run_the_emulated_kernels_through_autograd(emulated_cuda):
-    import kernels
+    from bert_ds import kernels
 
     dtype = torch.bfloat16
     atol = ATOL[dtype]
@@ -432,11 +432,11 @@ def test_public_ops_run_the_emulated_kernels_through_autograd(emulated_cuda):
 @pytest.mark.parametrize("precision", ["bf16 parameters", "bf16 autocast"])
 def test_tiny_model_trains_alike_on_the_emulated_kernels(emulated_cuda, precision):
     """bf16 parameters: how DeepSpeed's bf16 mode runs the model. Autocast over fp32 parameters:
-    how bert_ds.bench runs it, which mixes dtypes at the ops (fp32 residuals, weights, biases)."""
+    how bert_ds.tools.bench runs it, which mixes dtypes at the ops (fp32 residuals, weights, biases)."""
     import contextlib
     import dataclasses
 
-    from bert_ds.model import BertForPreTraining, model_preset
+    from bert_ds.model.bert import BertForPreTraining, model_preset
 
     vocab, seq_len = 128, 24
     config = model_preset("tiny", vocab, max_position_embeddings=seq_len, hidden_dropout=0.0,

@@ -16,9 +16,9 @@ import math
 import pytest
 import torch
 
-import kernels
-from kernels import _build
-from kernels.dispatch import KernelUnavailable
+from bert_ds import kernels
+from bert_ds.kernels import _build
+from bert_ds.kernels.dispatch import KernelUnavailable
 from tests.kernels.helpers import (
     assert_close_to_reference, attention_per_sequence, cu_seqlens_of, gelu_fp64, gelu_same_dtype, layer_norm_fp64,
     layer_norm_same_dtype, misaligned, non_contiguous, rand, scaled_atol,
@@ -250,7 +250,7 @@ def _pretraining_batches(vocab: int, steps: int, batch: int, seq_len: int, seed:
 
 
 def _loss_curve(config, state, batches, dtype):
-    from bert_ds.model import BertForPreTraining
+    from bert_ds.model.bert import BertForPreTraining
 
     model = BertForPreTraining(config).cuda()
     model.load_state_dict(state)
@@ -268,7 +268,7 @@ def _loss_curve(config, state, batches, dtype):
 
 @pytest.mark.parametrize("preset", ["tiny", "mini"])
 def test_model_loss_curve_matches_the_torch_path(preset):
-    from bert_ds.model import BertForPreTraining, model_preset
+    from bert_ds.model.bert import BertForPreTraining, model_preset
 
     vocab, dtype = 1024, torch.bfloat16
     config = model_preset(preset, vocab, hidden_dropout=0.0, attention_dropout=0.0, kernels="torch")
@@ -290,8 +290,8 @@ def test_model_loss_curve_matches_the_torch_path(preset):
 
 
 def test_model_under_autocast_runs_every_op_fused():
-    """fp32 parameters under bf16 autocast (bert_ds.bench's CUDA precision): the ops see mixed dtypes."""
-    from bert_ds.model import BertForPreTraining, model_preset
+    """fp32 parameters under bf16 autocast (bert_ds.tools.bench's CUDA precision): the ops see mixed dtypes."""
+    from bert_ds.model.bert import BertForPreTraining, model_preset
 
     config = model_preset("mini", 1024, hidden_dropout=0.0, attention_dropout=0.0, kernels="torch")
     torch.manual_seed(0)
@@ -315,7 +315,7 @@ def test_model_under_autocast_runs_every_op_fused():
 
 
 def test_model_in_float32_with_kernels_cuda_names_the_attention():
-    from bert_ds.model import BertForPreTraining, model_preset
+    from bert_ds.model.bert import BertForPreTraining, model_preset
 
     model = BertForPreTraining(model_preset("tiny", 128, kernels="cuda")).cuda()
     batch = _pretraining_batches(128, steps=1, batch=2, seq_len=16)[0]

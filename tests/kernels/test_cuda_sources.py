@@ -10,14 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from kernels import compile_check
+from bert_ds.kernels import compile_check
 
 REPO = Path(__file__).resolve().parents[2]
 CSRC = REPO / "kernels" / "csrc"
 
 
 def _run_compile_check(env: dict[str, str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kernels.compile_check"], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "bert_ds.kernels.compile_check"], capture_output=True, text=True,
                           cwd=REPO, env=env, timeout=900)
 
 
@@ -52,7 +52,7 @@ def test_bindings_call_every_launcher_declared_in_the_header():
 
 
 def test_extension_sources_are_all_in_the_build_list():
-    from kernels import _build
+    from bert_ds.kernels import _build
 
     on_disk = {p.name for p in CSRC.iterdir() if p.suffix in (".cu", ".cpp")}
     assert on_disk == set(_build.SOURCES)

@@ -12,10 +12,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels
-from kernels import attention, selfcheck
-from kernels.attention import VarlenAttnApi
-from kernels.layer_norm import layer_norm_native, layer_norm_ref
+from bert_ds import kernels
+from bert_ds.kernels import attention, selfcheck
+from bert_ds.kernels.attention import VarlenAttnApi
+from bert_ds.kernels.layer_norm import layer_norm_native, layer_norm_ref
 
 from tests.kernels.helpers import cu_seqlens_of, non_contiguous, rand
 
@@ -121,8 +121,8 @@ def test_native_attention_off_a_gpu_is_the_reference(dtype):
 
 def test_kernels_torch_runs_the_native_ops(monkeypatch):
     calls = []
-    for module, name in ((attention, "varlen_attention"), (sys.modules["kernels.layer_norm"], "layer_norm"),
-                         (sys.modules["kernels.bias_gelu"], "bias_gelu")):
+    for module, name in ((attention, "varlen_attention"), (sys.modules["bert_ds.kernels.layer_norm"], "layer_norm"),
+                         (sys.modules["bert_ds.kernels.bias_gelu"], "bias_gelu")):
         native = module.IMPLEMENTATIONS["native"]
         monkeypatch.setitem(module.IMPLEMENTATIONS, "native",
                             lambda *args, native=native, name=name: calls.append(name) or native(*args))

@@ -13,11 +13,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels
-from kernels import dispatch
-from kernels._build import load_extension
-from kernels.dispatch import KernelUnavailable, UnknownKernelBackend, resolve_backend
-from data_tools.errors import UserError
+from bert_ds import kernels
+from bert_ds.kernels import dispatch
+from bert_ds.kernels._build import load_extension
+from bert_ds.kernels.dispatch import KernelUnavailable, UnknownKernelBackend, resolve_backend
+from bert_ds.base.errors import UserError
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -230,10 +230,10 @@ def test_resolve_auto_falls_back_to_torch_and_logs_once(caplog):
     if load_extension()[0] is not None:
         pytest.skip("the fused CUDA extension loads here")
     dispatch._auto_backend.cache_clear()
-    with caplog.at_level(logging.INFO, logger="kernels.dispatch"):
+    with caplog.at_level(logging.INFO, logger="bert_ds.kernels.dispatch"):
         assert resolve_backend("auto") == "torch"
         assert resolve_backend("auto") == "torch"
-    messages = [r.getMessage() for r in caplog.records if r.name == "kernels.dispatch"]
+    messages = [r.getMessage() for r in caplog.records if r.name == "bert_ds.kernels.dispatch"]
     assert len(messages) == 1
     assert "native PyTorch ops" in messages[0] and load_extension()[1] in messages[0]
 
@@ -272,7 +272,7 @@ def test_bias_gelu_rejects_unknown_approximation():
 def fake_extension(monkeypatch, caplog):
     """A loaded extension whose layer_norm failed its self-check and whose bias_gelu won the
     race on this device (the dispatch's view of them)."""
-    from kernels.speed import Choice
+    from bert_ds.kernels.speed import Choice
 
     monkeypatch.setattr(dispatch, "load_extension", lambda: (object(), ""))
     monkeypatch.setattr(dispatch, "op_verdicts",
@@ -284,7 +284,7 @@ def fake_extension(monkeypatch, caplog):
     monkeypatch.setattr(dispatch, "op_choices", lambda shapes=None: choices)
     for cached in (dispatch._auto_backend, dispatch._log_once, dispatch._log_fallback):
         cached.cache_clear()
-    caplog.set_level(logging.INFO, logger="kernels.dispatch")
+    caplog.set_level(logging.INFO, logger="bert_ds.kernels.dispatch")
     yield caplog
     for cached in (dispatch._auto_backend, dispatch._log_once, dispatch._log_fallback):
         cached.cache_clear()
@@ -322,7 +322,7 @@ def test_inputs_a_kernel_cannot_take_are_an_error_under_cuda_and_a_logged_fallba
 
 
 def test_fused_attention_declines_dropout_and_host_tensors():
-    from kernels import attention
+    from bert_ds.kernels import attention
 
     q, k, v, cu_seqlens = _varlen_inputs([3], num_heads=1, head_dim=64, dtype=torch.bfloat16)
     assert "dropout" in attention._unsupported(q, k, v, cu_seqlens, 0.1)

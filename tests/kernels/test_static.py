@@ -1,7 +1,7 @@
 """Static evidence about the compiled kernels, on CPU: no spills, attention on tensor cores
 with ``cp.async``, and at least 2 CTAs per SM for attention on A100 and H100.
 
-The figures come from kernels.inspect (ptxas -v, the PTX and, where nvdisasm is
+The figures come from bert_ds.kernels.inspect (ptxas -v, the PTX and, where nvdisasm is
 installed, the SASS), compiled once per source and architecture for the whole session.
 The occupancy calculator is checked against hand-computed cases first, since every
 CTA figure rests on it.
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from kernels import inspect as kinspect
-from kernels.compile_check import find_nvcc
+from bert_ds.kernels import inspect as kinspect
+from bert_ds.kernels.compile_check import find_nvcc
 
 A100, H100 = kinspect.DEVICES["80"], kinspect.DEVICES["90"]
 REPO = Path(__file__).resolve().parents[2]
@@ -131,7 +131,7 @@ def test_summary_folds_dtype_instantiations_and_gives_ranges_per_arch():
 def test_without_nvcc_inspect_says_so_and_succeeds():
     env = {k: v for k, v in os.environ.items() if k not in ("CUDA_HOME", "CUDA_PATH")}
     env["PATH"] = str(Path(sys.executable).parent)  # python, but no nvcc
-    proc = subprocess.run([sys.executable, "-m", "kernels.inspect"], capture_output=True, text=True, cwd=REPO,
+    proc = subprocess.run([sys.executable, "-m", "bert_ds.kernels.inspect"], capture_output=True, text=True, cwd=REPO,
                           env=env, timeout=120)
     assert proc.returncode == 0 and "nvcc not found" in proc.stdout
 

@@ -1,4 +1,4 @@
-"""The build checks of ``kernels.compile_check`` beyond nvcc: the binding compiled by the
+"""The build checks of ``bert_ds.kernels.compile_check`` beyond nvcc: the binding compiled by the
 host compiler as torch's extension builder compiles it, and the plumbing of
 ``--with-torch`` (its environment, its errors, its CPU-tensor check), with no download.
 
@@ -16,8 +16,8 @@ from types import ModuleType
 
 import pytest
 
-from data_tools.errors import UserError
-from kernels import _build, compile_check
+from bert_ds.base.errors import UserError
+from bert_ds.kernels import _build, compile_check
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -60,7 +60,7 @@ def test_a_warning_fails_the_host_compile(tmp_path):
 
 
 def _with_torch(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kernels.compile_check", "--with-torch", *args],
+    return subprocess.run([sys.executable, "-m", "bert_ds.kernels.compile_check", "--with-torch", *args],
                           capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
 
 

@@ -17,7 +17,7 @@ Faults (the R-numbers of the README's reliability promises) and what the run doe
 - SIGINT (Ctrl-C), SIGTERM or SIGUSR1 to any rank: all ranks learn of it through the
   step's one all-reduce, commit a checkpoint after that step and exit 0; during a
   validation pass or a periodic save, the pass is abandoned and the last finished step is
-  saved, without training another (``bert_ds.signals``). A second Ctrl-C ends the process
+  saved, without training another (``bert_ds.train.signals``). A second Ctrl-C ends the process
   at once (exit 130; the newest committed checkpoint stays). Each rank writes its pid to
   ``OUTPUT/pids/rank_N.pid`` while it runs. Before the first step there is nothing to
   save: the process exits at once with 128 + the signal number.
@@ -25,7 +25,7 @@ Faults (the R-numbers of the README's reliability promises) and what the run doe
   (exit 2); the lock goes with the process that held it, however it ended (R17).
 - DeepSpeed's extension build lock left by a killed start is removed with a note; one a
   live process holds is waited on for at most ``BERT_DS_BUILD_LOCK_TIMEOUT`` seconds
-  (``bert_ds.extensions``).
+  (``bert_ds.train.extensions``).
 - A non-finite loss or gradient on any rank: the optimizer step is skipped (no update,
   counted in ``skipped_steps``); ``--max-bad-steps`` such steps in a row stop the run
   without checkpointing them. fp16 loss-scale overflows are skipped and counted too,
@@ -59,19 +59,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from bert_ds import checkpoint, hf_import, resume as resuming
+from bert_ds.checkpoint import store as checkpoint
+from bert_ds.checkpoint import hf_import
+from bert_ds.checkpoint import resume as resuming
 from bert_ds.config import (BatchPlan, DataConfig, OptimConfig, TrainConfig, check_writable, deepspeed_config,
                             precision_of)
-from bert_ds.data import (Batch, PretrainingDataset, PretrainingLoader, open_pretraining_data, step_positions,
+from bert_ds.loader.pretraining import (Batch, PretrainingDataset, PretrainingLoader, open_pretraining_data, step_positions,
                           to_device, validation_batches)
-from bert_ds.errors import ConfigError
-from bert_ds.flops import datasheet_peak_tflops, training_flops
-from bert_ds.metrics import MetricsLogger
-from bert_ds.model import PRESETS, BertForPreTraining, ModelConfig, model_preset, pretraining_inputs
-from bert_ds.optim import bind_to_engine, build_optimizer, build_schedule
-from bert_ds.signals import EXIT_RANK_FAILURE, StopRequest
-from data_tools.errors import EXIT_USER_ERROR, UserError
-from data_tools.locking import FolderLock
+from bert_ds.base.errors import ConfigError
+from bert_ds.model.flops import datasheet_peak_tflops, training_flops
+from bert_ds.train.metrics import MetricsLogger
+from bert_ds.model.bert import PRESETS, BertForPreTraining, ModelConfig, model_preset, pretraining_inputs
+from bert_ds.optim.builders import bind_to_engine, build_optimizer, build_schedule
+from bert_ds.train.signals import EXIT_RANK_FAILURE, StopRequest
+from bert_ds.base.errors import EXIT_USER_ERROR, UserError
+from bert_ds.base.locking import FolderLock
 EXIT_BAD_STEPS = 3
 DEFAULT_PRESET = "mini"  # without --preset and without a checkpoint to resume
 
@@ -164,8 +166,8 @@ def model_from_args(args: argparse.Namespace, vocab_size: int, saved_model: dict
     """The model a run asks for. Resuming (``saved_model``: the checkpoint's), every field not
     given on the command line stays as saved, the preset's sizes included when --preset is
     absent; a different size or vocabulary (which comes from the data) is then a refused
-    change (bert_ds.resume), not a silent one. Starting from ``init`` (--init-from), the
-    architecture is the source's (bert_ds.hf_import)."""
+    change (bert_ds.checkpoint.resume), not a silent one. Starting from ``init`` (--init-from), the
+    architecture is the source's (bert_ds.checkpoint.hf_import)."""
     given = dict(vocab_size=vocab_size, kernels=args.kernels, activation_checkpointing=args.activation_checkpointing)
     if args.dropout is not None:
         given["hidden_dropout"] = args.dropout
@@ -225,7 +227,7 @@ def _free_port() -> int:
 def init_distributed(timeout_s: float = 600.0) -> tuple[int, int, torch.device]:
     """Join the launcher's process group, or form a group of one. Every collective, the
     start-up rendezvous included, fails after ``timeout_s`` instead of waiting forever."""
-    from bert_ds import extensions
+    from bert_ds.train import extensions
 
     extensions.use_environment_cache()  # before DeepSpeed builds its communication op
     import deepspeed
@@ -587,7 +589,7 @@ def _hang_forever() -> None:
 
 @contextlib.contextmanager
 def output_lock(output: str | os.PathLike, command: str) -> Iterator[None]:
-    """Hold OUTPUT's folder lock (``data_tools.locking``) for the run's whole life, so that a
+    """Hold OUTPUT's folder lock (``bert_ds.base.locking``) for the run's whole life, so that a
     second run into the same folder refuses (R17) before it reads or builds anything.
 
     Only global rank 0 (the launcher's ``RANK``, read before the process group exists) takes
@@ -761,7 +763,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def body() -> None:
         # Validate everything that needs no process group first: bad input fails fast.
-        from data_tools.manifest import Manifest
+        from bert_ds.data_tools.manifest import Manifest
 
         check_writable(args.output, "--output", folder=True)  # a file, a read-only place: before anything is read
         vocab_size = Manifest.load(Path(args.data[0])).vocab_size
@@ -807,7 +809,7 @@ def _print_summary(s: dict[str, Any]) -> None:
         f"loss             {s['loss_first']:.3f} -> {s['loss_last']:.3f}",
     ]
     if s["mfu"] is not None:
-        lines.append(f"MFU              {s['mfu']:.1%} of the datasheet dense bf16 peak (bert_ds/flops.py accounting)")
+        lines.append(f"MFU              {s['mfu']:.1%} of the datasheet dense bf16 peak (bert_ds/model/flops.py accounting)")
     if val:
         lines.append(f"held-out         MLM acc {val['mlm_acc']:.3f}, NSP acc {val['nsp_acc']:.3f}, "
                      f"MLM loss {val['mlm_loss']:.3f}")

@@ -11,7 +11,7 @@ Per real (non-pad) token, forward, for L layers, hidden H, vocabulary V:
 
 from __future__ import annotations
 
-from bert_ds.model import ModelConfig
+from bert_ds.model.bert import ModelConfig
 
 # Dense bf16 peak of the device's datasheet, TFLOP/s, for MFU against a public figure.
 DATASHEET_BF16_TFLOPS = {

@@ -1,6 +1,6 @@
 """Plot a training run's loss and accuracies against the optimizer step.
 
-    python -m bert_ds.plot RUN_DIR [--out FILE.png]
+    python -m bert_ds.tools.plot RUN_DIR [--out FILE.png]
 
 Reads ``RUN_DIR/metrics.jsonl`` (written by :mod:`bert_ds.train`) and writes one PNG
 (default ``RUN_DIR/metrics.png``) with two panels: loss, and MLM / NSP accuracy, each
@@ -33,7 +33,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from data_tools.errors import UserError, report
+from bert_ds.base.errors import UserError, report
 
 # (metric key, label) per panel; the colours pair train and val of one metric.
 _PANELS = (
@@ -137,7 +137,7 @@ def plot_metrics(train: list[dict[str, Any]], val: list[dict[str, Any]], out: Pa
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bert_ds.plot",
+    parser = argparse.ArgumentParser(prog="python -m bert_ds.tools.plot",
                                      description="Plot loss and MLM/NSP accuracy (train and val) of a run's "
                                                  "metrics.jsonl against the step, as a PNG.")
     parser.add_argument("run_dir", metavar="RUN_DIR", type=Path, help="a bert_ds.train --output folder")

@@ -19,6 +19,10 @@ class ShardError(UserError):
     """A token shard or dataset manifest is missing, damaged or inconsistent."""
 
 
+class ConfigError(UserError):
+    """A configuration value is invalid or inconsistent with another."""
+
+
 def describe(err: BaseException) -> str:
     """An OS or library error as a short clause: ``FILE: reason`` where the file is known."""
     if isinstance(err, OSError) and err.strerror:

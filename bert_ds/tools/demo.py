@@ -1,6 +1,6 @@
 """The last step of the main job: load the export with transformers and fill masks.
 
-``python -m bert_ds.demo RUN_DIR`` reads ``RUN_DIR/hf`` (the Hugging Face export)
+``python -m bert_ds.tools.demo RUN_DIR`` reads ``RUN_DIR/hf`` (the Hugging Face export)
 and ``RUN_DIR/train/summary.json``, prints the top predictions for a few masked
 sentences, then the run's summary. Everything is loaded through transformers'
 own ``from_pretrained``, as a user of the export would.
@@ -13,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-from data_tools.errors import UserError, report
+from bert_ds.base.errors import UserError, report
 
 SENTENCES = (
     "The European lobster is a species of [MASK] from the eastern Atlantic Ocean .",
@@ -40,7 +40,7 @@ def fill_mask(export_dir: Path, sentences: tuple[str, ...] = SENTENCES, top_k: i
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bert_ds.demo", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bert_ds.tools.demo", description=__doc__.split("\n\n")[0])
     p.add_argument("run_dir", type=Path, help="the main job's run folder (holds hf/ and train/)")
     args = p.parse_args(argv)
     export_dir = args.run_dir / "hf"

@@ -1,7 +1,7 @@
 """DeepSpeed's JIT-compiled extensions: built at set-up, cached per environment, and never
 waited on forever.
 
-    python -m bert_ds.extensions     build what this machine's runs need (``./run.sh setup`` does it)
+    python -m bert_ds.train.extensions     build what this machine's runs need (``./run.sh setup`` does it)
 
 On a CPU machine ``deepspeed.init_distributed`` loads its shared-memory communication op
 (``deepspeed_shm_comm``), which ``torch.utils.cpp_extension`` compiles on first use (35-50 s,
@@ -40,7 +40,7 @@ Design choices:
   DeepSpeed starts a thread keeps watching, and ends the process if a lock taken meanwhile
   by another start outlasts the bound.
 - The bound and the lock check are polls, not signals: a stop signal during the wait ends
-  the process at once (``bert_ds.signals``).
+  the process at once (``bert_ds.train.signals``).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from data_tools.errors import EXIT_USER_ERROR, UserError, report
+from bert_ds.base.errors import EXIT_USER_ERROR, UserError, report
 
 CACHE_ENV = "TORCH_EXTENSIONS_DIR"  # torch.utils.cpp_extension's build root
 LOCK_TIMEOUT_ENV = "BERT_DS_BUILD_LOCK_TIMEOUT"

@@ -17,7 +17,7 @@ Design choices:
 - A run whose newest checkpoint is at ``--steps`` and that wrote its summary is finished:
   rerunning it says so and leaves every file as it was.
 - The sequence length is refused here because one run folder holds one phase; the
-  phase runner (``bert_ds.phases``) gives each phase its own folder and starts a new
+  phase runner (``bert_ds.train.phases``) gives each phase its own folder and starts a new
   sequence length there from the previous phase's weights, not by resuming.
 """
 
@@ -29,9 +29,9 @@ import time
 from pathlib import Path
 from typing import Any, Literal
 
-from bert_ds import checkpoint
+from bert_ds.checkpoint import store as checkpoint
 from bert_ds.config import TrainConfig
-from bert_ds.errors import ConfigError
+from bert_ds.base.errors import ConfigError
 
 LOG_NAME = "resume_log.jsonl"
 FieldClass = Literal["refused", "recorded", "ignored"]

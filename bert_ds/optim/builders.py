@@ -1,6 +1,6 @@
 """Optimizers and the learning-rate schedule.
 
-LAMB (``bert_ds.lamb``) is the default: per-parameter trust ratios, correct under ZeRO-1/2
+LAMB (``bert_ds.optim.lamb``) is the default: per-parameter trust ratios, correct under ZeRO-1/2
 once bound to the engine's partitions (:func:`bind_to_engine`), in NVIDIA's BERT variant
 (no ratio where weight decay is 0) unless ``lamb_variant="paper"``. AdamW is torch's.
 
@@ -17,7 +17,7 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from bert_ds.config import OptimConfig
-from bert_ds.lamb import Lamb
+from bert_ds.optim.lamb import Lamb
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:

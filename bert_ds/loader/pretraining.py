@@ -17,7 +17,7 @@ Design choices:
   once, so padding costs only the copy. Labels follow Hugging Face: -100 where a
   token is not a prediction target, ``next_sentence_label`` 0 = true next.
 - The collate also computes where the real and the masked tokens go once padding is
-  removed (:func:`bert_ds.padding.unpad`), here on the host and in the loader's worker
+  removed (:func:`bert_ds.model.padding.unpad`), here on the host and in the loader's worker
   processes, so the model never has to ask the GPU for a length or a count.
 """
 
@@ -37,12 +37,12 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from bert_ds.config import BatchPlan, DataConfig
-from bert_ds.signals import end_loader_workers_at_exit, loader_worker_init
-from bert_ds.padding import IGNORE_INDEX, unpad
-from data_tools.atomic import atomic_write
-from data_tools.errors import ShardError
-from data_tools.manifest import open_dataset
-from data_tools.shard_format import ShardReader
+from bert_ds.loader.workers import end_loader_workers_at_exit, loader_worker_init
+from bert_ds.model.padding import IGNORE_INDEX, unpad
+from bert_ds.base.atomic import atomic_write
+from bert_ds.base.errors import ShardError
+from bert_ds.data_tools.manifest import open_dataset
+from bert_ds.data_tools.shard_format import ShardReader
 
 Batch = dict[str, torch.Tensor | int]  # what collate returns: tensors, and max_seqlen as a host int
 _PERMUTATION_STREAM = 0x5EED  # keeps the shuffle generator apart from the per-sample ones
@@ -298,7 +298,7 @@ class PretrainingDataset(Dataset):
             raise ShardError(
                 f"{self.path / self.manifest.shards[shard].name}.bin: token id {int(ids[at])} at token offset "
                 f"{lo + at} is outside the vocabulary [0, {self.vocab_size}): the shard is damaged "
-                f"(`python -m data_tools verify {self.path}` checks every shard)")
+                f"(`python -m bert_ds.data_tools verify {self.path}` checks every shard)")
 
     def _sop_pair(self, rng, shard: int, first: int, end: int):
         """ALBERT's sentence-order prediction: label 1 when the two halves are swapped."""
@@ -472,7 +472,7 @@ def collate(samples: list[dict[str, np.ndarray | int]], pad_id: int) -> Batch:
 
     Returns (B, S) int64 ``input_ids``, ``token_type_ids``, ``attention_mask``, ``labels``,
     (B,) ``next_sentence_label`` (when every sample has one), and the unpadded layout's
-    fields (:meth:`bert_ds.padding.Unpadded.batch_fields`; ``max_seqlen`` a host int).
+    fields (:meth:`bert_ds.model.padding.Unpadded.batch_fields`; ``max_seqlen`` a host int).
     """
     width = max(len(s["input_ids"]) for s in samples)
     batch = len(samples)

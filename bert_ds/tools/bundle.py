@@ -1,6 +1,6 @@
 """Gather every wheel bert-ds needs into one folder, for GPU nodes without internet.
 
-    python -m bert_ds.bundle OUT_DIR [--python-version 3.11] [--platform manylinux_2_28_x86_64 ...]
+    python -m bert_ds.tools.bundle OUT_DIR [--python-version 3.11] [--platform manylinux_2_28_x86_64 ...]
                              [--torch SPEC | --no-torch] [--extra-index-url URL ...]
 
 Run it on a machine that reaches the package index, with the project's environment
@@ -74,8 +74,8 @@ from packaging.specifiers import SpecifierSet
 from packaging.utils import InvalidWheelFilename, canonicalize_name, parse_wheel_filename
 from packaging.version import Version
 
-from data_tools.atomic import atomic_write
-from data_tools.errors import UserError, report
+from bert_ds.base.atomic import atomic_write
+from bert_ds.base.errors import UserError, report
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 MARKER = ".bert-ds-bundle"  # an OUT_DIR holding it is an earlier bundle and may be rewritten
@@ -493,7 +493,7 @@ def install_md(pins: list[str], target: Target, project: LocalWheel) -> str:
                       "below inherits. Without one, pip stops with 'No matching distribution found for torch'.")
         venv = "python3 -m venv --system-site-packages .venv   # inherits the node's torch"
     about = textwrap.fill(f"Wheels for CPython {target.python_version} on {target.platforms[0]} (and the older "
-                          f"platform tags it runs), gathered by `python -m bert_ds.bundle`. {torch_note}", 88)
+                          f"platform tags it runs), gathered by `python -m bert_ds.tools.bundle`. {torch_note}", 88)
     return f"""# Offline install of bert-ds {project.version}
 
 {about}
@@ -505,7 +505,7 @@ BUNDLE=/path/to/this/folder
 (cd "$BUNDLE" && sha256sum -c --quiet SHA256SUMS)   # optional: check the copy
 {venv}
 .venv/bin/python -m pip install --no-index --find-links "$BUNDLE" -r "$BUNDLE/requirements.txt"
-.venv/bin/python -m bert_ds.extensions   # DeepSpeed's JIT ops, built now rather than at the first start
+.venv/bin/python -m bert_ds.train.extensions   # DeepSpeed's JIT ops, built now rather than at the first start
 .venv/bin/python -m bert_ds.train --help
 ```
 
@@ -571,14 +571,14 @@ def _prepare_out_dir(out_dir: Path) -> None:
     if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / MARKER).is_file():
         raise BundleError(f"{out_dir} is not empty and holds no earlier bundle: choose a new folder")
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / MARKER).write_text("written by python -m bert_ds.bundle; wheels here are replaced on a rerun\n")
+    (out_dir / MARKER).write_text("written by python -m bert_ds.tools.bundle; wheels here are replaced on a rerun\n")
     for name in LISTING_FILES:  # a bundle that stops half-way must not look complete
         (out_dir / name).unlink(missing_ok=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m bert_ds.bundle",
+        prog="python -m bert_ds.tools.bundle",
         description="Gather every wheel bert-ds needs (its own, its dependencies, DeepSpeed built here) into "
                     "OUT_DIR for an offline install on an air-gapped node; see OUT_DIR/INSTALL.md after.",
     )

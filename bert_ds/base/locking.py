@@ -20,7 +20,7 @@ import socket
 import time
 from pathlib import Path
 
-from data_tools.errors import UserError
+from bert_ds.base.errors import UserError
 
 LOCK_NAME = ".bert-ds.lock"
 

@@ -6,7 +6,7 @@ Layout of ``OUTPUT/checkpoints/``::
         ds/state/...          DeepSpeed engine, optimizer and scheduler state (every rank)
         model.safetensors     full fp32 weights (master copy), Hugging Face parameter names
         optimizer.safetensors full (unpartitioned) optimizer state per parameter, LR schedule
-        model_config.json     bert_ds.model.ModelConfig
+        model_config.json     bert_ds.model.bert.ModelConfig
         train_config.json     the TrainConfig of the run
         train_state.json      step, data cursor, tokens seen, skipped steps
         rng/rank_00000.pt     Python, NumPy and torch generator states of each rank
@@ -21,7 +21,7 @@ marker is never loaded, and a file whose CRC no longer matches is reported by na
 A write that fails (disk full, a read-only folder) on any rank is agreed by every rank
 where a barrier stood: the temporary folder is removed, every rank raises
 :class:`CheckpointSaveError`, and the previous checkpoint stays ``latest``.
-``model.safetensors`` lets `bert_ds.export` work without DeepSpeed or the world size
+``model.safetensors`` lets `bert_ds.checkpoint.export` work without DeepSpeed or the world size
 the run had.
 
 Resuming on another world size (R8 in the README's reliability promises): DeepSpeed's ZeRO-1/2 files hold one
@@ -58,9 +58,9 @@ import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from data_tools.atomic import as_umask_allows, file_crc32, fsync_path
-from data_tools.errors import UserError, describe
-from data_tools.tokenizer import HF_FILES
+from bert_ds.base.atomic import as_umask_allows, file_crc32, fsync_path
+from bert_ds.base.errors import UserError, describe
+from bert_ds.data_tools.tokenizer import HF_FILES
 
 MARKER = "COMPLETE"
 LATEST = "latest"

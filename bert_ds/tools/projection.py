@@ -5,7 +5,7 @@ tokens in 10 h 38 min on 8x A100, to a final MLM cross-entropy of 1.59 and maske
 accuracy of 0.67 (the Composer BERT-Base model card, mosaicml/composer
 ``docs/source/model_cards/BERT.md``; an older copy of that card said 35.2B tokens).
 :func:`project` turns an MFU
-(useful FLOP/s over a dense bf16 peak, by the accounting of :mod:`bert_ds.flops`) into
+(useful FLOP/s over a dense bf16 peak, by the accounting of :mod:`bert_ds.model.flops`) into
 the time of that same run on the anchor's hardware, and :func:`anchor_mfu` puts the
 anchor itself in the same units, so the two compare directly:
 
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from bert_ds.flops import DATASHEET_BF16_TFLOPS
+from bert_ds.model.flops import DATASHEET_BF16_TFLOPS
 
 
 @dataclass(frozen=True)

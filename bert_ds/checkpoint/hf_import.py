@@ -3,7 +3,7 @@
 A source is one of:
 
 - a Hugging Face BERT folder: ``config.json`` and ``model.safetensors`` or ``pytorch_model.bin``
-  of ``BertForPreTraining``, ``BertForMaskedLM`` or ``BertModel`` (a ``bert_ds.export`` is one);
+  of ``BertForPreTraining``, ``BertForMaskedLM`` or ``BertModel`` (a ``bert_ds.checkpoint.export`` is one);
 - a bert_ds checkpoint folder, its ``latest`` link, a ``checkpoints/`` folder or a run folder
   (the newest complete checkpoint, checked against its marker's CRCs);
 - a bare ``.safetensors`` file with our parameter names (its architecture: ``--preset``).
@@ -12,7 +12,7 @@ Design choices, and why:
 
 - **The architecture comes from the source.** The fields that decide the weights' shapes
   and the function they compute are the ones a resume refuses to change
-  (:data:`bert_ds.resume.FIELDS`), so that table defines them here too; the source's
+  (:data:`bert_ds.checkpoint.resume.FIELDS`), so that table defines them here too; the source's
   ``initializer_range`` comes along for the heads that start fresh. Dropout is
   regularisation, not architecture: bert_ds's defaults (or ``--dropout``) apply. A
   ``--preset`` that disagrees with the source is an error naming every differing size,
@@ -42,12 +42,12 @@ from typing import Any
 
 import torch
 
-from bert_ds import checkpoint
-from bert_ds.export import TIED_ALIASES, from_hf_config
-from bert_ds.model import PRESETS, ModelConfig
-from bert_ds.resume import FIELDS, REFUSED
-from data_tools.errors import UserError, describe
-from data_tools.tokenizer import load_vocabulary, vocab_entries
+from bert_ds.checkpoint import store as checkpoint
+from bert_ds.checkpoint.export import TIED_ALIASES, from_hf_config
+from bert_ds.model.bert import PRESETS, ModelConfig
+from bert_ds.checkpoint.resume import FIELDS, REFUSED
+from bert_ds.base.errors import UserError, describe
+from bert_ds.data_tools.tokenizer import load_vocabulary, vocab_entries
 
 # What a source decides about the model: the fields a resume may not change, and the init of fresh heads.
 ARCHITECTURE = tuple(name.removeprefix("model.") for name, kind in FIELDS.items()
@@ -140,7 +140,7 @@ def model_config(source: InitSource, preset: str | None, given: dict[str, Any]) 
     if arch.get("vocab_size") != given["vocab_size"]:
         raise InitFromError(f"{source.origin}: the model has {arch.get('vocab_size')} token embeddings but the "
                             f"shards' tokenizer {given['vocab_size']} tokens; build the shards with the model's "
-                            f"tokenizer (python -m data_tools build --vocab {source.tokenizer or 'ITS_TOKENIZER'} ...)")
+                            f"tokenizer (python -m bert_ds.data_tools build --vocab {source.tokenizer or 'ITS_TOKENIZER'} ...)")
     if preset is not None:
         if preset not in PRESETS:
             raise InitFromError(f"unknown model preset {preset!r}; choose one of {', '.join(PRESETS)}")

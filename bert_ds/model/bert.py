@@ -17,7 +17,7 @@ Design choices, and why:
   convention). Only the reference attention re-pads internally.
 - **The unpadded layout comes with the batch.** Token indices, ``cu_seqlens``,
   ``max_seqlen`` and the masked rows have data-dependent sizes; the loader computes
-  them on the host (:mod:`bert_ds.padding`), so the training forward and backward
+  them on the host (:mod:`bert_ds.model.padding`), so the training forward and backward
   only gather and never wait for the device (no ``.item()``, ``.tolist()``,
   ``.nonzero()`` or boolean-mask index): ``torch.compile(fullgraph=True)`` takes it
   whole. Callers with only an ``attention_mask`` still get it computed here.
@@ -41,9 +41,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from bert_ds.errors import ConfigError
-from bert_ds.padding import Unpadded, gather_tokens, unpad
-from kernels import Backend, OpShapes, bias_gelu, layer_norm, resolve_backend, varlen_attention
+from bert_ds.base.errors import ConfigError
+from bert_ds.model.padding import Unpadded, gather_tokens, unpad
+from bert_ds.kernels import Backend, OpShapes, bias_gelu, layer_norm, resolve_backend, varlen_attention
 
 # --------------------------------------------------------------------------- config
 
@@ -383,7 +383,7 @@ class PreTrainingOutput:
 
 
 def pretraining_inputs(batch: Mapping[str, torch.Tensor | int]) -> dict[str, Any]:
-    """A batch of ``bert_ds.data.collate`` as :meth:`BertForPreTraining.forward`'s keyword
+    """A batch of ``bert_ds.loader.pretraining.collate`` as :meth:`BertForPreTraining.forward`'s keyword
     arguments: the precomputed, sync-free layout (no NSP labels when the data has no pair task)."""
     return {"input_ids": batch["input_ids"], "token_type_ids": batch["token_type_ids"],
             "next_sentence_label": batch.get("next_sentence_label"), "unpadded": Unpadded.from_batch(batch)}
@@ -435,7 +435,7 @@ class BertForPreTraining(nn.Module):
 
         Where the real and the masked tokens are comes one of two ways:
 
-        - ``unpadded`` (training): the layout :func:`bert_ds.padding.unpad` computed on the
+        - ``unpadded`` (training): the layout :func:`bert_ds.model.padding.unpad` computed on the
           host, as the loader delivers it (:func:`pretraining_inputs`). The forward and
           backward then never wait for the device. MLM losses are computed when it
           carries masked positions.

@@ -45,8 +45,6 @@ Design choices:
 
 from __future__ import annotations
 
-import atexit
-import multiprocessing
 import os
 import signal
 import threading
@@ -55,7 +53,8 @@ import time
 import torch
 import torch.distributed as dist
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+from bert_ds.loader.workers import STOP_SIGNALS
+
 EXIT_RANK_FAILURE = 4  # the process exit status of a rank that gave up on its peers (see bert_ds.train)
 STARTUP_EXIT_GRACE_S = 5.0  # a stop signal before the first step: the longest the exit may unwind
 EXIT_INTERRUPTED = 128 + signal.SIGINT  # a second Ctrl-C: the shell's status for a process ended by SIGINT
@@ -189,40 +188,5 @@ def _second_ctrl_c(first: int, signum: int, after_s: float) -> bool:
     return signum == signal.SIGINT or (first == signal.SIGINT and signum == signal.SIGTERM)
 
 
-def loader_worker_init(worker_id: int) -> None:
-    """``worker_init_fn`` of the training data loader (runs after PyTorch set its own worker
-    handlers): the worker ignores stop signals, as above. Without this, PyTorch's SIGTERM handler
-    ends the worker and the trainer fails on its next batch instead of checkpointing."""
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, signal.SIG_IGN)
-
-
-def end_loader_workers_at_exit() -> None:
-    """In the trainer process, once: at interpreter exit, SIGKILL the daemonic children left.
-
-    multiprocessing ends a process's daemonic children at exit with SIGTERM and then waits
-    for them; loader workers ignore SIGTERM (:func:`loader_worker_init`), so a loader still
-    open at exit (one whose iterator an exception's traceback keeps alive) would make that
-    wait last forever. This runs first (atexit is last-in, first-out, and multiprocessing
-    registered its hook when torch imported it) and ends them the way SIGTERM would have.
-    PyTorch's normal shutdown of a loader (a sentinel to each worker) needs no signal.
-    """
-    global _EXIT_HOOK
-    if _EXIT_HOOK:
-        return
-    _EXIT_HOOK = True
-    atexit.register(_kill_daemonic_children)
-
-
-_EXIT_HOOK = False
-
-
-def _kill_daemonic_children() -> None:
-    for child in multiprocessing.active_children():
-        if child.daemon:
-            child.kill()
-            child.join(timeout=5.0)
-
-
 __all__ = ["EXIT_INTERRUPTED", "EXIT_RANK_FAILURE", "REPEAT_AFTER_S", "STARTUP_EXIT_GRACE_S", "STOP_SIGNALS",
-           "StopRequest", "end_loader_workers_at_exit", "loader_worker_init"]
+           "StopRequest"]

@@ -1,8 +1,8 @@
 """BERT's two-phase recipe (most steps at 128 tokens, then 512) from one JSON file.
 
-    python -m bert_ds.phases --config bert_ds/recipes/bert_base_two_phase.json
-    torchrun --nproc-per-node 8 -m bert_ds.phases --config FILE.json
-    python -m bert_ds.phases --config FILE.json --check     # validate and print the plan
+    python -m bert_ds.train.phases --config bert_ds/recipes/bert_base_two_phase.json
+    torchrun --nproc-per-node 8 -m bert_ds.train.phases --config FILE.json
+    python -m bert_ds.train.phases --config FILE.json --check     # validate and print the plan
 
 The file holds the run's output folder, the model (a preset plus field overrides), a
 base training configuration shared by every phase, and the phases in order, each with
@@ -41,11 +41,11 @@ from typing import Any
 
 import torch
 
-from bert_ds import checkpoint
+from bert_ds.checkpoint import store as checkpoint
 from bert_ds.config import TrainConfig
-from bert_ds.errors import ConfigError
-from bert_ds.model import PRESETS, model_preset
-from bert_ds.train import _print_summary, guarded, output_lock, run, training_session
+from bert_ds.base.errors import ConfigError
+from bert_ds.model.bert import PRESETS, model_preset
+from bert_ds.train.main import _print_summary, guarded, output_lock, run, training_session
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 _MERGED = ("data", "optim")  # sections a phase overrides key by key
@@ -163,7 +163,7 @@ def finished_checkpoint(cfg: TrainConfig) -> Path | None:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bert_ds.phases", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bert_ds.train.phases", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", required=True, help="phase plan JSON (see bert_ds/recipes/)")
     p.add_argument("--check", action="store_true", help="validate the plan, print each phase's settings, and exit")
     return p.parse_args(argv)
@@ -173,8 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
 
     def body() -> None:
-        from data_tools.errors import ShardError
-        from data_tools.manifest import Manifest
+        from bert_ds.base.errors import ShardError
+        from bert_ds.data_tools.manifest import Manifest
 
         plan = PhasePlan.load(Path(args.config))
         try:
@@ -190,25 +190,25 @@ def main(argv: list[str] | None = None) -> int:
                       f"{cfg.global_batch_size} (micro {cfg.micro_batch_size}), lr {cfg.optim.lr:g}, "
                       f"warm-up {cfg.optim.warmup_steps}, {cfg.ds_config} -> {cfg.output}")
             return
-        with (output_lock(plan.output, "bert_ds.phases"),  # the phases' folders are inside it
+        with (output_lock(plan.output, "bert_ds.train.phases"),  # the phases' folders are inside it
               training_session(configs[0].collective_timeout) as (rank, world, device, stop)):
             say = print if rank == 0 else (lambda *a, **k: None)
             previous: Path | None = None
             for phase, cfg in zip(plan.phases, configs):
                 done = finished_checkpoint(cfg)
                 if done is not None:
-                    say(f"[bert_ds.phases] {phase.name}: finished ({done}), not rerun", file=sys.stderr, flush=True)
+                    say(f"[bert_ds.train.phases] {phase.name}: finished ({done}), not rerun", file=sys.stderr, flush=True)
                     previous = done
                     continue
                 if previous is not None:
                     cfg = dataclasses.replace(cfg, init_from=str(previous))
-                say(f"[bert_ds.phases] {phase.name}: {cfg.steps} steps at seq {cfg.data.max_seq_length}"
+                say(f"[bert_ds.train.phases] {phase.name}: {cfg.steps} steps at seq {cfg.data.max_seq_length}"
                     f"{', from ' + str(previous) if previous else ''}", file=sys.stderr, flush=True)
                 summary = run(cfg, True, rank, world, device, stop=stop)
                 if rank == 0:
                     _print_summary(summary)
                 if summary["steps"] < cfg.steps or summary["stopped_by"]:  # a signal or --exit-after: rerun to go on
-                    say(f"[bert_ds.phases] {phase.name}: stopped at step {summary['steps']}; rerun the same "
+                    say(f"[bert_ds.train.phases] {phase.name}: stopped at step {summary['steps']}; rerun the same "
                         "command to resume", file=sys.stderr, flush=True)
                     return
                 previous = Path(summary["checkpoint"])

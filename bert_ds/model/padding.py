@@ -28,7 +28,7 @@ IGNORE_INDEX = -100  # label of a position that is not predicted (the Hugging Fa
 class Unpadded:
     """The packed layout of a (B, S) batch with T real tokens, M of them masked.
 
-    Field names are also the batch keys under which :func:`bert_ds.data.collate`
+    Field names are also the batch keys under which :func:`bert_ds.loader.pretraining.collate`
     delivers them (:meth:`batch_fields`, :meth:`from_batch`).
     """
 

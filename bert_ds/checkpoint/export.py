@@ -1,8 +1,8 @@
 """Export a bert-ds checkpoint as a Hugging Face ``BertForPreTraining`` folder.
 
-    python -m bert_ds.export CHECKPOINT_DIR OUT_DIR
+    python -m bert_ds.checkpoint.export CHECKPOINT_DIR OUT_DIR
 
-The checkpoint folder (written by :mod:`bert_ds.checkpoint`) holds
+The checkpoint folder (written by :mod:`bert_ds.checkpoint.store`) holds
 ``model.safetensors`` (fp32, our parameter names, the tied decoder weight present
 or not), ``model_config.json`` (:meth:`ModelConfig.to_dict`) and ``tokenizer/``.
 The export holds ``config.json``, ``model.safetensors`` and the tokenizer files.
@@ -35,12 +35,12 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from bert_ds import checkpoint
-from bert_ds.errors import ConfigError, UserError
-from data_tools.errors import describe, report
-from bert_ds.model import BertForPreTraining, ModelConfig
-from bert_ds.padding import gather_tokens, unpad
-from data_tools.atomic import as_umask_allows, fsync_path
+from bert_ds.checkpoint import store as checkpoint
+from bert_ds.base.errors import ConfigError, UserError
+from bert_ds.base.errors import describe, report
+from bert_ds.model.bert import BertForPreTraining, ModelConfig
+from bert_ds.model.padding import gather_tokens, unpad
+from bert_ds.base.atomic import as_umask_allows, fsync_path
 
 TIED_ALIASES = {
     # alias in the state dict -> the parameter it is tied to
@@ -307,7 +307,7 @@ def _replace_folder(new: Path, dest: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m bert_ds.export",
+        prog="python -m bert_ds.checkpoint.export",
         description="Export a bert-ds checkpoint as a Hugging Face BertForPreTraining folder "
                     "(config.json, model.safetensors, tokenizer files), checked by loading it back.",
     )

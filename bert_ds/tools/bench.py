@@ -1,6 +1,6 @@
 """Training throughput of bert_ds against Hugging Face transformers, on the same device in one run.
 
-    python -m bert_ds.bench [--device cpu|cuda] [--preset base[,large]] [--seq-len 128[,512]]
+    python -m bert_ds.tools.bench [--device cpu|cuda] [--preset base[,large]] [--seq-len 128[,512]]
                             [--variants a,b,c] [--steps N] [--warmup N] [--data DIR]
                             [--json FILE] [--markdown FILE]
 
@@ -8,15 +8,15 @@ For every (preset, sequence length) it times three ways to train the same BERT o
 same batches, one after the other, each a loop of loader -> host-to-device copy ->
 forward -> backward -> optimizer step:
 
-- (a) bert_ds: ``bert_ds.model`` with ``kernels=cuda`` (every op fused; where that is
+- (a) bert_ds: ``bert_ds.model.bert`` with ``kernels=cuda`` (every op fused; where that is
   impossible, the variant reports why and the others still run), unpadded, the MLM
-  decoder on masked tokens only, and LAMB (``bert_ds.lamb``); on a CPU, ``kernels=auto``;
+  decoder on masked tokens only, and LAMB (``bert_ds.optim.lamb``); on a CPU, ``kernels=auto``;
 - (b) bert_ds with ``kernels=torch``: the same model on the PyTorch-native ops (varlen_attn on CUDA);
 - (c) ``transformers.BertForPreTraining`` with SDPA attention and torch's fused AdamW,
   fed the padded batch and dense labels: what a user would otherwise run.
 
 It prints a markdown table per configuration and the projection of the anchor run
-(:mod:`bert_ds.projection`); ``--json`` and ``--markdown`` keep every figure.
+(:mod:`bert_ds.tools.projection`); ``--json`` and ``--markdown`` keep every figure.
 
 Design choices, and why:
 
@@ -46,11 +46,11 @@ Design choices, and why:
   host's time blocked on the loader and issuing the copy to the device; the rest is
   compute. Per-step compute times come from CUDA events (no synchronization between
   steps) or, on CPU, the host clock; the process CPU time is recorded too.
-- **One FLOPs accounting.** Useful FLOPs are :func:`bert_ds.flops.training_flops` for all
+- **One FLOPs accounting.** Useful FLOPs are :func:`bert_ds.model.flops.training_flops` for all
   three variants (the work a step must do, not what transformers spends on padding and
   unmasked logits), so MFU and tokens/s rank alike. MFU is against the datasheet dense
   bf16 peak (known GPUs) and against a matmul measured in the same run (the best of one
-  probe before and one after the variants; :mod:`kernels.probes`), next to a copy probe.
+  probe before and one after the variants; :mod:`bert_ds.kernels.probes`), next to a copy probe.
 - **Peak memory** per variant is ``torch.cuda.max_memory_allocated`` over its whole life
   (model, gradients, optimizer state, activations); the variants run one at a time and
   each is freed before the next. On CPU there is no per-variant figure.
@@ -75,14 +75,14 @@ import torch
 from torch.utils.data import Dataset
 
 from bert_ds.config import BatchPlan
-from bert_ds.data import IGNORE_INDEX, Batch, PretrainingLoader, SpecialTokens, collate, to_device
-from bert_ds.errors import ConfigError, UserError
-from bert_ds.flops import datasheet_peak_tflops, training_flops
-from bert_ds.model import PRESETS, BertForPreTraining, ModelConfig, model_preset, pretraining_inputs
-from bert_ds.projection import ANCHOR, anchor_mfu, hours_minutes, project
-from data_tools.errors import report
-from kernels import probes
-from kernels.dispatch import KernelUnavailable
+from bert_ds.loader.pretraining import IGNORE_INDEX, Batch, PretrainingLoader, SpecialTokens, collate, to_device
+from bert_ds.base.errors import ConfigError, UserError
+from bert_ds.model.flops import datasheet_peak_tflops, training_flops
+from bert_ds.model.bert import PRESETS, BertForPreTraining, ModelConfig, model_preset, pretraining_inputs
+from bert_ds.tools.projection import ANCHOR, anchor_mfu, hours_minutes, project
+from bert_ds.base.errors import report
+from bert_ds.kernels import probes
+from bert_ds.kernels.dispatch import KernelUnavailable
 
 BERT_VOCAB_SIZE = 30522  # bert-base-uncased: the vocabulary of the published models
 FULL_LENGTH_PROB = 0.9  # BERT's short_seq_prob = 0.1
@@ -172,7 +172,7 @@ class BenchSettings:
 # --------------------------------------------------------------------------- batches
 
 def synthetic_length(rng: np.random.Generator, seq_len: int) -> int:
-    """One sample's length in tokens, the way bert_ds.data chunks documents (see module doc)."""
+    """One sample's length in tokens, the way bert_ds.loader.pretraining chunks documents (see module doc)."""
     if rng.random() < FULL_LENGTH_PROB:
         return seq_len
     target = int(rng.integers(2, seq_len - 3 + 1))
@@ -218,7 +218,7 @@ def open_samples(s: BenchSettings, seq_len: int) -> tuple[Dataset, str]:
         return (SyntheticPretraining(seq_len, s.vocab_size, s.seed),
                 "synthetic (BERT's 90% full-length / 10% short targets, NSP pairs)")
     from bert_ds.config import DataConfig
-    from bert_ds.data import PretrainingDataset
+    from bert_ds.loader.pretraining import PretrainingDataset
 
     return (PretrainingDataset(s.data, DataConfig(train=[s.data], max_seq_length=seq_len), s.seed),
             f"real shards: {s.data}")
@@ -261,8 +261,8 @@ def build_variant(v: Variant, cfg: ModelConfig, weights: dict[str, torch.Tensor]
     :class:`KernelUnavailable` that says why, never a silent mix. On a CPU it runs
     ``kernels=auto``, which is the reference there.
     """
-    from bert_ds.lamb import Lamb
-    from bert_ds.optim import param_groups
+    from bert_ds.optim.lamb import Lamb
+    from bert_ds.optim.builders import param_groups
 
     if v.family == "bert_ds":
         kernels = v.kernels if v.kernels != "fused" else "cuda" if device.type == "cuda" else "auto"
@@ -274,7 +274,7 @@ def build_variant(v: Variant, cfg: ModelConfig, weights: dict[str, torch.Tensor]
     else:
         import transformers
 
-        from bert_ds.export import to_hf_config
+        from bert_ds.checkpoint.export import to_hf_config
 
         model = transformers.BertForPreTraining(to_hf_config(cfg))
         model.set_attn_implementation("sdpa")
@@ -524,7 +524,7 @@ def markdown(r: dict[str, Any]) -> str:
             f"{c['source']}; vocabulary {c['vocab_size']:,}; {b['mean_real_length']:.1f} real tokens/sample, "
             f"{b['full_length_share']:.0%} full length, {b['padding_share']:.1%} padding, "
             f"{b['masked_per_step']:.0f} masked tokens/step. Work per step: {b['useful_gflop_per_step']:,.1f} GFLOP "
-            f"useful (the accounting of bert_ds/flops.py), {b['padded_dense_gflop_per_step']:,.1f} GFLOP computed "
+            f"useful (the accounting of bert_ds/model/flops.py), {b['padded_dense_gflop_per_step']:,.1f} GFLOP computed "
             f"by a padded model with a dense MLM decoder ({b['padded_dense_gflop_per_step'] / b['useful_gflop_per_step']:.2f}x).",
             "",
             "| variant | kernels | ms/step | real tokens/s | vs (c) | data wait | useful TFLOP/s | MFU datasheet "
@@ -567,7 +567,7 @@ def projection_markdown(p: dict[str, Any]) -> list[str]:
         f"At MFU m (against the datasheet bf16 peak, measured at {p['from']['preset']}, seq {p['from']['seq_len']}): "
         f"tokens/s per A100 = m x {peak:.0f} TFLOP/s / {f / 1e9:.3f} GFLOP; time = {a['tokens'] / 1e9:.1f}B / "
         f"({a['gpus']} x tokens/s per A100). Assumes the MFU carries over to an A100 and perfect 8-GPU data "
-        "parallelism (see bert_ds/projection.py).",
+        "parallelism (see bert_ds/tools/projection.py).",
         "", "| variant | MFU | tokens/s per A100 | 32.8B tokens on 8x A100 | vs anchor |", "|---|---:|---:|---:|---:|",
         f"| anchor (HF under Composer, reported) | {p['anchor_mfu']:.1%} | {p['anchor_tokens_per_s_per_gpu']:,.0f} | "
         f"{hours_minutes(a['seconds'])} | 1.00x |",
@@ -580,7 +580,7 @@ def projection_markdown(p: dict[str, Any]) -> list[str]:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     cuda = torch.cuda.is_available()
-    p = argparse.ArgumentParser(prog="python -m bert_ds.bench", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m bert_ds.tools.bench", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if cuda else "cpu")
     p.add_argument("--precision", choices=["fp32", "bf16"], default=None,

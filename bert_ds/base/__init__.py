@@ -1,0 +1,7 @@
+"""The shared base every layer imports, and which imports nothing of bert-ds.
+
+- :mod:`.errors`: :class:`~.errors.UserError` and its kinds, the one-line report, and the
+  process exit statuses of every entry point.
+- :mod:`.atomic`: crash-safe file writes (temporary name, fsync, rename).
+- :mod:`.locking`: one writer per output folder (``flock``, released by the OS on any exit).
+"""

@@ -1,0 +1,5 @@
+import sys
+
+from bert_ds.train.main import main
+
+sys.exit(main())
