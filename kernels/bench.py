@@ -1,7 +1,7 @@
 """Speed of the fused kernels against PyTorch, at BERT-Base and BERT-Large shapes (GPU only).
 
     python -m bert_ds.kernels.bench [--ops layer_norm,bias_gelu,varlen_attention] [--dtype bf16]
-                            [--tokens 16384] [--reps 30] [--no-compile] [--json FILE]
+                                    [--tokens 16384] [--reps 30] [--no-compile] [--json FILE]
 
 Prints a markdown table; ``--json FILE`` also writes every figure with the device,
 driver, torch, CUDA and git commit. On a machine without a CUDA device it says so in

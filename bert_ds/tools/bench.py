@@ -1,8 +1,8 @@
 """Training throughput of bert_ds against Hugging Face transformers, on the same device in one run.
 
     python -m bert_ds.tools.bench [--device cpu|cuda] [--preset base[,large]] [--seq-len 128[,512]]
-                            [--variants a,b,c] [--steps N] [--warmup N] [--data DIR]
-                            [--json FILE] [--markdown FILE]
+                                  [--variants a,b,c] [--steps N] [--warmup N] [--data DIR]
+                                  [--json FILE] [--markdown FILE]
 
 For every (preset, sequence length) it times three ways to train the same BERT on the
 same batches, one after the other, each a loop of loader -> host-to-device copy ->
