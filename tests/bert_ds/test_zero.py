@@ -94,13 +94,18 @@ def _flats(built: _Built) -> list[torch.Tensor]:
     return [part.flat for part in zero.flat_partitions(built.engine)]
 
 
-# One check per kind of `expect`: value is getattr(obj, field.name). Returns False where the
-# kind does not apply to this instance (the entry must apply to at least one).
-def _check_function(value, expect: str, built: _Built | None) -> bool:
+# One check per kind of `expect`, called as check(value, built) with value = getattr(obj, name).
+# Returns False where the kind does not apply to this instance (an entry must apply to one).
+def _function_check(expect: str):
+    """For ``function(a, b)``: a callable whose parameters are named a, b."""
     want = expect.removeprefix("function(").removesuffix(")").split(", ")
-    assert callable(value), f"{value!r} is not callable"
-    assert list(inspect.signature(value).parameters) == want, inspect.signature(value)
-    return True
+
+    def check(value, built: _Built | None) -> bool:
+        assert callable(value), f"{value!r} is not callable"
+        assert list(inspect.signature(value).parameters) == want, inspect.signature(value)
+        return True
+
+    return check
 
 
 def _check_per_group(value, built: _Built, each) -> bool:
@@ -188,7 +193,7 @@ def _check_field(field: zero.Field, built: list[_Built]) -> str:
     instances = _instances(field.owner, built)
     if not instances:
         return f"no {field.owner} among the engines {', '.join(b.name for b in built)}"
-    check = _check_function if field.expect.startswith("function(") else CHECKS.get(field.expect)
+    check = _function_check(field.expect) if field.expect.startswith("function(") else CHECKS.get(field.expect)
     if check is None:
         return f"no check for the kind {field.expect!r}: add one to CHECKS"
     applied = 0
@@ -196,7 +201,7 @@ def _check_field(field: zero.Field, built: list[_Built]) -> str:
         where = f"{field.owner}.{field.name}" + (f" ({b.name})" if b else "")
         try:
             value = obj if field.expect == "skip protocol" else getattr(obj, field.name)
-            applied += bool(check(value, field.expect, b) if check is _check_function else check(value, b))
+            applied += bool(check(value, b))
         except AttributeError as e:
             return f"{where}: missing ({e})"
         except (AssertionError, pytest.fail.Exception) as e:
