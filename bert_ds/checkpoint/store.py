@@ -33,7 +33,8 @@ checkpoint also carries the world-size-free state: the fp32 master weights
 ``safe_get_full_optimizer_state``), plus the step counts and the LR schedule. Resuming
 on the world size of the save loads DeepSpeed's own files (bitwise exact, loss scaler
 and RNG included); on any other world size the engine is built fresh and given those
-tensors (``safe_set_full_*``), which is exact too, except that an fp16 loss scale
+tensors (``safe_set_full_*``; both directions go through :mod:`bert_ds.zero`, which owns
+every use of DeepSpeed's internals), which is exact too, except that an fp16 loss scale
 starts over and dropout's RNG streams are per rank. The price is one more copy of the
 optimizer state per checkpoint (2 x fp32 model size for LAMB/AdamW).
 
@@ -58,6 +59,7 @@ import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
+from bert_ds import zero
 from bert_ds.base.atomic import as_umask_allows, file_crc32, fsync_path
 from bert_ds.base.errors import UserError, describe
 from bert_ds.data_tools.tokenizer import HF_FILES
@@ -112,11 +114,9 @@ def full_fp32_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     Collective under ZeRO (every rank must call it, in the same order). Tied
     parameters appear once, under their first name.
     """
-    from deepspeed.utils import safe_get_full_fp32_param
-
     out: dict[str, torch.Tensor] = {}
     for name, param in module.named_parameters():
-        full = safe_get_full_fp32_param(param)
+        full = zero.full_fp32_param(param)
         tensor = param.detach() if full is None else full
         out[name] = tensor.float().cpu().clone()
     return out
@@ -428,34 +428,16 @@ def read_weights(file: Path) -> dict[str, torch.Tensor]:
 
 # --------------------------------------------------------------------------- world-size-free state
 
-def _partitioned(engine) -> bool:
-    """True under ZeRO-1/2 (and DeepSpeed's bf16 wrapper): fp32 master weights and optimizer
-    state live in per-rank flat partitions, reachable per parameter through ``_hp_mapping``."""
-    from deepspeed.runtime.base_optimizer import ZeROOptimizer
-
-    return isinstance(engine.optimizer, ZeROOptimizer)
-
-
 def _check_portable_engine(engine, source: Path) -> None:
-    if engine.zero_optimization_stage() == 3:
-        raise CheckpointError(f"{source}: loading full weights into a ZeRO-3 engine is not supported; "
-                              "use a ZeRO stage 0-2 config")
-    if not _partitioned(engine) and not isinstance(engine.optimizer, torch.optim.Optimizer):
-        raise CheckpointError(f"{source}: loading full weights needs ZeRO-0 in fp32 or ZeRO-1/2 "
-                              f"(this engine's optimizer is DeepSpeed's {type(engine.optimizer).__name__})")
-
-
-def _client_optimizer(engine) -> torch.optim.Optimizer:
-    """The optimizer bert-ds built; under ZeRO-1/2 its param groups hold DeepSpeed's flat partitions."""
-    return engine.optimizer.optimizer if _partitioned(engine) else engine.optimizer
+    reason = zero.full_state_unsupported(engine)
+    if reason is not None:
+        raise CheckpointError(f"{source}: {reason}")
 
 
 def install_weights(engine, weights: dict[str, torch.Tensor], *, source: Path,
                     fresh: frozenset[str] = frozenset()) -> None:
     """Set every parameter and, under ZeRO-1/2, its fp32 master fragment, from full fp32 tensors;
     the parameters named in ``fresh`` may be absent and keep their initial values."""
-    from deepspeed.utils import safe_set_full_fp32_param
-
     _check_portable_engine(engine, source)
     params = {name: p for name, p in engine.module.named_parameters() if name in weights or name not in fresh}
     missing, unexpected = sorted(set(params) - set(weights)), sorted(set(weights) - set(params))
@@ -467,7 +449,7 @@ def install_weights(engine, weights: dict[str, torch.Tensor], *, source: Path,
             if w.shape != p.shape:
                 raise CheckpointError(f"{source}: {name} has shape {tuple(w.shape)}, the model {tuple(p.shape)}")
             p.copy_(w.to(device=p.device, dtype=p.dtype))
-            safe_set_full_fp32_param(p, w.to(device=p.device, dtype=torch.float32))
+            zero.set_full_fp32_param(p, w.to(device=p.device, dtype=torch.float32))
 
 
 @dataclass
@@ -490,9 +472,7 @@ class OptimizerSnapshot:
 
     def install(self, engine, *, source: Path) -> None:
         """Give a freshly built engine this state (every rank, before the first step)."""
-        from deepspeed.utils import safe_set_full_optimizer_state
-
-        opt = _client_optimizer(engine)
+        opt = zero.client_optimizer(engine)
         if len(self.scalars) != len(opt.param_groups):
             raise CheckpointError(f"{source}: {len(self.scalars)} param groups, the optimizer has {len(opt.param_groups)}")
         keys = sorted({k.split("/", 1)[0] for k in self.tensors})
@@ -501,15 +481,8 @@ class OptimizerSnapshot:
         absent = [f"{key}/{name}" for (key, name), t in full.items() if t is None]
         if absent:
             raise CheckpointError(f"{source}: no optimizer state for {', '.join(absent[:3])}")
-        if _partitioned(engine):
-            # DeepSpeed creates the state at the first step; create it now and link each
-            # parameter's fragment to it, as DeepSpeed does after a step.
-            for i, group in enumerate(opt.param_groups):
-                flat = group["params"][0]
-                opt.state[flat] = {**{key: torch.zeros_like(flat) for key in keys}, **_decode(self.scalars[i])}
-            _link_fragments(opt, params)
-            for (key, name), t in full.items():
-                safe_set_full_optimizer_state(params[name], t.to(params[name].device), key)
+        if zero.is_partitioned(engine):
+            zero.install_partitioned_state(engine, full, [_decode(s) for s in self.scalars])
         else:
             names = {id(p): n for n, p in params.items()}
             for i, group in enumerate(opt.param_groups):
@@ -525,26 +498,20 @@ class OptimizerSnapshot:
 def optimizer_snapshot(engine) -> OptimizerSnapshot | None:
     """Gather the full optimizer state of every parameter (collective under ZeRO: every rank
     calls it, in the same order). None before the optimizer's first step (it has no state)."""
-    from deepspeed.utils import safe_get_full_optimizer_state
-
-    if engine.zero_optimization_stage() == 3 or not (_partitioned(engine) or isinstance(engine.optimizer, torch.optim.Optimizer)):
+    if zero.full_state_unsupported(engine) is not None:
         return None  # no full-weight path for these layouts (see _check_portable_engine)
-    opt = _client_optimizer(engine)
-    params = dict(engine.module.named_parameters())
     tensors: dict[str, torch.Tensor] = {}
     scalars: list[dict[str, Any]] = []
-    if _partitioned(engine):
-        flats = [g["params"][0] for g in opt.param_groups]
-        if any(f not in opt.state for f in flats):
+    if zero.is_partitioned(engine):
+        gathered = zero.gather_partitioned_state(engine)
+        if gathered is None:
             return None
-        keys = sorted(k for k, v in opt.state[flats[0]].items() if torch.is_tensor(v) and v.shape == flats[0].shape)
-        _link_fragments(opt, params)
-        for key in keys:
-            for name, p in params.items():
-                tensors[f"{key}/{name}"] = safe_get_full_optimizer_state(p, key).float().cpu().clone()
-        scalars = [_encode({k: v for k, v in opt.state[f].items() if k not in keys}) for f in flats]
+        full, group_scalars = gathered
+        tensors = {f"{key}/{name}": t for (key, name), t in full.items()}
+        scalars = [_encode(values) for values in group_scalars]
     else:
-        names = {id(p): n for n, p in params.items()}
+        opt = zero.client_optimizer(engine)
+        names = {id(p): n for n, p in engine.module.named_parameters()}
         for group in opt.param_groups:
             held = [p for p in group["params"] if p in opt.state]
             if not held:
@@ -556,21 +523,6 @@ def optimizer_snapshot(engine) -> OptimizerSnapshot | None:
                     tensors[f"{key}/{names[id(p)]}"] = opt.state[p][key].float().cpu().clone()
             scalars.append(_encode({k: v for k, v in first.items() if k not in keys}))
     return OptimizerSnapshot(tensors, scalars, engine.lr_scheduler.state_dict())
-
-
-def _link_fragments(opt: torch.optim.Optimizer, params: dict[str, torch.nn.Parameter]) -> None:
-    """Point every parameter's ZeRO fragment at the optimizer state of its flat partition.
-
-    DeepSpeed links them once, after the first step of param group 0, while the other
-    groups have no state yet; so with two groups (decay / no decay) the second group's
-    fragments stay empty and ``safe_get_full_optimizer_state`` fails for them. Linking
-    again is idempotent (the links are views).
-    """
-    from deepspeed.utils import lazy_init_hp_params_optimizer_state
-
-    for i, group in enumerate(opt.param_groups):
-        members = [p for p in params.values() if p._hp_mapping is not None and p._hp_mapping.param_group_index == i]
-        lazy_init_hp_params_optimizer_state(members, group["params"][0], opt.state)
 
 
 def _encode(values: dict[str, Any]) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """Optimizers and the learning-rate schedule.
 
 LAMB (``bert_ds.optim.lamb``) is the default: per-parameter trust ratios, correct under ZeRO-1/2
-once bound to the engine's partitions (:func:`bind_to_engine`), in NVIDIA's BERT variant
+once bound to the engine's partitions (:func:`bind_to_engine`, which reads them through
+:mod:`bert_ds.zero`), in NVIDIA's BERT variant
 (no ratio where weight decay is 0) unless ``lamb_variant="paper"``. AdamW is torch's.
 
 Weight decay is applied to matrices and embeddings only: biases and LayerNorm
@@ -16,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
+from bert_ds import zero
 from bert_ds.config import OptimConfig
 from bert_ds.optim.lamb import Lamb
 
@@ -53,8 +55,17 @@ def build_schedule(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_ste
     return LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg, total_steps))
 
 
-def bind_to_engine(optimizer: torch.optim.Optimizer, engine) -> None:
-    """After ``deepspeed.initialize``: let LAMB see which parameter each slice of ZeRO's
-    flat partitions belongs to (every rank, before the first step)."""
-    if isinstance(optimizer, Lamb):
-        optimizer.bind_zero_partitions(engine)
+def bind_to_engine(optimizer: torch.optim.Optimizer, engine) -> int:
+    """After ``deepspeed.initialize``, on every rank before the first step: show LAMB where each
+    parameter's fragments lie in ZeRO-1/2's flat partitions, so that its trust ratios stay per
+    parameter. Returns how many flat tensors were bound: 0 for another optimizer, and where the
+    engine steps the model's own parameters (ZeRO-0 in fp32)."""
+    if not isinstance(optimizer, Lamb) or zero.steps_directly(engine, optimizer):
+        return 0
+    if zero.client_optimizer(engine) is not optimizer:
+        raise ValueError(f"DeepSpeed's {type(engine.optimizer).__name__} does not wrap this optimizer; "
+                         "pass the engine built from it")
+    partitions = zero.flat_partitions(engine)
+    for part in partitions:
+        optimizer.bind_flat_tensor(part.flat, part.segments, len(part.params), part.group)
+    return len(partitions)

@@ -24,27 +24,25 @@ Design choices, and why:
   the call on an overflow; doing either again here would change the recipe.
 - **A reference and a fast path.** :class:`LambReference` loops over tensors and is the
   definition; :class:`Lamb` does the same with ``torch._foreach_*`` ops. Tests pin them.
-- **Per-parameter ratios under ZeRO.** ZeRO-1/2 in any precision (DeepSpeedZeroOptimizer,
-  or BF16_Optimizer for bf16 with fp32 gradient accumulation) replace each param group's
-  ``params`` by ONE flat fp32 tensor: this rank's slice of the group's concatenated
-  parameters, the master copy; bf16/fp16 never reach the optimizer. A ratio over that tensor mixes parameters and changes
-  with the world size (DeepSpeed issues #88, #490, #4417). After ``deepspeed.initialize``,
-  ``lamb.bind_zero_partitions(engine)`` reads where each parameter's fragment sits in the
-  flat tensor (``param._hp_mapping``); ``step()`` then reduces squared norms of the
-  weights and of the update per fragment, all-reduces the ``(2, num_params)`` sums over
-  the data-parallel group in one call per param group (apex's DistributedFusedLAMB does
-  the same), and scales every fragment by its own parameter's ratio. A parameter split
-  between ranks, or absent from a rank, gets the same ratio everywhere.
+- **Per-parameter ratios over flat tensors.** A sharding wrapper (DeepSpeed ZeRO-1/2) may
+  replace each param group's ``params`` by ONE flat tensor: this rank's slice of the group's
+  concatenated parameters. A ratio over that tensor mixes parameters and changes with the
+  world size (DeepSpeed issues #88, #490, #4417). :meth:`Lamb.bind_flat_tensor` takes where
+  each parameter's fragment lies in it (``segments``) and the process group whose ranks hold
+  the other fragments; ``step()`` then reduces squared norms of the weights and of the update
+  per fragment, all-reduces the ``(2, num_params)`` sums over that group in one call per param
+  group (apex's DistributedFusedLAMB does the same), and scales every fragment by its own
+  parameter's ratio. A parameter split between ranks, or absent from a rank, gets the same
+  ratio everywhere. Reading the segments out of DeepSpeed is :mod:`bert_ds.zero`'s business;
+  ``bert_ds.optim.builders.bind_to_engine`` passes them on.
 - **Vectorised and accurate segment norms.** Fragments are cut into chunks of at most
   ``_CHUNK`` elements; one ``segment_reduce`` sums the chunks and an fp64 ``index_add_``
   sums chunks into parameters. A single fp32 reduction over a 20M-element fragment is
   off by ~4% on CPU; the two-level sum stays within ~1e-8.
 - **A forgotten bind is an error.** ``step()`` refuses tensors that were neither passed
-  to the constructor nor bound, instead of silently running the per-partition LAMB.
-- **Not supported:** ZeRO-3 (it partitions each parameter on its own), and ZeRO-0 with
-  bf16/fp16, whose wrapper (FP16_UnfusedOptimizer) steps the optimizer once with zero
-  gradients inside ``deepspeed.initialize``; for LAMB that step is ``w -= lr * w`` wherever
-  weight decay is on. Both end in an error, not in a different optimizer.
+  to the constructor nor bound, instead of silently running a per-partition LAMB.
+- **No DeepSpeed here.** This module is the optimizer math and the flat-tensor layout only;
+  which DeepSpeed layouts it runs under (ZeRO-0 in fp32, ZeRO-1/2) is said in :mod:`bert_ds.zero`.
 """
 
 from __future__ import annotations
@@ -210,17 +208,15 @@ class Lamb(torch.optim.Optimizer):
     """LAMB with ``torch._foreach_*`` ops and one trust ratio per model parameter.
 
     Param groups carry their own ``weight_decay``; put biases and LayerNorm weights in a
-    group with 0 (under the default ``variant="nvidia"`` that group takes plain Adam steps). Ordinary parameters get one ratio per tensor. Flat tensors that hold
-    fragments of several parameters get per-parameter ratios once bound, either by
-    :meth:`bind_zero_partitions` (DeepSpeed) or :meth:`bind_flat_tensor` (any layout).
+    group with 0 (under the default ``variant="nvidia"`` that group takes plain Adam steps).
+    Ordinary parameters get one ratio per tensor. Flat tensors that hold fragments of several
+    parameters get per-parameter ratios once bound with :meth:`bind_flat_tensor`.
 
-    Under DeepSpeed::
+    Under DeepSpeed ZeRO-1/2 (``"zero_allow_untested_optimizer": true`` in its config)::
 
         lamb = Lamb(param_groups, lr=..., weight_decay=...)
         engine, *_ = deepspeed.initialize(model=model, optimizer=lamb, config=cfg)
-        lamb.bind_zero_partitions(engine)   # before the first engine.step(), every rank
-
-    ZeRO-1/2 need ``"zero_allow_untested_optimizer": true`` in the DeepSpeed config.
+        bind_to_engine(lamb, engine)   # bert_ds.optim.builders; every rank, before the first step
     """
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
@@ -253,44 +249,6 @@ class Lamb(torch.optim.Optimizer):
             raise ValueError("the flat tensor is not in this optimizer's param groups")
         self._layouts[id(flat)] = _flat_layout(flat, segments, num_params, group)
 
-    def bind_zero_partitions(self, engine_or_optimizer) -> int:
-        """Bind the flat fp32 partitions DeepSpeed handed to this optimizer; returns how many.
-
-        Takes the engine from ``deepspeed.initialize`` or its ``.optimizer``. Call on every
-        rank after ``deepspeed.initialize`` and before the first step. ZeRO-0 in fp32 steps
-        the model's own parameters: nothing to bind, returns 0. ZeRO-1/2 in fp32, bf16 or fp16
-        (``DeepSpeedZeroOptimizer``, and ``BF16_Optimizer`` for bf16 with fp32 gradient
-        accumulation) hold one flat partition per param group, whose ``.step()`` DeepSpeed
-        calls on this very object: they are bound. ZeRO-3 is refused here, and ZeRO-0 with
-        bf16/fp16 already fails inside ``deepspeed.initialize`` (see ``step``).
-        """
-        from deepspeed.runtime.engine import DeepSpeedEngine
-
-        wrapper = engine_or_optimizer.optimizer if isinstance(engine_or_optimizer, DeepSpeedEngine) \
-            else engine_or_optimizer
-        if wrapper is self:
-            return 0
-        if not hasattr(wrapper, "optimizer") or wrapper.optimizer is not self:
-            raise ValueError(f"{type(wrapper).__name__} does not wrap this optimizer; pass the engine built "
-                             "from it (or engine.optimizer)")
-        partitions = _zero_partitions(wrapper)
-        for i, (params, flat, group) in enumerate(partitions):
-            held = self.param_groups[i]["params"]
-            if len(held) != 1 or held[0] is not flat:
-                raise RuntimeError(f"param group {i} does not hold DeepSpeed's flat partition {i}")
-            segments = []
-            for index, p in enumerate(params):
-                fragment = p._hp_mapping  # None: no element of p lies in this rank's partition
-                if fragment is None:
-                    continue
-                address = fragment.hp_fragment_address
-                if fragment.hp_fragment.data_ptr() != flat.data_ptr() + address.start * flat.element_size():
-                    raise RuntimeError(f"parameter {index} of group {i}: its fragment is not a view of the "
-                                       "flat partition at the address DeepSpeed recorded")
-                segments.append((address.start, address.numel, index))
-            self.bind_flat_tensor(flat, segments, len(params), dist.group.WORLD if group is None else group)
-        return len(partitions)
-
     # -- step
 
     @torch.no_grad()
@@ -315,11 +273,12 @@ class Lamb(torch.optim.Optimizer):
                     plain.append(p)
             else:
                 raise RuntimeError(
-                    "Lamb.step() got a tensor it was neither given nor bound to: DeepSpeed replaced the "
-                    "parameters. Under ZeRO-1/2 call lamb.bind_zero_partitions(engine) after "
-                    "deepspeed.initialize, or the trust ratios would cover whole partitions. Inside "
-                    "deepspeed.initialize this is ZeRO-0 with bf16/fp16, whose wrapper steps once with zero "
-                    "gradients (weight decay alone would move the weights); use ZeRO stage 1 or 2.")
+                    "Lamb.step() got a tensor it was neither given nor bound to: a wrapper replaced the "
+                    "parameters. Under DeepSpeed ZeRO-1/2 call bert_ds.optim.builders.bind_to_engine(lamb, "
+                    "engine) after deepspeed.initialize (for another layout, bind_flat_tensor), or the trust "
+                    "ratios would cover whole partitions. Inside deepspeed.initialize this is ZeRO-0 with "
+                    "bf16/fp16, whose wrapper steps once with zero gradients (weight decay alone would move "
+                    "the weights); use ZeRO stage 1 or 2.")
         params = plain + flats
         if not params:
             return
@@ -395,19 +354,6 @@ class Lamb(torch.optim.Optimizer):
         for layout, u, squares in zip(layouts, updates, sums):
             ratio = _trust_ratio(squares[0].sqrt(), squares[1].sqrt())
             u.mul_(layout.expand(ratio * lr, u.dtype))
-
-
-def _zero_partitions(wrapper) -> list[tuple[list[torch.Tensor], torch.Tensor, object]]:
-    """[(model parameters of group i, flat fp32 partition i, data-parallel group i)] of a ZeRO-1/2 wrapper."""
-    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
-    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-
-    if isinstance(wrapper, DeepSpeedZeroOptimizer):  # ZeRO-1/2, any precision
-        return list(zip(wrapper.bit16_groups, wrapper.single_partition_of_fp32_groups, wrapper.real_dp_process_group))
-    if isinstance(wrapper, BF16_Optimizer):  # ZeRO-1 in bf16 with fp32 gradient accumulation
-        return list(zip(wrapper.bf16_groups, wrapper.fp32_groups_flat_partition, wrapper.real_dp_process_group))
-    raise ValueError(f"Lamb cannot run under DeepSpeed's {type(wrapper).__name__}: supported are ZeRO-0 in fp32 "
-                     "and ZeRO-1/2 in any precision")
 
 
 __all__ = ["VARIANTS", "Lamb", "LambReference", "LambVariant", "lamb_reference_step"]

@@ -86,6 +86,8 @@ def train(name: str, rank: int, world: int) -> dict:
     import torch.distributed as dist
     from deepspeed.utils import safe_get_full_fp32_param
 
+    from bert_ds import zero
+    from bert_ds.optim.builders import bind_to_engine
     from bert_ds.optim.lamb import Lamb, LambReference
 
     stage_name, precision, kind, *rest = name.split("-")
@@ -100,12 +102,11 @@ def train(name: str, rank: int, world: int) -> dict:
                                            config=ds_config(stage, precision, world))
     wrapper = engine.optimizer
     if kind == "lamb":
-        bound = optimizer.bind_zero_partitions(engine)
+        bound = bind_to_engine(optimizer, engine)
         assert bound == (len(optimizer.param_groups) if stage > 0 else 0), bound
     stepped = [list(g["params"]) for g in optimizer.param_groups]  # what DeepSpeed left in the groups
-    fragments = [[(gi, pi, p.numel(), None if p._hp_mapping is None else
-                   (p._hp_mapping.hp_fragment_address.start, p._hp_mapping.hp_fragment_address.numel))
-                  for pi, p in enumerate(group)] for gi, group in enumerate(_lp_groups(wrapper))]
+    partitions = zero.flat_partitions(engine)  # [] under ZeRO-0
+    fragments = [_fragments(gi, part) for gi, part in enumerate(partitions)]
 
     x_all, y_all = batches()
     if precision != "fp32":
@@ -136,8 +137,8 @@ def train(name: str, rank: int, world: int) -> dict:
         "skipped_steps": engine.skipped_steps,
         "step_calls": step_calls,
         "wrapper": type(wrapper).__name__,
-        "client_is_stepped": (wrapper if stage == 0 else wrapper.optimizer) is optimizer,
-        "groups_hold_partitions": [len(g) == 1 and g[0] is part for g, part in zip(stepped, _partitions(wrapper))],
+        "client_is_stepped": zero.client_optimizer(engine) is optimizer,
+        "groups_hold_partitions": [len(g) == 1 and g[0] is part.flat for g, part in zip(stepped, partitions)],
         "model_params_stepped": [any(p is q for q in model.parameters()) for g in stepped for p in g],
         "opt_steps": [optimizer.state[p]["step"] for g in stepped for p in g],
         "fragments": all_fragments,
@@ -146,20 +147,11 @@ def train(name: str, rank: int, world: int) -> dict:
     return result
 
 
-def _lp_groups(wrapper) -> list[list[torch.Tensor]]:
-    """The model parameters of each group (ZeRO-1/2 wrappers), [] for the others."""
-    for attr in ("bit16_groups", "bf16_groups"):
-        if hasattr(wrapper, attr):
-            return getattr(wrapper, attr)
-    return []
-
-
-def _partitions(wrapper) -> list[torch.Tensor]:
-    """The flat fp32 partition of each group (ZeRO-1/2 wrappers), [] for the others."""
-    for attr in ("single_partition_of_fp32_groups", "fp32_groups_flat_partition"):
-        if hasattr(wrapper, attr):
-            return getattr(wrapper, attr)
-    return []
+def _fragments(gi: int, part) -> list[tuple[int, int, int, tuple[int, int] | None]]:
+    """(group, parameter, its numel, (offset, numel) of this rank's fragment or None) for each
+    parameter of a flat partition, as bert_ds.zero reads them from DeepSpeed."""
+    held = {index: (start, numel) for start, numel, index in part.segments}
+    return [(gi, pi, p.numel(), held.get(pi)) for pi, p in enumerate(part.params)]
 
 
 def main() -> None:

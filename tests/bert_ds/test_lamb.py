@@ -250,7 +250,7 @@ def test_step_refuses_a_tensor_it_was_neither_given_nor_bound():
     flat = torch.cat([p.detach().flatten() for p in lamb.param_groups[0]["params"]]).requires_grad_()
     flat.grad = torch.ones_like(flat)
     lamb.param_groups[0]["params"] = [flat]
-    with pytest.raises(RuntimeError, match="bind_zero_partitions"):
+    with pytest.raises(RuntimeError, match="bind_to_engine"):
         lamb.step()
 
 

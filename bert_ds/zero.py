@@ -1,0 +1,346 @@
+"""Every use of DeepSpeed's internals in bert-ds: the rest of the code calls the functions here.
+
+What this module owns, and why each part needs something DeepSpeed does not publish:
+
+- **Where ZeRO put each parameter** (:func:`flat_partitions`). ZeRO-1/2 replace each param
+  group's parameters by ONE flat fp32 tensor, this rank's slice of the group's concatenated
+  parameters (the master copy), and hand that to the client optimizer. LAMB's per-parameter
+  trust ratios need to know which fragment of which parameter lies where in it. DeepSpeed
+  records that on each parameter (``param._hp_mapping``) and keeps the groups, the flat
+  partitions and the data-parallel groups as wrapper attributes; none of it is public API.
+- **The full, world-size-free optimizer state** (:func:`gather_partitioned_state`,
+  :func:`install_partitioned_state`). DeepSpeed's public ``safe_{get,set}_full_*`` go through
+  each parameter's fragment, but DeepSpeed links the fragments to the optimizer state once,
+  after the first step of param group 0, while the other groups have no state yet. So the
+  links are made again here (``lazy_init_hp_params_optimizer_state``, per group, found through
+  ``_hp_mapping.param_group_index``), and a freshly built engine gets its state created in
+  the layout DeepSpeed's first step would give it.
+- **Skipping a step where no DeepSpeed wrapper checks the gradients** (:func:`direct_step`):
+  under ZeRO-0 in fp32 the engine steps the client optimizer itself. The engine skips a step
+  (no LR-schedule step, ``skipped_steps`` counted) when its optimizer's ``overflow`` is set:
+  the attribute DeepSpeed's own wrappers set, read with ``hasattr`` in ``engine.step()``.
+- **Skipped steps and the loss scale** (:func:`skipped_steps`, :func:`loss_scale`): the
+  engine's counter and the wrappers' ``cur_scale``; DeepSpeed has no public getter for either.
+- **The collective timeout of ZeRO's own group** (:func:`world_group_with_timeout`): DeepSpeed
+  runs ZeRO's collectives on a clone of the world group, ``deepspeed.utils.groups._WORLD_GROUP``,
+  which it makes with torch's default timeout (30 min) unless one is already there.
+
+Checked against DeepSpeed 0.19.8, the installed version; ``pyproject.toml`` allows
+``>=0.16,<0.20``. Every field, attribute and function this module uses is listed, with why,
+in :data:`RELIED_ON`; ``tests/bert_ds/test_zero.py`` checks each on the installed DeepSpeed
+(tiny engines on one CPU rank, ZeRO-0/1/2, fp32 and bf16) and fails on a name this file uses
+that the table lacks. It is the one test to read on a DeepSpeed upgrade.
+
+Layouts: ZeRO-0 in fp32 (the client optimizer steps the model's parameters: nothing is
+partitioned), ZeRO-1/2 in any precision (``DeepSpeedZeroOptimizer``), and ZeRO-1 in bf16 with
+fp32 gradient accumulation (``BF16_Optimizer``). ZeRO-3 cuts every parameter on its own and
+has no flat partitions per group: refused where one is needed. ZeRO-0 with bf16/fp16 cannot
+run LAMB: its wrapper (``FP16_UnfusedOptimizer``) steps the optimizer once with zero gradients
+inside ``deepspeed.initialize``, for LAMB ``w -= lr * w`` wherever weight decay is on; LAMB's
+``step()`` refuses the wrapper's tensors there, so that ends in an error, not in another optimizer.
+
+Imports nothing of bert-ds; ``bert_ds.optim``, ``bert_ds.checkpoint`` and ``bert_ds.train``
+import it. DeepSpeed is imported inside the functions, so that importing bert-ds does not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Field:
+    """Something of DeepSpeed this module relies on. ``owner``: a module, or a DeepSpeed object
+    named as ``tests/bert_ds/test_zero.py`` finds it; ``expect``: what it must be there (the
+    test has one check per kind)."""
+    owner: str
+    name: str
+    expect: str
+    why: str
+
+
+_ZERO = "deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer"
+_BF16 = "deepspeed.runtime.bf16_optimizer.BF16_Optimizer"
+_ENGINE = "deepspeed.runtime.engine.DeepSpeedEngine"
+_FRAGMENT = "deepspeed.utils.tensor_fragment.tensor_fragment"
+_ADDRESS = "deepspeed.utils.tensor_fragment.fragment_address"
+
+RELIED_ON: tuple[Field, ...] = (
+    # ---- classes, to tell the layouts apart
+    Field("deepspeed.runtime.base_optimizer", "ZeROOptimizer", "class",
+          "base of the ZeRO-1/2 wrappers (and bf16's): fp32 master and state live in per-rank flat partitions"),
+    Field("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer", "class", "ZeRO-1/2, any precision"),
+    Field("deepspeed.runtime.bf16_optimizer", "BF16_Optimizer", "class", "ZeRO-1 in bf16, fp32 gradient accumulation"),
+    # ---- the engine
+    Field(_ENGINE, "optimizer", "wrapper or client optimizer",
+          "the client optimizer itself under ZeRO-0 in fp32, else DeepSpeed's wrapper of it"),
+    Field(_ENGINE, "skipped_steps", "int", "counts steps skipped on overflow; no getter"),
+    Field(_ENGINE, "module", "the model", "the model, whose parameters carry the fragments"),
+    Field(_ENGINE, "zero_optimization_stage", "method", "ZeRO-3 has no full-weight path here"),
+    Field(_ENGINE, "overflow", "skip protocol",
+          "engine.step() skips the update (and the LR step) when its optimizer's `overflow` is true"),
+    # ---- ZeRO-1/2 and bf16 wrappers: the groups, the flat partitions, the data-parallel groups
+    Field(_ZERO, "optimizer", "client optimizer", "the optimizer bert-ds built; it steps the flat partitions"),
+    Field(_ZERO, "bit16_groups", "parameters per group", "model parameters of group i, in flat-partition order"),
+    Field(_ZERO, "single_partition_of_fp32_groups", "flat partition per group", "this rank's fp32 slice of group i"),
+    Field(_ZERO, "real_dp_process_group", "process group per group", "the ranks holding group i's other slices"),
+    Field(_ZERO, "cur_scale", "loss scale", "the loss scale (1.0 without fp16); no public getter"),
+    Field(_ZERO, "loss_scaler", "loss scaler", "holds `cur_scale` where the wrapper has no property for it"),
+    Field(_BF16, "optimizer", "client optimizer", "as for ZeRO-1/2"),
+    Field(_BF16, "bf16_groups", "parameters per group", "as bit16_groups"),
+    Field(_BF16, "fp32_groups_flat_partition", "flat partition per group", "as single_partition_of_fp32_groups"),
+    Field(_BF16, "real_dp_process_group", "process group per group", "as for ZeRO-1/2"),
+    # ---- per parameter: where its fragment lies
+    Field("ZeRO parameter", "_hp_mapping", "fragment or None",
+          "where this rank's fragment of the parameter lies in the flat partition; None: no element here"),
+    Field(_FRAGMENT, "hp_fragment", "view into the flat partition", "checked against the address before it is trusted"),
+    Field(_FRAGMENT, "hp_fragment_address", "fragment address", "offset and length in the flat partition"),
+    Field(_FRAGMENT, "param_group_index", "int", "which flat partition (param group) holds the fragment"),
+    Field(_ADDRESS, "start", "int", "offset of the fragment in the flat partition"),
+    Field(_ADDRESS, "numel", "int", "length of the fragment"),
+    # ---- functions
+    Field("deepspeed.utils", "safe_get_full_fp32_param", "function(param)", "full fp32 master (collective)"),
+    Field("deepspeed.utils", "safe_set_full_fp32_param", "function(param, value)", "set the fp32 master fragment"),
+    Field("deepspeed.utils", "safe_get_full_optimizer_state", "function(param, optim_state_key)",
+          "full optimizer state of a parameter (collective)"),
+    Field("deepspeed.utils", "safe_set_full_optimizer_state", "function(param, value, optim_state_key)",
+          "set this rank's fragment of a parameter's optimizer state"),
+    Field("deepspeed.utils", "lazy_init_hp_params_optimizer_state",
+          "function(lp_param_list, flat_hp_partition, optimizer_state)",
+          "link fragments to the optimizer state; DeepSpeed does it for group 0 only"),
+    Field("deepspeed.utils", "groups", "module", "holds DeepSpeed's process groups"),
+    Field("deepspeed.utils.groups", "_WORLD_GROUP", "process group or None",
+          "DeepSpeed's clone of the world group, made with torch's default timeout if not already there"),
+)
+
+
+# --------------------------------------------------------------------------- which layout
+
+
+def is_partitioned(engine) -> bool:
+    """True under ZeRO-1/2 (and DeepSpeed's bf16 wrapper): the fp32 master weights and the
+    optimizer state live in per-rank flat partitions, reachable per parameter through fragments."""
+    from deepspeed.runtime.base_optimizer import ZeROOptimizer
+
+    return isinstance(engine.optimizer, ZeROOptimizer)
+
+
+def steps_directly(engine, optimizer: torch.optim.Optimizer) -> bool:
+    """True where the engine steps ``optimizer`` itself on the model's parameters (ZeRO-0 in fp32):
+    no DeepSpeed wrapper checks the gradients, so the caller does (and skips with :func:`direct_step`)."""
+    return engine.optimizer is optimizer
+
+
+def client_optimizer(engine) -> torch.optim.Optimizer:
+    """The optimizer the engine was built from; under ZeRO-1/2 its param groups hold the flat partitions."""
+    return engine.optimizer.optimizer if is_partitioned(engine) else engine.optimizer
+
+
+def full_state_unsupported(engine) -> str | None:
+    """Why full weights and optimizer state cannot be gathered from or put into this engine; None where they can."""
+    if engine.zero_optimization_stage() == 3:
+        return "loading full weights into a ZeRO-3 engine is not supported; use a ZeRO stage 0-2 config"
+    if not is_partitioned(engine) and not isinstance(engine.optimizer, torch.optim.Optimizer):
+        return ("loading full weights needs ZeRO-0 in fp32 or ZeRO-1/2 "
+                f"(this engine's optimizer is DeepSpeed's {type(engine.optimizer).__name__})")
+    return None
+
+
+# --------------------------------------------------------------------------- flat partitions
+
+
+@dataclass(frozen=True)
+class FlatPartition:
+    """One param group's share on this rank under ZeRO-1/2."""
+    params: list[torch.nn.Parameter]    # the group's model parameters, in the same order on every rank
+    flat: torch.Tensor                  # this rank's fp32 slice of their concatenation; the client optimizer steps it
+    segments: list[tuple[int, int, int]]  # (offset, numel, index into params) of each fragment held here
+    group: object                       # the process group whose ranks hold the other slices
+
+
+def flat_partitions(engine) -> list[FlatPartition]:
+    """This rank's flat partition of every param group, with the fragments it holds; [] under
+    ZeRO-0 in fp32 (nothing is partitioned). Param group i of the client optimizer holds
+    partition i. Raises ValueError for the layouts without flat partitions per group (ZeRO-3,
+    ZeRO-0 with DeepSpeed's fp16/bf16 wrapper)."""
+    wrapper = engine.optimizer
+    if isinstance(wrapper, torch.optim.Optimizer):
+        return []
+    client = client_optimizer(engine)
+    partitions = []
+    for i, (params, flat, group) in enumerate(_zero_groups(wrapper)):
+        held = client.param_groups[i]["params"]
+        if len(held) != 1 or held[0] is not flat:
+            raise RuntimeError(f"param group {i} does not hold DeepSpeed's flat partition {i}")
+        segments = []
+        for index, p in enumerate(params):
+            address = _fragment_address(p, flat, i, index)
+            if address is not None:
+                segments.append((*address, index))
+        partitions.append(FlatPartition(list(params), flat, segments, dist.group.WORLD if group is None else group))
+    return partitions
+
+
+def _zero_groups(wrapper) -> list[tuple[list[torch.nn.Parameter], torch.Tensor, object]]:
+    """[(model parameters of group i, flat fp32 partition i, data-parallel group i)] of a ZeRO-1/2 wrapper."""
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    if isinstance(wrapper, DeepSpeedZeroOptimizer):  # ZeRO-1/2, any precision
+        return list(zip(wrapper.bit16_groups, wrapper.single_partition_of_fp32_groups, wrapper.real_dp_process_group))
+    if isinstance(wrapper, BF16_Optimizer):  # ZeRO-1 in bf16 with fp32 gradient accumulation
+        return list(zip(wrapper.bf16_groups, wrapper.fp32_groups_flat_partition, wrapper.real_dp_process_group))
+    raise ValueError(f"DeepSpeed's {type(wrapper).__name__} has no flat partition per param group: Lamb runs "
+                     "under ZeRO-0 in fp32 and ZeRO-1/2 in any precision")
+
+
+def _fragment_address(param: torch.nn.Parameter, flat: torch.Tensor, group: int, index: int) -> tuple[int, int] | None:
+    """(offset, numel) of ``param``'s fragment in ``flat``; None where this rank holds none of it."""
+    fragment = param._hp_mapping
+    if fragment is None:
+        return None
+    address = fragment.hp_fragment_address
+    if fragment.hp_fragment.data_ptr() != flat.data_ptr() + address.start * flat.element_size():
+        raise RuntimeError(f"parameter {index} of group {group}: its fragment is not a view of the "
+                           "flat partition at the address DeepSpeed recorded")
+    return address.start, address.numel
+
+
+# --------------------------------------------------------------------------- full weights and optimizer state
+
+
+def full_fp32_param(param: torch.nn.Parameter) -> torch.Tensor | None:
+    """The whole fp32 master of ``param`` (collective under ZeRO-1/2); None where DeepSpeed keeps
+    no master apart from the parameter (ZeRO-0 in fp32)."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    return safe_get_full_fp32_param(param)
+
+
+def set_full_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> None:
+    """Set this rank's fragment of ``param``'s fp32 master from the whole tensor (no-op without a master)."""
+    from deepspeed.utils import safe_set_full_fp32_param
+
+    safe_set_full_fp32_param(param, value)
+
+
+def gather_partitioned_state(engine) -> tuple[dict[tuple[str, str], torch.Tensor], list[dict[str, Any]]] | None:
+    """Under ZeRO-1/2: every parameter's whole optimizer state, fp32 on the CPU, keyed by
+    (state key, parameter name), and each param group's non-tensor state (step counts).
+    None before the first step (no state yet). Collective: every rank, in the same order."""
+    from deepspeed.utils import safe_get_full_optimizer_state
+
+    opt = client_optimizer(engine)
+    flats = [g["params"][0] for g in opt.param_groups]
+    if any(f not in opt.state for f in flats):
+        return None
+    keys = sorted(k for k, v in opt.state[flats[0]].items() if torch.is_tensor(v) and v.shape == flats[0].shape)
+    params = dict(engine.module.named_parameters())
+    _link_fragments(opt, params.values())
+    full = {(key, name): safe_get_full_optimizer_state(p, key).float().cpu().clone()
+            for key in keys for name, p in params.items()}
+    scalars = [{k: v for k, v in opt.state[f].items() if k not in keys} for f in flats]
+    return full, scalars
+
+
+def install_partitioned_state(engine, full: dict[tuple[str, str], torch.Tensor], scalars: list[dict[str, Any]]) -> None:
+    """Under ZeRO-1/2, on a freshly built engine: give every parameter's fragments their share
+    of ``full`` ((state key, parameter name) -> whole tensor, every key for every parameter)
+    and each param group ``scalars[i]``. Every rank, before the first step."""
+    from deepspeed.utils import safe_set_full_optimizer_state
+
+    opt = client_optimizer(engine)
+    keys = sorted({key for key, _ in full})
+    params = dict(engine.module.named_parameters())
+    # DeepSpeed creates the state at the first step; create it now, in that layout, and link
+    # each parameter's fragment to it as DeepSpeed does after a step.
+    for i, group in enumerate(opt.param_groups):
+        flat = group["params"][0]
+        opt.state[flat] = {**{key: torch.zeros_like(flat) for key in keys}, **scalars[i]}
+    _link_fragments(opt, params.values())
+    for (key, name), t in full.items():
+        safe_set_full_optimizer_state(params[name], t.to(params[name].device), key)
+
+
+def _link_fragments(opt: torch.optim.Optimizer, params: Iterable[torch.nn.Parameter]) -> None:
+    """Point every parameter's fragment at the optimizer state of its flat partition.
+
+    DeepSpeed links them once, after the first step of param group 0, while the other groups
+    have no state yet; so with two groups (decay / no decay) the second group's fragments stay
+    unlinked and ``safe_get_full_optimizer_state`` fails for them. Linking again is idempotent
+    (the links are views).
+    """
+    from deepspeed.utils import lazy_init_hp_params_optimizer_state
+
+    params = list(params)
+    for i, group in enumerate(opt.param_groups):
+        members = [p for p in params if p._hp_mapping is not None and p._hp_mapping.param_group_index == i]
+        lazy_init_hp_params_optimizer_state(members, group["params"][0], opt.state)
+
+
+# --------------------------------------------------------------------------- the step: skips and loss scale
+
+
+@contextlib.contextmanager
+def direct_step(optimizer: torch.optim.Optimizer, skip: bool) -> Iterator[None]:
+    """Around ``engine.step()`` where the engine steps ``optimizer`` itself (:func:`steps_directly`).
+
+    A skipped step steps the optimizer over no parameters, so weights and optimizer state stay
+    as they were, and reports ``overflow`` the way DeepSpeed's own wrappers do, so that the
+    engine holds the LR schedule and counts the skip. (The non-finite gradients are left for
+    DeepSpeed's clipping, which needs some, and its zero_grad.)
+    """
+    optimizer.overflow = skip
+    if not skip:
+        yield
+        return
+    held = [group["params"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["params"] = []
+    try:
+        yield
+    finally:
+        for group, params in zip(optimizer.param_groups, held):
+            group["params"] = params
+
+
+def skipped_steps(engine) -> int:
+    """Optimizer steps the engine skipped so far (an overflow, or :func:`direct_step` with skip);
+    a step was skipped when this grew across its last ``engine.step()``."""
+    return engine.skipped_steps
+
+
+def loss_scale(engine) -> float:
+    """fp16's dynamic loss scale; 1.0 where there is none (bf16, fp32).
+
+    Read where the ZeRO-1/2 wrapper keeps it (``cur_scale``, or its ``loss_scaler``). ZeRO-0's
+    fp16 wrappers of DeepSpeed 0.19 keep it in ``loss_scale_config`` instead, which is not read:
+    there this reports 1.0.
+    """
+    opt = engine.optimizer
+    scale = getattr(opt, "cur_scale", None) or getattr(getattr(opt, "loss_scaler", None), "cur_scale", None)
+    return float(scale) if scale is not None else 1.0
+
+
+# --------------------------------------------------------------------------- process groups
+
+
+def world_group_with_timeout(timeout: timedelta) -> object:
+    """DeepSpeed's clone of the world group, made here with ``timeout`` if DeepSpeed has none yet.
+
+    DeepSpeed runs ZeRO's collectives on that clone and makes it with torch's default timeout
+    (30 min), not the one the process group was started with; call this right after
+    ``deepspeed.init_distributed`` and before ``deepspeed.initialize``, on every rank.
+    """
+    from deepspeed.utils import groups
+
+    if groups._WORLD_GROUP is None:
+        groups._WORLD_GROUP = dist.new_group(ranks=range(dist.get_world_size()), timeout=timeout)
+    return groups._WORLD_GROUP
