@@ -117,8 +117,8 @@ def run_cli(*args: str, timeout: float = 600, check: bool = True, nproc: int = 1
 def sample_data(tmp_path_factory) -> dict[str, Path]:
     """Train and held-out shards from the sample corpus, with a 2,048-token vocabulary."""
     root = tmp_path_factory.mktemp("sample-data")
-    run_cli("data_tools", "build", "--input", str(SAMPLE / "valid.txt"), "--output", str(root / "train"),
+    run_cli("bert_ds.data_tools", "build", "--input", str(SAMPLE / "valid.txt"), "--output", str(root / "train"),
             "--train-vocab", "2048", "--split-sentences", "--workers", "1")
-    run_cli("data_tools", "build", "--input", str(SAMPLE / "test.txt"), "--output", str(root / "heldout"),
+    run_cli("bert_ds.data_tools", "build", "--input", str(SAMPLE / "test.txt"), "--output", str(root / "heldout"),
             "--vocab", str(root / "train" / "vocab.txt"), "--split-sentences", "--workers", "1")
     return {"train": root / "train", "heldout": root / "heldout"}

@@ -6,9 +6,9 @@ import pytest
 
 from tests.conftest import REPO, run_cli
 
-MODULES = ["bert_ds.train", "bert_ds.checkpoint.export", "bert_ds.tools.demo", "bert_ds.tools.plot", "bert_ds.tools.bench", "bert_ds.train.phases", "bert_ds.tools.bundle",
-           "data_tools", "data_tools build",
-           "data_tools verify", "data_tools inspect"]
+MODULES = ["bert_ds.train", "bert_ds.checkpoint.export", "bert_ds.tools.demo", "bert_ds.tools.plot",
+           "bert_ds.tools.bench", "bert_ds.train.phases", "bert_ds.tools.bundle",
+           "bert_ds.data_tools", "bert_ds.data_tools build", "bert_ds.data_tools verify", "bert_ds.data_tools inspect"]
 
 
 @pytest.mark.parametrize("module", MODULES)
@@ -17,7 +17,7 @@ def test_help(module):
     assert "usage:" in proc.stdout
 
 
-@pytest.mark.parametrize("module", ["bert_ds.train", "bert_ds.checkpoint.export", "data_tools build"])
+@pytest.mark.parametrize("module", ["bert_ds.train", "bert_ds.checkpoint.export", "bert_ds.data_tools build"])
 def test_wrong_flag_is_a_usage_error(module):
     proc = run_cli(*module.split(), "--no-such-flag", check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr

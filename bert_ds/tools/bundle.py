@@ -77,7 +77,7 @@ from packaging.version import Version
 from bert_ds.base.atomic import atomic_write
 from bert_ds.base.errors import UserError, report
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
 MARKER = ".bert-ds-bundle"  # an OUT_DIR holding it is an earlier bundle and may be rewritten
 LISTING_FILES = ("requirements.txt", "INSTALL.md", "SHA256SUMS")
 MIN_PIP = Version("22.2")  # --report

@@ -53,7 +53,7 @@ def _hf_folder(path, vocab: bytes, model_class=transformers.BertForPreTraining, 
 
 
 def _build(corpus, hf, out):
-    run_cli("data_tools", "build", "--input", str(corpus), "--output", str(out), "--vocab", str(hf),
+    run_cli("bert_ds.data_tools", "build", "--input", str(corpus), "--output", str(out), "--vocab", str(hf),
             "--split-sentences", "--workers", "1")
     return out
 

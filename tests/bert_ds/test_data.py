@@ -198,7 +198,7 @@ def test_sample_map_cache_is_rebuilt_when_a_shard_changes(sample_data, tmp_path)
     # rebuild the shards from different text under the same path: a new key, a new map
     from tests.conftest import SAMPLE, run_cli
     shutil.rmtree(copy)
-    run_cli("data_tools", "build", "--input", str(SAMPLE / "test.txt"), "--output", str(copy),
+    run_cli("bert_ds.data_tools", "build", "--input", str(SAMPLE / "test.txt"), "--output", str(copy),
             "--vocab", str(sample_data["train"] / "vocab.txt"), "--split-sentences", "--workers", "1")
     second = PretrainingDataset(copy, cfg, seed=0)
     assert not np.array_equal(first.samples, second.samples)

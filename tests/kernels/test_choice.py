@@ -301,7 +301,7 @@ def test_apex_takes_only_inputs_of_one_dtype():
 
 def test_the_choice_is_logged_once_with_both_timings(auto, caplog):
     auto.costs("bias_gelu", native=2.0, fused=3.0)
-    with caplog.at_level(logging.INFO, logger="kernels"):
+    with caplog.at_level(logging.INFO, logger="bert_ds.kernels"):
         for shapes in (SHAPES, SHAPES, speed.OpShapes()):  # models of one size, then of another
             resolve_backend("auto", shapes)
     choices = [r.getMessage() for r in caplog.records if r.name == "bert_ds.kernels.dispatch"]
