@@ -1,6 +1,6 @@
 """The fused kernels against their references on this device: the verdicts behind
 ``kernels=cuda`` refusing to start and ``kernels=auto`` choosing per op (see
-``kernels/_build.py``, which runs this once per build and device). The same checks
+``kernels/choice.py``, which runs this once per build and device). The same checks
 take any implementation of an op (apex's LayerNorm is held to them too) and device.
 
 Each check runs the op's implementation, forward and backward, on seeded random

@@ -13,7 +13,7 @@ used only when it is faster, so ``kernels=auto`` is never slower than the native
 A candidate that raises at these shapes is excluded, with the reason.
 
 The race runs once per device and is recorded beside the self-check verdicts
-(``kernels/_build.py``); it takes a few milliseconds per candidate and happens when the
+(``kernels/choice.py``); it takes a few milliseconds per candidate and happens when the
 model is built, before any training step, so no run's figures include it. The device
 and the clock are parameters, so that the choice is tested on a CPU with stand-ins.
 """

@@ -379,9 +379,9 @@ def emulated_cuda(emu, monkeypatch):
     from bert_ds.kernels import dispatch
 
     monkeypatch.setattr(dispatch, "load_extension", lambda: (emu, ""))
-    monkeypatch.setattr(dispatch, "op_verdicts", lambda: {op: "" for op in dispatch.OPS})
+    monkeypatch.setattr(dispatch, "_verdicts", lambda: {op: "" for op in dispatch.OPS})
     for op in dispatch.OPS:  # the inputs are on the CPU by design: waive that reason, and only that
-        module = importlib.import_module(f"kernels.{op.removeprefix('varlen_')}")
+        module = importlib.import_module(f"bert_ds.kernels.{op.removeprefix('varlen_')}")
 
         def unsupported(*args, _check=module._unsupported):
             reason = _check(*args)

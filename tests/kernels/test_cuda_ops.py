@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from bert_ds import kernels
-from bert_ds.kernels import _build
+from bert_ds.kernels import _build, choice
 from bert_ds.kernels.dispatch import KernelUnavailable
 from tests.kernels.helpers import (
     assert_close_to_reference, attention_per_sequence, cu_seqlens_of, gelu_fp64, gelu_same_dtype, layer_norm_fp64,
@@ -64,7 +64,7 @@ def _check(label, fused, same_dtype, truth, dtype):
 
 
 def test_every_op_passed_its_self_check():
-    assert _build.op_verdicts() == {"layer_norm": "", "bias_gelu": "", "varlen_attention": ""}
+    assert choice.op_verdicts() == {"layer_norm": "", "bias_gelu": "", "varlen_attention": ""}
     assert kernels.resolve_backend("cuda") == "cuda"
     assert kernels.resolve_backend("auto") == "prefer_cuda"
 
