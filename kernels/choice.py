@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 
@@ -32,7 +32,8 @@ from bert_ds.kernels._build import device_key, load_extension, recorded, verdict
 from bert_ds.kernels.dispatch import OPS, Backend, KernelUnavailable
 from bert_ds.kernels.speed import Choice, OpShapes
 
-REQUESTS = ("auto", "cuda", "torch")  # what a config may ask for
+KernelSetting = Literal["auto", "cuda", "torch"]  # what a config may ask for
+SETTINGS = get_args(KernelSetting)
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +70,7 @@ def resolve_backend(requested: str, shapes: OpShapes | None = None) -> Backend:
         return "cuda"
     if requested == "auto":
         return _auto_backend(shapes)
-    raise UnknownKernelBackend(f"kernels must be one of {', '.join(REQUESTS)}; got {requested!r}")
+    raise UnknownKernelBackend(f"kernels must be one of {', '.join(SETTINGS)}; got {requested!r}")
 
 
 @functools.cache

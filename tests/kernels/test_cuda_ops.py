@@ -19,6 +19,7 @@ import torch
 from bert_ds import kernels
 from bert_ds.kernels import _build, choice
 from bert_ds.kernels.dispatch import KernelUnavailable
+from bert_ds.model.padding import IGNORE_INDEX
 from tests.kernels.helpers import (
     assert_close_to_reference, attention_per_sequence, cu_seqlens_of, gelu_fp64, gelu_same_dtype, layer_norm_fp64,
     layer_norm_same_dtype, misaligned, non_contiguous, rand, scaled_atol,
@@ -243,7 +244,7 @@ def _pretraining_batches(vocab: int, steps: int, batch: int, seq_len: int, seed:
         types = (torch.arange(seq_len)[None, :] >= (lengths // 2)[:, None]).long() * mask
         masked = (torch.rand(batch, seq_len, generator=generator) < 0.15) & mask.bool()
         masked[0, 1] = True
-        labels = torch.where(masked, ids, -100)
+        labels = torch.where(masked, ids, IGNORE_INDEX)
         nsp = torch.randint(0, 2, (batch,), generator=generator)
         batches.append([t.cuda() for t in (ids, types, mask, labels, nsp)])
     return batches
