@@ -156,7 +156,7 @@ class TrainConfig:
         return out
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "TrainConfig":
+    def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
         d = dict(d)
         try:
             model = ModelConfig.from_dict(d.pop("model"))
@@ -188,7 +188,7 @@ class BatchPlan:
     grad_accum: int
 
     @classmethod
-    def resolve(cls, global_batch_size: int, micro_batch_size: int, world_size: int) -> "BatchPlan":
+    def resolve(cls, global_batch_size: int, micro_batch_size: int, world_size: int) -> BatchPlan:
         per_step = micro_batch_size * world_size
         if global_batch_size % per_step:
             raise ConfigError(

@@ -37,8 +37,6 @@ from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Literal
 
-import torch
-
 from bert_ds.base.errors import UserError
 from bert_ds.kernels._build import load_extension
 

@@ -33,8 +33,9 @@ Design choices, and why:
 """
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, Mapping, get_args
+from typing import Any, Literal, get_args
 
 import torch
 import torch.nn.functional as F

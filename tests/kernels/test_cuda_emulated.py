@@ -56,7 +56,7 @@ class Emulated:
     """
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        P, I, L, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+        P, I, L, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float  # noqa: E741 (as in C: I is int)
         signatures = {
             "bds_layer_norm_fwd": [P, P, P, P, P, P, P, L, I, F, I, I, I, P],
             "bds_layer_norm_bwd_parts": [L, I],

@@ -299,18 +299,18 @@ def test_model_under_autocast_runs_every_op_fused():
     state = BertForPreTraining(config).state_dict()
     batches = _pretraining_batches(1024, steps=5, batch=8, seq_len=128)
     curves = {}
-    for choice in ("torch", "cuda"):
-        model = BertForPreTraining(dataclasses.replace(config, kernels=choice)).cuda()
+    for setting in ("torch", "cuda"):
+        model = BertForPreTraining(dataclasses.replace(config, kernels=setting)).cuda()
         model.load_state_dict(state)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        curves[choice] = []
+        curves[setting] = []
         for batch in batches:
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 loss = model(*batch).loss
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
-            curves[choice].append(loss.item())
+            curves[setting].append(loss.item())
     for fused, reference in zip(curves["cuda"], curves["torch"]):
         assert abs(fused - reference) <= 0.02 * reference, curves
 
