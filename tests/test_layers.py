@@ -15,7 +15,8 @@ classes, under ``try``, and ``importlib.import_module("<literal>")``. The rules:
    (they are installed only as ``bert_ds.kernels`` etc.). Checked in ``tests/``,
    ``examples/`` and ``benchmarks/`` as well, where a bare name would import a second copy
    of a module beside the installed one.
-3. No import cycle among the modules of ``bert_ds.kernels``, function-level imports
+3. No import cycle among the modules of bert_ds (``bert_ds.kernels`` included, where the
+   loader, the dispatch and the self-check once imported each other), function-level imports
    included. Imports under ``if TYPE_CHECKING:`` are exempt: they never run. An import names
    the module it imports (``from bert_ds.kernels import speed`` is an edge to
    ``bert_ds.kernels.speed``, not to the package); that Python runs a package's
@@ -58,7 +59,7 @@ SAME_LAYER: dict[str, frozenset[str]] = {
     "bert_ds.zero": frozenset({"bert_ds.config", "bert_ds.optim"}),
 }
 BARE_NAMES = ("kernels", "data_tools", "ds_configs")
-NO_CYCLES_IN = "bert_ds.kernels"
+NO_CYCLES_IN = "bert_ds"  # every module, bert_ds.kernels included
 OTHER_TREES = ("tests", "examples", "benchmarks")  # checked for bare names only
 
 
@@ -317,7 +318,7 @@ def test_nothing_imports_the_bare_top_level_names(imports):
     assert not problems, _report(problems)
 
 
-def test_no_import_cycle_inside_kernels(imports):
+def test_no_import_cycle(imports):
     ours, _ = imports
     problems = cycle_violations(ours, NO_CYCLES_IN)
     assert not problems, _report(problems)
