@@ -15,10 +15,6 @@ candidate on the device (``speed.py``).
 - ``dispatch.py``: per op call, the implementation the resolved backend names.
 - ``choice.py``: :func:`resolve_backend` and the per-device verdicts it rests on: self-check
   (``selfcheck.py``) and speed (``speed.py``).
-
-The imports point one way, ``_build`` <- ``dispatch`` <- the ops <- ``selfcheck``, ``speed``
-<- ``choice`` (``tests/test_layers.py`` checks it): the dispatch consults the verdicts made by
-running the ops, so they are handed to it here (:func:`dispatch.consult`) instead of imported.
 - ``python -m bert_ds.kernels.build``: build, self-check and time ahead of time.
 - ``python -m bert_ds.kernels.compile_check``: every ``.cu`` with nvcc for sm_80 and sm_90, and
   the binding with the host compiler against torch's headers (CI, no GPU needed);
@@ -27,6 +23,10 @@ running the ops, so they are handed to it here (:func:`dispatch.consult`) instea
   tensor-core / cp.async instruction counts of every kernel, from ptxas and the PTX/SASS.
 - ``python -m bert_ds.kernels.bench``: the kernels against PyTorch at BERT shapes, with a
   roofline line per op (GPU).
+
+The imports point one way, ``_build`` <- ``dispatch`` <- the ops <- ``selfcheck``, ``speed``
+<- ``choice`` (``tests/test_layers.py`` checks it): the dispatch consults the verdicts made by
+running the ops, so they are handed to it here (:func:`dispatch.consult`) instead of imported.
 """
 
 from bert_ds.kernels import choice, dispatch
