@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from bert_ds import ds_configs
-from bert_ds.base.errors import ConfigError
+from bert_ds.base.errors import ConfigError, require
 from bert_ds.model.bert import ModelConfig
 
 DS_CONFIG_DIR = Path(ds_configs.__file__).resolve().parent  # in a checkout and in an installed wheel
@@ -47,11 +47,6 @@ def _finite(x: float) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x)
 
 
-def _check(cond: bool, name: str, msg: str) -> None:
-    if not cond:
-        raise ConfigError(f"{name}: {msg}")
-
-
 @dataclass
 class DataConfig:
     train: list[str] = field(default_factory=list)  # dataset folders written by `data_tools build`
@@ -70,16 +65,16 @@ class DataConfig:
         if isinstance(self.train, str):
             self.train = [self.train]
         self.train = list(self.train)
-        _check(len(self.train) >= 1, "train", "at least one dataset folder is needed")
-        _check(self.weights is None or (len(self.weights) == len(self.train) and all(w > 0 for w in self.weights)),
+        require(len(self.train) >= 1, "train", "at least one dataset folder is needed")
+        require(self.weights is None or (len(self.weights) == len(self.train) and all(w > 0 for w in self.weights)),
                "weights", f"need one positive weight per training dataset ({len(self.train)}), got {self.weights}")
-        _check(0.0 <= self.held_out < 1.0, "held_out", f"must be in [0, 1), got {self.held_out}")
-        _check(8 <= self.max_seq_length <= 4096, "max_seq_length", f"must be in [8, 4096], got {self.max_seq_length}")
-        _check(0.0 <= self.short_seq_prob <= 1.0, "short_seq_prob", f"must be in [0, 1], got {self.short_seq_prob}")
-        _check(0.0 < self.mask_rate < 1.0, "mask_rate", f"must be in (0, 1), got {self.mask_rate}")
-        _check(self.pair_task in ("nsp", "sop", "none"), "pair_task", f"must be nsp, sop or none, got {self.pair_task!r}")
-        _check(self.num_workers >= 0, "num_workers", f"must be >= 0, got {self.num_workers}")
-        _check(self.val_samples > 0, "val_samples", f"must be > 0, got {self.val_samples}")
+        require(0.0 <= self.held_out < 1.0, "held_out", f"must be in [0, 1), got {self.held_out}")
+        require(8 <= self.max_seq_length <= 4096, "max_seq_length", f"must be in [8, 4096], got {self.max_seq_length}")
+        require(0.0 <= self.short_seq_prob <= 1.0, "short_seq_prob", f"must be in [0, 1], got {self.short_seq_prob}")
+        require(0.0 < self.mask_rate < 1.0, "mask_rate", f"must be in (0, 1), got {self.mask_rate}")
+        require(self.pair_task in ("nsp", "sop", "none"), "pair_task", f"must be nsp, sop or none, got {self.pair_task!r}")
+        require(self.num_workers >= 0, "num_workers", f"must be >= 0, got {self.num_workers}")
+        require(self.val_samples > 0, "val_samples", f"must be > 0, got {self.val_samples}")
 
 
 @dataclass
@@ -99,22 +94,22 @@ class OptimConfig:
 
     def __post_init__(self) -> None:
         self.betas = tuple(self.betas)  # JSON gives a list
-        _check(self.name in ("lamb", "adamw"), "optim.name", f"unknown optimizer {self.name!r} (known: lamb, adamw)")
-        _check(self.lamb_variant in ("nvidia", "paper"), "lamb_variant",
+        require(self.name in ("lamb", "adamw"), "optim.name", f"unknown optimizer {self.name!r} (known: lamb, adamw)")
+        require(self.lamb_variant in ("nvidia", "paper"), "lamb_variant",
                f"must be nvidia or paper, got {self.lamb_variant!r}")
         # Every number in range and finite: an inf or 1e300 learning rate would start a run that
         # writes NaN weights into its checkpoints (R16).
-        _check(_finite(self.lr) and 0 < self.lr <= MAX_LR, "lr", f"must be a finite number in (0, {MAX_LR:g}], got {self.lr}")
-        _check(len(self.betas) == 2 and all(_finite(b) and 0 <= b < 1 for b in self.betas), "betas",
+        require(_finite(self.lr) and 0 < self.lr <= MAX_LR, "lr", f"must be a finite number in (0, {MAX_LR:g}], got {self.lr}")
+        require(len(self.betas) == 2 and all(_finite(b) and 0 <= b < 1 for b in self.betas), "betas",
                f"must be two values in [0, 1), got {self.betas}")
-        _check(_finite(self.eps) and 0 < self.eps < 1, "eps", f"must be a finite number in (0, 1), got {self.eps}")
-        _check(_finite(self.weight_decay) and 0 <= self.weight_decay <= 1, "weight_decay",
+        require(_finite(self.eps) and 0 < self.eps < 1, "eps", f"must be a finite number in (0, 1), got {self.eps}")
+        require(_finite(self.weight_decay) and 0 <= self.weight_decay <= 1, "weight_decay",
                f"must be a finite number in [0, 1], got {self.weight_decay}")
-        _check(self.warmup_steps >= 0, "warmup_steps", f"must be >= 0, got {self.warmup_steps}")
-        _check(self.decay in ("linear", "poly", "constant"), "decay", f"must be linear, poly or constant, got {self.decay!r}")
-        _check(_finite(self.poly_power) and self.poly_power > 0, "poly_power",
+        require(self.warmup_steps >= 0, "warmup_steps", f"must be >= 0, got {self.warmup_steps}")
+        require(self.decay in ("linear", "poly", "constant"), "decay", f"must be linear, poly or constant, got {self.decay!r}")
+        require(_finite(self.poly_power) and self.poly_power > 0, "poly_power",
                f"must be a finite number > 0, got {self.poly_power}")
-        _check(_finite(self.grad_clip) and self.grad_clip >= 0, "grad_clip",
+        require(_finite(self.grad_clip) and self.grad_clip >= 0, "grad_clip",
                f"must be a finite number >= 0 (0: off), got {self.grad_clip}")
 
 
@@ -141,17 +136,17 @@ class TrainConfig:
     progress: bool = True  # a progress bar on rank 0
 
     def __post_init__(self) -> None:
-        _check(self.steps > 0, "steps", f"must be > 0, got {self.steps}")
-        _check(self.global_batch_size > 0, "global_batch_size", f"must be > 0, got {self.global_batch_size}")
-        _check(self.micro_batch_size > 0, "micro_batch_size", f"must be > 0, got {self.micro_batch_size}")
-        _check(self.log_every > 0, "log_every", f"must be > 0, got {self.log_every}")
-        _check(self.val_every >= 0 and self.save_every >= 0, "val_every/save_every", "must be >= 0")
-        _check(self.exit_after >= 0, "exit_after", f"must be >= 0, got {self.exit_after}")
-        _check(self.keep_last >= 1, "keep_last", f"must be >= 1, got {self.keep_last}")
-        _check(self.max_bad_steps >= 0, "max_bad_steps", f"must be >= 0, got {self.max_bad_steps}")
+        require(self.steps > 0, "steps", f"must be > 0, got {self.steps}")
+        require(self.global_batch_size > 0, "global_batch_size", f"must be > 0, got {self.global_batch_size}")
+        require(self.micro_batch_size > 0, "micro_batch_size", f"must be > 0, got {self.micro_batch_size}")
+        require(self.log_every > 0, "log_every", f"must be > 0, got {self.log_every}")
+        require(self.val_every >= 0 and self.save_every >= 0, "val_every/save_every", "must be >= 0")
+        require(self.exit_after >= 0, "exit_after", f"must be >= 0, got {self.exit_after}")
+        require(self.keep_last >= 1, "keep_last", f"must be >= 1, got {self.keep_last}")
+        require(self.max_bad_steps >= 0, "max_bad_steps", f"must be >= 0, got {self.max_bad_steps}")
         # Ranks wait in barriers while rank 0 writes a checkpoint: the timeout must cover a save.
-        _check(self.collective_timeout >= 1, "collective_timeout", f"must be >= 1 second, got {self.collective_timeout}")
-        _check(self.data.max_seq_length <= self.model.max_position_embeddings, "max_seq_length",
+        require(self.collective_timeout >= 1, "collective_timeout", f"must be >= 1 second, got {self.collective_timeout}")
+        require(self.data.max_seq_length <= self.model.max_position_embeddings, "max_seq_length",
                f"{self.data.max_seq_length} exceeds the model's max_position_embeddings {self.model.max_position_embeddings}")
         resolve_ds_config_path(self.ds_config)
 
@@ -161,7 +156,7 @@ class TrainConfig:
         return out
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "TrainConfig":
+    def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
         d = dict(d)
         try:
             model = ModelConfig.from_dict(d.pop("model"))
@@ -193,7 +188,7 @@ class BatchPlan:
     grad_accum: int
 
     @classmethod
-    def resolve(cls, global_batch_size: int, micro_batch_size: int, world_size: int) -> "BatchPlan":
+    def resolve(cls, global_batch_size: int, micro_batch_size: int, world_size: int) -> BatchPlan:
         per_step = micro_batch_size * world_size
         if global_batch_size % per_step:
             raise ConfigError(

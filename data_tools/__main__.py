@@ -49,10 +49,15 @@ def _positive_int(text: str) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from bert_ds.data_tools.build import DEFAULT_SHARD_TOKENS
-
     parser = argparse.ArgumentParser(prog="python -m bert_ds.data_tools", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="{build,verify,inspect,bench}")
+    for add_command in (_add_build, _add_verify, _add_inspect, _add_bench):
+        add_command(sub)
+    return parser
+
+
+def _add_build(sub: argparse._SubParsersAction) -> None:
+    from bert_ds.data_tools.build import DEFAULT_SHARD_TOKENS
 
     b = sub.add_parser(
         "build", help="tokenize raw text into shards",
@@ -100,6 +105,8 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     b.set_defaults(func=_build)
 
+
+def _add_verify(sub: argparse._SubParsersAction) -> None:
     v = sub.add_parser(
         "verify", help="check a dataset fully",
         description="Check the manifest, the tokenizer fingerprint and every shard fully (sizes, checksums, "
@@ -108,6 +115,8 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("directory", metavar="DIR")
     v.set_defaults(func=_verify)
 
+
+def _add_inspect(sub: argparse._SubParsersAction) -> None:
     i = sub.add_parser(
         "inspect", help="summarize a dataset",
         description="Print the manifest summary and sentence-length percentiles; optionally decode the "
@@ -119,6 +128,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="the training sequence length: warn when documents average fewer tokens")
     i.set_defaults(func=_inspect)
 
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
     n = sub.add_parser(
         "bench", help="measure the pipeline against its goals",
         description="On the bundled sample repeated to --corpus-mb MB, with N worker processes: build "
@@ -136,7 +147,6 @@ def _parser() -> argparse.ArgumentParser:
                    help="how long to time the loader (default 5)")
     n.add_argument("--json", metavar="FILE", help="also write every measurement and figure to FILE")
     n.set_defaults(func=_bench)
-    return parser
 
 
 def _build(args: argparse.Namespace) -> int:

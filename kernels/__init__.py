@@ -11,7 +11,10 @@ candidate on the device (``speed.py``).
 - ``csrc/<op>.cu``: torch-free CUDA with ``extern "C"`` launchers (``csrc/launchers.h``);
   ``csrc/bindings.cpp``: the torch module ``bert_ds_kernels`` over them.
 - ``_build.py``: the one loader (in-process -> prebuilt -> JIT build -> None with the
-  reason) and the per-device verdicts: self-check (``selfcheck.py``) and speed (``speed.py``).
+  reason) and the per-device record of the verdicts.
+- ``dispatch.py``: per op call, the implementation the resolved backend names.
+- ``choice.py``: :func:`resolve_backend` and the per-device verdicts it rests on: self-check
+  (``selfcheck.py``) and speed (``speed.py``).
 - ``python -m bert_ds.kernels.build``: build, self-check and time ahead of time.
 - ``python -m bert_ds.kernels.compile_check``: every ``.cu`` with nvcc for sm_80 and sm_90, and
   the binding with the host compiler against torch's headers (CI, no GPU needed);
@@ -20,16 +23,25 @@ candidate on the device (``speed.py``).
   tensor-core / cp.async instruction counts of every kernel, from ptxas and the PTX/SASS.
 - ``python -m bert_ds.kernels.bench``: the kernels against PyTorch at BERT shapes, with a
   roofline line per op (GPU).
+
+The imports point one way, ``_build`` <- ``dispatch`` <- the ops <- ``selfcheck``, ``speed``
+<- ``choice`` (``tests/test_layers.py`` checks it): the dispatch consults the verdicts made by
+running the ops, so they are handed to it here (:func:`dispatch.consult`) instead of imported.
 """
 
+from bert_ds.kernels import choice, dispatch
 from bert_ds.kernels.attention import varlen_attention, varlen_attention_native, varlen_attention_ref
 from bert_ds.kernels.bias_gelu import bias_gelu, bias_gelu_native, bias_gelu_ref
-from bert_ds.kernels.dispatch import Backend, KernelUnavailable, UnknownKernelBackend, resolve_backend
+from bert_ds.kernels.choice import KernelSetting, UnknownKernelBackend, resolve_backend
+from bert_ds.kernels.dispatch import Backend, KernelUnavailable
 from bert_ds.kernels.layer_norm import layer_norm, layer_norm_native, layer_norm_ref
 from bert_ds.kernels.speed import OpShapes
 
+dispatch.consult(choice.op_verdicts, choice.op_choices)
+
 __all__ = [
     "Backend",
+    "KernelSetting",
     "KernelUnavailable",
     "OpShapes",
     "UnknownKernelBackend",

@@ -16,14 +16,9 @@ Attempts, cheapest first, stopping at the first that works:
 
 Verdicts, recorded beside the build in one file per device, keyed by
 :func:`device_key` (these sources and build flags, torch, CUDA, the device's name):
-
-- self-check: the first time a build meets a device, :func:`op_verdicts` runs every
-  op against its ``<op>_ref`` (``kernels/selfcheck.py``: every dtype, a few shapes,
-  forward and backward). An op that failed is refused by :mod:`bert_ds.kernels.dispatch`: an
-  error under ``kernels=cuda``, never run under ``kernels=auto``.
-- speed: the first time ``kernels=auto`` meets a device, :func:`op_choices` times each
-  op's correct candidates (fused, native, apex's LayerNorm) at the model's shapes and
-  records the winner with the timings (``kernels/speed.py``).
+:func:`recorded` keeps each section (the self-check, the race of ``kernels=auto``), made
+the first time a build meets a device by :mod:`bert_ds.kernels.choice`. This module knows
+nothing of the ops: it is what they load, so it sits below them.
 
 A record made under another key is ignored and made again. ``python -m bert_ds.kernels.build``
 does step 3, the self-check and the race ahead of time (an image build, a login node
@@ -35,7 +30,6 @@ build against the CUDA build of torch.
 
 from __future__ import annotations
 
-import dataclasses
 import fcntl
 import functools
 import hashlib
@@ -47,14 +41,11 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from bert_ds.base.atomic import atomic_write
-
-if TYPE_CHECKING:  # bert_ds.kernels.speed imports the ops, which import the dispatch, which imports this module
-    from bert_ds.kernels.speed import Choice, OpShapes, Timer
 
 EXTENSION_NAME = "bert_ds_kernels"
 CSRC = Path(__file__).resolve().parent / "csrc"
@@ -184,7 +175,7 @@ def verdict_path() -> Path:
     return build_dir() / f"verdicts-{device or 'unnamed'}.json"
 
 
-def _recorded(section: str, compute: Callable[[], Any]) -> Any:
+def recorded(section: str, compute: Callable[[], Any]) -> Any:
     """The recorded ``section`` of this device's verdicts, computed and recorded the first time.
 
     Concurrent processes (ranks) wait for the first one's result instead of repeating
@@ -214,87 +205,3 @@ def _read_record(path: Path) -> dict[str, Any]:
     except (OSError, ValueError):
         data = None
     return data if isinstance(data, dict) and data.get("key") == key else {"key": key}
-
-
-@functools.cache
-def op_verdicts() -> dict[str, str]:
-    """Per op, "" if its kernels passed the self-check on this device, else why not.
-
-    Empty when the extension does not load.
-    """
-    extension, _ = load_extension()
-    if extension is None:
-        return {}
-    return {op: str(why) for op, why in _recorded("selfcheck", _run_selfcheck).items()}
-
-
-def _run_selfcheck() -> dict[str, str]:
-    from bert_ds.kernels import selfcheck  # imports the ops, which import this module
-
-    logger.info("kernels: self-checking the fused CUDA kernels on %s", torch.cuda.get_device_name())
-    return selfcheck.run_all()
-
-
-# Where and by what clock the race runs: the current CUDA device and the default clock of
-# kernels/speed.py; tests substitute a CPU and a fake clock.
-def race_device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device())
-
-
-race_timer: Timer | None = None
-
-
-_choices: dict[str, Choice] | None = None  # this process's, once decided
-
-
-def op_choices(shapes: OpShapes | None = None) -> dict[str, Choice]:
-    """Per op, the implementation ``kernels=auto`` runs on this device, with the timings behind it.
-
-    Raced at ``shapes`` (a BERT-Base's when None) the first time ``kernels=auto`` meets
-    this device under this :func:`device_key`. Like the record, which later processes
-    and models of other sizes read, the first call in a process decides for the process
-    (``python -m bert_ds.kernels.build --recheck`` races again).
-    """
-    global _choices
-    if _choices is None:
-        _choices = _decide_choices(shapes)
-    return _choices
-
-
-def _decide_choices(shapes: OpShapes | None) -> dict[str, Choice]:
-    from bert_ds.kernels import speed
-
-    fused = _fused_problems()  # before the record's lock: the self-check takes it too
-    shapes = shapes or speed.OpShapes()
-
-    def run_race() -> dict[str, Any]:
-        device = race_device()
-        timed, excluded = speed.candidates(fused, _apex_problem(device))
-        logger.info("kernels=auto: timing each op's candidates on %s at %s", device_key()["device"],
-                    shapes.describe())
-        choices = speed.race(shapes, device, timed, excluded, race_timer or speed.best_seconds_per_call)
-        return {"shapes": dataclasses.asdict(shapes), "ops": {op: c.to_json() for op, c in choices.items()}}
-
-    return {op: speed.Choice.from_json(c) for op, c in _recorded("choices", run_race)["ops"].items()}
-
-
-def _fused_problems() -> dict[str, str]:
-    """Per op, why its fused kernel is no candidate ("" if it is one)."""
-    from bert_ds.kernels.dispatch import OPS
-
-    extension, reason = load_extension()
-    if extension is None:
-        return {op: f"the fused CUDA kernels cannot load: {reason}" for op in OPS}
-    verdicts = op_verdicts()
-    return {op: f"failed the self-check: {verdicts[op]}" if verdicts.get(op) else "" for op in OPS}
-
-
-def _apex_problem(device: torch.device) -> str:
-    """Why apex's fused LayerNorm is no candidate ("" if it is one: installed and correct here)."""
-    from bert_ds.kernels import selfcheck
-    from bert_ds.kernels.layer_norm import APEX_LAYER_NORM, layer_norm_apex
-
-    if APEX_LAYER_NORM is None:
-        return "apex is not installed"
-    why = selfcheck.verdict(lambda: selfcheck.check_layer_norm(layer_norm_apex, device, mixed_dtypes=False))
-    return f"failed the self-check: {why}" if why else ""

@@ -40,6 +40,7 @@ Design choices, and why:
 """
 
 import argparse
+import functools
 import json
 import math
 import sys
@@ -295,7 +296,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 impls["torch.compile"] = torch.compile(impls["torch eager"])
             for impl, fn in impls.items():
                 for pass_ in PASSES:
-                    call = (lambda fn=fn: fn(*inputs)) if pass_ == "forward" else \
+                    call = functools.partial(fn, *inputs) if pass_ == "forward" else \
                         forward_backward(fn, [t.detach().requires_grad_() for t in inputs], grad)
                     ms, why = measure(call, args.reps)
                     add(op, model, shape, impl, pass_, ms, why, work[pass_], "GB/s")

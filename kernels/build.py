@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from bert_ds.kernels import _build
+from bert_ds.kernels import _build, choice
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,13 +42,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{_build.EXTENSION_NAME} {_build.source_hash()}: {extension.__file__}")
     if args.recheck:
         _build.verdict_path().unlink(missing_ok=True)
-    verdicts = _build.op_verdicts()
+    verdicts = choice.op_verdicts()
     print(f"self-check on {torch.cuda.get_device_name()}:")
     for op, why in sorted(verdicts.items()):
         print(f"  {op:18s} {'ok' if not why else 'FAILED: ' + why}")
     print(f"kernels=auto on {torch.cuda.get_device_name()} (recorded in {_build.verdict_path()}):")
-    for op, choice in sorted(_build.op_choices().items()):
-        print(f"  {op:18s} {choice.describe()}")
+    for op, winner in sorted(choice.op_choices().items()):
+        print(f"  {op:18s} {winner.describe()}")
     if args.install is not None:
         args.install.mkdir(parents=True, exist_ok=True)
         target = args.install / Path(extension.__file__).name

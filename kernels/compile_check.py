@@ -143,7 +143,7 @@ def _first_problem(output: str, fallback: str) -> str:
 def _ptxas_summary(output: str) -> str:
     registers = [int(n) for n in re.findall(r"Used (\d+) registers", output)]
     smem = [int(n) for n in re.findall(r"(\d+) bytes smem", output)]
-    spills = [(int(s), int(l)) for s, l in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", output)]
+    spills = [(int(stores), int(loads)) for stores, loads in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", output)]
     spilling = [s for s in spills if s != (0, 0)]
     text = f"{len(registers)} kernels, max {max(registers, default=0)} registers, max {max(smem, default=0)} B smem"
     if spilling:

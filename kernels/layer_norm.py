@@ -23,7 +23,7 @@ autocast) are not what ``F.layer_norm`` takes.
 
 Where NVIDIA apex is installed, its fused LayerNorm (``fused_layer_norm_affine``)
 is a third candidate under ``kernels=auto``: it runs if it passes the same
-self-check and is the fastest on the device (``kernels/_build.py``).
+self-check and is the fastest on the device (``kernels/choice.py``).
 """
 
 import importlib

@@ -1,6 +1,6 @@
 """The fused kernels against their references on this device: the verdicts behind
 ``kernels=cuda`` refusing to start and ``kernels=auto`` choosing per op (see
-``kernels/_build.py``, which runs this once per build and device). The same checks
+``kernels/choice.py``, which runs this once per build and device). The same checks
 take any implementation of an op (apex's LayerNorm is held to them too) and device.
 
 Each check runs the op's implementation, forward and backward, on seeded random
@@ -138,8 +138,8 @@ def check_bias_gelu(impl: Callable[..., torch.Tensor], device: torch.device) -> 
             leaves = {"x": rand(rows, cols, dtype=dtype, scale=2.0), "bias": rand(cols, dtype=dtype)}
             problems += _compare(
                 f"{dtype} ({rows}, {cols}) {approximate}",
-                lambda x, bias: impl(x, bias, approximate),
-                lambda x, bias: bias_gelu_ref(x, bias, approximate),
+                lambda x, bias, approximate=approximate: impl(x, bias, approximate),
+                lambda x, bias, approximate=approximate: bias_gelu_ref(x, bias, approximate),
                 leaves, rand(rows, cols, dtype=dtype), dtype)
     return problems
 
@@ -153,11 +153,11 @@ def check_varlen_attention(impl: Callable[..., torch.Tensor], device: torch.devi
         for lengths, heads, head_dim in (([1, 512, 77, 128], 3, 64), ([3, 65, 1], 2, 32)):
             total, max_seqlen = sum(lengths), max(lengths)
             offsets = torch.tensor([0, *lengths], device=device).cumsum(0).to(torch.int32)
-            scale = head_dim ** -0.5
+            rest = (offsets, max_seqlen, 0.0, head_dim ** -0.5)  # cu_seqlens, max_seqlen, dropout_p, softmax_scale
             leaves = {name: rand(total, heads, head_dim, dtype=dtype) for name in ("q", "k", "v")}
             problems += _compare(
                 f"{dtype} lengths {lengths} heads {heads} head_dim {head_dim}",
-                lambda q, k, v: impl(q, k, v, offsets, max_seqlen, 0.0, scale),
-                lambda q, k, v: varlen_attention_ref(q, k, v, offsets, max_seqlen, 0.0, scale),
+                lambda q, k, v, rest=rest: impl(q, k, v, *rest),
+                lambda q, k, v, rest=rest: varlen_attention_ref(q, k, v, *rest),
                 leaves, rand(total, heads, head_dim, dtype=dtype), dtype)
     return problems

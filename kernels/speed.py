@@ -13,7 +13,7 @@ used only when it is faster, so ``kernels=auto`` is never slower than the native
 A candidate that raises at these shapes is excluded, with the reason.
 
 The race runs once per device and is recorded beside the self-check verdicts
-(``kernels/_build.py``); it takes a few milliseconds per candidate and happens when the
+(``kernels/choice.py``); it takes a few milliseconds per candidate and happens when the
 model is built, before any training step, so no run's figures include it. The device
 and the clock are parameters, so that the choice is tested on a CPU with stand-ins.
 """
@@ -21,6 +21,7 @@ and the clock are parameters, so that the choice is tested on a CPU with stand-i
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -134,7 +135,7 @@ def race(shapes: OpShapes, device: torch.device, timed: Mapping[str, Mapping[str
             ms, left_out = {}, dict(excluded.get(op, {}))
             for name, fn in implementations.items():
                 try:
-                    ms[name] = timer(lambda fn=fn: _forward_backward(call, fn, leaves, grad), device) * 1e3
+                    ms[name] = timer(functools.partial(_forward_backward, call, fn, leaves, grad), device) * 1e3
                 except Exception as error:  # a candidate that cannot run these shapes is not one
                     left_out[name] = f"raised {type(error).__name__}: {_first_line(error)}"
             if "native" not in ms:

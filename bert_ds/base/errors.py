@@ -23,6 +23,12 @@ class ConfigError(UserError):
     """A configuration value is invalid or inconsistent with another."""
 
 
+def require(cond: bool, field: str, message: str) -> None:
+    """The one form of a config check: unless ``cond``, a :class:`ConfigError` ``"<field>: <message>"``."""
+    if not cond:
+        raise ConfigError(f"{field}: {message}")
+
+
 def describe(err: BaseException) -> str:
     """An OS or library error as a short clause: ``FILE: reason`` where the file is known."""
     if isinstance(err, OSError) and err.strerror:

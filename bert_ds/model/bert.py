@@ -33,24 +33,25 @@ Design choices, and why:
 """
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, Mapping
+from typing import Any, Literal, get_args
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from bert_ds.base.errors import ConfigError
+from bert_ds.base.errors import ConfigError, require
 from bert_ds.model.padding import Unpadded, gather_tokens, unpad
-from bert_ds.kernels import Backend, OpShapes, bias_gelu, layer_norm, resolve_backend, varlen_attention
+from bert_ds.kernels import Backend, KernelSetting, OpShapes, bias_gelu, layer_norm, resolve_backend, varlen_attention
 
 # --------------------------------------------------------------------------- config
 
 HiddenAct = Literal["gelu", "gelu_tanh"]
-KernelChoice = Literal["auto", "cuda", "torch"]
-_HIDDEN_ACTS = ("gelu", "gelu_tanh")
-_KERNEL_CHOICES = ("auto", "cuda", "torch")
+_HIDDEN_ACTS = get_args(HiddenAct)
+_KERNEL_SETTINGS = get_args(KernelSetting)
+_PREFIX = "model config: "  # the start of every message of ModelConfig's checks
 # How each activation is spelt for F.gelu and the bias_gelu kernel.
 _GELU_APPROXIMATE = {"gelu": "none", "gelu_tanh": "tanh"}
 
@@ -70,7 +71,7 @@ class ModelConfig:
     layer_norm_eps: float = 1e-12  # BERT's value, kept so that exported models behave the same in HF
     initializer_range: float = 0.02  # std of the normal init of weights and embeddings (HF init)
     pre_layernorm: bool = False  # False: post-LN, the original BERT; True: pre-LN (stabler, not HF-exportable)
-    kernels: KernelChoice = "auto"  # "cuda": fused kernels or an error; "auto": per op the fastest correct (logged)
+    kernels: KernelSetting = "auto"  # "cuda": fused kernels or an error; "auto": per op the fastest correct (logged)
     activation_checkpointing: bool = False  # recompute layers in backward: less activation memory, ~1/3 more compute
     pad_token_id: int = 0  # id of [PAD]; its embedding row gets no gradient (HF padding_idx)
 
@@ -78,24 +79,24 @@ class ModelConfig:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size",
                      "max_position_embeddings", "type_vocab_size"):
             value = getattr(self, name)
-            _check(_is_int(value) and value > 0, name, f"must be a positive integer, got {value!r}")
-        _check(self.hidden_size % self.num_heads == 0, "num_heads",
-               f"must divide hidden_size ({self.hidden_size}), got {self.num_heads}")
-        _check(self.hidden_act in _HIDDEN_ACTS, "hidden_act",
-               f"must be one of {', '.join(_HIDDEN_ACTS)}, got {self.hidden_act!r}")
+            require(_is_int(value) and value > 0, f"{_PREFIX}{name}", f"must be a positive integer, got {value!r}")
+        require(self.hidden_size % self.num_heads == 0, f"{_PREFIX}num_heads",
+                f"must divide hidden_size ({self.hidden_size}), got {self.num_heads}")
+        require(self.hidden_act in _HIDDEN_ACTS, f"{_PREFIX}hidden_act",
+                f"must be one of {', '.join(_HIDDEN_ACTS)}, got {self.hidden_act!r}")
         for name in ("hidden_dropout", "attention_dropout"):
             value = getattr(self, name)
-            _check(_is_number(value) and 0.0 <= value < 1.0, name, f"must be in [0, 1), got {value!r}")
+            require(_is_number(value) and 0.0 <= value < 1.0, f"{_PREFIX}{name}", f"must be in [0, 1), got {value!r}")
         for name in ("layer_norm_eps", "initializer_range"):
             value = getattr(self, name)
-            _check(_is_number(value) and value > 0.0, name, f"must be a positive number, got {value!r}")
+            require(_is_number(value) and value > 0.0, f"{_PREFIX}{name}", f"must be a positive number, got {value!r}")
         for name in ("pre_layernorm", "activation_checkpointing"):
             value = getattr(self, name)
-            _check(isinstance(value, bool), name, f"must be true or false, got {value!r}")
-        _check(self.kernels in _KERNEL_CHOICES, "kernels",
-               f"must be one of {', '.join(_KERNEL_CHOICES)}, got {self.kernels!r}")
-        _check(_is_int(self.pad_token_id) and 0 <= self.pad_token_id < self.vocab_size, "pad_token_id",
-               f"must be a token id in [0, vocab_size={self.vocab_size}), got {self.pad_token_id!r}")
+            require(isinstance(value, bool), f"{_PREFIX}{name}", f"must be true or false, got {value!r}")
+        require(self.kernels in _KERNEL_SETTINGS, f"{_PREFIX}kernels",
+                f"must be one of {', '.join(_KERNEL_SETTINGS)}, got {self.kernels!r}")
+        require(_is_int(self.pad_token_id) and 0 <= self.pad_token_id < self.vocab_size, f"{_PREFIX}pad_token_id",
+                f"must be a token id in [0, vocab_size={self.vocab_size}), got {self.pad_token_id!r}")
 
     @property
     def head_dim(self) -> int:
@@ -123,11 +124,6 @@ def _is_int(value: object) -> bool:
 
 def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _check(ok: bool, field: str, message: str) -> None:
-    if not ok:
-        raise ConfigError(f"model config: {field} {message}")
 
 
 PRESETS: dict[str, dict[str, int]] = {
@@ -368,7 +364,7 @@ class PreTrainingOutput:
     """Losses, logits and the counts a trainer needs for accuracies without another pass.
 
     ``mlm_logits`` are in packed row-major order, the order of
-    ``logits[labels != -100]`` on a padded (B, S, V) tensor.
+    ``logits[labels != IGNORE_INDEX]`` on a padded (B, S, V) tensor.
     """
 
     mlm_logits: torch.Tensor  # (M, V): masked positions, or every real token when no labels are given
@@ -439,7 +435,7 @@ class BertForPreTraining(nn.Module):
           host, as the loader delivers it (:func:`pretraining_inputs`). The forward and
           backward then never wait for the device. MLM losses are computed when it
           carries masked positions.
-        - ``attention_mask`` (B, S) and optionally ``masked_lm_labels`` (B, S), -100 where a
+        - ``attention_mask`` (B, S) and optionally ``masked_lm_labels`` (B, S), ``IGNORE_INDEX`` (-100) where a
           token is not predicted (the Hugging Face arguments): the layout is computed here,
           which waits for the device once.
 

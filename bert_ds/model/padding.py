@@ -15,8 +15,8 @@ convenience path (a caller that passes only ``attention_mask``) and every batch
 built by hand use it.
 """
 
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Mapping
 
 import torch
 import torch.nn.functional as F

@@ -65,24 +65,24 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
 
 from bert_ds.config import BatchPlan
-from bert_ds.loader.pretraining import IGNORE_INDEX, Batch, PretrainingLoader, SpecialTokens, collate, to_device
-from bert_ds.base.errors import ConfigError, UserError
+from bert_ds.loader.pretraining import Batch, PretrainingLoader, SpecialTokens, collate, to_device
+from bert_ds.base.errors import ConfigError, UserError, report
 from bert_ds.model.flops import datasheet_peak_tflops, training_flops
 from bert_ds.model.bert import PRESETS, BertForPreTraining, ModelConfig, model_preset, pretraining_inputs
+from bert_ds.model.padding import IGNORE_INDEX
 from bert_ds.tools.projection import ANCHOR, anchor_mfu, hours_minutes, project
-from bert_ds.base.errors import report
-from bert_ds.kernels import probes
-from bert_ds.kernels.dispatch import KernelUnavailable
+from bert_ds.kernels import KernelUnavailable, probes
 
 BERT_VOCAB_SIZE = 30522  # bert-base-uncased: the vocabulary of the published models
 FULL_LENGTH_PROB = 0.9  # BERT's short_seq_prob = 0.1

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from bert_ds.kernels import _build
+from bert_ds.kernels import _build, choice
 
 
 @pytest.fixture
@@ -19,13 +19,13 @@ def fresh_loader(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake H100")
-    for cached in (_build.load_extension, _build.op_verdicts, _build.source_hash):
+    for cached in (_build.load_extension, choice.op_verdicts, _build.source_hash):
         cached.cache_clear()
-    monkeypatch.setattr(_build, "_choices", None)
+    monkeypatch.setattr(choice, "_choices", None)
     sys.modules.pop(_build.EXTENSION_NAME, None)
     yield tmp_path
     sys.modules.pop(_build.EXTENSION_NAME, None)  # a fake module must not outlive its test
-    for cached in (_build.load_extension, _build.op_verdicts, _build.source_hash):
+    for cached in (_build.load_extension, choice.op_verdicts, _build.source_hash):
         cached.cache_clear()
 
 
@@ -81,25 +81,25 @@ def test_verdicts_are_recorded_once_per_build_and_device(fresh_loader, monkeypat
     _install_fake_module(monkeypatch, fresh_loader, _build.source_hash())
     runs = []
     monkeypatch.setattr(selfcheck, "run_all", lambda: runs.append(1) or {"layer_norm": "", "bias_gelu": "bad"})
-    assert _build.op_verdicts() == {"layer_norm": "", "bias_gelu": "bad"}
+    assert choice.op_verdicts() == {"layer_norm": "", "bias_gelu": "bad"}
     recorded = json.loads(_build.verdict_path().read_text())
     assert recorded["key"] == {"source_hash": _build.source_hash(), "device": "Fake H100",
                                "torch": torch.__version__, "cuda": "13.0"}
     assert recorded["selfcheck"] == {"layer_norm": "", "bias_gelu": "bad"}
     assert _build.verdict_path().name == "verdicts-fake-h100.json"
 
-    _build.op_verdicts.cache_clear()  # a new process: reads the record, does not check again
-    assert _build.op_verdicts() == {"layer_norm": "", "bias_gelu": "bad"}
+    choice.op_verdicts.cache_clear()  # a new process: reads the record, does not check again
+    assert choice.op_verdicts() == {"layer_norm": "", "bias_gelu": "bad"}
     assert len(runs) == 1
 
 
 def test_no_verdicts_without_an_extension(monkeypatch):
-    monkeypatch.setattr(_build, "load_extension", lambda: (None, "no CUDA device"))
-    _build.op_verdicts.cache_clear()
+    monkeypatch.setattr(choice, "load_extension", lambda: (None, "no CUDA device"))
+    choice.op_verdicts.cache_clear()
     try:
-        assert _build.op_verdicts() == {}
+        assert choice.op_verdicts() == {}
     finally:
-        _build.op_verdicts.cache_clear()
+        choice.op_verdicts.cache_clear()
 
 
 def test_the_selfcheck_rule_passes_the_reference_and_catches_a_wrong_kernel():
@@ -140,7 +140,7 @@ def test_an_unwritable_cache_still_gives_verdicts(fresh_loader, monkeypatch, cap
     monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))  # every path under it fails to be created
     monkeypatch.setattr(selfcheck, "run_all", lambda: {"layer_norm": ""})
     with caplog.at_level(logging.WARNING, logger="bert_ds.kernels._build"):
-        assert _build.op_verdicts() == {"layer_norm": ""}
+        assert choice.op_verdicts() == {"layer_norm": ""}
     assert "cannot record verdicts" in caplog.text
 
 
@@ -150,7 +150,7 @@ def test_the_build_command_prints_the_self_check_and_the_speed_verdicts(fresh_lo
 
     _install_fake_module(monkeypatch, fresh_loader, _build.source_hash())
     monkeypatch.setattr(selfcheck, "run_all", lambda: {"layer_norm": "", "bias_gelu": "", "varlen_attention": ""})
-    monkeypatch.setattr(_build, "_choices", {  # as if this process had raced
+    monkeypatch.setattr(choice, "_choices", {  # as if this process had raced
         "layer_norm": Choice("fused", {"native": 0.052, "fused": 0.031}, {"apex": "apex is not installed"}),
         "bias_gelu": Choice("native", {"native": 0.04, "fused": 0.05}, {}),
     })

@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from bert_ds import kernels
-from bert_ds.kernels import _build, attention, dispatch, selfcheck, speed
-from bert_ds.kernels.dispatch import resolve_backend
+from bert_ds.kernels import _build, attention, choice, dispatch, selfcheck, speed
+from bert_ds.kernels.choice import resolve_backend
 
 # The modules, which kernels' own names for the public ops hide.
 layer_norm = importlib.import_module("bert_ds.kernels.layer_norm")
@@ -68,11 +68,11 @@ def auto(monkeypatch, tmp_path):
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setattr(selfcheck, "run_all", lambda: {op: "" for op in speed.OPS})
     clock = FakeClock()
-    monkeypatch.setattr(_build, "race_device", lambda: torch.device("cpu"))
-    monkeypatch.setattr(_build, "race_timer", clock.timer)
+    monkeypatch.setattr(choice, "race_device", lambda: torch.device("cpu"))
+    monkeypatch.setattr(choice, "race_timer", clock.timer)
     monkeypatch.setattr(layer_norm, "APEX_LAYER_NORM", None)
     monkeypatch.setattr(_build, "_jit_build", lambda: (None, "tests build nothing"))
-    monkeypatch.setattr(_build, "_choices", None)
+    monkeypatch.setattr(choice, "_choices", None)
 
     class Auto:
         fused_calls: list[str] = []
@@ -87,10 +87,10 @@ def auto(monkeypatch, tmp_path):
 
         @staticmethod
         def new_process() -> None:
-            for cached in (_build.load_extension, _build.op_verdicts, _build.source_hash, dispatch._auto_backend,
-                           dispatch._log_once, dispatch._log_fallback):
+            for cached in (_build.load_extension, choice.op_verdicts, _build.source_hash, choice._auto_backend,
+                           choice._log_once, dispatch._log_fallback):
                 cached.cache_clear()
-            _build._choices = None
+            choice._choices = None
 
     Auto.clock = clock
     Auto.new_process()
@@ -102,7 +102,7 @@ def auto(monkeypatch, tmp_path):
 
 
 def _runs() -> dict[str, str]:
-    return {op: choice.runs for op, choice in _build.op_choices().items()}
+    return {op: winner.runs for op, winner in choice.op_choices().items()}
 
 
 # --------------------------------------------------------------------------- the race
@@ -111,7 +111,7 @@ def test_a_fused_kernel_slower_than_native_is_not_used(auto):
     auto.costs("bias_gelu", native=2.0, fused=3.0)
     auto.costs("varlen_attention", native=1.0, fused=1.0)  # a tie is no reason to run a kernel
     assert resolve_backend("auto", SHAPES) == "prefer_cuda"
-    choices = _build.op_choices()
+    choices = choice.op_choices()
     assert _runs() == {"layer_norm": "fused", "bias_gelu": "native", "varlen_attention": "native"}
     assert choices["bias_gelu"].ms == pytest.approx({"native": 2.0, "fused": 3.0})
     assert len(auto.clock.timed) == 6 and set(auto.clock.timed) == {torch.device("cpu")}
@@ -144,9 +144,9 @@ def test_a_fused_kernel_that_failed_its_self_check_is_not_a_candidate(auto, monk
     monkeypatch.setattr(selfcheck, "run_all", lambda: {"layer_norm": "out: error 9 > 2 x 0 + 0", "bias_gelu": "",
                                                        "varlen_attention": ""})
     resolve_backend("auto", SHAPES)
-    choice = _build.op_choices()["layer_norm"]
-    assert choice.runs == "native" and set(choice.ms) == {"native"}  # never timed, though the faster
-    assert choice.excluded == {"fused": "failed the self-check: out: error 9 > 2 x 0 + 0",
+    winner = choice.op_choices()["layer_norm"]
+    assert winner.runs == "native" and set(winner.ms) == {"native"}  # never timed, though the faster
+    assert winner.excluded == {"fused": "failed the self-check: out: error 9 > 2 x 0 + 0",
                                "apex": "apex is not installed"}
 
 
@@ -155,8 +155,8 @@ def test_a_candidate_that_raises_at_the_model_s_shapes_is_not_a_candidate(auto, 
         raise RuntimeError("no kernel for this head dim\nmore detail")
     monkeypatch.setitem(attention.IMPLEMENTATIONS, "fused", broken)
     resolve_backend("auto", SHAPES)
-    choice = _build.op_choices()["varlen_attention"]
-    assert choice.runs == "native" and choice.excluded["fused"] == "raised RuntimeError: no kernel for this head dim"
+    winner = choice.op_choices()["varlen_attention"]
+    assert winner.runs == "native" and winner.excluded["fused"] == "raised RuntimeError: no kernel for this head dim"
 
 
 def test_the_race_times_forward_and_backward_at_the_model_s_shapes(auto, monkeypatch):
@@ -191,7 +191,7 @@ def test_torch_runs_native_and_races_nothing(auto):
 
 def test_the_verdict_is_recorded_and_a_later_process_reads_it(auto):
     resolve_backend("auto", SHAPES)
-    first = _build.op_choices()
+    first = choice.op_choices()
     record = json.loads(_build.verdict_path().read_text())
     assert record["key"]["device"] == "Fake H100" and record["choices"]["shapes"]["hidden"] == 16
     assert set(record) == {"key", "selfcheck", "choices"}
@@ -200,7 +200,7 @@ def test_the_verdict_is_recorded_and_a_later_process_reads_it(auto):
     auto.new_process()
     assert resolve_backend("auto", speed.OpShapes()) == "prefer_cuda"  # another model: the device's record holds
     assert len(auto.clock.timed) == timed
-    assert {op: c.to_json() for op, c in _build.op_choices().items()} == {op: c.to_json() for op, c in first.items()}
+    assert {op: c.to_json() for op, c in choice.op_choices().items()} == {op: c.to_json() for op, c in first.items()}
 
 
 def _raced_again(auto) -> bool:
@@ -265,9 +265,9 @@ def test_apex_layer_norm_joins_the_candidates_and_wins_when_fastest(auto, monkey
     auto.costs("layer_norm", native=2.0, fused=1.0)
     monkeypatch.setitem(layer_norm.IMPLEMENTATIONS, "apex", auto.clock.charging(0.5 * MS, layer_norm.layer_norm_apex))
     assert resolve_backend("auto", SHAPES) == "prefer_cuda"
-    choice = _build.op_choices()["layer_norm"]
-    assert choice.runs == "apex" and choice.ms == pytest.approx({"native": 2.0, "fused": 1.0, "apex": 0.5})
-    assert "apex" not in _build.op_choices()["bias_gelu"].ms
+    winner = choice.op_choices()["layer_norm"]
+    assert winner.runs == "apex" and winner.ms == pytest.approx({"native": 2.0, "fused": 1.0, "apex": 0.5})
+    assert "apex" not in choice.op_choices()["bias_gelu"].ms
 
 
 def test_a_wrong_apex_fails_its_self_check_and_is_not_a_candidate(auto, monkeypatch):
@@ -275,9 +275,9 @@ def test_a_wrong_apex_fails_its_self_check_and_is_not_a_candidate(auto, monkeypa
         return _apex_stand_in(x, weight, bias, normalized_shape, eps) * 1.05
     monkeypatch.setattr(layer_norm, "APEX_LAYER_NORM", wrong)
     resolve_backend("auto", SHAPES)
-    choice = _build.op_choices()["layer_norm"]
-    assert choice.runs == "fused" and "apex" not in choice.ms
-    assert choice.excluded["apex"].startswith("failed the self-check: torch.float32 (96, 768) +residual out: error")
+    winner = choice.op_choices()["layer_norm"]
+    assert winner.runs == "fused" and "apex" not in winner.ms
+    assert winner.excluded["apex"].startswith("failed the self-check: torch.float32 (96, 768) +residual out: error")
 
 
 def test_apex_alone_makes_auto_time_layer_norm(auto, monkeypatch):
@@ -286,7 +286,7 @@ def test_apex_alone_makes_auto_time_layer_norm(auto, monkeypatch):
     monkeypatch.setitem(layer_norm.IMPLEMENTATIONS, "apex", auto.clock.charging(0.5 * MS, layer_norm.layer_norm_apex))
     assert resolve_backend("auto", SHAPES) == "prefer_cuda"
     assert _runs() == {"layer_norm": "apex", "bias_gelu": "native", "varlen_attention": "native"}
-    excluded = _build.op_choices()["bias_gelu"].excluded
+    excluded = choice.op_choices()["bias_gelu"].excluded
     assert excluded["fused"] == "the fused CUDA kernels cannot load: tests build nothing"
 
 
@@ -304,7 +304,8 @@ def test_the_choice_is_logged_once_with_both_timings(auto, caplog):
     with caplog.at_level(logging.INFO, logger="bert_ds.kernels"):
         for shapes in (SHAPES, SHAPES, speed.OpShapes()):  # models of one size, then of another
             resolve_backend("auto", shapes)
-    choices = [r.getMessage() for r in caplog.records if r.name == "bert_ds.kernels.dispatch"]
+    logged = [r.getMessage() for r in caplog.records if r.name == "bert_ds.kernels.choice"]
+    choices = [m for m in logged if " runs " in m]  # beside them: the self-check's and the race's lines
     assert sorted(choices) == [
         "kernels=auto: bias_gelu runs native (native 2.000 ms, fused 3.000 ms, forward + backward)",
         "kernels=auto: layer_norm runs fused (native 2.000 ms, fused 1.000 ms, forward + backward); "

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from bert_ds import kernels
+from bert_ds.model.padding import IGNORE_INDEX
 from tests.kernels import emulation
 from tests.kernels.helpers import (
     ATOL, assert_close_to_reference, attention_per_sequence, cu_seqlens_of, gelu_fp64, gelu_same_dtype,
@@ -55,7 +56,7 @@ class Emulated:
     """
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        P, I, L, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+        P, I, L, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float  # noqa: E741 (as in C: I is int)
         signatures = {
             "bds_layer_norm_fwd": [P, P, P, P, P, P, P, L, I, F, I, I, I, P],
             "bds_layer_norm_bwd_parts": [L, I],
@@ -376,10 +377,13 @@ def test_attention_missing_a_synchronisation_fails_in_the_emulator(tmp_path, bro
 def emulated_cuda(emu, monkeypatch):
     """``backend="cuda"`` runs the ops' fused path (dispatch, autograd Functions) on the emulated
     launchers, with CPU tensors: the Python glue is tested with the real kernel source."""
-    from bert_ds.kernels import dispatch
+    from bert_ds.kernels import choice, dispatch
 
-    monkeypatch.setattr(dispatch, "load_extension", lambda: (emu, ""))
-    monkeypatch.setattr(dispatch, "op_verdicts", lambda: {op: "" for op in dispatch.OPS})
+    passed = {op: "" for op in dispatch.OPS}
+    for module in (choice, dispatch):  # resolve_backend's view and the dispatch's
+        monkeypatch.setattr(module, "load_extension", lambda: (emu, ""))
+    monkeypatch.setattr(choice, "op_verdicts", lambda: passed)
+    monkeypatch.setattr(dispatch, "_verdicts", lambda: passed)
     for op in dispatch.OPS:  # the inputs are on the CPU by design: waive that reason, and only that
         module = importlib.import_module(f"bert_ds.kernels.{op.removeprefix('varlen_')}")
 
@@ -446,7 +450,7 @@ def test_tiny_model_trains_alike_on_the_emulated_kernels(emulated_cuda, precisio
     mask = (torch.arange(seq_len)[None, :] < lengths[:, None]).long()
     ids = torch.randint(5, vocab, (4, seq_len), generator=generator) * mask
     types = (torch.arange(seq_len)[None, :] >= (lengths // 2)[:, None]).long() * mask
-    labels = torch.where((torch.rand(4, seq_len, generator=generator) < 0.3) & mask.bool(), ids, -100)
+    labels = torch.where((torch.rand(4, seq_len, generator=generator) < 0.3) & mask.bool(), ids, IGNORE_INDEX)
     labels[0, 1] = ids[0, 1]
     nsp = torch.tensor([0, 1, 1, 0])
 

@@ -17,8 +17,9 @@ import pytest
 import torch
 
 from bert_ds import kernels
-from bert_ds.kernels import _build
+from bert_ds.kernels import _build, choice
 from bert_ds.kernels.dispatch import KernelUnavailable
+from bert_ds.model.padding import IGNORE_INDEX
 from tests.kernels.helpers import (
     assert_close_to_reference, attention_per_sequence, cu_seqlens_of, gelu_fp64, gelu_same_dtype, layer_norm_fp64,
     layer_norm_same_dtype, misaligned, non_contiguous, rand, scaled_atol,
@@ -64,7 +65,7 @@ def _check(label, fused, same_dtype, truth, dtype):
 
 
 def test_every_op_passed_its_self_check():
-    assert _build.op_verdicts() == {"layer_norm": "", "bias_gelu": "", "varlen_attention": ""}
+    assert choice.op_verdicts() == {"layer_norm": "", "bias_gelu": "", "varlen_attention": ""}
     assert kernels.resolve_backend("cuda") == "cuda"
     assert kernels.resolve_backend("auto") == "prefer_cuda"
 
@@ -243,7 +244,7 @@ def _pretraining_batches(vocab: int, steps: int, batch: int, seq_len: int, seed:
         types = (torch.arange(seq_len)[None, :] >= (lengths // 2)[:, None]).long() * mask
         masked = (torch.rand(batch, seq_len, generator=generator) < 0.15) & mask.bool()
         masked[0, 1] = True
-        labels = torch.where(masked, ids, -100)
+        labels = torch.where(masked, ids, IGNORE_INDEX)
         nsp = torch.randint(0, 2, (batch,), generator=generator)
         batches.append([t.cuda() for t in (ids, types, mask, labels, nsp)])
     return batches
@@ -298,18 +299,18 @@ def test_model_under_autocast_runs_every_op_fused():
     state = BertForPreTraining(config).state_dict()
     batches = _pretraining_batches(1024, steps=5, batch=8, seq_len=128)
     curves = {}
-    for choice in ("torch", "cuda"):
-        model = BertForPreTraining(dataclasses.replace(config, kernels=choice)).cuda()
+    for setting in ("torch", "cuda"):
+        model = BertForPreTraining(dataclasses.replace(config, kernels=setting)).cuda()
         model.load_state_dict(state)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        curves[choice] = []
+        curves[setting] = []
         for batch in batches:
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 loss = model(*batch).loss
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
-            curves[choice].append(loss.item())
+            curves[setting].append(loss.item())
     for fused, reference in zip(curves["cuda"], curves["torch"]):
         assert abs(fused - reference) <= 0.02 * reference, curves
 

@@ -14,9 +14,10 @@ import torch
 import torch.nn.functional as F
 
 from bert_ds import kernels
-from bert_ds.kernels import dispatch
+from bert_ds.kernels import choice, dispatch
 from bert_ds.kernels._build import load_extension
-from bert_ds.kernels.dispatch import KernelUnavailable, UnknownKernelBackend, resolve_backend
+from bert_ds.kernels.choice import UnknownKernelBackend, resolve_backend
+from bert_ds.kernels.dispatch import KernelUnavailable
 from bert_ds.base.errors import UserError
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -229,11 +230,11 @@ def test_resolve_cuda_without_extension_says_why():
 def test_resolve_auto_falls_back_to_torch_and_logs_once(caplog):
     if load_extension()[0] is not None:
         pytest.skip("the fused CUDA extension loads here")
-    dispatch._auto_backend.cache_clear()
-    with caplog.at_level(logging.INFO, logger="bert_ds.kernels.dispatch"):
+    choice._auto_backend.cache_clear()
+    with caplog.at_level(logging.INFO, logger="bert_ds.kernels.choice"):
         assert resolve_backend("auto") == "torch"
         assert resolve_backend("auto") == "torch"
-    messages = [r.getMessage() for r in caplog.records if r.name == "bert_ds.kernels.dispatch"]
+    messages = [r.getMessage() for r in caplog.records if r.name == "bert_ds.kernels.choice"]
     assert len(messages) == 1
     assert "native PyTorch ops" in messages[0] and load_extension()[1] in messages[0]
 
@@ -271,22 +272,25 @@ def test_bias_gelu_rejects_unknown_approximation():
 @pytest.fixture
 def fake_extension(monkeypatch, caplog):
     """A loaded extension whose layer_norm failed its self-check and whose bias_gelu won the
-    race on this device (the dispatch's view of them)."""
+    race on this device (as resolve_backend and the dispatch see them)."""
     from bert_ds.kernels.speed import Choice
 
-    monkeypatch.setattr(dispatch, "load_extension", lambda: (object(), ""))
-    monkeypatch.setattr(dispatch, "op_verdicts",
-                        lambda: {"layer_norm": "y: error 1 > 2 x 0 + 0", "bias_gelu": "", "varlen_attention": ""})
-    monkeypatch.setattr(dispatch, "verdict_path", lambda: "/cache/verdicts-fake-h100.json")
+    verdicts = {"layer_norm": "y: error 1 > 2 x 0 + 0", "bias_gelu": "", "varlen_attention": ""}
     choices = {"layer_norm": Choice("native", {"native": 1.0}, {"fused": "failed the self-check"}),
                "bias_gelu": Choice("fused", {"native": 2.0, "fused": 1.0}, {}),
                "varlen_attention": Choice("native", {"native": 1.0, "fused": 1.5}, {})}
-    monkeypatch.setattr(dispatch, "op_choices", lambda shapes=None: choices)
-    for cached in (dispatch._auto_backend, dispatch._log_once, dispatch._log_fallback):
+    for module in (choice, dispatch):
+        monkeypatch.setattr(module, "load_extension", lambda: (object(), ""))
+    monkeypatch.setattr(choice, "op_verdicts", lambda: verdicts)
+    monkeypatch.setattr(choice, "op_choices", lambda shapes=None: choices)
+    monkeypatch.setattr(choice, "verdict_path", lambda: "/cache/verdicts-fake-h100.json")
+    monkeypatch.setattr(dispatch, "_verdicts", lambda: verdicts)
+    monkeypatch.setattr(dispatch, "_choices", lambda: choices)
+    for cached in (choice._auto_backend, choice._log_once, dispatch._log_fallback):
         cached.cache_clear()
-    caplog.set_level(logging.INFO, logger="bert_ds.kernels.dispatch")
+    caplog.set_level(logging.INFO, logger="bert_ds.kernels")
     yield caplog
-    for cached in (dispatch._auto_backend, dispatch._log_once, dispatch._log_fallback):
+    for cached in (choice._auto_backend, choice._log_once, dispatch._log_fallback):
         cached.cache_clear()
 
 

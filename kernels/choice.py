@@ -1,0 +1,177 @@
+"""What the ops run on this device: a ``kernels`` setting resolved, and the verdicts behind it.
+
+- self-check: the first time a build meets a device, :func:`op_verdicts` runs every
+  op against its ``<op>_ref`` (``kernels/selfcheck.py``: every dtype, a few shapes,
+  forward and backward). An op that failed is refused by :func:`bert_ds.kernels.dispatch.choose`:
+  an error under ``kernels=cuda``, never run under ``kernels=auto``.
+- speed: the first time ``kernels=auto`` meets a device, :func:`op_choices` times each
+  op's correct candidates (fused, native, apex's LayerNorm) at the model's shapes and
+  records the winner with the timings (``kernels/speed.py``).
+- :func:`resolve_backend`: a ``kernels: auto | cuda | torch`` setting to the backend the ops
+  run (``kernels/dispatch.py`` says what each runs).
+
+Both verdicts are recorded beside the build (:func:`bert_ds.kernels._build.recorded`), so
+a later process, or another rank, only reads them. They are made by running the ops, so
+this module sits above the ops, which sit above the dispatch: the dispatch consults the
+verdicts through :func:`bert_ds.kernels.dispatch.consult`, which the package's
+``__init__`` calls with :func:`op_verdicts` and :func:`op_choices`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from typing import Any, Literal, get_args
+
+import torch
+
+from bert_ds.base.errors import UserError
+from bert_ds.kernels import layer_norm, selfcheck, speed
+from bert_ds.kernels._build import device_key, load_extension, recorded, verdict_path
+from bert_ds.kernels.dispatch import OPS, Backend, KernelUnavailable
+from bert_ds.kernels.speed import Choice, OpShapes
+
+KernelSetting = Literal["auto", "cuda", "torch"]  # what a config may ask for
+SETTINGS = get_args(KernelSetting)
+
+logger = logging.getLogger(__name__)
+
+
+class UnknownKernelBackend(UserError):
+    """The ``kernels`` setting names no known backend."""
+
+
+# --------------------------------------------------------------------------- resolving a setting
+
+def resolve_backend(requested: str, shapes: OpShapes | None = None) -> Backend:
+    """Maps a ``kernels`` setting ("auto" | "cuda" | "torch") to the backend the ops run.
+
+    ``shapes``: the model's, at which ``auto`` times the candidates the first time it
+    meets a device (a BERT-Base's when None).
+    """
+    if requested == "torch":
+        return "torch"
+    if requested == "cuda":
+        extension, reason = load_extension()
+        if extension is None:
+            raise KernelUnavailable(
+                f"kernels=cuda was requested but the fused CUDA kernels cannot load: {reason}; "
+                "use kernels=torch (or auto) to run the native PyTorch ops"
+            )
+        failed = {op: why for op, why in op_verdicts().items() if why}
+        if failed:
+            raise KernelUnavailable(
+                "kernels=cuda was requested but fused kernels failed their self-check on this device: "
+                + "; ".join(f"{op}: {why}" for op, why in sorted(failed.items()))
+                + f" (recorded in {verdict_path()}; `python -m bert_ds.kernels.build --recheck` checks again); "
+                "use kernels=auto to run the native op for those ops"
+            )
+        return "cuda"
+    if requested == "auto":
+        return _auto_backend(shapes)
+    raise UnknownKernelBackend(f"kernels must be one of {', '.join(SETTINGS)}; got {requested!r}")
+
+
+@functools.cache
+def _auto_backend(shapes: OpShapes | None) -> Backend:
+    extension, reason = load_extension()
+    apex_on_a_gpu = layer_norm.APEX_LAYER_NORM is not None and torch.cuda.is_available()
+    if extension is None and not apex_on_a_gpu:  # nothing to choose from but the native ops
+        # A GPU without the kernels is a slower run than the user may have intended.
+        log = logger.warning if torch.cuda.is_available() else logger.info
+        log("kernels=auto: running the native PyTorch ops (%s)", reason)
+        return "torch"
+    for op, why in sorted(op_verdicts().items()):
+        if why:
+            _log_once(logging.WARNING, f"kernels=auto: {op} never runs its fused kernel here: "
+                                       f"it failed the self-check ({why})")
+    for op, choice in op_choices(shapes).items():
+        _log_once(logging.INFO, f"kernels=auto: {op} {choice.describe()}")
+    return "prefer_cuda"
+
+
+@functools.cache
+def _log_once(level: int, message: str) -> None:
+    # Once per process, whatever the number of models (the choice is the device's, not the model's).
+    logger.log(level, message)
+
+
+# --------------------------------------------------------------------------- the self-check
+
+@functools.cache
+def op_verdicts() -> dict[str, str]:
+    """Per op, "" if its kernels passed the self-check on this device, else why not.
+
+    Empty when the extension does not load.
+    """
+    extension, _ = load_extension()
+    if extension is None:
+        return {}
+    return {op: str(why) for op, why in recorded("selfcheck", _run_selfcheck).items()}
+
+
+def _run_selfcheck() -> dict[str, str]:
+    logger.info("kernels: self-checking the fused CUDA kernels on %s", torch.cuda.get_device_name())
+    return selfcheck.run_all()
+
+
+# --------------------------------------------------------------------------- the race
+
+# Where and by what clock the race runs: the current CUDA device and the default clock of
+# kernels/speed.py; tests substitute a CPU and a fake clock.
+def race_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+race_timer: speed.Timer | None = None
+
+
+_choices: dict[str, Choice] | None = None  # this process's, once decided
+
+
+def op_choices(shapes: OpShapes | None = None) -> dict[str, Choice]:
+    """Per op, the implementation ``kernels=auto`` runs on this device, with the timings behind it.
+
+    Raced at ``shapes`` (a BERT-Base's when None) the first time ``kernels=auto`` meets
+    this device under this :func:`~bert_ds.kernels._build.device_key`. Like the record, which
+    later processes and models of other sizes read, the first call in a process decides for
+    the process (``python -m bert_ds.kernels.build --recheck`` races again).
+    """
+    global _choices
+    if _choices is None:
+        _choices = _decide_choices(shapes)
+    return _choices
+
+
+def _decide_choices(shapes: OpShapes | None) -> dict[str, Choice]:
+    fused = _fused_problems()  # before the record's lock: the self-check takes it too
+    shapes = shapes or OpShapes()
+
+    def run_race() -> dict[str, Any]:
+        device = race_device()
+        timed, excluded = speed.candidates(fused, _apex_problem(device))
+        logger.info("kernels=auto: timing each op's candidates on %s at %s", device_key()["device"],
+                    shapes.describe())
+        choices = speed.race(shapes, device, timed, excluded, race_timer or speed.best_seconds_per_call)
+        return {"shapes": dataclasses.asdict(shapes), "ops": {op: c.to_json() for op, c in choices.items()}}
+
+    return {op: Choice.from_json(c) for op, c in recorded("choices", run_race)["ops"].items()}
+
+
+def _fused_problems() -> dict[str, str]:
+    """Per op, why its fused kernel is no candidate ("" if it is one)."""
+    extension, reason = load_extension()
+    if extension is None:
+        return {op: f"the fused CUDA kernels cannot load: {reason}" for op in OPS}
+    verdicts = op_verdicts()
+    return {op: f"failed the self-check: {verdicts[op]}" if verdicts.get(op) else "" for op in OPS}
+
+
+def _apex_problem(device: torch.device) -> str:
+    """Why apex's fused LayerNorm is no candidate ("" if it is one: installed and correct here)."""
+    if layer_norm.APEX_LAYER_NORM is None:
+        return "apex is not installed"
+    why = selfcheck.verdict(
+        lambda: selfcheck.check_layer_norm(layer_norm.layer_norm_apex, device, mixed_dtypes=False))
+    return f"failed the self-check: {why}" if why else ""
