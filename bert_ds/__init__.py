@@ -1,16 +1,17 @@
 """bert-ds: BERT pretraining on DeepSpeed, from raw text to a Hugging Face checkpoint.
 
 The package, from the bottom layer up (a layer imports only the layers above it in
-this list; ``tests/test_layers.py`` checks it):
+this list, and within the library only as ``tests/test_layers.py`` allows; ``tests/test_layers.py`` checks it):
 
 - :mod:`bert_ds.base`: errors and exit statuses, atomic writes, folder locks.
 - :mod:`bert_ds.kernels` (the ``kernels/`` folder): fused CUDA ops, their references and
   the native fallbacks.
 - :mod:`bert_ds.data_tools` (the ``data_tools/`` folder): raw text to token shards, offline.
 - :mod:`bert_ds.ds_configs` (the ``ds_configs/`` folder): DeepSpeed engine JSON.
-- :mod:`bert_ds.config`: the typed, validated training configuration.
-- :mod:`bert_ds.model`, :mod:`bert_ds.loader`, :mod:`bert_ds.optim`: the model, the
-  pretraining data and the optimizer.
+- The library: :mod:`bert_ds.model` (BERT, run unpadded), :mod:`bert_ds.config` (the typed,
+  validated training configuration, which holds the model's), :mod:`bert_ds.loader` (the
+  pretraining samples), :mod:`bert_ds.zero` (the one module that touches DeepSpeed's
+  internals) and :mod:`bert_ds.optim` (LAMB and the schedule).
 - :mod:`bert_ds.checkpoint`: checkpoints, resume rules, export and import of weights.
 - :mod:`bert_ds.train`: the training command, its loop and the two-phase runner.
 - :mod:`bert_ds.tools`: commands around the system (bench, bundle, plot, demo).

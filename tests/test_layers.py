@@ -48,15 +48,16 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("bert_ds.tools",),  # commands around the system
 )
 # Within a layer, who may import whom (nothing else), so the library reads bottom up: model <-
-# config <- loader, optim <- zero. The model knows nothing of training (the training config
+# config <- loader, zero <- optim <- config. The model knows nothing of training (the training config
 # holds the model's own ModelConfig); the loader builds batches in the model's layout
-# (model/padding.py); the optimizer math knows nothing of DeepSpeed (bert_ds.zero binds it
-# to ZeRO, not the other way); the loader and the optimizer do not know each other.
+# (model/padding.py); bert_ds.zero is the one door to DeepSpeed's internals and imports
+# nothing of bert_ds, so the optimizer's builders may bind LAMB (pure math) to ZeRO's
+# partitions through it; the loader and the optimizer do not know each other.
 SAME_LAYER: dict[str, frozenset[str]] = {
     "bert_ds.config": frozenset({"bert_ds.model"}),
     "bert_ds.loader": frozenset({"bert_ds.config", "bert_ds.model"}),
-    "bert_ds.optim": frozenset({"bert_ds.config"}),
-    "bert_ds.zero": frozenset({"bert_ds.config", "bert_ds.optim"}),
+    "bert_ds.optim": frozenset({"bert_ds.config", "bert_ds.zero"}),
+    "bert_ds.zero": frozenset(),
 }
 BARE_NAMES = ("kernels", "data_tools", "ds_configs")
 NO_CYCLES_IN = "bert_ds"  # every module, bert_ds.kernels included

@@ -278,7 +278,7 @@ def build_project_wheel(pip: Pip, dest: Path) -> LocalWheel:
         src = Path(tmp) / "src"
         for rel in source_files(PROJECT_ROOT):
             (src / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(PROJECT_ROOT / rel, src / rel)
+            shutil.copy2(PROJECT_ROOT / rel, src / rel, follow_symlinks=False)  # bert_ds/kernels etc. stay links
         pip.run("building the bert-ds wheel",
                 ["wheel", "--no-deps", "--quiet", *pip.index_args, "-w", str(dest), str(src)])
     wheel = next(dest.glob("bert_ds-*.whl"), None)
@@ -298,12 +298,14 @@ def source_files(root: Path) -> list[Path]:
         try:
             listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
                                     cwd=root, capture_output=True, check=True).stdout
-            return [Path(n) for n in sorted(set(listed.decode().split("\0"))) if n and (root / n).is_file()]
+            return [Path(n) for n in sorted(set(listed.decode().split("\0")))
+                    if n and ((root / n).is_file() or (root / n).is_symlink())]
         except (OSError, subprocess.CalledProcessError):
             pass  # no git here: walk the tree instead
     files = []
     for folder, dirs, names in os.walk(root):
         here = Path(folder)
+        files += [(here / d).relative_to(root) for d in dirs if (here / d).is_symlink()]  # not walked into
         dirs[:] = [d for d in dirs
                    if not (d.startswith(".") or d == "__pycache__" or d.endswith(".egg-info")
                            or (here == root and d in _NOT_SOURCE) or (here / d / "pyvenv.cfg").exists())]
