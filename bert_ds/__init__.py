@@ -1,7 +1,8 @@
 """bert-ds: BERT pretraining on DeepSpeed, from raw text to a Hugging Face checkpoint.
 
-The package, from the bottom layer up (a layer imports only the layers above it in
-this list, and within the library only as ``tests/test_layers.py`` allows; ``tests/test_layers.py`` checks it):
+The package, from the bottom layer up: a layer imports only the layers above it in this
+list, and inside the library only what ``tests/test_layers.py`` (which checks all of it)
+allows:
 
 - :mod:`bert_ds.base`: errors and exit statuses, atomic writes, folder locks.
 - :mod:`bert_ds.kernels` (the ``kernels/`` folder): fused CUDA ops, their references and
