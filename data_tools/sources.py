@@ -45,7 +45,7 @@ import logging
 import os
 import re
 from collections.abc import Iterator
-from functools import lru_cache
+from functools import cache
 
 from bert_ds.base.errors import UserError
 from bert_ds.data_tools.manifest import file_sha256
@@ -107,7 +107,7 @@ def _hf_dataset(path: str):
     return ds
 
 
-@lru_cache(maxsize=None)
+@cache
 def _hub_dataset(path: str):
     """``load_dataset`` of an hf: name, once per process (it asks the hub each call)."""
     import datasets

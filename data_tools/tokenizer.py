@@ -70,7 +70,7 @@ class Normalization:
                 "lowercase": self.lowercase}
 
     @classmethod
-    def from_json(cls, entry: object, where: str) -> "Normalization":
+    def from_json(cls, entry: object, where: str) -> Normalization:
         if not isinstance(entry, dict) or entry.get("type") != "BertNormalizer":
             kind = entry.get("type") if isinstance(entry, dict) else entry
             raise UserError(f"{where}: its normalizer is {kind!r}; a BERT tokenizer has a BertNormalizer")

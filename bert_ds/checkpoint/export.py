@@ -29,7 +29,7 @@ import sys
 import tempfile
 import uuid
 from pathlib import Path
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 from safetensors import SafetensorError

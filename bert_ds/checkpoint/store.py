@@ -137,7 +137,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 def save(engine, root: Path, step: int, *, rank: int, model_config: dict, train_config: dict,
          train_state: dict, tokenizer_dir: Path | None, keep_last: int,
-         optimizer: "OptimizerSnapshot | None" = None) -> Path:
+         optimizer: OptimizerSnapshot | None = None) -> Path:
     """Commit a checkpoint of ``step`` under ``root`` (collective: every rank calls it).
 
     ``optimizer``: the world-size-free optimizer state (:func:`optimizer_snapshot`, also
@@ -465,7 +465,7 @@ class OptimizerSnapshot:
         save_safetensors(self.tensors, path, metadata={"format": "pt", "bert_ds": json.dumps(meta)})
 
     @classmethod
-    def read(cls, path: Path) -> "OptimizerSnapshot":
+    def read(cls, path: Path) -> OptimizerSnapshot:
         with safe_open(str(path), framework="pt") as f:
             meta = json.loads(f.metadata()["bert_ds"])
         return cls(load_file(str(path)), meta["scalars"], meta["lr_scheduler"])

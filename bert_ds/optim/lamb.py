@@ -49,7 +49,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable, Literal, Sequence
+from typing import Literal
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
