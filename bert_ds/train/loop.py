@@ -45,7 +45,7 @@ def run(cfg: TrainConfig, resume: bool, rank: int, world: int, device: torch.dev
     """Train ``cfg`` on this rank (collective: every rank calls it alike); the run's summary.
     ``resume``: continue from OUTPUT/checkpoints if it holds one."""
     stop = stop if stop is not None else StopRequest(deadline_s=0, rank=rank)  # never signalled
-    start = _start(cfg, resume, rank, world, device)
+    start = _start(cfg, resume, rank, world, device)  # open the data, build the engine, resume
     state, engine, loader = start.state, start.engine, start.loader
     log = MetricsLogger(Path(cfg.output), enabled=rank == 0, total_steps=cfg.steps, start_step=state.step,
                         tensorboard=cfg.tensorboard, progress=cfg.progress)
@@ -54,7 +54,7 @@ def run(cfg: TrainConfig, resume: bool, rank: int, world: int, device: torch.dev
     checkpointer = Checkpointer.for_run(cfg, engine, loader, rank, saved_at=state.step if start.found else None)
     train_step = TrainStep(engine, start.optimizer, loader, device, rank, stop,
                            fp16=start.precision == "fp16", faults=options.faults)
-    steps = _StepLog(log, progress, cfg, start.plan, rank, world, device, options.log_samples)
+    step_log = _StepLog(log, progress, cfg, start.plan, rank, world, device, options.log_samples)
     validation = _Validation(engine, start.val_set, cfg, rank, world, device, stop, log, progress)
     try:
         with pid_file(Path(cfg.output), rank), peer_failures(rank, world, cfg.collective_timeout,
@@ -63,7 +63,7 @@ def run(cfg: TrainConfig, resume: bool, rank: int, world: int, device: torch.dev
             stop.begin_steps()
             while state.step < last_step:
                 result = train_step(state)
-                steps.write(result, state, engine, loader)
+                step_log.write(result, state, engine, loader)
                 check_bad_streak(state, cfg.max_bad_steps, checkpointer.newest)
                 if result.outcome.stop_votes:
                     stop.acknowledge()
@@ -81,7 +81,7 @@ def run(cfg: TrainConfig, resume: bool, rank: int, world: int, device: torch.dev
     finally:
         stop.end_steps()
         log.close()
-        steps.close()
+        step_log.close()
     summary = progress.summary(state, final, checkpointer.last_save_s)
     if rank == 0:
         (Path(cfg.output) / "summary.json").write_text(json.dumps(summary, indent=2))
