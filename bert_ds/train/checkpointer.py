@@ -31,7 +31,7 @@ class Checkpointer:
 
     @classmethod
     def for_run(cls, cfg: TrainConfig, engine, loader: PretrainingLoader, rank: int,
-                saved_at: int | None) -> "Checkpointer":
+                saved_at: int | None) -> Checkpointer:
         return cls(Path(cfg.output) / "checkpoints", engine=engine, loader=loader,
                    tokenizer_dir=Path(cfg.data.train[0]),  # every dataset of a run shares one tokenizer
                    keep_last=cfg.keep_last, save_every=cfg.save_every, recipe=cfg, rank=rank, saved_at=saved_at)

@@ -36,7 +36,7 @@ class Faults:
                        help="make RANK hang forever when it starts STEP")
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "Faults":
+    def from_args(cls, args: argparse.Namespace) -> Faults:
         try:
             nan_at = frozenset(int(x) for x in args.debug_inject_nan_at.split(",") if x.strip())
             hang_at = tuple(int(x) for x in args.debug_hang_at.split(":")) if args.debug_hang_at else None

@@ -156,7 +156,7 @@ def test_every_failure_has_its_exit_status_and_one_line(capsys):
         def body(error=error):
             raise error
 
-        assert guarded(body, cleanup=lambda: cleaned.append(status)) == status
+        assert guarded(body, cleanup=lambda status=status: cleaned.append(status)) == status
     assert guarded(lambda: None, cleanup=lambda: cleaned.append(EXIT_OK)) == EXIT_OK
     assert cleaned == [EXIT_USER_ERROR, EXIT_RANK_FAILURE, EXIT_BAD_STEPS, EXIT_OK]
     assert capsys.readouterr().err.splitlines() == ["error: bad value", "error: rank 1 hung", "error: 3 in a row"]
