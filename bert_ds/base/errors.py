@@ -1,17 +1,36 @@
-"""Errors that bert-ds reports to the user as one line, without a traceback.
+"""Errors that bert-ds reports to the user as one line, without a traceback, and the exit
+status of every entry point.
 
 Every check of user-controlled input (files, flags, configs, shards) raises a
-subclass of :class:`UserError`; the command-line entry points catch exactly this
-class, print ``error: <message>`` and exit with status 2. Anything else is a bug and
-keeps its traceback.
+subclass of :class:`UserError`. The ends of a run that the user acts on without a traceback
+are failures (:class:`Failure`), each with its exit status: bad input (:class:`UserError`), a bad
+streak of training steps (:class:`BadStepsError`), a rank that hung or died
+(:class:`RankFailure`). The entry points run their body through :func:`guarded`, which prints
+``error: <message>`` and returns that status. Anything else is a bug and keeps its traceback.
 """
 
+from __future__ import annotations
+
+import signal
 import sys
+from collections.abc import Callable
 
-EXIT_USER_ERROR = 2  # the exit status of every entry point for bad input
+# Exit statuses of the entry points (README, "exit status"), defined here and nowhere else.
+EXIT_OK = 0  # finished, or stopped by a signal after a checkpoint
+EXIT_USER_ERROR = 2  # bad input, a damaged checkpoint, an output folder in use
+EXIT_BAD_STEPS = 3  # --max-bad-steps non-finite steps in a row, or non-finite weights at a save
+EXIT_RANK_FAILURE = 4  # a rank gave up on its peers (hung or dead)
+EXIT_INTERRUPTED = 128 + signal.SIGINT  # a second Ctrl-C: the shell's status for a process ended by SIGINT
+# A stop signal N before the first training step (nothing saved) exits with 128 + N, as a shell reports it.
 
 
-class UserError(Exception):
+class Failure(Exception):
+    """An end of a run the user acts on: one line ``error: <message>`` and :attr:`exit_status`."""
+
+    exit_status = EXIT_USER_ERROR
+
+
+class UserError(Failure):
     """Bad input the user can fix: the message says what is wrong and where."""
 
 
@@ -21,6 +40,18 @@ class ShardError(UserError):
 
 class ConfigError(UserError):
     """A configuration value is invalid or inconsistent with another."""
+
+
+class BadStepsError(Failure):
+    """Non-finite training steps the run cannot go past: it stops without checkpointing them."""
+
+    exit_status = EXIT_BAD_STEPS
+
+
+class RankFailure(Failure):
+    """A collective failed because a rank hung or died."""
+
+    exit_status = EXIT_RANK_FAILURE
 
 
 def require(cond: bool, field: str, message: str) -> None:
@@ -37,6 +68,22 @@ def describe(err: BaseException) -> str:
 
 
 def report(err: Exception | str) -> int:
-    """Print ``error: <message>`` as one line on stderr; return :data:`EXIT_USER_ERROR`."""
+    """Print ``error: <message>`` as one line on stderr; return the error's exit status
+    (:data:`EXIT_USER_ERROR` for a message or an exception that is not a :class:`Failure`)."""
     print(f"error: {' '.join(str(err).split())}", file=sys.stderr, flush=True)
-    return EXIT_USER_ERROR
+    return err.exit_status if isinstance(err, Failure) else EXIT_USER_ERROR
+
+
+def guarded(body: Callable[[], object], cleanup: Callable[[], None] | None = None) -> int:
+    """Run an entry point's ``body``: :data:`EXIT_OK` when it returns, a :class:`Failure`'s
+    one line and exit status when it raises one. ``cleanup`` runs on every path, before the
+    line is printed; any other exception passes through with its traceback."""
+    try:
+        body()
+        return EXIT_OK
+    except Failure as e:
+        failure = e
+    finally:
+        if cleanup is not None:
+            cleanup()
+    return report(failure)

@@ -1,5 +1,5 @@
 import sys
 
-from bert_ds.train.main import main
+from bert_ds.train.cli import main
 
 sys.exit(main())

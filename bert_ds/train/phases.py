@@ -45,7 +45,9 @@ from bert_ds.checkpoint import store as checkpoint
 from bert_ds.config import TrainConfig
 from bert_ds.base.errors import ConfigError
 from bert_ds.model.bert import PRESETS, model_preset
-from bert_ds.train.main import _print_summary, guarded, output_lock, run, training_session
+from bert_ds.train.loop import run
+from bert_ds.train.session import entry, output_lock, training_session
+from bert_ds.train.summary import print_summary
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 _MERGED = ("data", "optim")  # sections a phase overrides key by key
@@ -61,7 +63,7 @@ class Phase:
     model: dict[str, Any]  # subset of _PHASE_MODEL_KEYS
 
     @classmethod
-    def from_dict(cls, d: Any, index: int) -> "Phase":
+    def from_dict(cls, d: Any, index: int) -> Phase:
         if not isinstance(d, dict):
             raise ConfigError(f"phases[{index}]: must be an object, got {type(d).__name__}")
         d = dict(d)
@@ -91,7 +93,7 @@ class PhasePlan:
     prepare: list[str] = dataclasses.field(default_factory=list)
 
     @classmethod
-    def from_dict(cls, d: Any) -> "PhasePlan":
+    def from_dict(cls, d: Any) -> PhasePlan:
         if not isinstance(d, dict):
             raise ConfigError("a phase plan must be a JSON object")
         known = {f.name for f in dataclasses.fields(cls)}
@@ -119,7 +121,7 @@ class PhasePlan:
         return cls(str(d["output"]), dict(d["model"]), dict(d["base"]), phases, prepare)
 
     @classmethod
-    def load(cls, path: Path) -> "PhasePlan":
+    def load(cls, path: Path) -> PhasePlan:
         try:
             return cls.from_dict(json.loads(Path(path).read_text()))
         except OSError as e:
@@ -206,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"{', from ' + str(previous) if previous else ''}", file=sys.stderr, flush=True)
                 summary = run(cfg, True, rank, world, device, stop=stop)
                 if rank == 0:
-                    _print_summary(summary)
+                    print_summary(summary)
                 if summary["steps"] < cfg.steps or summary["stopped_by"]:  # a signal or --exit-after: rerun to go on
                     say(f"[bert_ds.train.phases] {phase.name}: stopped at step {summary['steps']}; rerun the same "
                         "command to resume", file=sys.stderr, flush=True)
@@ -216,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
 
-    return guarded(body)
+    return entry(body)
 
 
 if __name__ == "__main__":

@@ -53,11 +53,10 @@ import time
 import torch
 import torch.distributed as dist
 
+from bert_ds.base.errors import EXIT_INTERRUPTED, EXIT_RANK_FAILURE
 from bert_ds.loader.workers import STOP_SIGNALS
 
-EXIT_RANK_FAILURE = 4  # the process exit status of a rank that gave up on its peers (see bert_ds.train)
 STARTUP_EXIT_GRACE_S = 5.0  # a stop signal before the first step: the longest the exit may unwind
-EXIT_INTERRUPTED = 128 + signal.SIGINT  # a second Ctrl-C: the shell's status for a process ended by SIGINT
 REPEAT_AFTER_S = 1.0  # an earlier SIGINT is the same key press reaching this rank twice (terminal + launcher)
 
 

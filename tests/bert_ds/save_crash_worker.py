@@ -11,7 +11,7 @@ import signal
 import sys
 
 from bert_ds.checkpoint import store as checkpoint
-from bert_ds.train import main as train
+from bert_ds.train import cli as train
 
 
 def main() -> int:

@@ -9,7 +9,7 @@ import torch
 import transformers
 
 from bert_ds.checkpoint import hf_import
-from bert_ds.train import main as train
+from bert_ds.train import cli as train
 from bert_ds.config import BatchPlan
 from bert_ds.loader.pretraining import PretrainingLoader, open_pretraining_data
 from bert_ds.base.errors import ConfigError, UserError

@@ -27,7 +27,7 @@ from safetensors.torch import load_file
 from bert_ds.checkpoint import store as checkpoint
 from bert_ds.checkpoint.store import CheckpointError
 from bert_ds.train.signals import StopRequest
-from bert_ds.train.main import consumed_positions
+from bert_ds.train.sample_log import consumed_positions
 from tests.conftest import REPO, run_cli, spawn
 
 R1_TRIALS = int(os.environ.get("BERT_DS_R1_TRIALS", "3"))

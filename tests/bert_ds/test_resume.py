@@ -20,7 +20,7 @@ from bert_ds.checkpoint import resume
 from bert_ds.config import DataConfig, OptimConfig, TrainConfig
 from bert_ds.base.errors import ConfigError
 from bert_ds.model.bert import model_preset
-from bert_ds.train.main import model_from_args, parse_args
+from bert_ds.train.cli import model_from_args, parse_args
 from tests.conftest import run_cli
 
 STEPS, SAVE_EVERY = 6, 2

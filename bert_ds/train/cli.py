@@ -1,0 +1,230 @@
+"""Pretrain BERT (MLM + NSP) from token shards through the DeepSpeed engine.
+
+Runs as one process (``python -m bert_ds.train``), under ``torchrun``, or under the
+``deepspeed`` launcher; the process group comes from the launcher's environment,
+or is a group of one when there is none. On a machine without CUDA it uses the
+CPU accelerator and gloo.
+
+Every run appends to ``OUTPUT/metrics.jsonl`` (one object per optimizer step:
+step, loss, mlm_acc, nsp_acc, lr, grad_norm, loss_scale, skipped_steps, tokens
+(real, cumulative), tokens_per_s, step_time_s, and mfu on GPUs), writes
+TensorBoard events to ``OUTPUT/tensorboard``, checkpoints to
+``OUTPUT/checkpoints`` and a closing ``OUTPUT/summary.json``. A run whose output
+folder holds a checkpoint resumes from it (``--resume never`` starts afresh), on the
+same or on another number of ranks.
+
+Faults (the R-numbers of the README's reliability promises) and what the run does about them:
+- SIGINT (Ctrl-C), SIGTERM or SIGUSR1 to any rank: all ranks learn of it through the
+  step's one all-reduce, commit a checkpoint after that step and exit 0; during a
+  validation pass or a periodic save, the pass is abandoned and the last finished step is
+  saved, without training another (``bert_ds.train.signals``). A second Ctrl-C ends the process
+  at once (exit 130; the newest committed checkpoint stays). Each rank writes its pid to
+  ``OUTPUT/pids/rank_N.pid`` while it runs. Before the first step there is nothing to
+  save: the process exits at once with 128 + the signal number.
+- A second run into the same OUTPUT while one runs: refused in one line naming the holder
+  (exit 2); the lock goes with the process that held it, however it ended (R17).
+- DeepSpeed's extension build lock left by a killed start is removed with a note; one a
+  live process holds is waited on for at most ``BERT_DS_BUILD_LOCK_TIMEOUT`` seconds
+  (``bert_ds.train.extensions``).
+- A non-finite loss or gradient on any rank: the optimizer step is skipped (no update,
+  counted in ``skipped_steps``); ``--max-bad-steps`` such steps in a row stop the run
+  without checkpointing them. fp16 loss-scale overflows are skipped and counted too,
+  but are the loss scaler's business, not a bad streak.
+- A rank that hangs or dies: the others fail after ``--collective-timeout`` seconds and
+  name the ranks that did not report back.
+
+Exit status (defined in ``bert_ds.base.errors``): 0 finished, or stopped by a signal after a
+checkpoint; 1 a bug (traceback); 2 bad input, a damaged checkpoint or an OUTPUT in use (one
+``error:`` line); 3 ``--max-bad-steps`` non-finite steps in a row; 4 a rank failed or hung;
+128 + N stopped by signal N before the first step (nothing saved); 130 a second Ctrl-C.
+
+This module is the command line: its flags, whose defaults are the config dataclasses'
+(``bert_ds.config``), and the checks that need no process group. The run itself is
+``bert_ds.train.loop.run``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any
+
+from bert_ds.checkpoint import hf_import
+from bert_ds.checkpoint import resume as resuming
+from bert_ds.checkpoint import store as checkpoint
+from bert_ds.config import DataConfig, OptimConfig, TrainConfig, check_writable, deepspeed_config
+from bert_ds.model.bert import PRESETS, ModelConfig, model_preset
+from bert_ds.train.faults import Faults
+from bert_ds.train.loop import RunOptions, batch_plan, run
+from bert_ds.train.session import entry, output_lock, training_session
+from bert_ds.train.summary import print_summary
+
+DEFAULT_PRESET = "mini"  # without --preset and without a checkpoint to resume
+
+
+class _Defaults:
+    """A dataclass's field defaults as attributes, without building (and validating) one."""
+
+    def __init__(self, cls: type):
+        for f in dataclasses.fields(cls):
+            if f.default is not dataclasses.MISSING:
+                setattr(self, f.name, f.default)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bert_ds.train", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    d, o, t, m = _Defaults(DataConfig), _Defaults(OptimConfig), _Defaults(TrainConfig), _Defaults(ModelConfig)
+    p.add_argument("--data", required=True, nargs="+", help="training dataset folder(s) (from `data_tools build`)")
+    p.add_argument("--data-weights", type=float, nargs="+", default=None, help="blend weights of several --data folders")
+    p.add_argument("--val-data", default=None, help="held-out dataset folder built with the same vocabulary")
+    p.add_argument("--held-out", type=float, default=d.held_out,
+                   help="without --val-data: share of the first dataset's documents held out for validation")
+    p.add_argument("--whole-word-mask", action="store_true", help="mask every WordPiece of a chosen word")
+    p.add_argument("--output", default=t.output, help="run folder: metrics, TensorBoard, checkpoints")
+    p.add_argument("--preset", default=None,
+                   help=f"model size: {', '.join(PRESETS)} (default: the checkpoint's model when resuming, "
+                        f"else {DEFAULT_PRESET})")
+    p.add_argument("--kernels", default=m.kernels, choices=["auto", "cuda", "torch"], help="fused CUDA kernels or the PyTorch path")
+    p.add_argument("--activation-checkpointing", action="store_true", help="recompute layer activations in backward")
+    p.add_argument("--dropout", type=float, default=None,
+                   help="hidden dropout (default: the model's 0.1); 0 makes a world-size change exact, see R8")
+    p.add_argument("--steps", type=int, default=t.steps, help="optimizer steps")
+    p.add_argument("--global-batch-size", type=int, default=t.global_batch_size, help="sequences per optimizer step, all ranks")
+    p.add_argument("--micro-batch-size", type=int, default=t.micro_batch_size, help="sequences per forward pass per rank")
+    p.add_argument("--seq-len", type=int, default=d.max_seq_length, help="maximum tokens per sample")
+    p.add_argument("--pair-task", default=d.pair_task, choices=["nsp", "sop", "none"], help="sentence-pair task")
+    p.add_argument("--mask-rate", type=float, default=d.mask_rate, help="share of tokens predicted by the MLM head")
+    p.add_argument("--num-workers", type=int, default=d.num_workers, help="loader processes per rank")
+    p.add_argument("--val-samples", type=int, default=d.val_samples, help="held-out samples per validation pass")
+    p.add_argument("--optimizer", default=o.name, choices=["lamb", "adamw"], help="optimizer")
+    p.add_argument("--lamb-variant", default=o.lamb_variant, choices=["nvidia", "paper"],
+                   help="LAMB's trust ratio: nvidia (only where weight decay is non-zero, NVIDIA's BERT recipe) "
+                        "or paper (every tensor)")
+    p.add_argument("--lr", type=float, default=o.lr, help="peak learning rate")
+    p.add_argument("--weight-decay", type=float, default=o.weight_decay, help="decoupled weight decay")
+    p.add_argument("--warmup-steps", type=int, default=o.warmup_steps, help="linear warm-up steps")
+    p.add_argument("--decay", default=o.decay, choices=["linear", "poly", "constant"], help="decay after warm-up")
+    p.add_argument("--grad-clip", type=float, default=o.grad_clip, help="global gradient-norm clip (0: off)")
+    p.add_argument("--ds-config", default=t.ds_config, help="engine JSON: a file in ds_configs/ or a path")
+    p.add_argument("--seed", type=int, default=t.seed, help="seed of weights, samples, masks and dropout")
+    p.add_argument("--val-every", type=int, default=t.val_every, help="steps between validation passes (0: at the end)")
+    p.add_argument("--save-every", type=int, default=t.save_every, help="steps between checkpoints (0: at the end)")
+    p.add_argument("--keep-last", type=int, default=t.keep_last, help="checkpoints kept")
+    p.add_argument("--exit-after", type=int, default=t.exit_after,
+                   help="save a checkpoint and exit after this many steps of this invocation (time-limited jobs); 0: off")
+    p.add_argument("--resume", default="auto", choices=["auto", "never"], help="resume from OUTPUT/checkpoints if present")
+    p.add_argument("--init-from", default=None, metavar="CKPT",
+                   help="start a fresh run from these weights: a Hugging Face BERT folder (config.json and "
+                        "model.safetensors or pytorch_model.bin), a bert_ds export, checkpoint or run folder, or a "
+                        "model.safetensors; without --preset the model's sizes come from it; optimizer and "
+                        "schedule start fresh; ignored when resuming")
+    p.add_argument("--max-bad-steps", type=int, default=t.max_bad_steps,
+                   help="stop (exit 3) after this many non-finite steps in a row; single ones are skipped; 0: never")
+    p.add_argument("--collective-timeout", type=float, default=t.collective_timeout, metavar="SECONDS",
+                   help="fail (exit 4) when a rank waits this long on its peers; must exceed a checkpoint save")
+    p.add_argument("--log-samples", default=None, metavar="FILE",
+                   help="append the global stream positions each rank consumes at each step to FILE (JSON lines; "
+                        "to check that a resume neither repeats nor skips samples, see consumed_positions())")
+    Faults.add_arguments(p)
+    p.add_argument("--no-tensorboard", action="store_true", help="do not write TensorBoard events")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
+    return p.parse_args(argv)
+
+
+def model_from_args(args: argparse.Namespace, vocab_size: int, saved_model: dict[str, Any] | None,
+                    init: hf_import.InitSource | None = None) -> ModelConfig:
+    """The model a run asks for. Resuming (``saved_model``: the checkpoint's), every field not
+    given on the command line stays as saved, the preset's sizes included when --preset is
+    absent; a different size or vocabulary (which comes from the data) is then a refused
+    change (bert_ds.checkpoint.resume), not a silent one. Starting from ``init`` (--init-from), the
+    architecture is the source's (bert_ds.checkpoint.hf_import)."""
+    given = dict(vocab_size=vocab_size, kernels=args.kernels, activation_checkpointing=args.activation_checkpointing)
+    if args.dropout is not None:
+        given["hidden_dropout"] = args.dropout
+    if saved_model is None and init is not None and init.model is not None:
+        return hf_import.model_config(init, args.preset, given)
+    if saved_model is None:
+        return model_preset(args.preset or DEFAULT_PRESET, **given)
+    if args.preset is None:
+        return ModelConfig.from_dict({**saved_model, **given})
+    kept = {k: v for k, v in saved_model.items() if k not in PRESETS.get(args.preset, {})}
+    return model_preset(args.preset, **{**kept, **given})
+
+
+def config_from_args(args: argparse.Namespace, vocab_size: int, saved_model: dict[str, Any] | None = None,
+                     init: hf_import.InitSource | None = None) -> TrainConfig:
+    model = model_from_args(args, vocab_size, saved_model, init)
+    data = DataConfig(train=args.data, weights=args.data_weights, val=args.val_data, held_out=args.held_out,
+                      whole_word_mask=args.whole_word_mask, max_seq_length=args.seq_len, pair_task=args.pair_task,
+                      mask_rate=args.mask_rate, num_workers=args.num_workers, val_samples=args.val_samples)
+    optim = OptimConfig(name=args.optimizer, lamb_variant=args.lamb_variant, lr=args.lr, weight_decay=args.weight_decay,
+                        warmup_steps=args.warmup_steps, decay=args.decay, grad_clip=args.grad_clip)
+    return TrainConfig(model=model, data=data, optim=optim, output=args.output, steps=args.steps,
+                       global_batch_size=args.global_batch_size, micro_batch_size=args.micro_batch_size,
+                       ds_config=args.ds_config, seed=args.seed, val_every=args.val_every,
+                       save_every=args.save_every, keep_last=args.keep_last, exit_after=args.exit_after,
+                       init_from=args.init_from, max_bad_steps=args.max_bad_steps,
+                       collective_timeout=args.collective_timeout,
+                       tensorboard=not args.no_tensorboard, progress=not args.no_progress)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    return entry(lambda: _train(args))
+
+
+def _train(args: argparse.Namespace) -> None:
+    prepared = prepare(args)
+    if prepared is None:
+        return
+    cfg, options = prepared
+    # Every input is checked before the lock, which creates OUTPUT: a refused command
+    # leaves no folder behind. run() finds the checkpoint to resume again, under the lock.
+    with output_lock(cfg.output, "bert_ds.train"), \
+            training_session(cfg.collective_timeout) as (rank, world, device, stop):
+        summary = run(cfg, args.resume == "auto", rank, world, device, options, stop)
+        if rank == 0:
+            print_summary(summary)
+
+
+def prepare(args: argparse.Namespace) -> tuple[TrainConfig, RunOptions] | None:
+    """The run's validated config and options, checked without a process group so that bad
+    input fails fast; None when the run in OUTPUT is finished already (said on rank 0)."""
+    from bert_ds.data_tools.manifest import Manifest
+
+    check_writable(args.output, "--output", folder=True)  # a file, a read-only place: before anything is read
+    vocab_size = Manifest.load(Path(args.data[0])).vocab_size
+    found = checkpoint.find_latest(Path(args.output) / "checkpoints") if args.resume == "auto" else None
+    init = hf_import.open_source(Path(args.init_from)) if args.init_from and found is None else None
+    if init is not None:
+        hf_import.check_vocabulary(init, Path(args.data[0]))
+    cfg = config_from_args(args, vocab_size, resuming.saved_model(found) if found else None, init)
+    options = RunOptions(args.log_samples, Faults.from_args(args))
+    if options.log_samples:
+        check_writable(options.log_samples, "--log-samples", folder=False)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if found is not None:
+        resuming.changes(found, cfg, world)  # a refused change fails here, before any rank waits on another
+        if _finished(found, cfg):
+            return None
+    plan = batch_plan(cfg, world, found)  # before any rank waits on another
+    deepspeed_config(cfg, plan)  # an engine JSON that DeepSpeed would refuse after start-up fails here
+    return cfg, options
+
+
+def _finished(found: Path, cfg: TrainConfig) -> bool:
+    """Whether the checkpoint ``found`` ends the run already (--steps reached); says so on rank 0."""
+    done_at = resuming.finished(found, cfg)
+    if done_at is None:
+        return False
+    resuming.verify_newest(found)  # "finished" must not hide a damaged final checkpoint
+    if os.environ.get("RANK", "0") == "0":
+        kept = ("summary.json left as it was" if (Path(cfg.output) / "summary.json").is_file()
+                else "no summary.json: the run ended after its last checkpoint")
+        print(f"{cfg.output}: finished at step {done_at} (--steps {cfg.steps}), nothing to do; {kept}; "
+              "a larger --steps trains on", flush=True)
+    return True

@@ -1,0 +1,189 @@
+"""One optimizer step and its statistics.
+
+:class:`TrainStep` runs a step on the DeepSpeed engine: forward and backward over the
+step's micro-batches, one all-reduce of the step's statistics (the step's one host sync),
+then the update or its skip. :func:`account` decides what the step counts as, from the
+all-reduced statistics alone, so every rank decides alike; it is plain Python, tested
+without an engine or a process group:
+
+- a non-finite loss (any micro-batch, any rank) or gradient skips the update and counts in
+  ``skipped_steps``; so does an fp16 loss-scale overflow, which is the loss scaler's
+  business, not a bad step;
+- bad steps in a row are the bad streak; :func:`check_bad_streak` stops the run at
+  ``--max-bad-steps`` of them (:class:`~bert_ds.base.errors.BadStepsError`, exit 3);
+- a stop signal on any rank is a vote in the same all-reduce: every rank stops after this step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from bert_ds import zero
+from bert_ds.base.errors import BadStepsError
+from bert_ds.loader.pretraining import Batch, PretrainingLoader, to_device
+from bert_ds.model.bert import pretraining_inputs
+from bert_ds.train.faults import Faults
+from bert_ds.train.signals import StopRequest
+
+
+@dataclass
+class RunState:
+    """What a checkpoint must carry besides the engine state."""
+
+    step: int = 0
+    tokens: int = 0  # real (non-pad) tokens consumed, all ranks
+    skipped_steps: int = 0  # steps whose update was skipped (non-finite, or an fp16 overflow)
+    bad_streak: int = 0  # non-finite steps in a row, up to the last one
+    loader: dict[str, int] = field(default_factory=dict)
+    world_size: int = 1
+
+
+# Per-step statistics summed over micro-batches and ranks in one all-reduce. The last
+# three decide the step for every rank alike: a non-finite loss (any micro-batch) or
+# gradient (ZeRO-0: checked here; ZeRO-1/2: DeepSpeed checks) skips the update, and a
+# stop signal on any rank stops the run after this step.
+STATS = ("loss_sum", "micro_batches", "mlm_correct", "mlm_count", "nsp_correct", "nsp_count", "tokens",
+         "sum_sq_len", "nonfinite_loss", "nonfinite_grad", "stop")
+AT = {name: i for i, name in enumerate(STATS)}
+
+
+def batch_stats(out, batch: Batch, loss: torch.Tensor) -> torch.Tensor:
+    """The STATS of one micro-batch, on the batch's device (no host sync)."""
+    lengths = batch["attention_mask"].sum(dim=1).double()
+    nsp = (out.nsp_correct, out.nsp_count) if out.nsp_count is not None else (0, 0)  # --pair-task none
+    loss = loss.detach()
+    parts = [loss, 1, out.mlm_correct, out.mlm_count, *nsp, lengths.sum(), (lengths ** 2).sum(),
+             ~torch.isfinite(loss), 0, 0]
+    return torch.stack([torch.as_tensor(x, device=lengths.device).double() for x in parts])
+
+
+def all_reduce(t: torch.Tensor) -> list[float]:
+    """Sum across ranks (gloo reduces CPU tensors, NCCL device tensors) and bring to the host."""
+    if dist.get_world_size() > 1:
+        dist.all_reduce(t)
+    return t.cpu().tolist()
+
+
+def forward(engine, batch: Batch):
+    return engine(**pretraining_inputs(batch))
+
+
+def ratio(a: float, b: float) -> float:
+    return a / b if b else float("nan")
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What one step counted as, the same on every rank."""
+
+    step: int
+    sums: dict[str, float]  # the STATS, summed over micro-batches and ranks
+    bad: bool  # non-finite: counts toward the bad streak and is not checkpointed on schedule
+    stop_votes: int  # ranks that hold a stop request: non-zero stops the run after this step
+
+    @property
+    def loss(self) -> float:
+        return ratio(self.sums["loss_sum"], self.sums["micro_batches"])
+
+
+def account(state: RunState, sums: dict[str, float], engine_skipped: bool, *, fp16: bool) -> StepOutcome:
+    """Count the step that just ran into ``state`` (step, tokens, skips, bad streak).
+
+    ``engine_skipped``: the engine skipped the update (DeepSpeed's overflow check, or ours
+    under ZeRO-0). A non-finite step that the engine applied anyway is refused."""
+    step = state.step + 1
+    nonfinite = sums["nonfinite_loss"] > 0 or sums["nonfinite_grad"] > 0
+    if nonfinite and not engine_skipped:
+        raise BadStepsError(f"step {step} had a non-finite loss but DeepSpeed applied the update "
+                            "(a config with its gradient-overflow check off?); stopping without a checkpoint")
+    state.step = step
+    state.tokens += int(sums["tokens"])
+    state.skipped_steps += int(nonfinite or engine_skipped)
+    # fp16's loss scaler overflows routinely while it finds its scale: skipped, but not "bad"
+    bad = nonfinite or (engine_skipped and not fp16)
+    state.bad_streak = state.bad_streak + 1 if bad else 0
+    return StepOutcome(step, sums, bad, int(sums["stop"]))
+
+
+def check_bad_streak(state: RunState, max_bad_steps: int, newest: Callable[[], Path | None]) -> None:
+    """Stop the run (BadStepsError) once ``max_bad_steps`` steps in a row were bad (0: never);
+    ``newest`` names the newest checkpoint, which holds none of them."""
+    if max_bad_steps and state.bad_streak >= max_bad_steps:
+        last = newest()
+        raise BadStepsError(
+            f"{state.bad_streak} non-finite steps in a row ({state.step - state.bad_streak + 1}-{state.step}, "
+            f"--max-bad-steps {max_bad_steps}); stopping without a checkpoint of them; newest "
+            f"checkpoint: {last if last else 'none'}")
+
+
+@dataclass(frozen=True)
+class StepResult:
+    outcome: StepOutcome
+    lr: float  # the step's learning rate
+    first_position: int  # the loader's stream position at the start of the step
+    step_s: float  # the whole step
+    data_s: float  # of which waiting for the loader
+
+
+class TrainStep:
+    """Runs one optimizer step on the engine; ``optimizer`` is the one handed to DeepSpeed."""
+
+    def __init__(self, engine, optimizer: torch.optim.Optimizer, loader: PretrainingLoader, device: torch.device,
+                 rank: int, stop: StopRequest, *, fp16: bool, faults: Faults):
+        self.engine, self.optimizer, self.loader = engine, optimizer, loader
+        self.device, self.rank, self.stop, self.fp16, self.faults = device, rank, stop, fp16, faults
+        # ZeRO-0 in fp32 steps our optimizer directly and DeepSpeed never checks the gradients (we
+        # do, and skip); under any DeepSpeed wrapper, a non-finite gradient norm makes DeepSpeed skip.
+        self.plain_optimizer = zero.steps_directly(engine, optimizer)
+
+    def __call__(self, state: RunState) -> StepResult:
+        step = state.step + 1
+        self.faults.before_step(self.rank, step)
+        t0 = time.perf_counter()
+        first_position = self.loader.consumed_samples
+        batches = self.loader.next_step()
+        data_s = time.perf_counter() - t0
+        stats = self._forward_backward(batches, step)
+        if self.plain_optimizer:
+            stats[AT["nonfinite_grad"]] = _nonfinite_grads(self.engine.module)
+        stats[AT["stop"]] = float(self.stop.requested)
+        sums = dict(zip(STATS, all_reduce(stats)))  # the step's one host sync, before the update
+        lr = self.engine.get_lr()[0]  # this step's; the scheduler moves on inside engine.step()
+        engine_skipped = self._update(skip=sums["nonfinite_loss"] > 0 or sums["nonfinite_grad"] > 0)
+        outcome = account(state, sums, engine_skipped, fp16=self.fp16)
+        return StepResult(outcome, lr, first_position, time.perf_counter() - t0, data_s)
+
+    def _forward_backward(self, batches: list[Batch], step: int) -> torch.Tensor:
+        stats = torch.zeros(len(STATS), dtype=torch.float64, device=self.device)
+        for i, batch in enumerate(batches):
+            batch = to_device(batch, self.device, non_blocking=True)
+            out = forward(self.engine, batch)
+            loss = self.faults.loss(out.loss, self.rank, step)
+            self.engine.backward(loss)
+            stats += batch_stats(out, batch, loss)
+            if i + 1 < len(batches):
+                self.engine.step()  # inside the accumulation window DeepSpeed only counts micro-steps
+        return stats
+
+    def _update(self, skip: bool) -> bool:
+        """engine.step(); whether the engine skipped the update."""
+        before = zero.skipped_steps(self.engine)
+        with zero.direct_step(self.optimizer, skip) if self.plain_optimizer else contextlib.nullcontext():
+            self.engine.step()
+        return zero.skipped_steps(self.engine) > before
+
+
+def _nonfinite_grads(module: torch.nn.Module) -> torch.Tensor:
+    """1.0 if any gradient holds an inf or NaN (ZeRO-0: gradients are already all-reduced, so
+    every rank gets the same answer), without a host sync."""
+    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    if not grads:
+        return torch.zeros((), dtype=torch.float64)
+    return (~torch.isfinite(torch.stack(torch._foreach_norm(grads)).sum())).double()

@@ -1,0 +1,61 @@
+"""The closing summary of a run: ``OUTPUT/summary.json`` and the block printed by rank 0."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bert_ds.train.step import RunState
+
+
+@dataclass
+class Progress:
+    """What the summary reports, gathered step by step; bad steps are left out."""
+
+    losses: list[float] = field(default_factory=list)
+    rates: list[float] = field(default_factory=list)  # real tokens/s
+    mfus: list[float] = field(default_factory=list)  # on GPUs (where the peak is known)
+    val: dict[str, float] = field(default_factory=dict)  # the latest validation pass
+    stopped_by: str | None = None  # the stop signal's name when a signal stopped the run
+
+    def add_step(self, record: dict[str, Any]) -> None:
+        self.losses.append(record["loss"])
+        self.rates.append(record["tokens_per_s"])
+        if "mfu" in record:
+            self.mfus.append(record["mfu"])
+
+    def summary(self, state: RunState, checkpoint: Path, save_s: float) -> dict[str, Any]:
+        k = max(1, min(10, len(self.losses) // 5))
+        warm = self.rates[k:] or self.rates  # the first steps include start-up and are excluded
+        warm_mfu = self.mfus[k:] or self.mfus
+        return {
+            "steps": state.step, "tokens": state.tokens,
+            "tokens_per_s": sum(warm) / len(warm) if warm else float("nan"),
+            "mfu": sum(warm_mfu) / len(warm_mfu) if warm_mfu else None,
+            "loss_first": sum(self.losses[:k]) / k if self.losses else float("nan"),
+            "loss_last": sum(self.losses[-k:]) / k if self.losses else float("nan"),
+            "val": self.val, "checkpoint": str(checkpoint), "skipped_steps": state.skipped_steps,
+            "stopped_by": self.stopped_by, "last_save_s": save_s,
+        }
+
+
+def print_summary(s: dict[str, Any]) -> None:
+    val = s["val"]
+    lines = [
+        f"steps            {s['steps']}",
+        f"real tokens      {s['tokens']:,}",
+        f"real tokens/s    {s['tokens_per_s']:,.0f} (warm-up steps excluded)",
+        f"loss             {s['loss_first']:.3f} -> {s['loss_last']:.3f}",
+    ]
+    if s["mfu"] is not None:
+        lines.append(f"MFU              {s['mfu']:.1%} of the datasheet dense bf16 peak (bert_ds/model/flops.py accounting)")
+    if val:
+        lines.append(f"held-out         MLM acc {val['mlm_acc']:.3f}, NSP acc {val['nsp_acc']:.3f}, "
+                     f"MLM loss {val['mlm_loss']:.3f}")
+    if s["skipped_steps"]:
+        lines.append(f"skipped steps    {s['skipped_steps']} (non-finite or fp16 overflow)")
+    if s["stopped_by"]:
+        lines.append(f"stopped by       {s['stopped_by']} (rerun the same command to resume)")
+    lines.append(f"checkpoint       {s['checkpoint']}")
+    print("\n".join(["== training summary =="] + lines), flush=True)
