@@ -187,7 +187,7 @@ def test_blend_follows_weights_and_each_part_keeps_its_own_stream(sample_data):
 def test_sample_map_cache_is_rebuilt_when_a_shard_changes(sample_data, tmp_path):
     import shutil
 
-    from bert_ds.loader.pretraining import _MAP_VERSION  # noqa: F401  (the cache format is versioned)
+    from bert_ds.loader.sample_map import _MAP_VERSION  # noqa: F401  (the cache format is versioned)
 
     copy = tmp_path / "data"
     shutil.copytree(sample_data["train"], copy, ignore=shutil.ignore_patterns(".cache"))
