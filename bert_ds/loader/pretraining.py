@@ -9,7 +9,8 @@ Design choices:
 - Every sample is a pure function of ``(seed, epoch, sample index)``: its generator
   is seeded with exactly that triple. So the same sample comes out whatever the
   world size, loader worker count or resume point, and masks change every epoch.
-- The global order is one permutation per epoch. Training consumes one global
+- The global order is one permutation per epoch, a keyed bijection computed per position
+  (:mod:`.permutation`), so no process holds an array as long as the epoch. Training consumes one global
   stream of positions; a rank takes its slice of each micro-step. The only state
   to checkpoint is the number of consumed samples, and resuming on another world
   size continues the same stream.
@@ -39,6 +40,7 @@ from bert_ds.model.padding import IGNORE_INDEX, unpad
 from bert_ds.base.errors import ShardError
 from bert_ds.data_tools.manifest import open_dataset
 from bert_ds.data_tools.shard_format import ShardReader
+from bert_ds.loader.permutation import EpochPermutation
 from bert_ds.loader.sample_map import build_sample_map, load_map, open_sample_map
 
 Batch = dict[str, torch.Tensor | int]  # what collate returns: tensors, and max_seqlen as a host int
@@ -116,8 +118,7 @@ class PretrainingDataset(Dataset):
         self._readers: list[ShardReader] | None = None
         self._rng = _SampleRng()
         self._no_labels = np.full(cfg.max_seq_length, IGNORE_INDEX, dtype=np.int64)  # copied per sample
-        self._perm_epoch = -1
-        self._perm = np.empty(0, dtype=np.int64)
+        self._perm = EpochPermutation(self.num_samples, seed, 0)
 
     # Readers and the sample map are memory maps: loader workers reopen them instead of
     # pickling a copy of the data. The thread-local generator cannot be pickled: each copy
@@ -155,16 +156,15 @@ class PretrainingDataset(Dataset):
     def __len__(self) -> int:
         return self.num_samples
 
-    def permutation(self, epoch: int) -> np.ndarray:
-        if epoch != self._perm_epoch:
-            rng = np.random.default_rng([self.seed, _PERMUTATION_STREAM, 0, epoch])
-            self._perm = rng.permutation(self.num_samples)
-            self._perm_epoch = epoch
+    def permutation(self, epoch: int) -> EpochPermutation:
+        """The order of ``epoch``: position ``p`` reads sample ``permutation(epoch)(p)``."""
+        if epoch != self._perm.epoch:
+            self._perm = EpochPermutation(self.num_samples, self.seed, epoch)
         return self._perm
 
     def __getitem__(self, position: int) -> dict[str, np.ndarray | int]:
         epoch, offset = divmod(int(position), self.num_samples)
-        return self.sample(epoch, int(self.permutation(epoch)[offset]))
+        return self.sample(epoch, self.permutation(epoch)(offset))
 
     def sample(self, epoch: int, index: int) -> dict[str, np.ndarray | int]:
         """Sample ``index`` of ``epoch``: a pure function of (seed, epoch, index)."""
