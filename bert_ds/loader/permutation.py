@@ -25,12 +25,13 @@ _STREAM = 0x5EED  # the shuffle's seed stream; the sample generators use other k
 _M64 = (1 << 64) - 1
 
 
-def _mix(x, key: int, mask: int):
-    """Round function: splitmix64's finaliser of ``x ^ key``, cut to ``mask``."""
+def mix64(x, key: int):
+    """A keyed 64-bit hash: splitmix64's finaliser of ``x ^ key`` (a Python int, or a uint64
+    array elementwise)."""
     z = x ^ key
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
-    return (z ^ (z >> 31)) & mask
+    return z ^ (z >> 31)
 
 
 class EpochPermutation:
@@ -49,7 +50,7 @@ class EpochPermutation:
     def _feistel(self, x):
         left, right = x >> self.half, x & self.mask
         for key in self.keys:
-            left, right = right, left ^ _mix(right, key, self.mask)
+            left, right = right, left ^ (mix64(right, key) & self.mask)
         return (left << self.half) | right
 
     def __call__(self, i: int) -> int:

@@ -24,6 +24,7 @@ Design choices:
 
 from __future__ import annotations
 
+import mmap
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -39,9 +40,9 @@ from bert_ds.loader.workers import end_loader_workers_at_exit, loader_worker_ini
 from bert_ds.model.padding import IGNORE_INDEX, unpad
 from bert_ds.base.errors import ShardError
 from bert_ds.data_tools.manifest import open_dataset
-from bert_ds.data_tools.shard_format import ShardReader
+from bert_ds.data_tools.shard_format import ShardInfo
 from bert_ds.loader.permutation import EpochPermutation
-from bert_ds.loader.sample_map import build_sample_map, load_map, open_sample_map
+from bert_ds.loader.sample_map import build_sample_map, open_sample_map, open_sentence_index
 
 Batch = dict[str, torch.Tensor | int]  # what collate returns: tensors, and max_seqlen as a host int
 _PERMUTATION_STREAM = 0x5EED  # keeps the shuffle generator apart from the per-sample ones
@@ -108,44 +109,50 @@ class PretrainingDataset(Dataset):
         self.special = SpecialTokens(**self.manifest.special_tokens)
         reserve = 3 if cfg.pair_task != "none" else 2  # [CLS] A [SEP] (B [SEP])
         self.max_num_tokens = cfg.max_seq_length - reserve
-        # memory-mapped from the dataset's cache, built there by the first process to open it
-        self.samples, self._map_file = open_sample_map(self.path, readers, self.max_num_tokens, cfg.short_seq_prob,
-                                                       seed, split, cfg.held_out)
+        # Memory-mapped from the dataset's cache, built there by the first process to open it;
+        # the readers' own index arrays are dropped with them at the end of __init__.
+        self._samples = open_sample_map(self.path, readers, self.max_num_tokens, cfg.short_seq_prob, seed, split,
+                                        cfg.held_out)
         if len(self.samples) == 0:
             raise ShardError(f"{self.path}: no samples in the {split!r} split (no non-empty documents)")
+        self._offsets, self._bounds = open_sentence_index(self.path, readers)
+        self._shard_sentences = np.cumsum([0] + [r.num_sentences + 1 for r in readers])  # where each shard's
+        self._shard_docs = np.cumsum([0] + [r.num_docs + 1 for r in readers])  # part of the index starts
         self.doc_offset = np.concatenate([[0], np.cumsum([r.num_docs for r in readers])]).astype(np.int64)
         self.continuation = _continuation_table(self.path, self.vocab_size) if cfg.whole_word_mask else None
-        self._readers: list[ShardReader] | None = None
+        self._readers: list[tuple[np.ndarray, np.ndarray, np.ndarray]] | None = None
         self._rng = _SampleRng()
         self._no_labels = np.full(cfg.max_seq_length, IGNORE_INDEX, dtype=np.int64)  # copied per sample
         self._perm = EpochPermutation(self.num_samples, seed, 0)
 
-    # Readers and the sample map are memory maps: loader workers reopen them instead of
-    # pickling a copy of the data. The thread-local generator cannot be pickled: each copy
-    # makes its own.
+    # The sample map, the index and the shards are memory maps: a loader worker maps the same
+    # files instead of receiving a copy (:class:`Mapped` pickles as its path). The
+    # thread-local generator cannot be pickled: each copy makes its own.
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
         state["_readers"] = None
-        if self._map_file is not None:
-            state["samples"] = None
         del state["_rng"]
         return state
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        if self.samples is None:
-            self.samples = load_map(self._map_file)
-            if self.samples is None:
-                raise ShardError(f"{self._map_file}: the sample map vanished or was damaged while in use")
         self._rng = _SampleRng()
 
     @property
+    def samples(self) -> np.ndarray:
+        """(N, 5) int32 or int64 sample map (:mod:`.sample_map`), memory-mapped."""
+        return self._samples.array
+
+    @property
     def readers(self) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-        """Per shard: tokens as a plain ndarray view (no memmap slicing overhead), sentence
-        token offsets, and document bounds."""
+        """Per shard: tokens as a plain ndarray view of the memory-mapped ``.bin`` (no memmap
+        slicing overhead), sentence token offsets and document bounds (views of the shared index)."""
         if self._readers is None:
-            self._readers = [(r.tokens.view(np.ndarray), r.sentence_offsets, r.doc_bounds)
-                             for r in open_dataset(self.path)[1]]
+            offsets, bounds = self._offsets.array, self._bounds.array
+            self._readers = [(_map_tokens(self.path, info, self.manifest.token_dtype),
+                              offsets[self._shard_sentences[s]: self._shard_sentences[s + 1]],
+                              bounds[self._shard_docs[s]: self._shard_docs[s + 1]])
+                             for s, info in enumerate(self.manifest.shards)]
         return self._readers
 
     @property
@@ -297,6 +304,21 @@ class PretrainingDataset(Dataset):
         sizes = np.bincount(word_of[word_of >= 0], minlength=len(starts))[order]
         take = order[: max(1, int(np.searchsorted(np.cumsum(sizes), budget, side="right")))]
         return candidates[np.isin(word_of, take)]
+
+
+def _map_tokens(path: Path, info: ShardInfo, dtype: str) -> np.ndarray:
+    """A shard's token ids, ``(num_tokens,)``, memory-mapped for random reads.
+
+    The ``.bin`` is the ids and nothing else (:mod:`bert_ds.data_tools.shard_format`); the
+    dataset was checked against its manifest when it was opened. ``MADV_RANDOM``: samples
+    read a few hundred bytes at random places; from a cold disk, the kernel's read-ahead
+    around each would read pages no sample asked for.
+    """
+    if info.num_tokens == 0:
+        return np.zeros(0, dtype=dtype)
+    tokens = np.memmap(path / f"{info.name}.bin", dtype=dtype, mode="r", shape=(info.num_tokens,))
+    tokens._mmap.madvise(mmap.MADV_RANDOM)
+    return tokens.view(np.ndarray)
 
 
 def _continuation_table(path: Path, vocab_size: int) -> np.ndarray:

@@ -10,13 +10,11 @@ Chunking rules (BERT's ``create_instances_from_document``):
   its document ends.
 
 Design choices:
-- The target of a chunk is drawn for the sentence it *starts* at: every sentence gets a
-  draw (from a generator keyed by (seed, shard, block of 2^20 sentences)), and a chunk
-  uses the draw of its first sentence. So the draws do not depend on which chunks came
-  before, and the whole map is built with array operations: the end of a chunk that would
-  start at each sentence is one ``searchsorted`` over all sentences, and the chunk starts
-  are found by following those ends from every document's first sentence, all documents
-  at once (one numpy step per chunk of the longest document).
+- The target of a chunk is drawn for the sentence it *starts* at, by a keyed hash of
+  (seed, shard, sentence): a draw does not depend on the chunks before it, so all
+  documents are chunked at once. Each round of array operations closes one chunk of every
+  document still open (its end is one ``searchsorted`` over the shard's token ends), so
+  the build costs O(chunks) work in as many rounds as the longest document has chunks.
 - The map is a pure function of (shard fingerprints, options, seed), cached beside the
   data under a key of exactly those (R10), and built by one process per dataset: openers
   agree through ``flock`` on a lock file beside the cache (the kernel releases it when its
@@ -38,14 +36,16 @@ import json
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Literal
 
 import numpy as np
 
 from bert_ds.base.atomic import fsync_path
+from bert_ds.base.errors import ShardError
 from bert_ds.data_tools.shard_format import ShardReader
+from bert_ds.loader.permutation import mix64
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +53,7 @@ Split = Literal["all", "train", "held_out"]
 COLUMNS = ("shard", "doc", "first", "end", "target")
 _MAP_VERSION = 3  # 3: vectorised build (targets drawn per starting sentence), int32 layout
 _TARGET_STREAM = 0x5EED  # keeps the target draws apart from every other generator of a seed
-_DRAW_BLOCK = 1 << 20  # sentences per keyed generator: draws do not depend on how the build is blocked
-_BUILD_BLOCK = 1 << 22  # sentences per vectorised step: bounds the build's temporary memory
+_BUILD_BLOCK = 1 << 16  # documents per vectorised build step: bounds the build's temporary memory
 _HELD_OUT_SALT = 0x9E3779B97F4A7C15  # Fibonacci hashing constant: spreads (shard, doc) evenly
 
 
@@ -76,17 +75,23 @@ def kept_documents(shard: int, num_docs: int, split: Split, held_out: float) -> 
     return held if split == "held_out" else ~held
 
 
-def chunk_targets(seed: int, shard: int, lo: int, hi: int, max_num_tokens: int, short_seq_prob: float) -> np.ndarray:
-    """(hi - lo,) int32: the target length of a chunk starting at each sentence of [lo, hi)."""
-    out = np.empty(hi - lo, dtype=np.int32)
-    for block in range(lo // _DRAW_BLOCK, -(-hi // _DRAW_BLOCK)):
-        rng = np.random.default_rng([seed, _TARGET_STREAM, 1, shard, block])
-        short = rng.random(_DRAW_BLOCK) < short_seq_prob
-        drawn = rng.integers(2, max_num_tokens + 1, size=_DRAW_BLOCK, dtype=np.int32)
-        start = block * _DRAW_BLOCK
-        a, b = max(lo, start), min(hi, start + _DRAW_BLOCK)
-        out[a - lo: b - lo] = np.where(short[a - start: b - start], drawn[a - start: b - start], max_num_tokens)
-    return out
+def chunk_targets(seed: int, shard: int, sentences: np.ndarray, max_num_tokens: int,
+                  short_seq_prob: float) -> np.ndarray:
+    """(k,) int64: the target length of a chunk starting at each of ``sentences`` (of ``shard``).
+
+    A keyed hash of (seed, shard, sentence), not a generator's stream: any sentence's draw
+    costs the same, alone or in a batch, and does not depend on the draws before it.
+    """
+    k_short, k_len = _target_keys(seed, shard)
+    x = np.asarray(sentences, dtype=np.uint64)
+    short = mix64(x, k_short) >> np.uint64(11) < np.uint64(int(short_seq_prob * (1 << 53)))
+    drawn = 2 + (mix64(x, k_len) % np.uint64(max_num_tokens - 1)).astype(np.int64)  # uniform in [2, max]
+    return np.where(short, drawn, max_num_tokens)
+
+
+def _target_keys(seed: int, shard: int) -> tuple[int, int]:
+    state = np.random.SeedSequence([seed, _TARGET_STREAM, 1, shard]).generate_state(2, np.uint64)
+    return int(state[0]), int(state[1])
 
 
 def map_dtype(readers: Sequence[ShardReader]) -> np.dtype:
@@ -98,52 +103,53 @@ def map_dtype(readers: Sequence[ShardReader]) -> np.dtype:
 def build_sample_map(readers: Sequence[ShardReader], max_num_tokens: int, short_seq_prob: float, seed: int,
                      split: Split = "all", held_out: float = 0.0) -> np.ndarray:
     """The (N, 5) map of :data:`COLUMNS` for ``readers`` (see the module docstring)."""
+    return np.concatenate(_map_parts(readers, max_num_tokens, short_seq_prob, seed, split, held_out))
+
+
+def _map_parts(readers: Sequence[ShardReader], max_num_tokens: int, short_seq_prob: float, seed: int, split: Split,
+               held_out: float) -> list[np.ndarray]:
+    """The map as consecutive row blocks (the cache writes them one by one: no second copy)."""
     dtype = map_dtype(readers)
     parts = [np.zeros((0, 5), dtype=dtype)]
     for s, reader in enumerate(readers):
-        keep = kept_documents(s, reader.num_docs, split, held_out)
-        for d0, d1 in _document_blocks(reader.doc_bounds):
-            rows = _chunk_block(reader, s, d0, d1, keep[d0:d1], max_num_tokens, short_seq_prob, seed)
-            parts.append(rows.astype(dtype, copy=False))
-    return np.concatenate(parts)
+        docs = np.flatnonzero(kept_documents(s, reader.num_docs, split, held_out))
+        for lo in range(0, len(docs), _BUILD_BLOCK):
+            part = _chunk_documents(reader, s, docs[lo: lo + _BUILD_BLOCK], max_num_tokens, short_seq_prob, seed)
+            parts.append(part.astype(dtype, copy=False))
+    return parts
 
 
-def _document_blocks(bounds: np.ndarray) -> list[tuple[int, int]]:
-    """[d0, d1) ranges of whole documents of about ``_BUILD_BLOCK`` sentences (a longer
-    document is a block of its own)."""
-    cuts = [0]
-    num_docs = len(bounds) - 1
-    while cuts[-1] < num_docs:
-        d = int(np.searchsorted(bounds, bounds[cuts[-1]] + _BUILD_BLOCK, side="right")) - 1
-        cuts.append(min(max(d, cuts[-1] + 1), num_docs))
-    return list(zip(cuts[:-1], cuts[1:]))
+def _chunk_documents(reader: ShardReader, shard: int, docs: np.ndarray, max_num_tokens: int,
+                     short_seq_prob: float, seed: int) -> np.ndarray:
+    """The map rows of documents ``docs`` (ascending) of one shard, as int64 (n, 5).
 
-
-def _chunk_block(reader: ShardReader, shard: int, d0: int, d1: int, keep: np.ndarray, max_num_tokens: int,
-                 short_seq_prob: float, seed: int) -> np.ndarray:
-    """The map rows of documents [d0, d1) of one shard, as int64 (n, 5)."""
+    Every round closes one chunk of each document still open: its end is the first sentence
+    whose token end reaches the chunk's start plus its target (one ``searchsorted`` for all
+    documents; ``offsets[j + 1]`` is the token end of sentence j), cut at the document end.
+    """
     bounds, offsets = reader.doc_bounds, reader.sentence_offsets
-    lo, hi = int(bounds[d0]), int(bounds[d1])
-    targets = chunk_targets(seed, shard, lo, hi, max_num_tokens, short_seq_prob)
-    doc_end = np.repeat(bounds[d0 + 1: d1 + 1] - lo, np.diff(bounds[d0: d1 + 1]))  # (n,) block-relative
-    # the chunk starting at sentence i ends after the first sentence whose token end reaches
-    # offsets[i] + target (offsets[j + 1] is the token end of sentence j)
-    reach = offsets[lo: hi] + targets
-    end = np.searchsorted(offsets[lo + 1: hi + 1], reach, side="left") + 1
-    np.minimum(end, doc_end, out=end)
-    is_start = np.zeros(hi - lo, dtype=bool)
-    frontier = bounds[d0: d1][keep] - lo
-    while frontier.size:  # one step per chunk of the longest document in the block
-        is_start[frontier] = True
-        nxt = end[frontier]
-        frontier = nxt[nxt < doc_end[frontier]]
-    first = np.flatnonzero(is_start)
-    rows = np.empty((len(first), 5), dtype=np.int64)
+    token_ends = offsets[1:]
+    rounds = []  # per round: (document index into docs, first sentence, end sentence, target)
+    active = np.arange(len(docs))
+    first, doc_end = bounds[docs], bounds[docs + 1]
+    while active.size:  # one round per chunk of the longest document
+        target = chunk_targets(seed, shard, first, max_num_tokens, short_seq_prob)
+        end = np.searchsorted(token_ends, offsets[first] + target, side="left") + 1
+        np.minimum(end, doc_end, out=end)
+        rounds.append((active, first, end, target))
+        open_ = end < doc_end
+        active, first, doc_end = active[open_], end[open_], doc_end[open_]
+    # Rows in (document, chunk) order: document i's k-th chunk, closed in round k, goes to
+    # row start[i] + k.
+    chunks = np.zeros(len(docs), dtype=np.int64)
+    for active, *_ in rounds:
+        chunks[active] += 1
+    start = np.concatenate([[0], np.cumsum(chunks)[:-1]]).astype(np.int64)
+    rows = np.empty((int(chunks.sum()), 5), dtype=np.int64)
     rows[:, 0] = shard
-    rows[:, 1] = d0 + np.searchsorted(bounds[d0 + 1: d1 + 1] - lo, first, side="right")
-    rows[:, 2] = first + lo
-    rows[:, 3] = end[first] + lo
-    rows[:, 4] = targets[first]
+    for k, (active, first, end, target) in enumerate(rounds):
+        at = start[active] + k
+        rows[at, 1], rows[at, 2], rows[at, 3], rows[at, 4] = docs[active], first, end, target
     return rows
 
 
@@ -163,70 +169,112 @@ def cache_folders(data: Path) -> list[Path]:
     return [data / ".cache", user]
 
 
-def open_sample_map(data: Path, readers: Sequence[ShardReader], max_num_tokens: int, short_seq_prob: float,
-                    seed: int, split: Split = "all", held_out: float = 0.0) -> tuple[np.ndarray, Path | None]:
-    """The map, memory-mapped from its cache file (built there first if missing), and that file.
+class Mapped:
+    """An array memory-mapped from a cache file; pickled as its path, so a loader worker maps
+    the same file instead of receiving a copy. ``path`` is None for an array no cache folder
+    could hold (then it is pickled whole)."""
 
-    Returns an in-memory map and None only when no cache folder can be written.
-    """
+    def __init__(self, array: np.ndarray, path: Path | None):
+        self.array, self.path = array, path
+
+    def __getstate__(self) -> dict:
+        return {"path": self.path, "array": self.array if self.path is None else None}
+
+    def __setstate__(self, state: dict) -> None:
+        self.path, self.array = state["path"], state["array"]
+        if self.path is not None:
+            self.array = load_array(self.path, None)
+            if self.array is None:
+                raise ShardError(f"{self.path}: vanished or damaged while the dataset was open")
+
+
+def open_sample_map(data: Path, readers: Sequence[ShardReader], max_num_tokens: int, short_seq_prob: float,
+                    seed: int, split: Split = "all", held_out: float = 0.0) -> Mapped:
+    """The map, memory-mapped from its cache file (built and written there first if missing)."""
     key = cache_key(readers, max_num_tokens, short_seq_prob, seed, split, held_out)
-    name = f"samples-{key}.npy"
+
+    def build() -> list[np.ndarray]:
+        t0 = time.perf_counter()
+        parts = _map_parts(readers, max_num_tokens, short_seq_prob, seed, split, held_out)
+        log.info("sample map built: %d samples in %.2f s (pid %d)", sum(map(len, parts)), time.perf_counter() - t0,
+                 os.getpid())
+        return parts
+
+    return cached_array(data, f"samples-{key}.npy", len(COLUMNS), build)
+
+
+def open_sentence_index(data: Path, readers: Sequence[ShardReader]) -> tuple[Mapped, Mapped]:
+    """Every shard's sentence token offsets and document bounds, concatenated (shard s's
+    ``num_sentences + 1`` offsets, then shard s+1's; the same for its ``num_docs + 1`` bounds),
+    memory-mapped from the cache: shared by every process instead of each holding its own."""
+    src = json.dumps([_MAP_VERSION, [r.fingerprint for r in readers]])
+    key = hashlib.sha256(src.encode()).hexdigest()[:24]
+    none = [np.zeros(0, np.int64)]  # a first part, for a dataset of no shards
+    offsets = cached_array(data, f"sentences-{key}.npy", 0, lambda: none + [r.sentence_offsets for r in readers])
+    bounds = cached_array(data, f"documents-{key}.npy", 0, lambda: none + [r.doc_bounds for r in readers])
+    return offsets, bounds
+
+
+def cached_array(data: Path, name: str, columns: int, build: Callable[[], list[np.ndarray]]) -> Mapped:
+    """The array cached as ``name`` (``columns`` 0: 1-D), built by ``build`` (its parts are the
+    array's consecutive rows) if no cache folder has it yet.
+
+    Processes wanting the same missing file take turns on ``flock`` of a lock file beside it:
+    the first builds and writes, the others find the file when their turn comes.
+    """
     for folder in cache_folders(data):
-        found = load_map(folder / name)
+        found = load_array(folder / name, columns)
         if found is not None:
-            return found, folder / name
+            return Mapped(found, folder / name)
     for folder in cache_folders(data):
         try:
             folder.mkdir(parents=True, exist_ok=True)
-            fd = os.open(folder / f"samples-{key}.lock", os.O_RDWR | os.O_CREAT, 0o666)
+            fd = os.open(folder / f"{name}.lock", os.O_RDWR | os.O_CREAT, 0o666)
         except OSError:
             continue  # read-only: try the next folder
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)  # waits while another process builds this map
-            found = load_map(folder / name)  # built by the process we waited for
+            fcntl.flock(fd, fcntl.LOCK_EX)  # waits while another process builds this file
+            found = load_array(folder / name, columns)  # built by the process we waited for
             if found is None:
-                samples = _timed_build(readers, max_num_tokens, short_seq_prob, seed, split, held_out)
+                parts = build()
                 try:
-                    save_map(folder / name, samples)
+                    save_array(folder / name, parts)
                 except OSError:
-                    return samples, None  # a full disk: use the map without caching it
-                found = load_map(folder / name)
+                    return Mapped(np.concatenate(parts), None)  # a full disk: use it uncached
+                found = load_array(folder / name, columns)
             if found is not None:
-                return found, folder / name
+                return Mapped(found, folder / name)
         finally:
             os.close(fd)  # closing releases the lock; the lock file stays (removing it would race)
-    return _timed_build(readers, max_num_tokens, short_seq_prob, seed, split, held_out), None
+    return Mapped(np.concatenate(build()), None)
 
 
-def _timed_build(readers: Sequence[ShardReader], max_num_tokens: int, short_seq_prob: float, seed: int, split: Split,
-                 held_out: float) -> np.ndarray:
-    t0 = time.perf_counter()
-    samples = build_sample_map(readers, max_num_tokens, short_seq_prob, seed, split, held_out)
-    log.info("sample map built: %d samples in %.2f s (pid %d)", len(samples), time.perf_counter() - t0, os.getpid())
-    return samples
-
-
-def load_map(path: Path) -> np.ndarray | None:
-    """The cached map at ``path``, memory-mapped read-only; None if missing or not a map."""
+def load_array(path: Path, columns: int | None) -> np.ndarray | None:
+    """The array at ``path``, memory-mapped read-only; None if missing, damaged or not of
+    ``columns`` columns (0: 1-D; None: any)."""
     try:
-        samples = np.load(path, mmap_mode="r")
-    except FileNotFoundError:
-        return None
+        array = np.load(path, mmap_mode="r")
     except (OSError, ValueError):
-        return None  # damaged: the caller rebuilds it under the lock
-    if samples.ndim != 2 or samples.shape[1] != len(COLUMNS) or samples.dtype not in (np.int32, np.int64):
+        return None  # missing, or damaged: the caller rebuilds it under the lock
+    if array.dtype not in (np.int32, np.int64):
         return None
-    return samples
+    if columns is not None and array.shape[1:] != ((columns,) if columns else ()):
+        return None
+    return array.view(np.ndarray)  # the same mapped pages, without np.memmap's per-slice overhead
 
 
-def save_map(path: Path, samples: np.ndarray) -> None:
-    """Write ``samples`` as ``path`` so readers see a whole file or none: temporary name, fsync,
-    rename. Only the lock holder writes, so one temporary name per map is enough; one left
-    by a killed builder is overwritten by the next."""
+def save_array(path: Path, parts: list[np.ndarray]) -> None:
+    """Write the concatenation of ``parts`` as ``path`` (an .npy file), part by part, so that
+    readers see a whole file or none: temporary name, fsync, rename. Only the lock holder
+    writes, so one temporary name is enough; one left by a killed builder is overwritten."""
+    shape = (sum(len(p) for p in parts), *parts[0].shape[1:])
     tmp = path.with_name(path.name + ".tmp")
     try:
         with open(tmp, "wb") as f:
-            np.lib.format.write_array(f, samples, allow_pickle=False)
+            np.lib.format.write_array_header_1_0(f, {"descr": np.lib.format.dtype_to_descr(parts[0].dtype),
+                                                     "fortran_order": False, "shape": shape})
+            for part in parts:
+                f.write(np.ascontiguousarray(part, dtype=parts[0].dtype).data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -2,6 +2,8 @@
 however many processes open it, whatever happens to the builder."""
 
 import hashlib
+import mmap
+import pickle
 import shutil
 import signal
 import sys
@@ -12,7 +14,8 @@ import pytest
 
 from bert_ds.data_tools.manifest import open_dataset
 from bert_ds.loader import sample_map
-from bert_ds.loader.sample_map import build_sample_map, chunk_targets, kept_documents, open_sample_map
+from bert_ds.loader.sample_map import (build_sample_map, chunk_targets, kept_documents, open_sample_map,
+                                      open_sentence_index)
 from tests.conftest import SAMPLE, cli_env, end, run_cli, run_command, spawn
 
 
@@ -58,7 +61,7 @@ def test_map_is_bert_chunking_for_the_same_target_draws(shards, max_num_tokens, 
     seed = 11
 
     def target_of(shard, n):
-        return chunk_targets(seed, shard, 0, n, max_num_tokens, short_seq_prob)
+        return chunk_targets(seed, shard, np.arange(n), max_num_tokens, short_seq_prob)
 
     got = build_sample_map(readers, max_num_tokens, short_seq_prob, seed, split, held_out=0.3)
     want = reference_map(readers, max_num_tokens, target_of, split, held_out=0.3)
@@ -69,27 +72,40 @@ def test_map_is_bert_chunking_for_the_same_target_draws(shards, max_num_tokens, 
     assert ((want[:, 4] >= 2) & (want[:, 4] <= max_num_tokens)).all()
 
 
-def test_target_draws_and_map_do_not_depend_on_how_the_build_is_blocked(shards, monkeypatch):
+def test_target_draws_and_map_do_not_depend_on_how_the_build_is_batched(shards, monkeypatch):
     _, readers = open_dataset(shards)
     whole = build_sample_map(readers, 125, 0.1, 3)
-    parts = np.concatenate([chunk_targets(3, 0, lo, min(lo + 777, readers[0].num_sentences), 125, 0.1)
-                            for lo in range(0, readers[0].num_sentences, 777)])
-    np.testing.assert_array_equal(parts, chunk_targets(3, 0, 0, readers[0].num_sentences, 125, 0.1))
-    monkeypatch.setattr(sample_map, "_BUILD_BLOCK", 300)
-    monkeypatch.setattr(sample_map, "_DRAW_BLOCK", sample_map._DRAW_BLOCK)  # draws fixed: blocks of building only
+    sentences = np.arange(readers[0].num_sentences)
+    one_by_one = [int(chunk_targets(3, 0, np.array([i]), 125, 0.1)[0]) for i in sentences[:500].tolist()]
+    assert chunk_targets(3, 0, sentences[:500], 125, 0.1).tolist() == one_by_one
+    monkeypatch.setattr(sample_map, "_BUILD_BLOCK", 7)  # documents per build step
     np.testing.assert_array_equal(build_sample_map(readers, 125, 0.1, 3), whole)
     assert not np.array_equal(build_sample_map(readers, 125, 0.1, 4), whole)  # the seed matters
 
 
-def test_map_is_memory_mapped_from_the_cache(shards, tmp_path):
+def file_mapped(array):
+    """Whether ``array``'s memory is a mapped file (a chain of views ending in an mmap)."""
+    while array is not None and not isinstance(array, mmap.mmap):
+        array = getattr(array, "base", None) if not isinstance(array, np.memmap) else array._mmap
+    return array is not None
+
+
+def test_map_and_index_are_memory_mapped_from_the_cache(shards, tmp_path):
     data = tmp_path / "data"
     shutil.copytree(shards, data, ignore=shutil.ignore_patterns(".cache"))
     _, readers = open_dataset(data)
-    first, path = open_sample_map(data, readers, 125, 0.1, 0)
-    again, same = open_sample_map(data, readers, 125, 0.1, 0)
-    assert path == same and path.parent == data / ".cache"
-    assert isinstance(again, np.memmap) and not again.flags.writeable
-    np.testing.assert_array_equal(again, build_sample_map(readers, 125, 0.1, 0))
+    first = open_sample_map(data, readers, 125, 0.1, 0)
+    again = open_sample_map(data, readers, 125, 0.1, 0)
+    assert first.path == again.path and first.path.parent == data / ".cache"
+    assert file_mapped(again.array) and not again.array.flags.writeable
+    np.testing.assert_array_equal(again.array, build_sample_map(readers, 125, 0.1, 0))
+    # pickled as its path: a loader worker maps the same file
+    assert len(pickle.dumps(again)) < 1000 and file_mapped(pickle.loads(pickle.dumps(again)).array)
+
+    offsets, bounds = open_sentence_index(data, readers)
+    assert file_mapped(offsets.array) and file_mapped(bounds.array)
+    np.testing.assert_array_equal(offsets.array, np.concatenate([r.sentence_offsets for r in readers]))
+    np.testing.assert_array_equal(bounds.array, np.concatenate([r.doc_bounds for r in readers]))
 
 
 # -- one build per dataset, in separate processes --------------------------------------------------
@@ -103,7 +119,7 @@ from bert_ds.loader import sample_map
 
 logging.basicConfig(level=logging.INFO, format="%(message)s")
 data, start, mode, marker = Path(sys.argv[1]), float(sys.argv[2]), sys.argv[3], Path(sys.argv[4])
-build = sample_map.build_sample_map
+build = sample_map._map_parts
 
 def slow_build(*args, **kwargs):  # long enough that every opener arrives while it runs
     time.sleep(1.5)
@@ -113,22 +129,25 @@ def stuck_build(*args, **kwargs):
     marker.touch()
     time.sleep(600)
 
-def stuck_write(f, array, **kwargs):  # half a file under the temporary name, then stuck
-    f.write(np.lib.format.magic(1, 0) + array.tobytes()[: array.nbytes // 2])
+def stuck_write(f, header):  # the header and a few rows under the temporary name, then stuck
+    write_header(f, header)
+    f.write(np.arange(15, dtype=np.int32).tobytes())
     f.flush()
     marker.touch()
     time.sleep(600)
 
 if mode == "slow":
-    sample_map.build_sample_map = slow_build
+    sample_map._map_parts = slow_build
 elif mode == "stuck-build":
-    sample_map.build_sample_map = stuck_build
+    sample_map._map_parts = stuck_build
 elif mode == "stuck-write":
-    np.lib.format.write_array = stuck_write
+    write_header = np.lib.format.write_array_header_1_0
+    np.lib.format.write_array_header_1_0 = stuck_write
 _, readers = open_dataset(data)
 time.sleep(max(0.0, start - time.time()))
-samples, path = sample_map.open_sample_map(data, readers, 125, 0.1, 5)
-print(hashlib.sha256(np.ascontiguousarray(samples).tobytes()).hexdigest(), path, type(samples).__name__)
+mapped = sample_map.open_sample_map(data, readers, 125, 0.1, 5)
+print(hashlib.sha256(np.ascontiguousarray(mapped.array).tobytes()).hexdigest(), mapped.path,
+      type(mapped.array.base).__name__)
 """
 
 
