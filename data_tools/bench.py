@@ -149,7 +149,7 @@ def _synthetic_shard(writer, rng: np.random.Generator, budget: int) -> int:
         sent_end = np.cumsum(sentences).tolist()
         tok_end = np.concatenate([[0], np.cumsum(lengths)])[sent_end].tolist()
         lo_s = lo_t = 0
-        for hi_s, hi_t in zip(sent_end, tok_end):
+        for hi_s, hi_t in zip(sent_end, tok_end, strict=True):
             writer.add_sentences(ids[lo_t:hi_t], lengths[lo_s:hi_s])
             writer.end_document()
             written += hi_t - lo_t

@@ -17,8 +17,10 @@ and the loader before its timer starts, one at a time:
    positions for ``--loader-seconds``; goal >= 20,000 per core), then micro-batches of 32
    through :class:`PretrainingLoader` for ``--draw-seconds``; the process's RSS after
    that (goal at 1B tokens: <= 600 MB, and at most +50 MB per further billion tokens),
-   with its anonymous and file-backed parts (file pages are the shared page cache of
-   the memory-mapped shards and map).
+   and its private (anonymous) part. The rest is file-backed: the pages of the
+   memory-mapped shards, index and map that the draws touched (the kernel maps up to
+   16 neighbouring pages per fault), which is page cache shared by every process on the
+   machine that maps the same files, and which the kernel can drop at any time.
 4. Bytes per sample of the sample map on disk.
 
 The load average before and after is printed: the figures depend on what else runs.
@@ -215,7 +217,7 @@ def figures(r: dict) -> list[tuple[str, str, str, bool | None]]:
     at_scale = abs(billions - 1) < 0.05
     cold, cached = r["cold"], r["cached"]
     ratio = max(t["seconds"] for t in r["two_cold"]) / cold["seconds"]
-    rss = cached["rss_after_draws"]["VmRSS"]
+    rss, anon = cached["rss_after_draws"]["VmRSS"], cached["rss_after_draws"]["RssAnon"]
     rss_goal = 600 * MB + 50 * MB * max(0.0, billions - 1)
     per_sample = (r["map_bytes"] - 128) / cached["samples"]  # the .npy header is 128 bytes
     scaled = (lambda met: met) if at_scale else (lambda met: None)
@@ -227,6 +229,8 @@ def figures(r: dict) -> list[tuple[str, str, str, bool | None]]:
         ("cached open time", f"{cached['seconds']:.3f} s", "", None),
         ("RSS after cached open + draws", f"{rss / MB:,.0f} MB", f"<= {rss_goal / MB:,.0f} MB",
          rss <= rss_goal if billions >= 0.95 else None),
+        ("its private (anonymous) part", f"{anon / MB:,.0f} MB", f"<= {rss_goal / MB:,.0f} MB",
+         anon <= rss_goal if billions >= 0.95 else None),
         ("loader samples/s per core", f"{cached['samples_per_s']:,.0f}", ">= 20,000", cached["samples_per_s"] >= 20_000),
         ("sample map bytes per sample", f"{per_sample:.1f}", "as small as the ranges allow", None),
     ]
