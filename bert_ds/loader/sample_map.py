@@ -4,7 +4,9 @@ Chunking rules (BERT's ``create_instances_from_document``):
 - Every document is cut into consecutive chunks of whole sentences; no chunk crosses a
   document end, and every sentence of a kept document is in exactly one chunk.
 - A chunk has a *target* length: ``max_num_tokens``, or, with probability
-  ``short_seq_prob``, a length drawn uniformly from [2, max_num_tokens].
+  ``short_seq_prob``, a length drawn uniformly from [2, max_num_tokens]. Drawn per chunk
+  (Google's ``create_pretraining_data.py`` draws one per document and keeps it for all of
+  the document's chunks; drawing per chunk gives short chunks to long documents too).
 - A chunk takes sentences until its tokens reach the target (the sentence that reaches
   it is included, so a chunk may exceed its target; truncation happens at load time) or
   its document ends.
@@ -20,7 +22,8 @@ Design choices:
   agree through ``flock`` on a lock file beside the cache (the kernel releases it when its
   holder dies, ``kill -9`` included); the builder writes to a temporary name, fsyncs and
   renames, so a reader sees a whole map or none. Every process memory-maps the file, so
-  ranks and loader workers share one copy in the page cache.
+  ranks and loader workers share one copy in the page cache. The shards' sentence offsets
+  and document bounds are cached and mapped the same way (:func:`open_sentence_index`).
 
 Layout: a (N, 5) array, one row per sample: shard, document (within the shard), first
 sentence, end sentence (exclusive; both within the shard), target length. int32 (20 bytes

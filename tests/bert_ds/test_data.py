@@ -229,6 +229,20 @@ def test_reused_generator_draws_as_a_fresh_philox(dataset):
         assert _equal_samples(copy.sample(1, idx), dataset.sample(1, idx))
 
 
+def test_a_worker_receives_paths_not_the_sample_map_or_the_index(dataset):
+    """Loader workers map the cached files: the pickled dataset holds no array that grows
+    with the data, and its copy draws the same samples."""
+    import pickle
+
+    blob = pickle.dumps(dataset)
+    mapped = dataset.samples.nbytes + dataset._offsets.array.nbytes + dataset._bounds.array.nbytes
+    assert len(blob) < 16_000 < mapped
+    copy = pickle.loads(blob)
+    assert np.array_equal(copy.samples, dataset.samples)
+    for idx in (0, 17, len(dataset) - 1):
+        assert _equal_samples(copy[idx], dataset[idx])
+
+
 def test_a_process_with_an_open_loader_still_exits(sample_data):
     """Loader workers ignore stop signals (the trainer decides), so multiprocessing's SIGTERM at
     interpreter exit cannot end them: a loader still open then must not make the exit wait forever."""
