@@ -16,7 +16,9 @@ Design choices:
   (seed, shard, sentence): a draw does not depend on the chunks before it, so all
   documents are chunked at once. Each round of array operations closes one chunk of every
   document still open (its end is one ``searchsorted`` over the shard's token ends), so
-  the build costs O(chunks) work in as many rounds as the longest document has chunks.
+  the build costs O(chunks) work. The last few open documents (the longest) are walked
+  one chunk at a time through precomputed chunk ends, so a corpus of a few huge documents
+  does not take one round per chunk.
 - The map is a pure function of (shard fingerprints, options, seed), cached beside the
   data under a key of exactly those (R10), and built by one process per dataset: openers
   agree through ``flock`` on a lock file beside the cache (the kernel releases it when its
@@ -57,6 +59,8 @@ COLUMNS = ("shard", "doc", "first", "end", "target")
 _MAP_VERSION = 3  # 3: vectorised build (targets drawn per starting sentence), int32 layout
 _TARGET_STREAM = 0x5EED  # keeps the target draws apart from every other generator of a seed
 _BUILD_BLOCK = 1 << 16  # documents per vectorised build step: bounds the build's temporary memory
+_FEW_OPEN = 32  # open documents below which each is walked alone instead of in rounds
+_WALK_WINDOW = 1 << 20  # sentences whose chunk ends a walk computes at once: bounds its memory
 _HELD_OUT_SALT = 0x9E3779B97F4A7C15  # Fibonacci hashing constant: spreads (shard, doc) evenly
 
 
@@ -129,31 +133,61 @@ def _chunk_documents(reader: ShardReader, shard: int, docs: np.ndarray, max_num_
     Every round closes one chunk of each document still open: its end is the first sentence
     whose token end reaches the chunk's start plus its target (one ``searchsorted`` for all
     documents; ``offsets[j + 1]`` is the token end of sentence j), cut at the document end.
+    When few documents are left open (long ones), a round costs more than it does, and
+    :func:`_walk_document` finishes each of them alone.
     """
     bounds, offsets = reader.doc_bounds, reader.sentence_offsets
     token_ends = offsets[1:]
-    rounds = []  # per round: (document index into docs, first sentence, end sentence, target)
+    found = []  # (document index into docs, chunk number in its document, first, end, target)
     active = np.arange(len(docs))
     first, doc_end = bounds[docs], bounds[docs + 1]
-    while active.size:  # one round per chunk of the longest document
+    k = 0
+    while active.size > _FEW_OPEN:
         target = chunk_targets(seed, shard, first, max_num_tokens, short_seq_prob)
         end = np.searchsorted(token_ends, offsets[first] + target, side="left") + 1
         np.minimum(end, doc_end, out=end)
-        rounds.append((active, first, end, target))
+        found.append((active, np.full(active.size, k), first, end, target))
         open_ = end < doc_end
         active, first, doc_end = active[open_], end[open_], doc_end[open_]
-    # Rows in (document, chunk) order: document i's k-th chunk, closed in round k, goes to
-    # row start[i] + k.
+        k += 1
+    for i, lo, hi in zip(active.tolist(), first.tolist(), doc_end.tolist(), strict=True):
+        f, e, t = _walk_document(offsets, shard, lo, hi, max_num_tokens, short_seq_prob, seed)
+        found.append((np.full(len(f), i), k + np.arange(len(f)), f, e, t))
+    # Rows in (document, chunk) order: document i's k-th chunk goes to row start[i] + k.
     chunks = np.zeros(len(docs), dtype=np.int64)
-    for active, *_ in rounds:
-        chunks[active] += 1
+    for active, *_ in found:
+        np.add.at(chunks, active, 1)
     start = np.concatenate([[0], np.cumsum(chunks)[:-1]]).astype(np.int64)
     rows = np.empty((int(chunks.sum()), 5), dtype=np.int64)
     rows[:, 0] = shard
-    for k, (active, first, end, target) in enumerate(rounds):
+    for active, k, first, end, target in found:
         at = start[active] + k
         rows[at, 1], rows[at, 2], rows[at, 3], rows[at, 4] = docs[active], first, end, target
     return rows
+
+
+def _walk_document(offsets: np.ndarray, shard: int, lo: int, hi: int, max_num_tokens: int, short_seq_prob: float,
+                   seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The chunks of sentences [lo, hi) of one document: (first, end, target) arrays.
+
+    The end of a chunk that would start at each sentence is computed for a window of
+    sentences at once; the chunks are then followed one by one through those ends (a
+    Python list lookup per chunk instead of a round of array operations).
+    """
+    firsts, i = [], lo
+    while i < hi:
+        w_hi = min(hi, i + _WALK_WINDOW)
+        target = chunk_targets(seed, shard, np.arange(i, w_hi), max_num_tokens, short_seq_prob)
+        end = np.searchsorted(offsets[1:], offsets[i: w_hi] + target, side="left") + 1
+        ends = np.minimum(end, hi).tolist()
+        w_lo = i
+        while i < w_hi:
+            firsts.append(i)
+            i = ends[i - w_lo]
+    first = np.array(firsts, dtype=np.int64)
+    target = chunk_targets(seed, shard, first, max_num_tokens, short_seq_prob)
+    end = np.minimum(np.searchsorted(offsets[1:], offsets[first] + target, side="left") + 1, hi)
+    return first, end, target
 
 
 # -- the cache: one build per dataset, memory-mapped by every process ---------------------------

@@ -52,10 +52,16 @@ def reference_map(readers, max_num_tokens, target_of, split="all", held_out=0.0)
     return np.array(rows, dtype=np.int64).reshape(-1, 5)
 
 
+@pytest.mark.parametrize("walk", ["rounds", "walks", "both"])
 @pytest.mark.parametrize("max_num_tokens, short_seq_prob, split", [
     (125, 0.1, "all"), (61, 0.5, "train"), (509, 0.0, "held_out"), (13, 1.0, "all"),
 ])
-def test_map_is_bert_chunking_for_the_same_target_draws(shards, max_num_tokens, short_seq_prob, split):
+def test_map_is_bert_chunking_for_the_same_target_draws(shards, max_num_tokens, short_seq_prob, split, walk,
+                                                        monkeypatch):
+    # every document in rounds, every document walked alone (in windows of 5 sentences), or
+    # rounds until few documents are open, as the build does
+    monkeypatch.setattr(sample_map, "_FEW_OPEN", {"rounds": 0, "walks": 10**9, "both": 40}[walk])
+    monkeypatch.setattr(sample_map, "_WALK_WINDOW", 5)
     _, readers = open_dataset(shards)
     assert len(readers) >= 3
     seed = 11
