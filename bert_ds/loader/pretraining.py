@@ -10,10 +10,10 @@ Design choices:
   is seeded with exactly that triple. So the same sample comes out whatever the
   world size, loader worker count or resume point, and masks change every epoch.
 - The global order is one permutation per epoch, a keyed bijection computed per position
-  (:mod:`.permutation`), so no process holds an array as long as the epoch. Training consumes one global
-  stream of positions; a rank takes its slice of each micro-step. The only state
-  to checkpoint is the number of consumed samples, and resuming on another world
-  size continues the same stream.
+  (:mod:`.permutation`), so no process holds an array as long as the epoch. Training
+  consumes one global stream of positions; a rank takes its slice of each micro-step.
+  The only state to checkpoint is the number of consumed samples, and resuming on
+  another world size continues the same stream.
 - Batches are padded to the longest sample of the micro-batch; the model unpads
   once, so padding costs only the copy. Labels follow Hugging Face: -100 where a
   token is not a prediction target, ``next_sentence_label`` 0 = true next.
