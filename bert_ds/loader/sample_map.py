@@ -56,7 +56,7 @@ log = logging.getLogger(__name__)
 
 Split = Literal["all", "train", "held_out"]
 COLUMNS = ("shard", "doc", "first", "end", "target")
-_MAP_VERSION = 3  # 3: vectorised build (targets drawn per starting sentence), int32 layout
+_MAP_VERSION = 4  # 4: targets hashed per starting sentence, int32 rows, a cached sentence index
 _TARGET_STREAM = 0x5EED  # keeps the target draws apart from every other generator of a seed
 _BUILD_BLOCK = 1 << 16  # documents per vectorised build step: bounds the build's temporary memory
 _FEW_OPEN = 32  # open documents below which each is walked alone instead of in rounds
