@@ -6,6 +6,7 @@ import mmap
 import pickle
 import shutil
 import signal
+import subprocess
 import sys
 import time
 
@@ -171,8 +172,6 @@ def _fresh_copy(shards, tmp_path):
 
 
 def test_concurrent_cold_opens_build_once_and_share_the_map(shards, tmp_path):
-    import subprocess
-
     data, expected = _fresh_copy(shards, tmp_path)
     start = time.time() + 3.0  # every opener has imported numpy and opened the shards by then
     procs = []
@@ -192,8 +191,6 @@ def test_concurrent_cold_opens_build_once_and_share_the_map(shards, tmp_path):
 
 @pytest.mark.parametrize("where", ["stuck-build", "stuck-write"])
 def test_a_builder_killed_mid_way_neither_blocks_nor_corrupts_the_next_open(shards, tmp_path, where):
-    import subprocess
-
     data, expected = _fresh_copy(shards, tmp_path)
     marker = tmp_path / "holding-the-lock"
     cmd, env = _opener(data, where, marker)
