@@ -7,9 +7,10 @@
                                      folder, or hf:NAME[:CONFIG][@SPLIT]
     verify   DIR               exit 0 and "ok: N shards, T tokens", or 1 and one line per problem
     inspect  DIR [--decode K]  manifest summary, optionally the first K documents as text
-    bench    [--corpus-mb MB] [--workers N] [--vocab-size V] [--loader-seconds S] [--json FILE]
-                               the pipeline's figures (build vs bare tokenizers and datasets,
-                               bytes/token, loader samples/s, worker memory) beside their goals
+    bench    [--corpus-mb MB] [--workers N] [--vocab-size V] [--json FILE]
+                               the build's figures (build vs bare tokenizers and datasets,
+                               bytes/token, worker memory) beside their goals; the loader's
+                               are python -m bert_ds.loader.bench
 
 Bad input (a missing file, an empty corpus, conflicting options) prints one line
 ``error: ...`` to stderr and exits 2; argparse's own usage errors also exit 2. A build
@@ -134,7 +135,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         "bench", help="measure the pipeline against its goals",
         description="On the bundled sample repeated to --corpus-mb MB, with N worker processes: build "
         "throughput vs bare tokenizers and vs a datasets map + save_to_disk pipeline, bytes on disk per "
-        "token, loader samples/s in one process, and a build worker's peak RSS, each beside its goal. "
+        "token, and a build worker's peak RSS, each beside its goal. "
         "About a minute at the defaults on 2 idle CPUs.",
     )
     n.add_argument("--corpus-mb", type=_positive_float, default=50.0, metavar="MB",
@@ -143,8 +144,6 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                    help="processes for every pipeline (default: the CPUs available)")
     n.add_argument("--vocab-size", type=_positive_int, default=30522, metavar="V",
                    help="WordPiece vocabulary to train for the run (default 30,522, BERT's)")
-    n.add_argument("--loader-seconds", type=_positive_float, default=5.0, metavar="S",
-                   help="how long to time the loader (default 5)")
     n.add_argument("--json", metavar="FILE", help="also write every measurement and figure to FILE")
     n.set_defaults(func=_bench)
 
@@ -219,7 +218,7 @@ def _bench(args: argparse.Namespace) -> int:
     from bert_ds.data_tools import bench
 
     workers = args.workers or len(os.sched_getaffinity(0))
-    return bench.main(args.corpus_mb, workers, args.vocab_size, args.loader_seconds, args.json)
+    return bench.main(args.corpus_mb, workers, args.vocab_size, args.json)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,10 +22,7 @@ processes (``--workers N``, default: the CPUs available), one measurement at a t
    sample repeated, and WordPiece merges depend only on relative counts once every
    pair passes the minimum frequency, so more copies change no entry. The bundled
    sample has fewer distinct subwords than 30,522; the actual size is reported.
-4. Loader samples/s in one process (so per core) at sequence length 128 with NSP and
-   masking: ``bert_ds.loader.pretraining.PretrainingDataset(...)[i]`` for consecutive positions for
-   ``--loader-seconds`` (goal >= 20,000).
-5. Peak RSS of one build worker during figure 1 (goal < 2 GB per worker for a 1 GB
+4. Peak RSS of one build worker during figure 1 (goal < 2 GB per worker for a 1 GB
    corpus). A worker holds at most 2 chunks of ``CHUNK_CHARS`` characters, whatever
    the corpus size, so a smaller corpus measures the same peak; the corpus size is
    reported beside it. With ``--workers 1`` the build tokenizes in its own process and
@@ -49,6 +46,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 SAMPLE_DIR = Path(__file__).resolve().parent / "sample"
 SAMPLE_FILES = ("valid.txt", "test.txt")
@@ -103,6 +102,61 @@ def make_vocab(work: Path, corpus: Path, size: int) -> tuple[bytes, float, float
     trained_on = text.stat().st_size / MB
     text.unlink()
     return vocab, trained_on, seconds
+
+
+# -- a synthetic dataset of any size, for the loader's scale bench ---------------------------------
+
+SYNTHETIC_SENTENCE = (8, 48)  # tokens per sentence, uniform, inclusive
+SYNTHETIC_DOCUMENT = (5, 60)  # sentences per document, uniform, inclusive
+_SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+
+
+def write_synthetic(folder: Path, tokens: int, shard_tokens: int = 1 << 26, seed: int = 0) -> dict[str, int]:
+    """A dataset of about ``tokens`` random ids in BERT's vocabulary size, shaped like prose:
+    sentences of U[8, 48] tokens, documents of U[5, 60] sentences. Returns its totals."""
+    from bert_ds.data_tools.manifest import Manifest, tokenizer_fingerprint
+    from bert_ds.data_tools.shard_format import ShardWriter, token_dtype
+
+    folder.mkdir(parents=True, exist_ok=True)
+    words = list(_SPECIALS) + [f"w{i}" for i in range(BERT_VOCAB_SIZE - len(_SPECIALS))]
+    (folder / "vocab.txt").write_text("\n".join(words) + "\n", encoding="utf-8")
+    rng = np.random.default_rng(seed)
+    shards, written = [], 0
+    while written < tokens:
+        name = f"shard-{len(shards):05d}"
+        with ShardWriter(folder / name, BERT_VOCAB_SIZE) as writer:
+            written += _synthetic_shard(writer, rng, min(shard_tokens, tokens - written))
+            shards.append(writer.close())
+    manifest = Manifest(
+        vocab_size=BERT_VOCAB_SIZE, token_dtype=token_dtype(BERT_VOCAB_SIZE).name, lowercase=True,
+        special_tokens={k: i for i, k in enumerate(("pad", "unk", "cls", "sep", "mask"))},
+        tokenizer_fingerprint=tokenizer_fingerprint(folder / "vocab.txt"), shards=shards,
+        totals={"docs": sum(s.num_docs for s in shards), "sentences": sum(s.num_sentences for s in shards),
+                "tokens": written},
+        build={"synthetic": f"{tokens} tokens, seed {seed}"})
+    manifest.save(folder)
+    return manifest.totals
+
+
+def _synthetic_shard(writer, rng: np.random.Generator, budget: int) -> int:
+    """Whole documents of random ids until ``budget`` tokens are reached (the last may pass it)."""
+    written = 0
+    while written < budget:
+        docs = max(1, min(budget - written, 1 << 24) // 800)  # a batch of documents per round of draws
+        sentences = rng.integers(SYNTHETIC_DOCUMENT[0], SYNTHETIC_DOCUMENT[1] + 1, size=docs)
+        lengths = rng.integers(SYNTHETIC_SENTENCE[0], SYNTHETIC_SENTENCE[1] + 1, size=int(sentences.sum()))
+        ids = rng.integers(len(_SPECIALS), BERT_VOCAB_SIZE, size=int(lengths.sum()), dtype=np.uint16)
+        sent_end = np.cumsum(sentences).tolist()
+        tok_end = np.concatenate([[0], np.cumsum(lengths)])[sent_end].tolist()
+        lo_s = lo_t = 0
+        for hi_s, hi_t in zip(sent_end, tok_end, strict=True):
+            writer.add_sentences(ids[lo_t:hi_t], lengths[lo_s:hi_s])
+            writer.end_document()
+            written += hi_t - lo_t
+            lo_s, lo_t = hi_s, hi_t
+            if written >= budget:
+                break
+    return written
 
 
 # -- child processes: each measurement runs in a fresh process ---------------------------------
@@ -236,27 +290,9 @@ def _run_datasets(corpus: str, tokenizer_dir: str, work: str, workers: int) -> d
     return {"seconds": seconds, "input_bytes": os.path.getsize(corpus), "rows": len(ids)}
 
 
-def run_loader(path: str, seconds: float) -> dict:
-    from bert_ds.config import DataConfig
-    from bert_ds.loader.pretraining import PretrainingDataset
-
-    t0 = time.perf_counter()
-    ds = PretrainingDataset(path, DataConfig(train=path, max_seq_length=128), seed=0)
-    init = time.perf_counter() - t0
-    n = 0
-    t0 = time.perf_counter()
-    while (elapsed := time.perf_counter() - t0) < seconds:
-        for i in range(n, n + 64):
-            ds[i]
-        n += 64
-    return {"samples": n, "seconds": elapsed, "samples_per_s": n / elapsed, "init_seconds": init,
-            "epoch_samples": len(ds), "cfg": {"max_seq_length": 128, "pair_task": ds.cfg.pair_task,
-                                                "mask_rate": ds.cfg.mask_rate}}
-
-
 # -- the run ---------------------------------------------------------------------------------------
 
-def run(corpus_mb: float, workers: int, vocab_size: int, loader_seconds: float,
+def run(corpus_mb: float, workers: int, vocab_size: int,
         log=lambda msg: print(msg, file=sys.stderr, flush=True)) -> dict:
     """All measurements; the dict that --json writes."""
     load_before = os.getloadavg()
@@ -277,8 +313,6 @@ def run(corpus_mb: float, workers: int, vocab_size: int, loader_seconds: float,
         bare = run_bare(str(corpus), (shards / "tokenizer.json").read_text(encoding="utf-8"), workers)
         log(f"bench: 2. datasets from_text -> map -> save_to_disk, num_proc {workers}")
         hf = _in_child(_datasets_child, str(corpus), str(shards), str(work / "hf"), workers)
-        log(f"bench: 4. loader for {loader_seconds:g} s")
-        loader = run_loader(str(shards), loader_seconds)
     return {
         "corpus": {"source": f"{SAMPLE_DIR} ({', '.join(SAMPLE_FILES)}) repeated", "bytes": corpus_bytes,
                    "copies": round(copies, 3)},
@@ -291,12 +325,11 @@ def run(corpus_mb: float, workers: int, vocab_size: int, loader_seconds: float,
         "build": b,
         "bare_tokenizers": bare,
         "datasets": hf,
-        "loader": loader,
     }
 
 
 def figures(r: dict) -> list[Figure]:
-    b, bare, hf, ld = r["build"], r["bare_tokenizers"], r["datasets"], r["loader"]
+    b, bare, hf = r["build"], r["bare_tokenizers"], r["datasets"]
     n = r["workers"]
     mbs = b["input_bytes"] / b["seconds"] / MB
     bare_mbs = bare["input_bytes"] / bare["seconds"] / MB
@@ -318,10 +351,6 @@ def figures(r: dict) -> list[Figure]:
         Figure("bytes on disk per token", bpt, f"{bpt:.3f}", "<= 2.2", bpt <= 2.2,
                f"{b['bytes_on_disk']:,} bytes for {b['tokens']:,} tokens, vocab {vocab['size']:,}{vocab_note}, "
                f"{b['token_dtype']}"),
-        Figure("loader samples/s per core", ld["samples_per_s"], f"{ld['samples_per_s']:,.0f}", ">= 20,000",
-               ld["samples_per_s"] >= 20_000,
-               f"{ld['samples']:,} samples in {ld['seconds']:.1f} s, one process, seq 128, NSP, masking "
-               f"(dataset opened in {ld['init_seconds']:.2f} s)"),
         Figure("build worker peak RSS", rss / MB, f"{rss / MB:,.0f} MB", "< 2,000 MB", rss < 2e9,
                f"on a {corpus:.1f} MB corpus (goal stated for 1 GB; a worker's memory does not grow with it)"
                + ("; --workers 1: the build process itself" if n == 1 else
@@ -348,8 +377,8 @@ def format_report(r: dict, figs: list[Figure]) -> str:
     return "\n".join(lines)
 
 
-def main(corpus_mb: float, workers: int, vocab_size: int, loader_seconds: float, json_path: str | None) -> int:
-    r = run(corpus_mb, workers, vocab_size, loader_seconds)
+def main(corpus_mb: float, workers: int, vocab_size: int, json_path: str | None) -> int:
+    r = run(corpus_mb, workers, vocab_size)
     figs = figures(r)
     r["figures"] = [f.to_dict() for f in figs]
     print(format_report(r, figs))

@@ -676,8 +676,13 @@ def _write_shards(opts: BuildOptions, directory: Path, spec: TokenizerSpec, key:
             writer.abort()
         bar.close()
     _remove_stale(directory, keep_shards=len(shards))
+    skipped = _check_documents(opts, reader.stats, counts)
+    return _manifest(opts, spec, shards, counts, reader.stats, skipped)
 
-    st = reader.stats
+
+def _check_documents(opts: BuildOptions, st: ReadStats, counts: Counts) -> dict[str, int]:
+    """Every document read is written or skipped for a reason; returns the skips by reason.
+    A build that wrote no document is a user error (an empty corpus)."""
     skipped = {"empty": counts.skipped_empty}
     if opts.has_records:  # the record inputs' own reasons, counted by the reader
         skipped.update(missing_field=st.missing_field, not_string=st.not_string)
@@ -690,6 +695,11 @@ def _write_shards(opts: BuildOptions, directory: Path, spec: TokenizerSpec, key:
             f"empty corpus: no document written from {', '.join(opts.inputs)} "
             f"({st.documents} documents in, {reasons})"
         )
+    return skipped
+
+
+def _manifest(opts: BuildOptions, spec: TokenizerSpec, shards: list[ShardInfo], counts: Counts, st: ReadStats,
+              skipped: dict[str, int]) -> Manifest:
     return Manifest(
         vocab_size=spec.vocab_size,
         token_dtype=token_dtype(spec.vocab_size).name,

@@ -2,17 +2,18 @@
 
 Design choices:
 - Shards store sentences and document boundaries, not samples. A *sample map*
-  (document, first and last sentence, target length) is built once per dataset and
-  seed with BERT's chunking rule (fill up to the target length, a shorter random
-  target with ``short_seq_prob``); everything random after that (the A/B split,
+  (document, first and last sentence, target length; :mod:`.sample_map`) is built once
+  per dataset and seed with BERT's chunking rule, cached beside the data and
+  memory-mapped by every process; everything random after that (the A/B split,
   the random next segment, truncation, masking) is drawn at load time.
 - Every sample is a pure function of ``(seed, epoch, sample index)``: its generator
   is seeded with exactly that triple. So the same sample comes out whatever the
   world size, loader worker count or resume point, and masks change every epoch.
-- The global order is one permutation per epoch. Training consumes one global
-  stream of positions; a rank takes its slice of each micro-step. The only state
-  to checkpoint is the number of consumed samples, and resuming on another world
-  size continues the same stream.
+- The global order is one permutation per epoch, a keyed bijection computed per position
+  (:mod:`.permutation`), so no process holds an array as long as the epoch. Training
+  consumes one global stream of positions; a rank takes its slice of each micro-step.
+  The only state to checkpoint is the number of consumed samples, and resuming on
+  another world size continues the same stream.
 - Batches are padded to the longest sample of the micro-batch; the model unpads
   once, so padding costs only the copy. Labels follow Hugging Face: -100 where a
   token is not a prediction target, ``next_sentence_label`` 0 = true next.
@@ -23,9 +24,7 @@ Design choices:
 
 from __future__ import annotations
 
-import hashlib
-import io
-import json
+import mmap
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -39,10 +38,11 @@ from torch.utils.data import DataLoader, Dataset
 from bert_ds.config import BatchPlan, DataConfig
 from bert_ds.loader.workers import end_loader_workers_at_exit, loader_worker_init
 from bert_ds.model.padding import IGNORE_INDEX, unpad
-from bert_ds.base.atomic import atomic_write
 from bert_ds.base.errors import ShardError
 from bert_ds.data_tools.manifest import open_dataset
-from bert_ds.data_tools.shard_format import ShardReader
+from bert_ds.data_tools.shard_format import ShardInfo
+from bert_ds.loader.permutation import EpochPermutation
+from bert_ds.loader.sample_map import build_sample_map, open_sample_map, open_sentence_index
 
 Batch = dict[str, torch.Tensor | int]  # what collate returns: tensors, and max_seqlen as a host int
 _PERMUTATION_STREAM = 0x5EED  # keeps the shuffle generator apart from the per-sample ones
@@ -60,80 +60,6 @@ class SpecialTokens:
     def first_regular(self) -> int:
         """Random replacement tokens are drawn from [first_regular, vocab_size)."""
         return max(self.pad, self.unk, self.cls, self.sep, self.mask) + 1
-
-
-# Sample maps are cached beside the data (or in ~/.cache when that is read-only); the key
-# holds every shard's header fingerprint, so a shard rewritten under the same path
-# gets a fresh map (R10 in the README's reliability promises).
-_MAP_VERSION = 2
-_HELD_OUT_SALT = 0x9E3779B97F4A7C15  # Fibonacci hashing constant: spreads (shard, doc) evenly
-
-
-def held_out_documents(shard: int, num_docs: int, fraction: float) -> np.ndarray:
-    """Which documents of a shard belong to the held-out split: a fixed hash of (shard, doc)."""
-    if fraction <= 0:
-        return np.zeros(num_docs, dtype=bool)
-    docs = np.arange(num_docs, dtype=np.uint64)
-    with np.errstate(over="ignore"):
-        h = (docs + np.uint64(shard) * np.uint64(1 << 40)) * np.uint64(_HELD_OUT_SALT)
-    return (h >> np.uint64(11)).astype(np.float64) / float(1 << 53) < fraction
-
-
-def build_sample_map(readers: list[ShardReader], max_num_tokens: int, short_seq_prob: float, seed: int,
-                     split: Literal["all", "train", "held_out"] = "all", held_out: float = 0.0) -> np.ndarray:
-    """BERT's chunking of documents into samples.
-
-    Returns an int64 array (N, 5): shard, document, first sentence, end sentence
-    (exclusive), target length. A chunk closes when its tokens reach the target or its
-    document ends; one ``searchsorted`` per chunk finds where, so the cost is per chunk,
-    not per sentence.
-    """
-    rng = np.random.default_rng([seed, _PERMUTATION_STREAM, 1])
-    rows: list[tuple[int, int, int, int, int]] = []
-    for s, reader in enumerate(readers):
-        ends = np.cumsum(reader.sentence_lengths, dtype=np.int64)  # token end of each sentence
-        bounds = reader.doc_bounds
-        keep = held_out_documents(s, reader.num_docs, held_out)
-        if split == "train":
-            keep = ~keep
-        elif split == "all":
-            keep[:] = True
-        for d in np.flatnonzero(keep):
-            first, last = int(bounds[d]), int(bounds[d + 1])
-            while first < last:
-                target = max_num_tokens
-                if rng.random() < short_seq_prob:
-                    target = int(rng.integers(2, max_num_tokens + 1))
-                base = int(ends[first - 1]) if first else 0
-                end = min(int(np.searchsorted(ends, base + target, side="left", sorter=None)) + 1, last)
-                rows.append((s, int(d), first, end, target))
-                first = end
-    return np.asarray(rows, dtype=np.int64).reshape(-1, 5)
-
-
-def _cached_sample_map(path: Path, readers: list[ShardReader], max_num_tokens: int, cfg: DataConfig, seed: int,
-                       split: str) -> np.ndarray:
-    key_src = json.dumps([_MAP_VERSION, [r.fingerprint for r in readers], max_num_tokens, cfg.short_seq_prob,
-                          seed, split, cfg.held_out], sort_keys=True)
-    key = hashlib.sha256(key_src.encode()).hexdigest()[:24]
-    for folder in (path / ".cache", Path.home() / ".cache" / "bert-ds" / "sample-maps"):
-        cached = folder / f"samples-{key}.npy"
-        if cached.is_file():
-            try:
-                return np.load(cached)
-            except (OSError, ValueError):
-                pass  # damaged cache: rebuild it below
-    samples = build_sample_map(readers, max_num_tokens, cfg.short_seq_prob, seed, split, cfg.held_out)
-    for folder in (path / ".cache", Path.home() / ".cache" / "bert-ds" / "sample-maps"):
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            buf = io.BytesIO()
-            np.save(buf, samples)
-            atomic_write(folder / f"samples-{key}.npy", buf.getvalue())
-            break
-        except OSError:
-            continue  # read-only data folder: try the user cache
-    return samples
 
 
 def _sample_key(seed: int, epoch: int, index: int) -> np.ndarray:
@@ -183,19 +109,25 @@ class PretrainingDataset(Dataset):
         self.special = SpecialTokens(**self.manifest.special_tokens)
         reserve = 3 if cfg.pair_task != "none" else 2  # [CLS] A [SEP] (B [SEP])
         self.max_num_tokens = cfg.max_seq_length - reserve
-        self.samples = _cached_sample_map(self.path, readers, self.max_num_tokens, cfg, seed, split)
+        # Memory-mapped from the dataset's cache, built there by the first process to open it;
+        # the readers' own index arrays are dropped with them at the end of __init__.
+        self._samples = open_sample_map(self.path, readers, self.max_num_tokens, cfg.short_seq_prob, seed, split,
+                                        cfg.held_out)
         if len(self.samples) == 0:
             raise ShardError(f"{self.path}: no samples in the {split!r} split (no non-empty documents)")
+        self._offsets, self._bounds = open_sentence_index(self.path, readers)
+        self._shard_sentences = np.cumsum([0] + [r.num_sentences + 1 for r in readers])  # where each shard's
+        self._shard_docs = np.cumsum([0] + [r.num_docs + 1 for r in readers])  # part of the index starts
         self.doc_offset = np.concatenate([[0], np.cumsum([r.num_docs for r in readers])]).astype(np.int64)
         self.continuation = _continuation_table(self.path, self.vocab_size) if cfg.whole_word_mask else None
-        self._readers: list[ShardReader] | None = None
+        self._readers: list[tuple[np.ndarray, np.ndarray, np.ndarray]] | None = None
         self._rng = _SampleRng()
         self._no_labels = np.full(cfg.max_seq_length, IGNORE_INDEX, dtype=np.int64)  # copied per sample
-        self._perm_epoch = -1
-        self._perm = np.empty(0, dtype=np.int64)
+        self._perm = EpochPermutation(self.num_samples, seed, 0)
 
-    # Readers hold memory maps; loader workers reopen them instead of pickling data.
-    # The thread-local generator cannot be pickled: each copy makes its own.
+    # The sample map, the index and the shards are memory maps: a loader worker maps the same
+    # files instead of receiving a copy (:class:`Mapped` pickles as its path). The
+    # thread-local generator cannot be pickled: each copy makes its own.
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
         state["_readers"] = None
@@ -207,12 +139,20 @@ class PretrainingDataset(Dataset):
         self._rng = _SampleRng()
 
     @property
+    def samples(self) -> np.ndarray:
+        """(N, 5) int32 or int64 sample map (:mod:`.sample_map`), memory-mapped."""
+        return self._samples.array
+
+    @property
     def readers(self) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-        """Per shard: tokens as a plain ndarray view (no memmap slicing overhead), sentence
-        token offsets, and document bounds."""
+        """Per shard: tokens as a plain ndarray view of the memory-mapped ``.bin`` (no memmap
+        slicing overhead), sentence token offsets and document bounds (views of the shared index)."""
         if self._readers is None:
-            self._readers = [(r.tokens.view(np.ndarray), r.sentence_offsets, r.doc_bounds)
-                             for r in open_dataset(self.path)[1]]
+            offsets, bounds = self._offsets.array, self._bounds.array
+            self._readers = [(_map_tokens(self.path, info, self.manifest.token_dtype),
+                              offsets[self._shard_sentences[s]: self._shard_sentences[s + 1]],
+                              bounds[self._shard_docs[s]: self._shard_docs[s + 1]])
+                             for s, info in enumerate(self.manifest.shards)]
         return self._readers
 
     @property
@@ -223,16 +163,15 @@ class PretrainingDataset(Dataset):
     def __len__(self) -> int:
         return self.num_samples
 
-    def permutation(self, epoch: int) -> np.ndarray:
-        if epoch != self._perm_epoch:
-            rng = np.random.default_rng([self.seed, _PERMUTATION_STREAM, 0, epoch])
-            self._perm = rng.permutation(self.num_samples)
-            self._perm_epoch = epoch
+    def permutation(self, epoch: int) -> EpochPermutation:
+        """The order of ``epoch``: position ``p`` reads sample ``permutation(epoch)(p)``."""
+        if epoch != self._perm.epoch:
+            self._perm = EpochPermutation(self.num_samples, self.seed, epoch)
         return self._perm
 
     def __getitem__(self, position: int) -> dict[str, np.ndarray | int]:
         epoch, offset = divmod(int(position), self.num_samples)
-        return self.sample(epoch, int(self.permutation(epoch)[offset]))
+        return self.sample(epoch, self.permutation(epoch)(offset))
 
     def sample(self, epoch: int, index: int) -> dict[str, np.ndarray | int]:
         """Sample ``index`` of ``epoch``: a pure function of (seed, epoch, index)."""
@@ -365,6 +304,21 @@ class PretrainingDataset(Dataset):
         sizes = np.bincount(word_of[word_of >= 0], minlength=len(starts))[order]
         take = order[: max(1, int(np.searchsorted(np.cumsum(sizes), budget, side="right")))]
         return candidates[np.isin(word_of, take)]
+
+
+def _map_tokens(path: Path, info: ShardInfo, dtype: str) -> np.ndarray:
+    """A shard's token ids, ``(num_tokens,)``, memory-mapped for random reads.
+
+    The ``.bin`` is the ids and nothing else (:mod:`bert_ds.data_tools.shard_format`); the
+    dataset was checked against its manifest when it was opened. ``MADV_RANDOM``: samples
+    read a few hundred bytes at random places; from a cold disk, the kernel's read-ahead
+    around each would read pages no sample asked for.
+    """
+    if info.num_tokens == 0:
+        return np.zeros(0, dtype=dtype)
+    tokens = np.memmap(path / f"{info.name}.bin", dtype=dtype, mode="r", shape=(info.num_tokens,))
+    tokens._mmap.madvise(mmap.MADV_RANDOM)
+    return tokens.view(np.ndarray)
 
 
 def _continuation_table(path: Path, vocab_size: int) -> np.ndarray:

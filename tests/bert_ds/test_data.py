@@ -187,7 +187,7 @@ def test_blend_follows_weights_and_each_part_keeps_its_own_stream(sample_data):
 def test_sample_map_cache_is_rebuilt_when_a_shard_changes(sample_data, tmp_path):
     import shutil
 
-    from bert_ds.loader.pretraining import _MAP_VERSION  # noqa: F401  (the cache format is versioned)
+    from bert_ds.loader.sample_map import _MAP_VERSION  # noqa: F401  (the cache format is versioned)
 
     copy = tmp_path / "data"
     shutil.copytree(sample_data["train"], copy, ignore=shutil.ignore_patterns(".cache"))
@@ -227,6 +227,20 @@ def test_reused_generator_draws_as_a_fresh_philox(dataset):
     copy = pickle.loads(pickle.dumps(dataset))  # loader workers get a copy with a generator of its own
     for idx in (0, 4, len(dataset) - 1):
         assert _equal_samples(copy.sample(1, idx), dataset.sample(1, idx))
+
+
+def test_a_worker_receives_paths_not_the_sample_map_or_the_index(dataset):
+    """Loader workers map the cached files: the pickled dataset holds no array that grows
+    with the data, and its copy draws the same samples."""
+    import pickle
+
+    blob = pickle.dumps(dataset)
+    mapped = dataset.samples.nbytes + dataset._offsets.array.nbytes + dataset._bounds.array.nbytes
+    assert len(blob) < 16_000 < mapped
+    copy = pickle.loads(blob)
+    assert np.array_equal(copy.samples, dataset.samples)
+    for idx in (0, 17, len(dataset) - 1):
+        assert _equal_samples(copy[idx], dataset[idx])
 
 
 def test_a_process_with_an_open_loader_still_exits(sample_data):

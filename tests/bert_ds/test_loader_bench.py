@@ -1,0 +1,51 @@
+"""``python -m bert_ds.loader.bench`` at a tiny scale: it writes its synthetic dataset, prints every
+figure, and its measurements are consistent (the figures themselves are machine-dependent)."""
+
+import json
+import re
+
+from tests.conftest import run_cli
+
+FIGURES = [
+    "cold open time",
+    "cold open peak RSS",
+    "two cold opens at once / one",
+    "cached open time",
+    "RSS after cached open + draws",
+    "its private (anonymous) part",
+    "loader samples/s per core",
+    "sample map bytes per sample",
+]
+
+
+def test_scale_bench_prints_every_figure_and_builds_once_per_cold_start(tmp_path):
+    out = tmp_path / "bench.json"
+    keep = tmp_path / "data"
+    proc = run_cli("bert_ds.loader.bench", "--scale", "300k", "--keep", str(keep), "--loader-seconds", "0.3",
+                   "--draw-seconds", "0.5", "--json", str(out), timeout=300)
+    r = json.loads(out.read_text())
+    assert [f["name"] for f in r["figures"]] == FIGURES
+    assert 300_000 <= r["totals"]["tokens"] < 300_000 + 60 * 48  # stops at the document that reaches the scale
+    assert (keep / "manifest.json").is_file()  # --keep: the dataset stays for the next run
+    cold, two, cached = r["cold"], r["two_cold"], r["cached"]
+    assert cold["builds"] == 1 and sum(x["builds"] for x in two) == 1 and cached["builds"] == 0
+    assert cold["samples"] == cached["samples"] == two[0]["samples"] > 1000
+    assert 0 < cold["seconds"] and all(x["seconds"] > 0 for x in two) and cached["seconds"] > 0
+    assert cold["peak_rss"] >= cold["rss_before_open"] > 100e6  # torch is imported
+    after = cached["rss_after_draws"]
+    assert after["VmRSS"] >= after["RssAnon"] > 0 and after["RssFile"] > 0
+    assert cached["drawn"] > 0 and cached["samples_per_s"] > 0
+    assert r["map_bytes"] == 128 + 20 * cached["samples"]  # int32 rows of 5 behind the .npy header
+    for i, name in enumerate(FIGURES, 1):
+        row = next(line for line in proc.stdout.splitlines() if line.startswith(f"{i}. {name} "))
+        assert float(re.sub(r"[^0-9.]", "", row[len(f"{i}. {name}"):].split()[0])) > 0, row
+    assert "20.0" in next(line for line in proc.stdout.splitlines() if line.startswith("8. "))
+
+    again = run_cli("bert_ds.loader.bench", "--scale", "300k", "--keep", str(keep), "--loader-seconds", "0.1",
+                    "--draw-seconds", "0.1", timeout=300)
+    assert "reusing the synthetic dataset" in again.stderr
+
+
+def test_bad_scale_is_one_line():
+    proc = run_cli("bert_ds.loader.bench", "--scale", "lots", check=False, timeout=60)
+    assert proc.returncode == 2 and "not a token count" in proc.stderr and "Traceback" not in proc.stderr
