@@ -53,6 +53,7 @@ Design choices:
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
 import struct
 import zlib
@@ -260,6 +261,23 @@ class ShardWriter:
             self.abort()
 
 
+def map_tokens(bin_path: Path, num_tokens: int, dtype: np.dtype | str, random_reads: bool = False) -> np.ndarray:
+    """A shard's ``.bin``, which holds its token ids and nothing else, as a read-only
+    (num_tokens,) array over a memory map.
+
+    ``random_reads``: tell the kernel (``MADV_RANDOM``) that reads land at random places (a
+    loader reads a few hundred bytes per sample), so that its read-ahead around each one
+    does not read, from a cold disk, pages nobody asked for.
+    """
+    if num_tokens == 0:
+        return np.zeros(0, dtype=dtype)  # mmap cannot map an empty file
+    with open(bin_path, "rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)  # outlives the descriptor
+    if random_reads:
+        mapped.madvise(mmap.MADV_RANDOM)
+    return np.frombuffer(mapped, dtype=dtype, count=num_tokens)
+
+
 def _strip_suffix(prefix: str | os.PathLike) -> Path:
     p = Path(prefix)
     return p.with_suffix("") if p.suffix in (".bin", ".idx") else p
@@ -271,7 +289,7 @@ class ShardReader:
     Attributes: ``prefix`` (Path), ``dtype``, ``num_docs``, ``num_sentences``,
     ``num_tokens``, ``max_token_id``, ``sentence_lengths`` ((num_sentences,) uint16,
     read-only), ``sentence_offsets`` ((num_sentences + 1,) int64 token offsets),
-    ``doc_bounds`` ((num_docs + 1,) int64 sentence indices), ``tokens`` (np.memmap of
+    ``doc_bounds`` ((num_docs + 1,) int64 sentence indices), ``tokens`` (:func:`map_tokens` of
     the ``.bin``, (num_tokens,)), ``bin_crc32``, ``idx_crc32``, ``bin_bytes``,
     ``idx_bytes``, ``fingerprint``.
     """
@@ -295,10 +313,7 @@ class ShardReader:
             raise ShardError(f"{e.filename}: cannot read: {e.strerror}") from None
         self._check_bin_size(bin_size)
         self._parse_body(body)
-        if self.num_tokens:
-            self.tokens = np.memmap(self.bin_path, dtype=self.dtype, mode="r", shape=(self.num_tokens,))
-        else:
-            self.tokens = np.zeros(0, dtype=self.dtype)  # mmap cannot map an empty file
+        self.tokens = map_tokens(self.bin_path, self.num_tokens, self.dtype)
 
     def _fail(self, path: Path, what: str) -> ShardError:
         return ShardError(f"{path}: {what}")

@@ -24,7 +24,6 @@ Design choices:
 
 from __future__ import annotations
 
-import mmap
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -40,7 +39,7 @@ from bert_ds.loader.workers import end_loader_workers_at_exit, loader_worker_ini
 from bert_ds.model.padding import IGNORE_INDEX, unpad
 from bert_ds.base.errors import ShardError
 from bert_ds.data_tools.manifest import open_dataset
-from bert_ds.data_tools.shard_format import ShardInfo
+from bert_ds.data_tools.shard_format import map_tokens
 from bert_ds.loader.permutation import EpochPermutation
 from bert_ds.loader.sample_map import build_sample_map, open_sample_map, open_sentence_index
 
@@ -149,7 +148,8 @@ class PretrainingDataset(Dataset):
         slicing overhead), sentence token offsets and document bounds (views of the shared index)."""
         if self._readers is None:
             offsets, bounds = self._offsets.array, self._bounds.array
-            self._readers = [(_map_tokens(self.path, info, self.manifest.token_dtype),
+            self._readers = [(map_tokens(self.path / f"{info.name}.bin", info.num_tokens, self.manifest.token_dtype,
+                                         random_reads=True),
                               offsets[self._shard_sentences[s]: self._shard_sentences[s + 1]],
                               bounds[self._shard_docs[s]: self._shard_docs[s + 1]])
                              for s, info in enumerate(self.manifest.shards)]
@@ -304,21 +304,6 @@ class PretrainingDataset(Dataset):
         sizes = np.bincount(word_of[word_of >= 0], minlength=len(starts))[order]
         take = order[: max(1, int(np.searchsorted(np.cumsum(sizes), budget, side="right")))]
         return candidates[np.isin(word_of, take)]
-
-
-def _map_tokens(path: Path, info: ShardInfo, dtype: str) -> np.ndarray:
-    """A shard's token ids, ``(num_tokens,)``, memory-mapped for random reads.
-
-    The ``.bin`` is the ids and nothing else (:mod:`bert_ds.data_tools.shard_format`); the
-    dataset was checked against its manifest when it was opened. ``MADV_RANDOM``: samples
-    read a few hundred bytes at random places; from a cold disk, the kernel's read-ahead
-    around each would read pages no sample asked for.
-    """
-    if info.num_tokens == 0:
-        return np.zeros(0, dtype=dtype)
-    tokens = np.memmap(path / f"{info.name}.bin", dtype=dtype, mode="r", shape=(info.num_tokens,))
-    tokens._mmap.madvise(mmap.MADV_RANDOM)
-    return tokens.view(np.ndarray)
 
 
 def _continuation_table(path: Path, vocab_size: int) -> np.ndarray:
