@@ -268,20 +268,14 @@ class ShardWriter:
             self.abort()
 
 
-def map_tokens(bin_path: Path, num_tokens: int, dtype: np.dtype | str, random_reads: bool = False) -> np.ndarray:
+def map_tokens(bin_path: Path, num_tokens: int, dtype: np.dtype | str) -> np.ndarray:
     """A shard's ``.bin``, which holds its token ids and nothing else, as a read-only
-    (num_tokens,) array over a memory map.
-
-    ``random_reads``: tell the kernel (``MADV_RANDOM``) that reads land at random places (a
-    loader reads a few hundred bytes per sample), so that its read-ahead around each one
-    does not read, from a cold disk, pages nobody asked for.
-    """
+    (num_tokens,) array over a memory map (the loader, which reads at random places, reads it
+    with :class:`FileArray` instead)."""
     if num_tokens == 0:
         return np.zeros(0, dtype=dtype)  # mmap cannot map an empty file
     with open(bin_path, "rb") as f:
         mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)  # outlives the descriptor
-    if random_reads:
-        mapped.madvise(mmap.MADV_RANDOM)
     return np.frombuffer(mapped, dtype=dtype, count=num_tokens)
 
 

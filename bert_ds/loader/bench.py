@@ -262,7 +262,8 @@ def format_report(r: dict, figs) -> str:
         f"cached open: {cached['builds']} build(s); {cached['drawn']:,} samples in batches of {MICRO_BATCH} over "
         f"{cached['draw_seconds']:.1f} s; RSS {after['VmRSS'] / MB:,.0f} MB = anonymous "
         f"{after['RssAnon'] / MB:,.0f} MB + file-backed (shared page cache) {after['RssFile'] / MB:,.0f} MB; "
-        f"after the open {cached['rss_after_open']['VmRSS'] / MB:,.0f} MB",
+        f"after the open {cached['rss_after_open']['VmRSS'] / MB:,.0f} MB (peak until then "
+        f"{cached['rss_after_open']['VmHWM'] / MB:,.0f} MB)",
         f"sample map: {r['map_bytes']:,} bytes on disk",
         "-: goal stated for 1B tokens, not this scale, or no goal",
     ]

@@ -39,7 +39,7 @@ from bert_ds.loader.workers import end_loader_workers_at_exit, loader_worker_ini
 from bert_ds.model.padding import IGNORE_INDEX, unpad
 from bert_ds.base.errors import ShardError
 from bert_ds.data_tools.manifest import open_dataset
-from bert_ds.data_tools.shard_format import map_tokens
+from bert_ds.data_tools.shard_format import FileArray
 from bert_ds.loader.permutation import EpochPermutation
 from bert_ds.loader.sample_map import build_sample_map, open_sample_map, open_sentence_index
 
@@ -124,8 +124,8 @@ class PretrainingDataset(Dataset):
         self._no_labels = np.full(cfg.max_seq_length, IGNORE_INDEX, dtype=np.int64)  # copied per sample
         self._perm = EpochPermutation(self.num_samples, seed, 0)
 
-    # The sample map, the index and the shards are memory maps: a loader worker maps the same
-    # files instead of receiving a copy (:class:`Mapped` pickles as its path). The
+    # The sample map and the index are memory maps: a loader worker maps the same files instead
+    # of receiving a copy (:class:`Mapped` pickles as its path); it opens the shards itself. The
     # thread-local generator cannot be pickled: each copy makes its own.
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
@@ -143,13 +143,15 @@ class PretrainingDataset(Dataset):
         return self._samples.array
 
     @property
-    def readers(self) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-        """Per shard: tokens as a plain ndarray view of the memory-mapped ``.bin`` (no memmap
-        slicing overhead), sentence token offsets and document bounds (views of the shared index)."""
+    def readers(self) -> list[tuple[FileArray, np.ndarray, np.ndarray]]:
+        """Per shard: its tokens, read with ``pread`` (a sample reads a few hundred bytes at a
+        random place: a memory map would keep every page a draw touched, and up to 15 neighbours
+        the kernel maps with it, until the process's resident memory held the whole corpus; a read
+        costs ~1 us more), sentence token offsets and document bounds (views of the shared,
+        memory-mapped index)."""
         if self._readers is None:
             offsets, bounds = self._offsets.array, self._bounds.array
-            self._readers = [(map_tokens(self.path / f"{info.name}.bin", info.num_tokens, self.manifest.token_dtype,
-                                         random_reads=True),
+            self._readers = [(FileArray(self.path / f"{info.name}.bin", self.manifest.token_dtype, info.num_tokens),
                               offsets[self._shard_sentences[s]: self._shard_sentences[s + 1]],
                               bounds[self._shard_docs[s]: self._shard_docs[s + 1]])
                              for s, info in enumerate(self.manifest.shards)]

@@ -250,12 +250,20 @@ def open_sentence_index(data: Path, readers: Sequence[ShardReader]) -> tuple[Map
     """Every shard's sentence token offsets and document bounds, concatenated (shard s's
     ``num_sentences + 1`` offsets, then shard s+1's; the same for its ``num_docs + 1`` bounds),
     memory-mapped from the cache: shared by every process instead of each holding its own.
-    Written one shard at a time, as it is read."""
+    Written one shard at a time, as it is read.
+
+    Offsets are int32 while every shard holds fewer than 2^30 tokens (a loader adds a sample's
+    length to an offset: the margin keeps that inside int32), bounds while every shard's
+    sentence count fits; else int64. At 4 bytes per sentence the index is half the size: the
+    pages a process has drawn from are part of its resident memory.
+    """
     src = json.dumps([_MAP_VERSION, [r.fingerprint for r in readers]])
     key = hashlib.sha256(src.encode()).hexdigest()[:24]
-    offsets = cached_array(data, f"sentences-{key}.npy", 0, np.dtype(np.int64),
+    wide = np.dtype(np.int64)
+    tokens = max((r.num_tokens for r in readers), default=0)
+    offsets = cached_array(data, f"sentences-{key}.npy", 0, np.dtype(np.int32) if tokens < 2**30 else wide,
                            lambda: (r.read_index().offsets for r in readers))
-    bounds = cached_array(data, f"documents-{key}.npy", 0, np.dtype(np.int64),
+    bounds = cached_array(data, f"documents-{key}.npy", 0, map_dtype(readers),
                           lambda: (r.read_index().bounds for r in readers))
     return offsets, bounds
 
