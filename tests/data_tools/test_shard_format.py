@@ -324,3 +324,24 @@ def test_an_open_reader_keeps_no_index_until_asked(shard, monkeypatch):
     write_shard(prefix, docs[:3], 30522)
     with pytest.raises(ShardError, match=r"shard_00000\.idx: changed since the shard was opened"):
         r.read_index()
+
+
+def test_file_array_reads_what_the_memory_map_holds(shard):
+    import pickle
+
+    from bert_ds.data_tools.shard_format import FileArray
+
+    prefix, _, info = shard
+    with ShardReader(prefix) as r:
+        tokens = FileArray(f"{prefix}.bin", r.dtype, r.num_tokens)
+        assert len(tokens) == r.num_tokens
+        for lo, hi in ((0, 5), (17, 90), (r.num_tokens - 3, r.num_tokens), (4, 4), (10, r.num_tokens + 9)):
+            np.testing.assert_array_equal(tokens[lo:hi], r.tokens[lo:hi])
+        assert tokens[lo:hi].dtype == r.dtype
+        again = pickle.loads(pickle.dumps(tokens))  # a worker opens the file itself
+        np.testing.assert_array_equal(again[3:40], r.tokens[3:40])
+        shifted = FileArray(f"{prefix}.bin", r.dtype, r.num_tokens - 8, offset=8 * r.dtype.itemsize)
+        np.testing.assert_array_equal(shifted[0:5], r.tokens[8:13])
+    _truncate(f"{prefix}.bin", info.bin_bytes // 2)
+    with pytest.raises(ShardError, match=r"shard_00000\.bin: truncated"):
+        tokens[info.num_tokens - 4: info.num_tokens]
