@@ -226,7 +226,9 @@ def open_dataset(directory: str | os.PathLike, *, verify: bool = False) -> tuple
     """Open every shard of a dataset folder after checking it against its manifest.
 
     Raises ShardError listing every problem found (each names its file). With
-    ``verify=True`` also reads every ``.bin`` fully (checksums, max ids).
+    ``verify=True`` also reads every ``.bin`` fully (checksums, max ids). Each shard's index is
+    checked a block at a time and not kept (:class:`ShardReader`): the readers returned hold
+    headers and memory maps, nothing per sentence, whatever the corpus size.
     """
     directory = Path(directory)
     manifest = Manifest.load(directory)

@@ -39,7 +39,10 @@ Design choices:
 * Validation raises :class:`ShardError` naming the file and what is wrong, never
   ``assert`` (which ``python -O`` strips; Megatron's indexed_dataset relies on it).
   Opening checks everything that is cheap: header fields, both file sizes against the
-  header, index structure and the index checksum; it never reads the ``.bin``.
+  header, index structure and the index checksum; it never reads the ``.bin``. It reads the
+  index body in blocks and keeps none of it, so opening the shards of a whole corpus costs
+  memory that does not grow with the corpus; :meth:`ShardReader.read_index` reads (and checks)
+  one shard's index again when it is wanted, and a consumer of many shards frees each in turn.
   :meth:`ShardReader.verify` reads the ``.bin`` and checks its checksum and max id.
 * Crash safety: the writer writes ``PREFIX.bin.tmp`` and ``PREFIX.idx.tmp``, fsyncs
   both, renames ``.bin`` then ``.idx`` into place and fsyncs the directory. A final
@@ -52,11 +55,14 @@ Design choices:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import mmap
 import os
 import struct
 import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -73,6 +79,7 @@ DTYPE_CODES = {1: np.dtype("<u2"), 2: np.dtype("<u4")}
 MAX_SENTENCE_TOKENS = 65535  # what a uint16 length holds
 MAX_VOCAB_SIZE = 1 << 32
 _READ_BLOCK = 1 << 24  # bytes per read in verify(): bounded memory on any shard size
+_INDEX_BLOCK = 1 << 20  # entries per read while an open checks the index: bounded memory on any shard size
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -261,20 +268,14 @@ class ShardWriter:
             self.abort()
 
 
-def map_tokens(bin_path: Path, num_tokens: int, dtype: np.dtype | str, random_reads: bool = False) -> np.ndarray:
+def map_tokens(bin_path: Path, num_tokens: int, dtype: np.dtype | str) -> np.ndarray:
     """A shard's ``.bin``, which holds its token ids and nothing else, as a read-only
-    (num_tokens,) array over a memory map.
-
-    ``random_reads``: tell the kernel (``MADV_RANDOM``) that reads land at random places (a
-    loader reads a few hundred bytes per sample), so that its read-ahead around each one
-    does not read, from a cold disk, pages nobody asked for.
-    """
+    (num_tokens,) array over a memory map (the loader, which reads at random places, reads it
+    with :class:`FileArray` instead)."""
     if num_tokens == 0:
         return np.zeros(0, dtype=dtype)  # mmap cannot map an empty file
     with open(bin_path, "rb") as f:
         mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)  # outlives the descriptor
-    if random_reads:
-        mapped.madvise(mmap.MADV_RANDOM)
     return np.frombuffer(mapped, dtype=dtype, count=num_tokens)
 
 
@@ -283,36 +284,146 @@ def _strip_suffix(prefix: str | os.PathLike) -> Path:
     return p.with_suffix("") if p.suffix in (".bin", ".idx") else p
 
 
+@dataclass(frozen=True)
+class ShardIndex:
+    """One shard's index in memory, as :meth:`ShardReader.read_index` returns it."""
+
+    lengths: np.ndarray  # (num_sentences,) uint16 tokens per sentence, read-only
+    offsets: np.ndarray  # (num_sentences + 1,) int64 token offset where each sentence starts, then num_tokens
+    bounds: np.ndarray  # (num_docs + 1,) int64 sentence index where each document starts, then num_sentences
+
+
+class FileArray:
+    """A 1-D little-endian array stored in a file from byte ``offset`` on, read with ``os.pread``.
+
+    ``a[lo:hi]`` reads those elements into a new array: nothing of the file is mapped into the
+    process, so reading at random places across a corpus leaves the process's resident memory
+    as it was (a memory map keeps every page it touched, plus up to 15 neighbours the kernel maps
+    with each fault). Pickled as its path; slices only, with a step of 1.
+    """
+
+    def __init__(self, path: str | os.PathLike, dtype: np.dtype | str, count: int, offset: int = 0):
+        self.path, self.dtype, self.count, self.offset = Path(path), np.dtype(dtype), int(count), int(offset)
+        self._itemsize = self.dtype.itemsize
+        try:
+            self._fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as e:
+            raise ShardError(f"{self.path}: cannot open: {e.strerror}") from None
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, where: slice) -> np.ndarray:
+        lo = where.start or 0
+        hi = self.count if where.stop is None else min(where.stop, self.count)
+        n = max(0, hi - lo) * self._itemsize
+        data = os.pread(self._fd, n, self.offset + lo * self._itemsize)
+        if len(data) != n:
+            raise ShardError(f"{self.path}: truncated: {n} bytes at byte {self.offset + lo * self._itemsize} "
+                             f"could not be read (the file changed while open)")
+        return np.frombuffer(data, self.dtype)
+
+    def __getstate__(self) -> dict:
+        return {"path": self.path, "dtype": self.dtype, "count": self.count, "offset": self.offset}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(**state)
+
+    def __del__(self) -> None:
+        fd = getattr(self, "_fd", None)
+        if fd is not None:
+            os.close(fd)
+            self._fd = None
+
+
+@contextmanager
+def _reading() -> Iterator[None]:
+    """File errors as one ShardError naming the file."""
+    try:
+        yield
+    except FileNotFoundError as e:
+        raise ShardError(f"{e.filename}: missing") from None
+    except OSError as e:
+        raise ShardError(f"{e.filename}: cannot read: {e.strerror}") from None
+
+
+class _IndexCheck:
+    """The checks of an index body, fed in blocks (documents' bounds, then sentence lengths),
+    so that checking a shard holds one block at a time. The first problem of each kind is
+    noted and :meth:`finish` raises the first kind found in a fixed order, the order in which a
+    whole-array check would have found them."""
+
+    def __init__(self, reader: ShardReader):
+        self.reader, self.crc, self.problems = reader, 0, {}
+        self.prev_bound: int | None = None  # the last bound of the previous block
+        self.docs_seen = self.sentences_seen = self.tokens = 0
+
+    def _note(self, rank: int, what: str) -> None:
+        self.problems.setdefault(rank, what)
+
+    def bounds(self, raw: bytes) -> np.ndarray:
+        n_sent = self.reader.num_sentences
+        block = np.frombuffer(raw, dtype="<u8")
+        self.crc = zlib.crc32(raw, self.crc)
+        if self.prev_bound is None and block.size and int(block[0]) != 0:
+            self._note(0, f"document 0 starts at sentence {int(block[0])}, not 0")
+        past = (block > n_sent).nonzero()[0]
+        if past.size:
+            d = self.docs_seen + int(past[0])
+            self._note(1, f"document pointer {d} = sentence {int(block[past[0]])} is past the end ({n_sent} sentences)")
+        ext = block.astype(np.int64) if self.prev_bound is None else np.concatenate([[self.prev_bound], block.astype(np.int64)])
+        bad = (np.diff(ext) <= 0).nonzero()[0]
+        if bad.size:
+            j = int(bad[0])
+            d = self.docs_seen - (self.prev_bound is not None) + j
+            self._note(2, f"document {d} is empty or reversed (sentences {int(ext[j])}..{int(ext[j + 1])})")
+        if block.size:
+            self.prev_bound = int(ext[-1])
+        self.docs_seen += block.size
+        return block
+
+    def lengths(self, raw: bytes) -> np.ndarray:
+        block = np.frombuffer(raw, dtype="<u2")
+        self.crc = zlib.crc32(raw, self.crc)
+        if block.size and int(block.min()) == 0:
+            self._note(4, f"sentence {self.sentences_seen + int(block.argmin())} has zero tokens")
+        self.sentences_seen += block.size
+        self.tokens += int(block.sum(dtype=np.int64))
+        return block
+
+    def finish(self) -> None:
+        r = self.reader
+        if self.prev_bound != r.num_sentences:
+            self._note(3, f"last document ends at sentence {self.prev_bound}, header says num_sentences={r.num_sentences}")
+        if self.tokens != r.num_tokens:
+            self._note(5, f"sentence lengths sum to {self.tokens}, header says num_tokens={r.num_tokens}")
+        if self.crc != r.idx_crc32:
+            self._note(6, f"index checksum mismatch: crc32 {self.crc:#010x}, header says {r.idx_crc32:#010x}")
+        if self.problems:
+            raise r._fail(r.idx_path, self.problems[min(self.problems)])
+
+
 class ShardReader:
-    """Opens a shard cheaply (index only, ``.bin`` memory-mapped) after validating it.
+    """Opens a shard cheaply (index checked in blocks and not kept, ``.bin`` memory-mapped).
 
     Attributes: ``prefix`` (Path), ``dtype``, ``num_docs``, ``num_sentences``,
-    ``num_tokens``, ``max_token_id``, ``sentence_lengths`` ((num_sentences,) uint16,
-    read-only), ``sentence_offsets`` ((num_sentences + 1,) int64 token offsets),
-    ``doc_bounds`` ((num_docs + 1,) int64 sentence indices), ``tokens`` (:func:`map_tokens` of
-    the ``.bin``, (num_tokens,)), ``bin_crc32``, ``idx_crc32``, ``bin_bytes``,
-    ``idx_bytes``, ``fingerprint``.
+    ``num_tokens``, ``max_token_id``, ``tokens`` (:func:`map_tokens` of the ``.bin``,
+    (num_tokens,)), ``bin_crc32``, ``idx_crc32``, ``bin_bytes``, ``idx_bytes``,
+    ``fingerprint``. ``sentence_lengths``, ``sentence_offsets`` and ``doc_bounds`` (those of
+    :class:`ShardIndex`) are read on first use and kept until :meth:`close`; a consumer of many
+    shards that wants each index once calls :meth:`read_index`, which keeps nothing.
     """
 
     def __init__(self, prefix: str | os.PathLike):
         self.prefix = _strip_suffix(prefix)
         self.bin_path = self.prefix.with_name(self.prefix.name + ".bin")
         self.idx_path = self.prefix.with_name(self.prefix.name + ".idx")
-        try:
+        with _reading():
             with open(self.idx_path, "rb") as f:
                 idx_size = os.fstat(f.fileno()).st_size
-                header = f.read(HEADER_SIZE)
-                self._parse_header(header, idx_size)
-                body = f.read(self.idx_bytes - HEADER_SIZE)
-                if len(body) != self.idx_bytes - HEADER_SIZE:  # shrank after the size check
-                    raise self._fail(self.idx_path, f"truncated while reading: {HEADER_SIZE + len(body)} bytes")
-            bin_size = os.stat(self.bin_path).st_size
-        except FileNotFoundError as e:
-            raise ShardError(f"{e.filename}: missing") from None
-        except OSError as e:
-            raise ShardError(f"{e.filename}: cannot read: {e.strerror}") from None
-        self._check_bin_size(bin_size)
-        self._parse_body(body)
+                self._parse_header(f.read(HEADER_SIZE), idx_size)
+                self._check_bin_size(os.stat(self.bin_path).st_size)
+                self._scan_body(f, block=_INDEX_BLOCK)
         self.tokens = map_tokens(self.bin_path, self.num_tokens, self.dtype)
 
     def _fail(self, path: Path, what: str) -> ShardError:
@@ -354,45 +465,60 @@ class ShardReader:
         if self.dtype.itemsize == 2 and self.max_token_id > 0xFFFF:
             raise self._fail(self.idx_path, f"max_token_id {self.max_token_id} does not fit the uint16 dtype")
 
-    def _parse_body(self, body: bytes) -> None:
-        nb = 8 * (self.num_docs + 1)
-        bounds = np.frombuffer(body, dtype="<u8", count=self.num_docs + 1)
-        lengths = np.frombuffer(body, dtype="<u2", offset=nb, count=self.num_sentences)
-        if int(bounds[0]) != 0:
-            raise self._fail(self.idx_path, f"document 0 starts at sentence {int(bounds[0])}, not 0")
-        steps = np.diff(bounds.astype(np.int64)) if self.num_docs else np.zeros(0, np.int64)
-        if (bounds > self.num_sentences).any():
-            d = int(np.argmax(bounds > self.num_sentences))
-            raise self._fail(
-                self.idx_path,
-                f"document pointer {d} = sentence {int(bounds[d])} is past the end ({self.num_sentences} sentences)",
-            )
-        if (steps <= 0).any():
-            d = int(np.argmax(steps <= 0))
-            raise self._fail(
-                self.idx_path,
-                f"document {d} is empty or reversed (sentences {int(bounds[d])}..{int(bounds[d + 1])})",
-            )
-        if int(bounds[-1]) != self.num_sentences:
-            raise self._fail(
-                self.idx_path,
-                f"last document ends at sentence {int(bounds[-1])}, header says num_sentences={self.num_sentences}",
-            )
-        if self.num_sentences and int(lengths.min()) == 0:
-            raise self._fail(self.idx_path, f"sentence {int(np.argmin(lengths))} has zero tokens")
+    def _read_blocks(self, f, itemsize: int, count: int, block: int | None) -> Iterator[bytes]:
+        """``count`` entries of ``itemsize`` bytes from ``f``, ``block`` at a time (None: all at
+        once); at least one (maybe empty) block."""
+        done = 0
+        while True:
+            n = min(count - done, count if block is None else block)
+            raw = f.read(n * itemsize)
+            if len(raw) != n * itemsize:  # shrank after the size check
+                raise self._fail(self.idx_path, f"truncated while reading: {f.tell()} bytes")
+            yield raw
+            done += n
+            if done >= count:
+                return
+
+    def _scan_body(self, f, block: int | None) -> ShardIndex | None:
+        """Check the index body (``f`` is just past the header), ``block`` entries per read; with
+        ``block`` None each part is read whole and returned as a :class:`ShardIndex`."""
+        check = _IndexCheck(self)
+        bounds = lengths = None  # the last block of each (the whole part when block is None)
+        for raw in self._read_blocks(f, 8, self.num_docs + 1, block):
+            bounds = check.bounds(raw)
+        for raw in self._read_blocks(f, 2, self.num_sentences, block):
+            lengths = check.lengths(raw)
+        check.finish()
+        if block is not None:
+            return None
         offsets = np.zeros(self.num_sentences + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
-        if int(offsets[-1]) != self.num_tokens:
-            raise self._fail(
-                self.idx_path,
-                f"sentence lengths sum to {int(offsets[-1])}, header says num_tokens={self.num_tokens}",
-            )
-        crc = zlib.crc32(body)
-        if crc != self.idx_crc32:
-            raise self._fail(self.idx_path, f"index checksum mismatch: crc32 {crc:#010x}, header says {self.idx_crc32:#010x}")
-        self.sentence_lengths = lengths
-        self.sentence_offsets = offsets
-        self.doc_bounds = bounds.astype(np.int64)
+        return ShardIndex(lengths=lengths, offsets=offsets, bounds=bounds.astype(np.int64))
+
+    def read_index(self) -> ShardIndex:
+        """Read and check this shard's index again, returned whole; the reader keeps none of it.
+        ShardError if the file is no longer the one opened (another header or size)."""
+        with _reading():
+            with open(self.idx_path, "rb") as f:
+                if f.read(HEADER_SIZE) != self._header or os.fstat(f.fileno()).st_size != self.idx_bytes:
+                    raise self._fail(self.idx_path, "changed since the shard was opened")
+                return self._scan_body(f, block=None)
+
+    @functools.cached_property
+    def _index(self) -> ShardIndex:
+        return self.read_index()
+
+    @property
+    def sentence_lengths(self) -> np.ndarray:
+        return self._index.lengths
+
+    @property
+    def sentence_offsets(self) -> np.ndarray:
+        return self._index.offsets
+
+    @property
+    def doc_bounds(self) -> np.ndarray:
+        return self._index.bounds
 
     # -- access --------------------------------------------------------------------
     @property
@@ -423,7 +549,7 @@ class ShardReader:
     def verify(self) -> None:
         """Read both files fully: checksums, sizes and max token id against the header."""
         crc, top, pos = 0, 0, 0
-        try:
+        with _reading():
             size = os.stat(self.bin_path).st_size
             if size != self.bin_bytes:
                 raise self._fail(self.bin_path, f"size changed since open: {size} bytes, the index says {self.bin_bytes}")
@@ -443,11 +569,9 @@ class ShardReader:
                     pos += ids.size
             with open(self.idx_path, "rb") as f:
                 f.seek(HEADER_SIZE)
-                idx_crc = zlib.crc32(f.read())
-        except FileNotFoundError as e:
-            raise ShardError(f"{e.filename}: missing") from None
-        except OSError as e:
-            raise ShardError(f"{e.filename}: cannot read: {e.strerror}") from None
+                idx_crc = 0
+                while block := f.read(_READ_BLOCK):
+                    idx_crc = zlib.crc32(block, idx_crc)
         if crc != self.bin_crc32:
             raise self._fail(self.bin_path, f"checksum mismatch: crc32 {crc:#010x}, the index says {self.bin_crc32:#010x}")
         if top != self.max_token_id and self.num_tokens:
@@ -456,8 +580,10 @@ class ShardReader:
             raise self._fail(self.idx_path, f"index checksum mismatch: crc32 {idx_crc:#010x}, header says {self.idx_crc32:#010x}")
 
     def close(self) -> None:
-        """Release the memory map (views handed out keep it alive until dropped)."""
+        """Release the memory map and the index read for the properties (views handed out keep
+        them alive until dropped)."""
         self.tokens = None
+        self.__dict__.pop("_index", None)
 
     def __enter__(self) -> ShardReader:
         return self

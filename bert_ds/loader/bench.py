@@ -17,10 +17,12 @@ and the loader before its timer starts, one at a time:
    positions for ``--loader-seconds``; goal >= 20,000 per core), then micro-batches of 32
    through :class:`PretrainingLoader` for ``--draw-seconds``; the process's RSS after
    that (goal at 1B tokens: <= 600 MB, and at most +50 MB per further billion tokens),
-   and its private (anonymous) part. The rest is file-backed: the pages of the
-   memory-mapped shards, index and map that the draws touched (the kernel maps up to
-   16 neighbouring pages per fault), which is page cache shared by every process on the
-   machine that maps the same files, and which the kernel can drop at any time.
+   and its private (anonymous) part; the peak RSS of the cached open is printed below the
+   table. The rest is file-backed: shared libraries, and the pages of the memory-mapped
+   sentence index and sample map that the draws touched (the kernel maps up to 16
+   neighbouring pages per fault), which is page cache shared by every process on the
+   machine that maps the same files, and which the kernel can drop at any time. Token ids
+   are read with ``pread``: the shards' pages are never mapped into the process.
 4. Bytes per sample of the sample map on disk.
 
 The load average before and after is printed: the figures depend on what else runs.
@@ -262,7 +264,8 @@ def format_report(r: dict, figs) -> str:
         f"cached open: {cached['builds']} build(s); {cached['drawn']:,} samples in batches of {MICRO_BATCH} over "
         f"{cached['draw_seconds']:.1f} s; RSS {after['VmRSS'] / MB:,.0f} MB = anonymous "
         f"{after['RssAnon'] / MB:,.0f} MB + file-backed (shared page cache) {after['RssFile'] / MB:,.0f} MB; "
-        f"after the open {cached['rss_after_open']['VmRSS'] / MB:,.0f} MB",
+        f"after the open {cached['rss_after_open']['VmRSS'] / MB:,.0f} MB (peak until then "
+        f"{cached['rss_after_open']['VmHWM'] / MB:,.0f} MB)",
         f"sample map: {r['map_bytes']:,} bytes on disk",
         "-: goal stated for 1B tokens, not this scale, or no goal",
     ]

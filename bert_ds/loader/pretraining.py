@@ -39,7 +39,7 @@ from bert_ds.loader.workers import end_loader_workers_at_exit, loader_worker_ini
 from bert_ds.model.padding import IGNORE_INDEX, unpad
 from bert_ds.base.errors import ShardError
 from bert_ds.data_tools.manifest import open_dataset
-from bert_ds.data_tools.shard_format import map_tokens
+from bert_ds.data_tools.shard_format import FileArray
 from bert_ds.loader.permutation import EpochPermutation
 from bert_ds.loader.sample_map import build_sample_map, open_sample_map, open_sentence_index
 
@@ -124,8 +124,8 @@ class PretrainingDataset(Dataset):
         self._no_labels = np.full(cfg.max_seq_length, IGNORE_INDEX, dtype=np.int64)  # copied per sample
         self._perm = EpochPermutation(self.num_samples, seed, 0)
 
-    # The sample map, the index and the shards are memory maps: a loader worker maps the same
-    # files instead of receiving a copy (:class:`Mapped` pickles as its path). The
+    # The sample map and the index are memory maps: a loader worker maps the same files instead
+    # of receiving a copy (:class:`Mapped` pickles as its path); it opens the shards itself. The
     # thread-local generator cannot be pickled: each copy makes its own.
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
@@ -143,13 +143,15 @@ class PretrainingDataset(Dataset):
         return self._samples.array
 
     @property
-    def readers(self) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-        """Per shard: tokens as a plain ndarray view of the memory-mapped ``.bin`` (no memmap
-        slicing overhead), sentence token offsets and document bounds (views of the shared index)."""
+    def readers(self) -> list[tuple[FileArray, np.ndarray, np.ndarray]]:
+        """Per shard: its tokens, read with ``pread`` (a sample reads a few hundred bytes at a
+        random place: a memory map would keep every page a draw touched, and up to 15 neighbours
+        the kernel maps with it, until the process's resident memory held the whole corpus; a read
+        costs under 1 us more, ~8% of a sample), sentence token offsets and document bounds (views
+        of the shared, memory-mapped index: read with pread too, they cost another ~5%)."""
         if self._readers is None:
             offsets, bounds = self._offsets.array, self._bounds.array
-            self._readers = [(map_tokens(self.path / f"{info.name}.bin", info.num_tokens, self.manifest.token_dtype,
-                                         random_reads=True),
+            self._readers = [(FileArray(self.path / f"{info.name}.bin", self.manifest.token_dtype, info.num_tokens),
                               offsets[self._shard_sentences[s]: self._shard_sentences[s + 1]],
                               bounds[self._shard_docs[s]: self._shard_docs[s + 1]])
                              for s, info in enumerate(self.manifest.shards)]
@@ -177,30 +179,33 @@ class PretrainingDataset(Dataset):
         """Sample ``index`` of ``epoch``: a pure function of (seed, epoch, index)."""
         rng = self._rng.keyed(_sample_key(self.seed, epoch, index))
         shard, doc, first, end, target = self.samples[index].tolist()
-        tokens, offsets, _ = self.readers[shard]
-        self._check_ids(shard, int(offsets[first]), int(offsets[end]))
+        # The chunk's sentence offsets and tokens, each read once (relative offsets into `chunk`).
+        offsets = self.readers[shard][1][first: end + 1].tolist()
+        base = offsets[0]
+        chunk = self._tokens(shard, base, offsets[-1])
+        cuts = [o - base for o in offsets]
         task = self.cfg.pair_task
         if task == "none":
-            a = tokens[offsets[first]: min(offsets[end], offsets[first] + self.max_num_tokens)]
+            a = chunk[: self.max_num_tokens]
             b, label = None, -1
         elif task == "nsp":
-            a, b, label = self._nsp_pair(rng, shard, doc, first, end, target)
+            a, b, label = self._nsp_pair(rng, shard, doc, chunk, cuts, target)
         else:
-            a, b, label = self._sop_pair(rng, shard, first, end)
+            a, b, label = self._sop_pair(rng, chunk, cuts)
         if b is not None:
             a, b = _truncate_pair(rng, a, b, self.max_num_tokens)
         ids, types = self._assemble(a, b)
         labels = self._mask(rng, ids)
         return {"input_ids": ids, "token_type_ids": types, "labels": labels, "next_sentence_label": label}
 
-    def _nsp_pair(self, rng, shard: int, doc: int, first: int, end: int, target: int):
-        tokens, offsets, _ = self.readers[shard]
-        n = end - first
-        split = first + (int(rng.integers(1, n)) if n >= 2 else 1)
-        a = tokens[offsets[first]: offsets[split]]
+    def _nsp_pair(self, rng, shard: int, doc: int, chunk: np.ndarray, cuts: list[int], target: int):
+        """``chunk``: the tokens of the sample's sentences; ``cuts``: where each starts in it, then its length."""
+        n = len(cuts) - 1
+        split = int(rng.integers(1, n)) if n >= 2 else 1
+        a = chunk[: cuts[split]]
         if n == 1 or rng.random() < 0.5:
             return a, self._random_segment(rng, shard, doc, max(1, target - len(a))), 1
-        return a, tokens[offsets[split]: offsets[end]], 0
+        return a, chunk[cuts[split]:], 0
 
     def _random_segment(self, rng, shard: int, doc: int, want: int) -> np.ndarray:
         """Sentences from a random start in another document, up to ``want`` tokens."""
@@ -212,18 +217,17 @@ class PretrainingDataset(Dataset):
             if g != this:
                 break
         s = int(self.doc_offset.searchsorted(g, side="right")) - 1
-        tokens, offsets, bounds = self.readers[s]
+        _, offsets, bounds = self.readers[s]
         d = g - int(self.doc_offset[s])
-        lo, hi = int(bounds[d]), int(bounds[d + 1])
-        start = int(offsets[int(rng.integers(lo, hi))])
+        lo, hi = bounds[d: d + 2].tolist()
+        doc_offsets = offsets[lo: hi + 1]  # the document's sentence offsets, read once
+        start = int(doc_offsets[int(rng.integers(lo, hi)) - lo])
         # whole sentences until `want` tokens are reached (the last one may overshoot)
-        stop = int(offsets[lo: hi + 1].searchsorted(start + want, side="left")) + lo
-        end = int(offsets[min(stop, hi)])
-        self._check_ids(s, start, end)
-        return tokens[start: end]
+        stop = int(doc_offsets.searchsorted(start + want, side="left"))
+        return self._tokens(s, start, int(doc_offsets[min(stop, hi - lo)]))
 
-    def _check_ids(self, shard: int, lo: int, hi: int) -> None:
-        """Token ids ``[lo, hi)`` of a shard must be in the vocabulary.
+    def _tokens(self, shard: int, lo: int, hi: int) -> np.ndarray:
+        """Token ids ``[lo, hi)`` of a shard, checked to be in the vocabulary.
 
         Opening a shard checks its header's max id, not the payload; reading every token at
         start-up is what ``data_tools verify`` does and would cost a full pass over the data.
@@ -238,16 +242,16 @@ class PretrainingDataset(Dataset):
                 f"{self.path / self.manifest.shards[shard].name}.bin: token id {int(ids[at])} at token offset "
                 f"{lo + at} is outside the vocabulary [0, {self.vocab_size}): the shard is damaged "
                 f"(`python -m bert_ds.data_tools verify {self.path}` checks every shard)")
+        return ids
 
-    def _sop_pair(self, rng, shard: int, first: int, end: int):
+    def _sop_pair(self, rng, chunk: np.ndarray, cuts: list[int]):
         """ALBERT's sentence-order prediction: label 1 when the two halves are swapped."""
-        tokens, offsets, _ = self.readers[shard]
-        lo, hi = int(offsets[first]), int(offsets[end])
-        if end - first >= 2:
-            cut = int(offsets[first + int(rng.integers(1, end - first))])
+        n, size = len(cuts) - 1, cuts[-1]
+        if n >= 2:
+            cut = cuts[int(rng.integers(1, n))]
         else:  # one sentence: cut it at a token (ALBERT needs two segments)
-            cut = lo + (int(rng.integers(1, hi - lo)) if hi - lo >= 2 else 1)
-        a, b = tokens[lo:cut], tokens[cut:hi]
+            cut = int(rng.integers(1, size)) if size >= 2 else 1
+        a, b = chunk[:cut], chunk[cut:]
         if len(b) == 0:
             b = np.array([self.special.unk])
         if rng.random() < 0.5:

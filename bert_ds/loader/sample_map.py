@@ -26,6 +26,10 @@ Design choices:
   renames, so a reader sees a whole map or none. Every process memory-maps the file, so
   ranks and loader workers share one copy in the page cache. The shards' sentence offsets
   and document bounds are cached and mapped the same way (:func:`open_sentence_index`).
+- The build holds one shard's index at a time (:meth:`ShardReader.read_index`, dropped
+  before the next shard's is read) and writes each block of rows to the file as it is made,
+  so its memory does not grow with the corpus; a cached open reads no shard index beyond the
+  checks of opening the shards.
 
 Layout: a (N, 5) array, one row per sample: shard, document (within the shard), first
 sentence, end sentence (exclusive; both within the shard), target length. int32 (20 bytes
@@ -41,7 +45,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -49,7 +53,7 @@ import numpy as np
 
 from bert_ds.base.atomic import fsync_path
 from bert_ds.base.errors import ShardError
-from bert_ds.data_tools.shard_format import ShardReader
+from bert_ds.data_tools.shard_format import ShardIndex, ShardReader
 from bert_ds.loader.permutation import mix64
 
 log = logging.getLogger(__name__)
@@ -110,23 +114,25 @@ def map_dtype(readers: Sequence[ShardReader]) -> np.dtype:
 def build_sample_map(readers: Sequence[ShardReader], max_num_tokens: int, short_seq_prob: float, seed: int,
                      split: Split = "all", held_out: float = 0.0) -> np.ndarray:
     """The (N, 5) map of :data:`COLUMNS` for ``readers`` (see the module docstring)."""
-    return np.concatenate(_map_parts(readers, max_num_tokens, short_seq_prob, seed, split, held_out))
+    empty = [np.zeros((0, 5), dtype=map_dtype(readers))]
+    return np.concatenate(empty + list(_map_parts(readers, max_num_tokens, short_seq_prob, seed, split, held_out)))
 
 
 def _map_parts(readers: Sequence[ShardReader], max_num_tokens: int, short_seq_prob: float, seed: int, split: Split,
-               held_out: float) -> list[np.ndarray]:
-    """The map as consecutive row blocks (the cache writes them one by one: no second copy)."""
+               held_out: float) -> Iterator[np.ndarray]:
+    """The map as consecutive row blocks, made as they are asked for (the cache writes each
+    before the next is made); one shard's index is held at a time."""
     dtype = map_dtype(readers)
-    parts = [np.zeros((0, 5), dtype=dtype)]
     for s, reader in enumerate(readers):
         docs = np.flatnonzero(kept_documents(s, reader.num_docs, split, held_out))
+        index = reader.read_index() if len(docs) else None
         for lo in range(0, len(docs), _BUILD_BLOCK):
-            part = _chunk_documents(reader, s, docs[lo: lo + _BUILD_BLOCK], max_num_tokens, short_seq_prob, seed)
-            parts.append(part.astype(dtype, copy=False))
-    return parts
+            part = _chunk_documents(index, s, docs[lo: lo + _BUILD_BLOCK], max_num_tokens, short_seq_prob, seed)
+            yield part.astype(dtype, copy=False)
+        del index  # before the next shard's is read
 
 
-def _chunk_documents(reader: ShardReader, shard: int, docs: np.ndarray, max_num_tokens: int,
+def _chunk_documents(index: ShardIndex, shard: int, docs: np.ndarray, max_num_tokens: int,
                      short_seq_prob: float, seed: int) -> np.ndarray:
     """The map rows of documents ``docs`` (ascending) of one shard, as int64 (n, 5).
 
@@ -136,7 +142,7 @@ def _chunk_documents(reader: ShardReader, shard: int, docs: np.ndarray, max_num_
     When few documents are left open (long ones), a round costs more than it does, and
     :func:`_walk_document` finishes each of them alone.
     """
-    bounds, offsets = reader.doc_bounds, reader.sentence_offsets
+    bounds, offsets = index.bounds, index.offsets
     token_ends = offsets[1:]
     found = []  # (document index into docs, chunk number in its document, first, end, target)
     active = np.arange(len(docs))
@@ -230,31 +236,42 @@ def open_sample_map(data: Path, readers: Sequence[ShardReader], max_num_tokens: 
     """The map, memory-mapped from its cache file (built and written there first if missing)."""
     key = cache_key(readers, max_num_tokens, short_seq_prob, seed, split, held_out)
 
-    def build() -> list[np.ndarray]:
-        t0 = time.perf_counter()
-        parts = _map_parts(readers, max_num_tokens, short_seq_prob, seed, split, held_out)
-        log.info("sample map built: %d samples in %.2f s (pid %d)", sum(map(len, parts)), time.perf_counter() - t0,
-                 os.getpid())
-        return parts
+    def build() -> Iterator[np.ndarray]:
+        t0, rows = time.perf_counter(), 0
+        for part in _map_parts(readers, max_num_tokens, short_seq_prob, seed, split, held_out):
+            rows += len(part)
+            yield part
+        log.info("sample map built: %d samples in %.2f s (pid %d)", rows, time.perf_counter() - t0, os.getpid())
 
-    return cached_array(data, f"samples-{key}.npy", len(COLUMNS), build)
+    return cached_array(data, f"samples-{key}.npy", len(COLUMNS), map_dtype(readers), build)
 
 
 def open_sentence_index(data: Path, readers: Sequence[ShardReader]) -> tuple[Mapped, Mapped]:
     """Every shard's sentence token offsets and document bounds, concatenated (shard s's
     ``num_sentences + 1`` offsets, then shard s+1's; the same for its ``num_docs + 1`` bounds),
-    memory-mapped from the cache: shared by every process instead of each holding its own."""
+    memory-mapped from the cache: shared by every process instead of each holding its own.
+    Written one shard at a time, as it is read.
+
+    Offsets are int32 while every shard holds fewer than 2^30 tokens (a loader adds a sample's
+    length to an offset: the margin keeps that inside int32), bounds while every shard's
+    sentence count fits; else int64. At 4 bytes per sentence the index is half the size: the
+    pages a process has drawn from are part of its resident memory.
+    """
     src = json.dumps([_MAP_VERSION, [r.fingerprint for r in readers]])
     key = hashlib.sha256(src.encode()).hexdigest()[:24]
-    none = [np.zeros(0, np.int64)]  # a first part, for a dataset of no shards
-    offsets = cached_array(data, f"sentences-{key}.npy", 0, lambda: none + [r.sentence_offsets for r in readers])
-    bounds = cached_array(data, f"documents-{key}.npy", 0, lambda: none + [r.doc_bounds for r in readers])
+    wide = np.dtype(np.int64)
+    tokens = max((r.num_tokens for r in readers), default=0)
+    offsets = cached_array(data, f"sentences-{key}.npy", 0, np.dtype(np.int32) if tokens < 2**30 else wide,
+                           lambda: (r.read_index().offsets for r in readers))
+    bounds = cached_array(data, f"documents-{key}.npy", 0, map_dtype(readers),
+                          lambda: (r.read_index().bounds for r in readers))
     return offsets, bounds
 
 
-def cached_array(data: Path, name: str, columns: int, build: Callable[[], list[np.ndarray]]) -> Mapped:
-    """The array cached as ``name`` (``columns`` 0: 1-D), built by ``build`` (its parts are the
-    array's consecutive rows) if no cache folder has it yet.
+def cached_array(data: Path, name: str, columns: int, dtype: np.dtype,
+                 build: Callable[[], Iterable[np.ndarray]]) -> Mapped:
+    """The ``dtype`` array cached as ``name`` (``columns`` 0: 1-D), built by ``build`` (its parts
+    are the array's consecutive rows, made as they are written) if no cache folder has it yet.
 
     Processes wanting the same missing file take turns on ``flock`` of a lock file beside it:
     the first builds and writes, the others find the file when their turn comes.
@@ -273,17 +290,21 @@ def cached_array(data: Path, name: str, columns: int, build: Callable[[], list[n
             fcntl.flock(fd, fcntl.LOCK_EX)  # waits while another process builds this file
             found = load_array(folder / name, columns)  # built by the process we waited for
             if found is None:
-                parts = build()
                 try:
-                    save_array(folder / name, parts)
+                    save_array(folder / name, build(), dtype, columns)
                 except OSError:
-                    return Mapped(np.concatenate(parts), None)  # a full disk: use it uncached
+                    return Mapped(_whole(build(), dtype, columns), None)  # a full disk: build again, uncached
                 found = load_array(folder / name, columns)
             if found is not None:
                 return Mapped(found, folder / name)
         finally:
             os.close(fd)  # closing releases the lock; the lock file stays (removing it would race)
-    return Mapped(np.concatenate(build()), None)
+    return Mapped(_whole(build(), dtype, columns), None)
+
+
+def _whole(parts: Iterable[np.ndarray], dtype: np.dtype, columns: int) -> np.ndarray:
+    empty = np.zeros((0, columns) if columns else 0, dtype=dtype)
+    return np.concatenate([empty, *parts]).astype(dtype, copy=False)
 
 
 def load_array(path: Path, columns: int | None) -> np.ndarray | None:
@@ -300,18 +321,27 @@ def load_array(path: Path, columns: int | None) -> np.ndarray | None:
     return array.view(np.ndarray)  # the same mapped pages, without np.memmap's per-slice overhead
 
 
-def save_array(path: Path, parts: list[np.ndarray]) -> None:
-    """Write the concatenation of ``parts`` as ``path`` (an .npy file), part by part, so that
-    readers see a whole file or none: temporary name, fsync, rename. Only the lock holder
-    writes, so one temporary name is enough; one left by a killed builder is overwritten."""
-    shape = (sum(len(p) for p in parts), *parts[0].shape[1:])
+def save_array(path: Path, parts: Iterable[np.ndarray], dtype: np.dtype, columns: int) -> None:
+    """Write the concatenation of ``parts`` (``dtype``, ``columns`` columns, 0: 1-D) as ``path``
+    (an .npy file), each part as it comes, so that only one part is in memory at a time; readers
+    see a whole file or none: temporary name, fsync, rename. Only the lock holder writes, so one
+    temporary name is enough; one left by a killed builder is overwritten.
+
+    The row count is known at the end: the header is written first with 0 rows and rewritten in
+    place (numpy pads the header so that the row count can grow to 21 digits in place).
+    """
     tmp = path.with_name(path.name + ".tmp")
     try:
         with open(tmp, "wb") as f:
-            np.lib.format.write_array_header_1_0(f, {"descr": np.lib.format.dtype_to_descr(parts[0].dtype),
-                                                     "fortran_order": False, "shape": shape})
+            _write_npy_header(f, dtype, columns, 0)
+            data_start, rows = f.tell(), 0
             for part in parts:
-                f.write(np.ascontiguousarray(part, dtype=parts[0].dtype).data)
+                f.write(np.ascontiguousarray(part, dtype=dtype).data)
+                rows += len(part)
+            f.seek(0)
+            _write_npy_header(f, dtype, columns, rows)
+            if f.tell() != data_start:
+                raise ValueError(f"{tmp}: the .npy header changed size when its row count was written")
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -319,3 +349,9 @@ def save_array(path: Path, parts: list[np.ndarray]) -> None:
         tmp.unlink(missing_ok=True)
         raise
     fsync_path(path.parent)
+
+
+def _write_npy_header(f, dtype: np.dtype, columns: int, rows: int) -> None:
+    shape = (rows, columns) if columns else (rows,)
+    np.lib.format.write_array_header_1_0(f, {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)),
+                                             "fortran_order": False, "shape": shape})

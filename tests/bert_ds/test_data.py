@@ -263,3 +263,23 @@ def test_a_process_with_an_open_loader_still_exits(sample_data):
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=REPO,
                           env=cli_env())
     assert proc.returncode == 0 and proc.stdout.strip() == "fetched", proc.stderr[-2000:]
+
+
+def test_drawing_maps_no_shard_into_the_process(sample_data, tmp_path):
+    """Token ids are read with pread: however many samples a process draws, no page of a shard
+    is mapped into it (a memory map would keep every page a draw touched in its resident
+    memory); the sample map and the sentence index stay memory-mapped and shared."""
+    import gc
+    import shutil
+    from pathlib import Path
+
+    copy = tmp_path / "data"
+    shutil.copytree(sample_data["train"], copy, ignore=shutil.ignore_patterns(".cache"))
+    ds = PretrainingDataset(copy, DataConfig(train=str(copy)), seed=2)
+    gc.collect()  # the shard readers of the open are gone
+    for p in range(0, 3 * len(ds), 7):
+        ds[p]
+    mapped = [line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines()
+              if str(copy) in line]
+    assert not [m for m in mapped if m.endswith(".bin")], mapped
+    assert any("/.cache/samples-" in m for m in mapped) and any("/.cache/sentences-" in m for m in mapped)

@@ -285,3 +285,63 @@ def test_shard_info_fields():
         "name", "num_docs", "num_sentences", "num_tokens", "bin_bytes", "idx_bytes",
         "bin_crc32", "idx_crc32", "max_token_id",
     ]
+
+
+@pytest.mark.parametrize("case", sorted(DAMAGE))
+def test_an_index_checked_in_blocks_is_refused_as_one_checked_whole(shard, case, monkeypatch):
+    """An open reads the index a block at a time and keeps none of it: the same error names
+    the same place whatever the block size (problems straddling a block end included)."""
+    from bert_ds.data_tools import shard_format
+
+    prefix, _, _ = shard
+    DAMAGE[case][0](prefix)
+    messages = set()
+    for block in (1 << 20, 3, 1):
+        monkeypatch.setattr(shard_format, "_INDEX_BLOCK", block)
+        with pytest.raises(ShardError) as e:
+            ShardReader(prefix)
+        messages.add(str(e.value))
+    assert len(messages) == 1, messages
+
+
+def test_an_open_reader_keeps_no_index_until_asked(shard, monkeypatch):
+    from bert_ds.data_tools import shard_format
+
+    prefix, docs, _ = shard
+    monkeypatch.setattr(shard_format, "_INDEX_BLOCK", 5)
+    with ShardReader(prefix) as r:
+        assert not [k for k, v in vars(r).items() if isinstance(v, np.ndarray) and k != "tokens"]
+        index = r.read_index()
+        assert "_index" not in vars(r)  # read_index keeps nothing: a consumer frees each shard's in turn
+        assert index.bounds.dtype == index.offsets.dtype == np.int64
+        assert index.lengths.tolist() == [len(s) for d in docs for s in d]
+        assert index.bounds.tolist() == np.cumsum([0] + [len(d) for d in docs]).tolist()
+        np.testing.assert_array_equal(index.offsets, np.cumsum([0] + index.lengths.tolist()))
+        np.testing.assert_array_equal(r.sentence_offsets, index.offsets)  # the properties read it once
+        assert "_index" in vars(r)
+    # a shard rewritten under the same name after the open is not read as the one opened
+    r = ShardReader(prefix)
+    write_shard(prefix, docs[:3], 30522)
+    with pytest.raises(ShardError, match=r"shard_00000\.idx: changed since the shard was opened"):
+        r.read_index()
+
+
+def test_file_array_reads_what_the_memory_map_holds(shard):
+    import pickle
+
+    from bert_ds.data_tools.shard_format import FileArray
+
+    prefix, _, info = shard
+    with ShardReader(prefix) as r:
+        tokens = FileArray(f"{prefix}.bin", r.dtype, r.num_tokens)
+        assert len(tokens) == r.num_tokens
+        for lo, hi in ((0, 5), (17, 90), (r.num_tokens - 3, r.num_tokens), (4, 4), (10, r.num_tokens + 9)):
+            np.testing.assert_array_equal(tokens[lo:hi], r.tokens[lo:hi])
+        assert tokens[lo:hi].dtype == r.dtype
+        again = pickle.loads(pickle.dumps(tokens))  # a worker opens the file itself
+        np.testing.assert_array_equal(again[3:40], r.tokens[3:40])
+        shifted = FileArray(f"{prefix}.bin", r.dtype, r.num_tokens - 8, offset=8 * r.dtype.itemsize)
+        np.testing.assert_array_equal(shifted[0:5], r.tokens[8:13])
+    _truncate(f"{prefix}.bin", info.bin_bytes // 2)
+    with pytest.raises(ShardError, match=r"shard_00000\.bin: truncated"):
+        tokens[info.num_tokens - 4: info.num_tokens]
