@@ -71,8 +71,8 @@ from bert_ds.data_tools.shard_format import (
 )
 from bert_ds.data_tools.sources import RECORD_KINDS, check_inputs, input_kind, source_info
 from bert_ds.data_tools.text import (
-    DOCUMENT_MODES, HEADING_RE, PIECE_BYTES, SENTENCE_SPLIT_RE, CorpusReader, Cursor, DocEnd, ReadStats, mark_sentences,
-    split_sentences,
+    DOCUMENT_MODES, HEADING_RE, PIECE_BYTES, SENTENCE_MARKS, SENTENCE_SPLIT_RE, CorpusReader, Cursor, DocEnd, ReadStats, mark_sentences,
+    sentence_cuts, split_sentences,
 )
 from bert_ds.data_tools.tokenizer import (
     Normalization, TokenizerSpec, holds_cased_tokens, install_tokenizer, load_vocabulary, train_vocab,
@@ -241,10 +241,20 @@ class _Tokenize:
         # nothing (truncation, padding) acts on a whole input.
         self.can_join = (self.marker_id is not None and tok.truncation is None and tok.padding is None
                          and self.encode([_MARKER], add_special_tokens=False)[0].ids == [self.marker_id])
+        # Each sentence mark is a word of its own to BERT's pre-tokenizer, so where every
+        # mark is a token of the vocabulary, a line's k-th mark character is its k-th mark id.
+        mark_ids = [tok.token_to_id(m) for m in SENTENCE_MARKS]
+        self.mark_ids = np.array(mark_ids if None not in mark_ids else [], dtype=np.uint32)
+        self.mark_chars = np.array([ord(m) for m in SENTENCE_MARKS], dtype=np.uint32)
+        self.can_mark = (self.mark_ids.size == len(SENTENCE_MARKS) and tok.truncation is None
+                         and tok.padding is None and type(tok.pre_tokenizer).__name__ == "BertPreTokenizer"
+                         and self.encode([SENTENCE_MARKS], add_special_tokens=False)[0].ids == mark_ids)
 
     def __call__(self, parts: list[list[str]],
                  split: list[bool]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        result = self._joined(parts, split) if self.can_join else None
+        result = self._by_marks(parts, split) if self.can_mark else None
+        if result is None and self.can_join:
+            result = self._joined(parts, split)
         return result if result is not None else self._one_by_one(parts, split)
 
     def _flat_ids(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
@@ -268,6 +278,38 @@ class _Tokenize:
             per_part.append(len(sentences) - n)
         tokens, lengths = self._flat_ids(sentences)
         return _per_part(tokens, lengths, np.repeat(np.arange(len(parts)), per_part), len(parts))
+
+    def _by_marks(self, parts: list[list[str]], split: list[bool]):
+        """One tokenizer input per line, cut into sentences after the mark ids at the cuts;
+        None when a line's mark ids do not pair one to one with its mark characters.
+
+        Cheapest for the tokenizer (~15% less than any input cut at sentences: its cost
+        grows with the pieces it is given, not only with the characters)."""
+        lines = list(chain.from_iterable(parts))
+        per_line = np.fromiter(map(len, parts), dtype=np.int64, count=len(parts))
+        line_part = np.repeat(np.arange(len(parts)), per_line)
+        ids, counts = self._flat_ids(lines)
+        line_end = np.cumsum(counts)  # token index after each line
+        # The chunk as one string, lines apart by NUL (never in a line: the reader drops it,
+        # and no whitespace run crosses it, so no cut does): character positions index it.
+        text = "\0".join(lines)
+        chars = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
+        mark_at = np.flatnonzero(np.isin(chars, self.mark_chars))
+        line_start = np.zeros(len(lines), dtype=np.int64)
+        np.cumsum(np.fromiter(map(len, lines), dtype=np.int64, count=len(lines))[:-1] + 1, out=line_start[1:])
+        mark_tok = np.flatnonzero(np.isin(ids, self.mark_ids))
+        chars_per_line = np.bincount(np.searchsorted(line_start, mark_at, side="right") - 1, minlength=len(lines))
+        ids_per_line = np.bincount(np.searchsorted(line_end, mark_tok, side="right"), minlength=len(lines))
+        if not np.array_equal(chars_per_line, ids_per_line):
+            return None
+        cut_at = np.asarray(sentence_cuts(text), dtype=np.int64)
+        cut_line = np.searchsorted(line_start, cut_at, side="right") - 1
+        keep = np.asarray(split, dtype=bool)[line_part[cut_line]]
+        cut_end = mark_tok[np.searchsorted(mark_at, cut_at[keep])] + 1  # token index after each cut's mark
+        ends = np.sort(np.concatenate([cut_end, line_end]), kind="stable")
+        lengths = np.diff(ends, prepend=0)
+        sentences = np.bincount(cut_line[keep], minlength=len(lines)) + 1
+        return _per_part(ids, lengths, np.repeat(line_part, sentences), len(parts))
 
     def _joined(self, parts: list[list[str]], split: list[bool]):
         """Sentences joined by the marker, about _INPUT_CHARS per input; None when the

@@ -84,6 +84,7 @@ HEADING_RE = re.compile(r"^\s*(=+)\s.*\s\1\s*$")
 # Latin-1), a digit or an opening quote. Deterministic and dumb on purpose: "Mr. Smith"
 # splits, "e.g. the" does not, a closing quote after the period blocks the split.
 _SPLIT_AFTER = ".!?"
+SENTENCE_MARKS = _SPLIT_AFTER  # a sentence ends with one of these characters, or with its line
 _SPLIT_BEFORE = r"(?=[A-Z0-9\u00C0-\u00D6\u00D8-\u00DE\"'\u201C\u2018])"
 SENTENCE_SPLIT_RE = re.compile(r"(?<=[" + _SPLIT_AFTER + r"])\s+" + _SPLIT_BEFORE)
 # The same cuts, one pattern per mark: a pattern that starts with a literal lets the
@@ -112,6 +113,11 @@ def mark_sentences(text: str, marker: str) -> tuple[str, int]:
         text, n = pattern.subn(mark + marker, text)
         cuts += n
     return text, cuts
+
+
+def sentence_cuts(text: str) -> list[int]:
+    """Positions of the marks after which :func:`split_sentences` cuts ``text``, in order."""
+    return sorted(m.start() for pattern in _SPLIT_AFTER_EACH for m in pattern.finditer(text))
 
 
 def heading_level(line: str) -> int:
