@@ -213,6 +213,14 @@ def _groups(lines: list[str], size: int) -> Iterator[list[str]]:
         yield group
 
 
+def _is_any(a: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """``np.isin(a, values)`` for a few values: one comparison each, no sort."""
+    hit = a == values[0]
+    for v in values[1:]:
+        hit |= a == v
+    return hit
+
+
 def _per_part(tokens: np.ndarray, lengths: np.ndarray, owner: np.ndarray, n_parts: int):
     """The worker's result: tokens, non-empty lengths, per part sentences kept and dropped empty."""
     keep = lengths > 0
@@ -294,10 +302,10 @@ class _Tokenize:
         # and no whitespace run crosses it, so no cut does): character positions index it.
         text = "\0".join(lines)
         chars = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
-        mark_at = np.flatnonzero(np.isin(chars, self.mark_chars))
+        mark_at = np.flatnonzero(_is_any(chars, self.mark_chars))
         line_start = np.zeros(len(lines), dtype=np.int64)
         np.cumsum(np.fromiter(map(len, lines), dtype=np.int64, count=len(lines))[:-1] + 1, out=line_start[1:])
-        mark_tok = np.flatnonzero(np.isin(ids, self.mark_ids))
+        mark_tok = np.flatnonzero(_is_any(ids, self.mark_ids))
         chars_per_line = np.bincount(np.searchsorted(line_start, mark_at, side="right") - 1, minlength=len(lines))
         ids_per_line = np.bincount(np.searchsorted(line_end, mark_tok, side="right"), minlength=len(lines))
         if not np.array_equal(chars_per_line, ids_per_line):
@@ -415,6 +423,7 @@ class _Workers:
         self._local: _Tokenize | None = None
         self._procs: list = []
         self._conns: list = []
+        self._started = False  # whether they were given the tokenizer (else they have nothing to finish)
         if count > 1:
             ctx = multiprocessing.get_context("spawn")  # fork after tokenizers used threads can deadlock
             for _ in range(count):
@@ -426,6 +435,7 @@ class _Workers:
                 self._conns.append(mine)
 
     def start(self, directory: Path, spec: TokenizerSpec) -> None:
+        self._started = True
         if not self._procs:
             self._local = _Tokenize(spec.tokenizer_json)
             return
@@ -476,7 +486,7 @@ class _Workers:
         for conn in self._conns:
             conn.close()  # a worker waiting for work sees EOF and ends
         for proc in self._procs:
-            proc.join(timeout=1.0 if exc[0] is None else 0.0)
+            proc.join(timeout=1.0 if exc[0] is None and self._started else 0.0)
             if proc.is_alive():  # busy (or interrupted mid-task): its result is not needed
                 proc.kill()
                 proc.join()
@@ -618,6 +628,13 @@ def build(opts: BuildOptions) -> BuildResult:
     """Run a build; UserError for bad input, for a folder it must not replace, and for write failures."""
     t0 = time.perf_counter()
     directory = Path(opts.output)
+    # The workers start first: their imports overlap hashing the inputs, loading the
+    # vocabulary and installing the tokenizer (a build that ends early stops them unused).
+    with _Workers(opts.workers) as workers:
+        return _build(opts, directory, workers, t0)
+
+
+def _build(opts: BuildOptions, directory: Path, workers: _Workers, t0: float) -> BuildResult:
     try:
         # Everything that can fail on bad input comes before the first write to DIR,
         # so a failed build never spoils a dataset already there.
@@ -636,26 +653,27 @@ def build(opts: BuildOptions) -> BuildResult:
                                    already_built=True)
             if existing.kind != "nothing" and existing.key != key and not opts.overwrite:
                 _refuse_other(directory, existing)
-            manifest, records, t_vocab = _build_locked(opts, directory, sources, vocab, normalization, key, t0)
+            manifest, records, t_vocab = _build_locked(opts, directory, workers, sources, (vocab, normalization),
+                                                       key, t0)
     except OSError as e:
         raise UserError(f"{directory}: build failed: {e}") from None
     return BuildResult(directory, manifest, time.perf_counter() - t0, t_vocab, len(records))
 
 
-def _build_locked(opts: BuildOptions, directory: Path, sources: list[dict], vocab: bytes,
-                  normalization: Normalization, key: str, t0: float) -> tuple[Manifest, list[dict], float]:
+def _build_locked(opts: BuildOptions, directory: Path, workers: _Workers, sources: list[dict],
+                  tokenizer: tuple[bytes, Normalization], key: str,
+                  t0: float) -> tuple[Manifest, list[dict], float]:
     """The build proper, in a folder this process holds; returns (manifest, reused records, set-up seconds)."""
-    with _Workers(opts.workers) as workers:
-        records = _resumable(directory, key)
-        # From here on the folder is not a dataset until the new manifest lands; the
-        # journal comes first, so a build killed at any later point is recognised.
-        (directory / MANIFEST_NAME).unlink(missing_ok=True)
-        _write_json(directory / JOURNAL_NAME, {"key": key, "shards": records})
-        _remove_stale(directory, keep_shards=1 << 62)
-        spec = install_tokenizer(directory, vocab, normalization)
-        workers.start(directory, spec)
-        t_vocab = time.perf_counter() - t0
-        manifest = _write_shards(opts, directory, spec, key, records, workers)
+    records = _resumable(directory, key)
+    # From here on the folder is not a dataset until the new manifest lands; the
+    # journal comes first, so a build killed at any later point is recognised.
+    (directory / MANIFEST_NAME).unlink(missing_ok=True)
+    _write_json(directory / JOURNAL_NAME, {"key": key, "shards": records})
+    _remove_stale(directory, keep_shards=1 << 62)
+    spec = install_tokenizer(directory, *tokenizer)
+    workers.start(directory, spec)
+    t_vocab = time.perf_counter() - t0
+    manifest = _write_shards(opts, directory, spec, key, records, workers)
     manifest.sources = sources
     manifest.build["plan_key"] = key
     manifest.save(directory)
@@ -685,17 +703,21 @@ def _write_shards(opts: BuildOptions, directory: Path, spec: TokenizerSpec, key:
             np.cumsum(per_part, out=sent_at[1:])
             tok_at = np.zeros(lengths.size + 1, dtype=np.int64)
             np.cumsum(lengths, out=tok_at[1:])
+            long_at = np.searchsorted(sent_at, np.flatnonzero(lengths > MAX_SENTENCE_TOKENS), side="right") - 1
+            long_per_part = np.bincount(long_at, minlength=len(per_part)).tolist()
+            # Python ints: a chunk may hold thousands of small documents, one loop step each.
+            sent_at, empty_per_part = sent_at.tolist(), empty_per_part.tolist()
             for j, end in enumerate(chunk.ends):
                 # Counted per part, not per chunk: a shard may end inside a chunk, and
                 # the counts in its journal record must cover exactly what precedes it.
-                counts.empty_sentences += int(empty_per_part[j])
+                counts.empty_sentences += empty_per_part[j]
                 s0, s1 = sent_at[j], sent_at[j + 1]
                 if s1 > s0:
-                    counts.long_sentences_split += int((lengths[s0:s1] > MAX_SENTENCE_TOKENS).sum())
+                    counts.long_sentences_split += long_per_part[j]
                     if writer is None:
                         writer = ShardWriter(directory / shard_name(len(shards)), spec.vocab_size)
                     writer.add_sentences(tokens[tok_at[s0] : tok_at[s1]], lengths[s0:s1])
-                    doc_sentences += int(s1 - s0)
+                    doc_sentences += s1 - s0
                 if end is None:
                     continue
                 if doc_sentences:
