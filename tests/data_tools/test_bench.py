@@ -63,6 +63,8 @@ def test_bench_files_reports_the_many_files_layout(tmp_path):
     assert many["build"]["input_bytes"] == many["bare_tokenizers"]["input_bytes"] == report["corpus"]["bytes"]
     for key in ("tokens", "sentences"):
         assert many["build"][key] == report["build"][key]
+    for run in (report["build"], report["bare_tokenizers"], many["build"], many["bare_tokenizers"]):
+        assert 0 < run["cpu_seconds"] < 2 * 60  # workers' CPU counted, not only the main process's
     fig = report["figures"][-1]
     assert [f["name"] for f in report["figures"][:-1]] == FIGURES
     assert fig["name"] == f"build / bare tokenizers, {many['files']:,} files" and fig["value"] > 0
