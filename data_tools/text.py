@@ -181,9 +181,10 @@ class DocEnd:
 class _Source:
     """One input file opened for line reading; ``raw_pos`` is the on-disk position."""
 
-    def __init__(self, path: str, offset: int):
+    def __init__(self, path: str, offset: int, size: int):
         self.path = path
-        self._raw = open(path, "rb", buffering=1 << 20)
+        # A buffer no larger than the file: allocating 1 MiB costs more than reading a small file.
+        self._raw = open(path, "rb", buffering=min(1 << 20, max(size, io.DEFAULT_BUFFER_SIZE)))
         if path.endswith(".gz"):
             self.stream = gzip.GzipFile(fileobj=self._raw, mode="rb")
         else:
@@ -294,7 +295,7 @@ class CorpusReader:
 
     def _read_file(self, index: int, offset: int, mode: str | None) -> Iterator[str | DocEnd]:
         st = self.stats
-        src = self._source = _Source(self.paths[index], offset)
+        src = self._source = _Source(self.paths[index], offset, self._sizes[index])
         pos = offset
         doc_open = False
         if self.documents == "file":
