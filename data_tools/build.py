@@ -2,10 +2,10 @@
 
 Pipeline: the main process reads the inputs (:class:`bert_ds.data_tools.text.CorpusReader`:
 text files, JSONL, Parquet, ``datasets`` tables) and cuts the stream of lines into
-chunks of about ``CHUNK_CHARS`` characters; worker processes split sentences (the
-lines of record inputs always, other lines with ``--split-sentences``), tokenize a
-chunk with one ``encode_batch`` call (sentences joined by a special token into inputs
-of a few thousand characters, see ``_Tokenize``) and return flat numpy arrays (the
+chunks of about ``CHUNK_CHARS`` characters; worker processes tokenize a chunk with
+one ``encode_batch`` call (one input per line), cut sentences (the lines of record
+inputs always, other lines with ``--split-sentences``) at the ids of their final marks,
+see ``_Tokenize``, and return flat numpy arrays (the
 workers start while the main process installs the tokenizer); the main process writes
 the results, in input order, into ``shard_00000``, ``shard_00001``, ... A shard
 is closed at the first document end after it holds ``shard_tokens`` tokens, so
@@ -191,10 +191,9 @@ class BuildResult:
 
 # -- tokenization (runs in worker processes, or in-process for --workers 1) --------------
 
-# The tokenizer cuts its input at special tokens before normalizing, so sentences joined
-# by one come out as if encoded one by one, each followed by the marker's id. Fewer,
-# longer inputs cost the tokenizer less per character (~10%) than one input per
-# sentence, and the ids come back as a few lists instead of one per sentence.
+# The fallback when sentence ends cannot be found at mark ids (see _Tokenize._by_marks):
+# the tokenizer cuts its input at special tokens before normalizing, so sentences joined
+# by one come out as if encoded one by one, each followed by the marker's id.
 _MARKER = "[SEP]"
 _INPUT_CHARS = 4096  # characters per joined input: a measured optimum (longer is slower)
 
