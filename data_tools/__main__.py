@@ -7,7 +7,7 @@
                                      folder, or hf:NAME[:CONFIG][@SPLIT]
     verify   DIR               exit 0 and "ok: N shards, T tokens", or 1 and one line per problem
     inspect  DIR [--decode K]  manifest summary, optionally the first K documents as text
-    bench    [--corpus-mb MB] [--workers N] [--vocab-size V] [--json FILE]
+    bench    [--corpus-mb MB] [--workers N] [--vocab-size V] [--files N] [--json FILE]
                                the build's figures (build vs bare tokenizers and datasets,
                                bytes/token, worker memory) beside their goals; the loader's
                                are python -m bert_ds.loader.bench
@@ -144,6 +144,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                    help="processes for every pipeline (default: the CPUs available)")
     n.add_argument("--vocab-size", type=_positive_int, default=30522, metavar="V",
                    help="WordPiece vocabulary to train for the run (default 30,522, BERT's)")
+    n.add_argument("--files", type=_positive_int, default=None, metavar="N",
+                   help="also build the same corpus cut into about N files of varied size (log-uniform, "
+                        "largest ~50x smallest) and report build / bare tokenizers for that layout")
     n.add_argument("--json", metavar="FILE", help="also write every measurement and figure to FILE")
     n.set_defaults(func=_bench)
 
@@ -218,7 +221,7 @@ def _bench(args: argparse.Namespace) -> int:
     from bert_ds.data_tools import bench
 
     workers = args.workers or len(os.sched_getaffinity(0))
-    return bench.main(args.corpus_mb, workers, args.vocab_size, args.json)
+    return bench.main(args.corpus_mb, workers, args.vocab_size, args.json, args.files)
 
 
 def main(argv: list[str] | None = None) -> int:

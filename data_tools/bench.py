@@ -12,7 +12,12 @@ processes (``--workers N``, default: the CPUs available), one measurement at a t
    else: each process reads its own 1/N of the file's lines, encodes the non-blank
    ones and counts tokens. The build also reads and cleans in its main process, splits
    sentences, ships ids back and writes, hashes and verifies shards: that is the
-   overhead the ratio shows.
+   overhead the ratio shows. Beside the clock, the CPU seconds of each side (its
+   processes together) are reported: on a machine shared with other work the clock
+   scatters, CPU per byte much less.
+   With ``--files N`` the same corpus is also cut at line ends into about N files of
+   log-uniform sizes (largest ~50x smallest; ~1.8-90 KB at 44 MB and 2,000 files) and
+   both sides run again on them (figure 5): the layout where per-file costs show.
 2. The same build against the ``datasets`` recipe: ``Dataset.from_text`` ->
    ``.map(BertTokenizerFast, batched=True, num_proc=N)`` -> ``save_to_disk`` with the
    same vocabulary, no special tokens, ids only (goal: ours >= 1.5x).
@@ -85,6 +90,32 @@ def make_corpus(path: Path, size_bytes: int) -> tuple[int, float]:
             f.write(piece)
             written += len(piece)
     return written, written / len(sample)
+
+
+SIZE_SPREAD = 50  # many-files layout: the largest file is about 50x the smallest
+
+
+def split_corpus(corpus: Path, folder: Path, files: int, seed: int = 0) -> list[Path]:
+    """The corpus cut at line ends into about ``files`` files of log-uniform sizes whose
+    mean is the corpus size / ``files`` (at 44 MB and 2,000 files: ~1.8 to ~88 KB)."""
+    data = corpus.read_bytes()
+    mean = len(data) / files
+    smallest = mean * np.log(SIZE_SPREAD) / (SIZE_SPREAD - 1)  # the mean of a log-uniform [a, 50a] is 49a/ln 50
+    sizes = smallest * SIZE_SPREAD ** np.random.default_rng(seed).random(4 * files + 16)
+    folder.mkdir()
+    paths, pos = [], 0
+    for size in sizes:
+        if pos >= len(data):
+            break
+        end = data.find(b"\n", pos + int(size) - 1)
+        end = len(data) if end < 0 else end + 1
+        paths.append(folder / f"part_{len(paths):05d}.txt")
+        paths[-1].write_bytes(data[pos:end])
+        pos = end
+    if pos < len(data):  # more text than draws: the rest is one more file
+        paths.append(folder / f"part_{len(paths):05d}.txt")
+        paths[-1].write_bytes(data[pos:])
+    return paths
 
 
 def make_vocab(work: Path, corpus: Path, size: int) -> tuple[bytes, float, float]:
@@ -186,31 +217,38 @@ def _report(conn, fn, *args) -> None:
         raise
 
 
-def _build_child(conn, corpus: str, output: str, vocab: str, workers: int) -> None:
-    _report(conn, _run_build, corpus, output, vocab, workers)
+def _build_child(conn, inputs: list[str], output: str, vocab: str, workers: int) -> None:
+    _report(conn, _run_build, inputs, output, vocab, workers)
 
 
-def _run_build(corpus: str, output: str, vocab: str, workers: int) -> dict:
+def _run_build(inputs: list[str], output: str, vocab: str, workers: int) -> dict:
     import transformers  # noqa: F401 -- the build's tokenizer step imports it: a fixed cost, not timed
 
     from bert_ds.data_tools.build import BuildOptions, build
 
-    opts = BuildOptions(inputs=[corpus], output=output, vocab=vocab, workers=workers, split_sentences=True,
+    opts = BuildOptions(inputs=inputs, output=output, vocab=vocab, workers=workers, split_sentences=True,
                         progress=False)
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), _cpu_seconds()
     result = build(opts)
-    seconds = time.perf_counter() - t0
+    seconds, cpu = time.perf_counter() - t0, _cpu_seconds() - cpu0
     # ru_maxrss is in KiB on Linux. RUSAGE_CHILDREN: the largest child waited for,
     # i.e. the pool's workers, which the build joins before it returns.
     own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     workers_peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
     m = result.manifest
     return {
-        "seconds": seconds, "tokens": m.totals["tokens"], "input_bytes": m.stats["input_bytes"],
+        "seconds": seconds, "cpu_seconds": cpu, "tokens": m.totals["tokens"], "input_bytes": m.stats["input_bytes"],
         "bytes_on_disk": result.bytes_on_disk, "vocab_size": m.vocab_size, "token_dtype": m.token_dtype,
         "documents": m.totals["docs"], "sentences": m.totals["sentences"],
         "worker_peak_rss": workers_peak if workers > 1 else own, "main_peak_rss": own,
     }
+
+
+def _cpu_seconds() -> float:
+    """User + system CPU of this process and of the children it has waited for (a build's
+    workers, a pool's processes): on a shared machine a steadier measure than the clock."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 _bare_encode = None
@@ -252,17 +290,39 @@ def _bare_slice(path: str, start: int, end: int, batch_chars: int) -> int:
     return tokens
 
 
-def run_bare(corpus: str, tokenizer_json: str, workers: int) -> dict:
+def _bare_files(tasks: list[tuple[str, int, int]], batch_chars: int) -> int:
+    """Tokens of the lines of each (path, start, end) slice, one after the other."""
+    return sum(_bare_slice(path, start, end, batch_chars) for path, start, end in tasks)
+
+
+def _bare_tasks(inputs: list[str], workers: int) -> list[list[tuple[str, int, int]]]:
+    """Each process's (path, start, end) slices: the inputs back to back cut into ``workers``
+    runs of equal bytes (a line belongs to the slice that holds its first byte)."""
+    sizes = [os.path.getsize(p) for p in inputs]
+    starts = np.concatenate([[0], np.cumsum(sizes)])
+    bounds = [int(starts[-1]) * k // workers for k in range(workers + 1)]
+    tasks: list[list[tuple[str, int, int]]] = [[] for _ in range(workers)]
+    for k in range(workers):
+        for i, path in enumerate(inputs):
+            lo, hi = max(bounds[k], starts[i]), min(bounds[k + 1], starts[i + 1])
+            if lo < hi:
+                tasks[k].append((path, int(lo - starts[i]), int(hi - starts[i])))
+    return tasks
+
+
+def run_bare(inputs: list[str], tokenizer_json: str, workers: int) -> dict:
     from bert_ds.data_tools.build import CHUNK_CHARS
 
-    size = os.path.getsize(corpus)
-    bounds = [size * k // workers for k in range(workers + 1)]
+    tasks = _bare_tasks(inputs, workers)
     ctx = multiprocessing.get_context("spawn")
-    t0 = time.perf_counter()
-    with ctx.Pool(workers, initializer=_bare_init, initargs=(tokenizer_json,)) as pool:
-        counts = pool.starmap(_bare_slice, [(corpus, bounds[k], bounds[k + 1], CHUNK_CHARS) for k in range(workers)])
-    seconds = time.perf_counter() - t0
-    return {"seconds": seconds, "tokens": sum(counts), "input_bytes": size}
+    t0, cpu0 = time.perf_counter(), _cpu_seconds()
+    pool = ctx.Pool(workers, initializer=_bare_init, initargs=(tokenizer_json,))
+    counts = pool.starmap(_bare_files, [(t, CHUNK_CHARS) for t in tasks])
+    pool.close()
+    pool.join()  # waited for: their CPU time is counted
+    seconds, cpu = time.perf_counter() - t0, _cpu_seconds() - cpu0
+    return {"seconds": seconds, "cpu_seconds": cpu, "tokens": sum(counts),
+            "input_bytes": sum(os.path.getsize(p) for p in inputs)}
 
 
 def _datasets_child(conn, corpus: str, tokenizer_dir: str, work: str, workers: int) -> None:
@@ -292,7 +352,7 @@ def _run_datasets(corpus: str, tokenizer_dir: str, work: str, workers: int) -> d
 
 # -- the run ---------------------------------------------------------------------------------------
 
-def run(corpus_mb: float, workers: int, vocab_size: int,
+def run(corpus_mb: float, workers: int, vocab_size: int, files: int | None = None,
         log=lambda msg: print(msg, file=sys.stderr, flush=True)) -> dict:
     """All measurements; the dict that --json writes."""
     load_before = os.getloadavg()
@@ -308,11 +368,13 @@ def run(corpus_mb: float, workers: int, vocab_size: int,
 
         log(f"bench: 1. data_tools build, {workers} worker(s)")
         shards = work / "shards"
-        b = _in_child(_build_child, str(corpus), str(shards), str(work / "vocab.txt"), workers)
+        b = _in_child(_build_child, [str(corpus)], str(shards), str(work / "vocab.txt"), workers)
         log(f"bench: 1. bare tokenizers, {workers} process(es)")
-        bare = run_bare(str(corpus), (shards / "tokenizer.json").read_text(encoding="utf-8"), workers)
+        tokenizer_json = (shards / "tokenizer.json").read_text(encoding="utf-8")
+        bare = run_bare([str(corpus)], tokenizer_json, workers)
         log(f"bench: 2. datasets from_text -> map -> save_to_disk, num_proc {workers}")
         hf = _in_child(_datasets_child, str(corpus), str(shards), str(work / "hf"), workers)
+        many = _many_files(work, corpus, files, tokenizer_json, workers, log) if files else None
     return {
         "corpus": {"source": f"{SAMPLE_DIR} ({', '.join(SAMPLE_FILES)}) repeated", "bytes": corpus_bytes,
                    "copies": round(copies, 3)},
@@ -325,7 +387,21 @@ def run(corpus_mb: float, workers: int, vocab_size: int,
         "build": b,
         "bare_tokenizers": bare,
         "datasets": hf,
+        **({"many_files": many} if many else {}),
     }
+
+
+def _many_files(work: Path, corpus: Path, files: int, tokenizer_json: str, workers: int, log) -> dict:
+    """Figure 1 again on the corpus cut into about ``files`` files of varied size."""
+    paths = split_corpus(corpus, work / "files", files)
+    sizes = [p.stat().st_size for p in paths]
+    inputs = [str(p) for p in paths]
+    log(f"bench: 1b. data_tools build on {len(paths):,} files of {min(sizes):,}-{max(sizes):,} bytes")
+    b = _in_child(_build_child, inputs, str(work / "files_shards"), str(work / "vocab.txt"), workers)
+    log(f"bench: 1b. bare tokenizers on the same files, {workers} process(es)")
+    bare = run_bare(inputs, tokenizer_json, workers)
+    return {"files": len(paths), "min_bytes": min(sizes), "max_bytes": max(sizes), "build": b,
+            "bare_tokenizers": bare}
 
 
 def figures(r: dict) -> list[Figure]:
@@ -345,7 +421,7 @@ def figures(r: dict) -> list[Figure]:
         Figure("build / bare tokenizers", ratio, f"{ratio:.2f}", ">= 0.90", ratio >= 0.90,
                f"build {mbs:.2f} MB/s, {b['tokens'] / b['seconds']:,.0f} tokens/s ({b['seconds']:.1f} s); "
                f"bare tokenizers {bare_mbs:.2f} MB/s, {bare['tokens'] / bare['seconds']:,.0f} tokens/s "
-               f"({bare['seconds']:.1f} s); {n} process(es) each"),
+               f"({bare['seconds']:.1f} s); {n} process(es) each; {_cpu_note(b, bare)}"),
         Figure("build / datasets map+save_to_disk", speedup, f"{speedup:.2f}x", ">= 1.5x", speedup >= 1.5,
                f"datasets {hf_mbs:.2f} MB/s ({hf['seconds']:.1f} s, num_proc {n}) vs build {mbs:.2f} MB/s"),
         Figure("bytes on disk per token", bpt, f"{bpt:.3f}", "<= 2.2", bpt <= 2.2,
@@ -355,7 +431,24 @@ def figures(r: dict) -> list[Figure]:
                f"on a {corpus:.1f} MB corpus (goal stated for 1 GB; a worker's memory does not grow with it)"
                + ("; --workers 1: the build process itself" if n == 1 else
                   f"; build main process {b['main_peak_rss'] / MB:,.0f} MB")),
-    ]
+    ] + ([_many_files_figure(r["many_files"], n)] if "many_files" in r else [])
+
+
+def _many_files_figure(m: dict, workers: int) -> Figure:
+    b, bare = m["build"], m["bare_tokenizers"]
+    mbs = b["input_bytes"] / b["seconds"] / MB
+    bare_mbs = bare["input_bytes"] / bare["seconds"] / MB
+    ratio = mbs / bare_mbs
+    return Figure(f"build / bare tokenizers, {m['files']:,} files", ratio, f"{ratio:.2f}", ">= 0.90", ratio >= 0.90,
+                  f"{m['files']:,} files of {m['min_bytes']:,}-{m['max_bytes']:,} bytes: build {mbs:.2f} MB/s "
+                  f"({b['seconds']:.1f} s), bare tokenizers {bare_mbs:.2f} MB/s ({bare['seconds']:.1f} s); "
+                  f"{workers} process(es) each; {_cpu_note(b, bare)}")
+
+
+def _cpu_note(b: dict, bare: dict) -> str:
+    """CPU seconds per input byte of bare over build: the ratio's ceiling when the machine is busy."""
+    per_byte = (bare["cpu_seconds"] / bare["input_bytes"]) / (b["cpu_seconds"] / b["input_bytes"])
+    return f"CPU: build {b['cpu_seconds']:.1f} s, bare {bare['cpu_seconds']:.1f} s (bare/build per byte {per_byte:.2f})"
 
 
 def format_report(r: dict, figs: list[Figure]) -> str:
@@ -377,8 +470,8 @@ def format_report(r: dict, figs: list[Figure]) -> str:
     return "\n".join(lines)
 
 
-def main(corpus_mb: float, workers: int, vocab_size: int, json_path: str | None) -> int:
-    r = run(corpus_mb, workers, vocab_size)
+def main(corpus_mb: float, workers: int, vocab_size: int, json_path: str | None, files: int | None = None) -> int:
+    r = run(corpus_mb, workers, vocab_size, files)
     figs = figures(r)
     r["figures"] = [f.to_dict() for f in figs]
     print(format_report(r, figs))

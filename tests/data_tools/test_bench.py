@@ -33,3 +33,40 @@ def test_bench_prints_every_figure_beside_its_goal(tmp_path):
         assert float(re.sub(r"[^0-9.]", "", measured)) > 0 and fig["value"] > 0, row
         assert fig["goal"] in row and row.rstrip().endswith("yes" if fig["met"] else "NO"), row
         assert fig["how"] and f"{i}. {fig['how']}" in proc.stdout
+
+
+def test_split_corpus_keeps_every_byte_in_files_of_varied_size(tmp_path):
+    from bert_ds.data_tools.bench import make_corpus, split_corpus
+
+    corpus = tmp_path / "corpus.txt"
+    size, _ = make_corpus(corpus, 400_000)
+    paths = split_corpus(corpus, tmp_path / "files", 40)
+    sizes = [p.stat().st_size for p in paths]
+    assert b"".join(p.read_bytes() for p in paths) == corpus.read_bytes()
+    assert all(p.read_bytes().endswith(b"\n") for p in paths)  # cut at line ends only
+    assert 20 <= len(paths) <= 80 and sum(sizes) == size
+    assert max(sizes) > 5 * min(sizes)  # varied, not equal pieces
+
+
+def test_bench_files_reports_the_many_files_layout(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bert_ds.data_tools", "bench", "--corpus-mb", "1", "--workers", "2", "--vocab-size",
+         "2000", "--files", "30", "--json", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    many = report["many_files"]
+    assert 15 <= many["files"] <= 60 and 0 < many["min_bytes"] < many["max_bytes"]
+    # The same text in other files: the same bytes in, the same sentences and tokens out.
+    assert many["build"]["input_bytes"] == many["bare_tokenizers"]["input_bytes"] == report["corpus"]["bytes"]
+    for key in ("tokens", "sentences"):
+        assert many["build"][key] == report["build"][key]
+    for run in (report["build"], report["bare_tokenizers"], many["build"], many["bare_tokenizers"]):
+        assert 0 < run["cpu_seconds"] < 2 * 60  # workers' CPU counted, not only the main process's
+    fig = report["figures"][-1]
+    assert [f["name"] for f in report["figures"][:-1]] == FIGURES
+    assert fig["name"] == f"build / bare tokenizers, {many['files']:,} files" and fig["value"] > 0
+    row = next(line for line in proc.stdout.split("\n") if line.startswith(f"5. {fig['name']} "))
+    assert fig["shown"] in row and fig["goal"] in row

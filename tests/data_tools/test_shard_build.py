@@ -350,3 +350,28 @@ def test_text_holding_the_marker_is_encoded_one_by_one(sample):
     for a, b in zip(tok(parts, [True, True]), one_by_one, strict=True):
         assert np.array_equal(a, b)
     assert list(one_by_one[2]) == [3, 1]
+
+
+def test_sentences_cut_at_mark_ids_encode_as_one_by_one(sample):
+    out, _ = sample
+    lines = TRICKY_LINES * 3 + SAMPLE.read_text(encoding="utf-8").split("\n")[:300]
+    lines = [s for s in (line.strip() for line in lines) if s]
+    parts = [lines[:7], [], lines[7:40], lines[40:41], lines[41:]]
+    tok, _, _ = _tokenize_both_ways(out, [[]], [True])
+    assert tok.can_mark
+    for split in ([True] * 5, [False] * 5, [True, False, True, False, True]):
+        by_marks, one_by_one = tok._by_marks(parts, split), tok._one_by_one(parts, split)
+        assert by_marks is not None
+        for a, b in zip(by_marks, one_by_one, strict=True):
+            assert a.dtype == b.dtype and np.array_equal(a, b)
+    assert all(np.array_equal(a, b) for a, b in zip(tok._by_marks([[], []], [True, False]),
+                                                      tok._one_by_one([[], []], [True, False]), strict=True))
+
+
+def test_mark_ids_that_do_not_pair_with_mark_characters_fall_back(sample):
+    out, _ = sample
+    tok, _, one_by_one = _tokenize_both_ways(out, [["One. Two, three. Four"], ["Five!"]], [True, True])
+    tok.mark_ids = np.array([tok.mark_ids[0], tok.encode([","], add_special_tokens=False)[0].ids[0]], dtype=np.uint32)
+    assert tok._by_marks([["One. Two, three. Four"], ["Five!"]], [True, True]) is None  # "," counted, "!" not
+    for a, b in zip(tok([["One. Two, three. Four"], ["Five!"]], [True, True]), one_by_one, strict=True):
+        assert np.array_equal(a, b)
