@@ -26,7 +26,7 @@ import os
 import signal
 import sys
 
-from bert_ds.base.errors import UserError, report
+from bert_ds.base.errors import guarded
 
 
 def _positive_float(text: str) -> float:
@@ -227,9 +227,7 @@ def _bench(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        return args.func(args)
-    except UserError as e:
-        return report(e)
+        return guarded(lambda: args.func(args))
     except BrokenPipeError:  # stdout closed early (`inspect DIR --decode 9 | head`): not a failure
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0

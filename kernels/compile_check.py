@@ -55,7 +55,7 @@ from pathlib import Path
 from types import ModuleType
 
 from bert_ds.base.atomic import atomic_write
-from bert_ds.base.errors import UserError, report
+from bert_ds.base.errors import UserError, guarded
 from bert_ds.kernels import _build
 
 REPO = Path(__file__).resolve().parents[1]
@@ -432,10 +432,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.with_torch:
         return check_sources(args.verbose)
-    try:
-        return with_torch(args.index_url)
-    except UserError as error:
-        return report(error)
+    return guarded(lambda: with_torch(args.index_url))
 
 
 if __name__ == "__main__":

@@ -74,13 +74,14 @@ def report(err: Exception | str) -> int:
     return err.exit_status if isinstance(err, Failure) else EXIT_USER_ERROR
 
 
-def guarded(body: Callable[[], object], cleanup: Callable[[], None] | None = None) -> int:
-    """Run an entry point's ``body``: :data:`EXIT_OK` when it returns, a :class:`Failure`'s
-    one line and exit status when it raises one. ``cleanup`` runs on every path, before the
-    line is printed; any other exception passes through with its traceback."""
+def guarded(body: Callable[[], int | None], cleanup: Callable[[], None] | None = None) -> int:
+    """Run an entry point's ``body``: its exit status when it returns one (:data:`EXIT_OK` for
+    ``None``), a :class:`Failure`'s one line and exit status when it raises one. ``cleanup``
+    runs on every path, before the line is printed; any other exception passes through with
+    its traceback. Every command of bert-ds ends through here."""
     try:
-        body()
-        return EXIT_OK
+        status = body()
+        return EXIT_OK if status is None else status
     except Failure as e:
         failure = e
     finally:

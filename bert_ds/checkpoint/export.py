@@ -36,8 +36,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from bert_ds.checkpoint import store as checkpoint
-from bert_ds.base.errors import ConfigError, UserError
-from bert_ds.base.errors import describe, report
+from bert_ds.base.errors import ConfigError, UserError, describe, guarded
 from bert_ds.model.bert import BertForPreTraining, ModelConfig
 from bert_ds.model.padding import gather_tokens, unpad
 from bert_ds.base.atomic import as_umask_allows, fsync_path
@@ -317,12 +316,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out_dir", metavar="OUT_DIR", type=Path,
                         help="folder to write; an earlier export there is replaced once the new one is complete")
     args = parser.parse_args(argv)
-    try:
-        out = export_checkpoint(args.checkpoint_dir, args.out_dir)
-    except UserError as err:
-        return report(err)
-    print(f"exported {args.checkpoint_dir} to {out}")
-    return 0
+    return guarded(lambda: print(f"exported {args.checkpoint_dir} to "
+                                 f"{export_checkpoint(args.checkpoint_dir, args.out_dir)}"))
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from bert_ds.base.errors import UserError, report
+from bert_ds.base.errors import UserError, guarded
 
 MB = 1e6
 SEQ = 128
@@ -309,18 +309,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        if args.keep and args.data:
-            raise UserError("--keep goes with --scale (a dataset given with --data is never removed)")
-        r = run(args.data, args.scale, args.keep, args.loader_seconds, args.draw_seconds)
-    except UserError as e:
-        return report(e)
+    return guarded(lambda: _bench(args))
+
+
+def _bench(args: argparse.Namespace) -> None:
+    if args.keep and args.data:
+        raise UserError("--keep goes with --scale (a dataset given with --data is never removed)")
+    r = run(args.data, args.scale, args.keep, args.loader_seconds, args.draw_seconds)
     figs = figures(r)
     r["figures"] = [{"name": n, "measured": m, "goal": g, "met": ok} for n, m, g, ok in figs]
     print(format_report(r, figs))
     if args.json:
         Path(args.json).write_text(json.dumps(r, indent=2) + "\n", encoding="utf-8")
-    return 0
 
 
 if __name__ == "__main__":

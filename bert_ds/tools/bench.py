@@ -77,7 +77,7 @@ from torch.utils.data import Dataset
 
 from bert_ds.config import BatchPlan
 from bert_ds.loader.pretraining import Batch, PretrainingLoader, SpecialTokens, collate, to_device
-from bert_ds.base.errors import ConfigError, UserError, report
+from bert_ds.base.errors import ConfigError, UserError, guarded
 from bert_ds.model.flops import datasheet_peak_tflops, training_flops
 from bert_ds.model.bert import PRESETS, BertForPreTraining, ModelConfig, model_preset, pretraining_inputs
 from bert_ds.model.padding import IGNORE_INDEX
@@ -624,19 +624,19 @@ def settings_from(args: argparse.Namespace) -> BenchSettings:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        if args.threads is not None:
-            torch.set_num_threads(args.threads)
-        result = run(settings_from(args))
-    except UserError as err:
-        return report(err)
+    return guarded(lambda: _bench(args))
+
+
+def _bench(args: argparse.Namespace) -> None:
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    result = run(settings_from(args))
     text = markdown(result)
     print(text, flush=True)
     for path, content in ((args.json, json.dumps(result, indent=2) + "\n"), (args.markdown, text + "\n")):
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(content)
-    return 0
 
 
 if __name__ == "__main__":

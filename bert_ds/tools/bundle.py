@@ -75,7 +75,7 @@ from packaging.utils import InvalidWheelFilename, canonicalize_name, parse_wheel
 from packaging.version import Version
 
 from bert_ds.base.atomic import atomic_write
-from bert_ds.base.errors import UserError, report
+from bert_ds.base.errors import UserError, guarded
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 MARKER = ".bert-ds-bundle"  # an OUT_DIR holding it is an earlier bundle and may be rewritten
@@ -600,15 +600,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--extra-index-url", action="append", default=[], metavar="URL",
                         help="another package index, e.g. https://download.pytorch.org/whl/cu121 (repeatable)")
     args = parser.parse_args(argv)
-    try:
-        target = make_target(args.python_version, args.platform or ["manylinux_2_28_x86_64"])
-        wheels = make_bundle(args.out_dir, target, args.torch, args.extra_index_url)
-    except UserError as err:
-        return report(err)
+    return guarded(lambda: _bundle(args))
+
+
+def _bundle(args: argparse.Namespace) -> None:
+    target = make_target(args.python_version, args.platform or ["manylinux_2_28_x86_64"])
+    wheels = make_bundle(args.out_dir, target, args.torch, args.extra_index_url)
     size = sum(w.stat().st_size for w in wheels)
     print(f"{len(wheels)} wheels, {size / 2**20:,.0f} MiB, in {args.out_dir}; install with "
           f"{args.out_dir / 'INSTALL.md'}")
-    return 0
 
 
 if __name__ == "__main__":

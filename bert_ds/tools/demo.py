@@ -13,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-from bert_ds.base.errors import UserError, report
+from bert_ds.base.errors import UserError, guarded
 
 SENTENCES = (
     "The European lobster is a species of [MASK] from the eastern Atlantic Ocean .",
@@ -43,26 +43,26 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bert_ds.tools.demo", description=__doc__.split("\n\n")[0])
     p.add_argument("run_dir", type=Path, help="the main job's run folder (holds hf/ and train/)")
     args = p.parse_args(argv)
-    export_dir = args.run_dir / "hf"
-    try:
-        if not (export_dir / "config.json").is_file():
-            raise UserError(f"{export_dir}: no Hugging Face export here (run `./run.sh export` first)")
-        print("== fill-mask with the exported model (transformers.BertForPreTraining) ==")
-        for text, top in zip(SENTENCES, fill_mask(export_dir)):
-            print(f"{text}\n    -> {', '.join(top)}")
-        summary_file = args.run_dir / "train" / "summary.json"
-        if summary_file.is_file():
-            s = json.loads(summary_file.read_text())
-            val = s.get("val") or {}
-            print("== summary ==")
-            print(f"steps {s['steps']}, real tokens/s {s['tokens_per_s']:,.0f}, "
-                  f"loss {s['loss_first']:.3f} -> {s['loss_last']:.3f}")
-            if val:
-                print(f"held-out masked-LM accuracy {val['mlm_acc']:.3f} (NSP accuracy {val['nsp_acc']:.3f})")
-        print(f"export: {export_dir.resolve()}")
-        return 0
-    except UserError as e:
-        return report(e)
+    return guarded(lambda: _demo(args.run_dir))
+
+
+def _demo(run_dir: Path) -> None:
+    export_dir = run_dir / "hf"
+    if not (export_dir / "config.json").is_file():
+        raise UserError(f"{export_dir}: no Hugging Face export here (run `./run.sh export` first)")
+    print("== fill-mask with the exported model (transformers.BertForPreTraining) ==")
+    for text, top in zip(SENTENCES, fill_mask(export_dir)):
+        print(f"{text}\n    -> {', '.join(top)}")
+    summary_file = run_dir / "train" / "summary.json"
+    if summary_file.is_file():
+        s = json.loads(summary_file.read_text())
+        val = s.get("val") or {}
+        print("== summary ==")
+        print(f"steps {s['steps']}, real tokens/s {s['tokens_per_s']:,.0f}, "
+              f"loss {s['loss_first']:.3f} -> {s['loss_last']:.3f}")
+        if val:
+            print(f"held-out masked-LM accuracy {val['mlm_acc']:.3f} (NSP accuracy {val['nsp_acc']:.3f})")
+    print(f"export: {export_dir.resolve()}")
 
 
 if __name__ == "__main__":

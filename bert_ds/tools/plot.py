@@ -33,7 +33,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bert_ds.base.errors import UserError, report
+from bert_ds.base.errors import UserError, guarded
 
 # (metric key, label) per panel; the colours pair train and val of one metric.
 _PANELS = (
@@ -143,13 +143,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("run_dir", metavar="RUN_DIR", type=Path, help="a bert_ds.train --output folder")
     parser.add_argument("--out", type=Path, default=None, help="PNG to write (default: RUN_DIR/metrics.png)")
     args = parser.parse_args(argv)
-    try:
-        train, val = read_metrics(args.run_dir / "metrics.jsonl")
-        out = plot_metrics(train, val, args.out or args.run_dir / "metrics.png", title=str(args.run_dir))
-    except UserError as err:
-        return report(err)
-    print(f"wrote {out} ({len(train)} train steps, {len(val)} validation passes)")
-    return 0
+    return guarded(lambda: _plot(args.run_dir, args.out))
+
+
+def _plot(run_dir: Path, out: Path | None) -> None:
+    train, val = read_metrics(run_dir / "metrics.jsonl")
+    written = plot_metrics(train, val, out or run_dir / "metrics.png", title=str(run_dir))
+    print(f"wrote {written} ({len(train)} train steps, {len(val)} validation passes)")
 
 
 if __name__ == "__main__":

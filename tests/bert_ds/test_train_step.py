@@ -163,3 +163,4 @@ def test_every_failure_has_its_exit_status_and_one_line(capsys):
     with pytest.raises(ZeroDivisionError):  # a bug keeps its traceback, and cleanup still runs
         guarded(lambda: 1 / 0, cleanup=lambda: cleaned.append("bug"))
     assert cleaned[-1] == "bug"
+    assert guarded(lambda: 1) == 1  # a command that returns its own status (verify: 1 on damage) keeps it
