@@ -1,4 +1,4 @@
-"""Crash-safe file writing, shared by shards, manifests, tokenizer files and checkpoints.
+"""Crash-safe file writing, shared by shards, manifests, tokenizer files, sample maps and checkpoints.
 
 A file reaches its final name only complete: it is written under a temporary name,
 fsynced, renamed with ``os.replace`` (atomic on POSIX), and the directory is fsynced
@@ -7,9 +7,12 @@ so the rename itself survives a power cut.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 _BLOCK = 1 << 22
 
@@ -31,18 +34,31 @@ def write_synced(path: str | os.PathLike, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
-def atomic_write(path: str | os.PathLike, data: bytes | str) -> Path:
-    """Replace ``path`` with ``data`` so readers see the old file or the new one, never a part."""
+@contextlib.contextmanager
+def atomic_file(path: str | os.PathLike) -> Iterator[BinaryIO]:
+    """``with atomic_file(path) as f:`` write ``path`` through ``f``, as the data comes; readers
+    see the old file or the new one, never a part. On any exception nothing replaces ``path``
+    and the temporary file is removed. One temporary name per path: callers that may race
+    on the same path hold a lock."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     try:
-        write_synced(tmp, data.encode("utf-8") if isinstance(data, str) else data)
+        with open(tmp, "wb") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     fsync_path(path.parent)
-    return path
+
+
+def atomic_write(path: str | os.PathLike, data: bytes | str) -> Path:
+    """Replace ``path`` with ``data`` so readers see the old file or the new one, never a part."""
+    with atomic_file(path) as f:
+        f.write(data.encode("utf-8") if isinstance(data, str) else data)
+    return Path(path)
 
 
 def process_umask() -> int:

@@ -51,7 +51,7 @@ from typing import Literal
 
 import numpy as np
 
-from bert_ds.base.atomic import fsync_path
+from bert_ds.base.atomic import atomic_file
 from bert_ds.base.errors import ShardError
 from bert_ds.data_tools.shard_format import ShardIndex, ShardReader
 from bert_ds.loader.permutation import mix64
@@ -324,31 +324,22 @@ def load_array(path: Path, columns: int | None) -> np.ndarray | None:
 def save_array(path: Path, parts: Iterable[np.ndarray], dtype: np.dtype, columns: int) -> None:
     """Write the concatenation of ``parts`` (``dtype``, ``columns`` columns, 0: 1-D) as ``path``
     (an .npy file), each part as it comes, so that only one part is in memory at a time; readers
-    see a whole file or none: temporary name, fsync, rename. Only the lock holder writes, so one
-    temporary name is enough; one left by a killed builder is overwritten.
+    see a whole file or none (:func:`~bert_ds.base.atomic.atomic_file`). Only the lock holder
+    writes, so one temporary name is enough; one left by a killed builder is overwritten.
 
     The row count is known at the end: the header is written first with 0 rows and rewritten in
     place (numpy pads the header so that the row count can grow to 21 digits in place).
     """
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with open(tmp, "wb") as f:
-            _write_npy_header(f, dtype, columns, 0)
-            data_start, rows = f.tell(), 0
-            for part in parts:
-                f.write(np.ascontiguousarray(part, dtype=dtype).data)
-                rows += len(part)
-            f.seek(0)
-            _write_npy_header(f, dtype, columns, rows)
-            if f.tell() != data_start:
-                raise ValueError(f"{tmp}: the .npy header changed size when its row count was written")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_path(path.parent)
+    with atomic_file(path) as f:
+        _write_npy_header(f, dtype, columns, 0)
+        data_start, rows = f.tell(), 0
+        for part in parts:
+            f.write(np.ascontiguousarray(part, dtype=dtype).data)
+            rows += len(part)
+        f.seek(0)
+        _write_npy_header(f, dtype, columns, rows)
+        if f.tell() != data_start:
+            raise ValueError(f"{path}: the .npy header changed size when its row count was written")
 
 
 def _write_npy_header(f, dtype: np.dtype, columns: int, rows: int) -> None:
