@@ -78,7 +78,7 @@ def guarded(body: Callable[[], int | None], cleanup: Callable[[], None] | None =
     """Run an entry point's ``body``: its exit status when it returns one (:data:`EXIT_OK` for
     ``None``), a :class:`Failure`'s one line and exit status when it raises one. ``cleanup``
     runs on every path, before the line is printed; any other exception passes through with
-    its traceback. Every command of bert-ds ends through here."""
+    its traceback."""
     try:
         status = body()
         return EXIT_OK if status is None else status
