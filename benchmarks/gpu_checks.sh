@@ -38,22 +38,45 @@ out=${1:-benchmarks/results/$gpu-$(date +%Y-%m-%d)}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 failed=0
-step() {  # step NAME COMMAND...: run, keep stdout+stderr in OUT/NAME.log, count a failure
-    local name=$1; shift
-    echo "== $name: $*"
-    "$@" 2>&1 | tee "$out/$name.log" || { echo "== $name FAILED"; failed=$((failed + 1)); }
+# ONLY="name ..." runs just those steps (a lease split over several calls).
+wanted() { [[ -z ${ONLY:-} || " $ONLY " == *" $1 "* ]]; }
+step() {  # step NAME BUDGET_S COMMAND...: run within BUDGET_S, keep stdout+stderr in OUT/NAME.log, count a failure
+    local name=$1 budget=$2; shift 2
+    wanted "$name" || return 0
+    echo "== $name (budget ${budget}s): $*"
+    local start=$SECONDS
+    timeout --kill-after=15 "$budget" "$@" 2>&1 | tee "$out/$name.log"
+    local rc=${PIPESTATUS[0]}
+    echo "$name $rc $((SECONDS - start))" >> "$out/steps.txt"
+    if [[ $rc -ne 0 ]]; then
+        [[ $rc -eq 124 || $rc -eq 137 ]] && echo "== $name ran past its ${budget}s budget"
+        echo "== $name FAILED (exit $rc, $((SECONDS - start))s)"; failed=$((failed + 1))
+    else
+        echo "== $name ok ($((SECONDS - start))s)"
+    fi
 }
-step kernels_build "$python" -m bert_ds.kernels.build --recheck
-step kernels_inspect "$python" -m bert_ds.kernels.inspect --summary
-step test_cuda_ops "$python" -m pytest -q -rs tests/kernels/test_cuda_ops.py
-step kernels_bench "$python" -m bert_ds.kernels.bench --json "$out/kernels_bench.json"
+# Wheels the GPU machine lacks (deepspeed and its requirements), carried in $KIT.
+kit=${KIT:-.whl}
+if ! "$python" -c 'import deepspeed' >/dev/null 2>&1 && compgen -G "$kit/*.whl" >/dev/null; then
+    site=$(mktemp -d)
+    if "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" "$kit"/*.whl; then
+        export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+        echo "== kit: installed $(cd "$kit" && ls *.whl | sed 's/-[0-9].*//' | tr '\n' ' ')into $site"
+    else
+        echo "== kit: pip could not install $kit/*.whl"
+    fi
+fi
+step kernels_build 240 "$python" -m bert_ds.kernels.build --recheck
+step kernels_inspect 90 "$python" -m bert_ds.kernels.inspect --summary
+step test_cuda_ops 180 "$python" -m pytest -q -rs tests/kernels/test_cuda_ops.py
+step kernels_bench 150 "$python" -m bert_ds.kernels.bench --json "$out/kernels_bench.json"
 # shellcheck disable=SC2086  # BENCH_ARGS is a list of words
-step bench "$python" -m bert_ds.tools.bench --json "$out/bench.json" --markdown "$out/bench.md" ${BENCH_ARGS:-}
+step bench 300 "$python" -m bert_ds.tools.bench --json "$out/bench.json" --markdown "$out/bench.md" ${BENCH_ARGS:-}
 if "$python" -c 'import deepspeed' >/dev/null 2>&1; then
     run_dir=$(mktemp -d)
-    step main_job env VENV="$("$python" -c 'import sys; print(sys.prefix)')" SETUP=none RUN_DIR="$run_dir" \
+    step main_job 300 env VENV="$("$python" -c 'import sys; print(sys.prefix)')" SETUP=none RUN_DIR="$run_dir" \
         STEPS="${MAIN_STEPS:-300}" ./run.sh
-    step train_base "$python" -m bert_ds.train --data "$run_dir/data/train" --output "$run_dir/base" \
+    step train_base 240 "$python" -m bert_ds.train --data "$run_dir/data/train" --output "$run_dir/base" \
         --preset base --seq-len 128 --micro-batch-size "${BASE_MICRO:-64}" --global-batch-size "${BASE_MICRO:-64}" \
         --steps "${BASE_STEPS:-60}" --ds-config zero1_bf16.json --optimizer lamb --kernels auto \
         --no-progress --no-tensorboard
