@@ -30,6 +30,7 @@ build against the CUDA build of torch.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import functools
 import hashlib
@@ -38,7 +39,10 @@ import json
 import logging
 import os
 import re
-from collections.abc import Callable
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -144,13 +148,79 @@ def build_into(directory: Path) -> tuple[ModuleType | None, str]:
         return None, "nvcc not found (no CUDA toolkit: set CUDA_HOME or put nvcc on PATH)"
     if not cpp_extension.is_ninja_available():
         return None, "ninja is not installed (pip install ninja), the JIT build needs it"
+    compiler, why_not = host_compiler()
+    if compiler is None:
+        return None, why_not
+    if why_not:
+        logger.warning("kernels: %s", why_not)
     try:
-        module = cpp_extension.load(**build_options(directory))
+        with _environment(CXX=compiler):
+            module = cpp_extension.load(**build_options(directory))
     except Exception as error:  # the compiler's output is the exception's text
         log = directory / "build.log"
         log.write_text(str(error))
         return None, f"the build failed: {_first_error_line(str(error))} (full log: {log})"
     return module, ""
+
+
+def host_compiler() -> tuple[str | None, str]:
+    """The C++ compiler that links the extension: ``(compiler, note)``, or ``(None, why none)``.
+
+    torch's JIT build compiles and links with ``$CXX`` (else ``c++``). A compiler that links
+    the C++ runtime statically (GCC configured ``--with-static-standard-libraries``; one GPU
+    image's ``CXX=/opt/gcc/bin/g++`` does) puts a second libstdc++ into the extension beside
+    the one Python and torch have loaded. The two disagree about locale facets, so the
+    first error message that formats a number (``TORCH_CHECK(..., x.size(0))``) crashed the
+    process with a segmentation fault, while the kernels themselves ran and passed their
+    self-check (seen on an H100 machine, torch 2.11, 2026-11-24). So the compiler must link
+    ``libstdc++.so``; where ``$CXX`` does not, ``c++`` or ``g++`` from PATH is used, with a
+    note; where none does, nothing is built.
+    """
+    wanted = os.environ.get("CXX") or "c++"
+    if _links_libstdcxx_dynamically(wanted) is not False:  # True, or cannot tell: torch's choice stands
+        return wanted, ""
+    for candidate in ("c++", "g++"):
+        path = shutil.which(candidate)
+        if path and os.path.realpath(path) != os.path.realpath(shutil.which(wanted) or wanted) \
+                and _links_libstdcxx_dynamically(path):
+            return path, (f"CXX={wanted} links libstdc++ statically, which crashes the extension's error "
+                          f"messages; building with {path} instead")
+    return None, (f"the C++ compiler CXX={wanted} links libstdc++ statically (a second C++ runtime in the "
+                  "extension crashes its error messages): set CXX to a compiler that links it dynamically")
+
+
+def _links_libstdcxx_dynamically(compiler: str) -> bool | None:
+    """Whether a shared object ``compiler`` links NEEDs ``libstdc++.so``; None when it cannot be told."""
+    readelf = shutil.which("readelf")
+    if readelf is None or shutil.which(compiler) is None:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        probe = Path(tmp) / "probe.so"
+        source = ("#include <sstream>\n#include <string>\n"
+                  "std::string f(long x) { std::ostringstream s; s << x; return s.str(); }\n")
+        try:
+            subprocess.run([compiler, "-shared", "-fPIC", "-x", "c++", "-", "-o", str(probe)], input=source,
+                           text=True, capture_output=True, timeout=120, check=True)
+            dynamic = subprocess.run([readelf, "-d", str(probe)], text=True, capture_output=True, timeout=30,
+                                     check=True).stdout
+        except (OSError, subprocess.SubprocessError):
+            return None
+    return "libstdc++.so" in dynamic
+
+
+@contextlib.contextmanager
+def _environment(**values: str) -> Iterator[None]:
+    """Sets environment variables for the duration of the block, then restores them."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _first_error_line(text: str) -> str:

@@ -464,15 +464,18 @@ def projection(result: dict[str, Any]) -> dict[str, Any]:
             "anchor_mfu": anchor_mfu(per_token), "variants": rows, "why": why}
 
 
+def autocast_for(s: BenchSettings, device: torch.device) -> Callable[[], Any]:
+    """The context every variant's forward runs in: bf16 autocast, or nothing (fp32)."""
+    if s.precision == "bf16":
+        return lambda: torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return nullcontext
+
+
 def run(s: BenchSettings) -> dict[str, Any]:
     if s.device == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda: no CUDA device is visible (torch.cuda.is_available() is False)")
     device = torch.device(s.device)
-    if s.precision == "bf16":
-        def autocast():
-            return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-    else:
-        autocast = nullcontext
+    autocast = autocast_for(s, device)
     load_before = os.getloadavg()[0]
     before = probes.measure(device) if s.probes else None
     configs = [run_config(s, preset, seq_len, device, autocast) for preset in s.presets for seq_len in s.seq_lens]

@@ -160,3 +160,50 @@ def test_the_build_command_prints_the_self_check_and_the_speed_verdicts(fresh_lo
     assert ("  layer_norm         runs fused (native 0.052 ms, fused 0.031 ms, forward + backward); "
             "apex not a candidate: apex is not installed\n") in out
     assert "  bias_gelu          runs native (native 0.040 ms, fused 0.050 ms, forward + backward)\n" in out
+
+
+# --------------------------------------------------------------------------- the host compiler
+
+def _wrapper(tmp_path, name: str, flags: str) -> str:
+    """A compiler that runs g++ with extra flags, as an image's own toolchain might."""
+    path = tmp_path / name
+    path.write_text(f'#!/bin/sh\nexec g++ {flags} "$@"\n')
+    path.chmod(0o755)
+    return str(path)
+
+
+needs_gxx = pytest.mark.skipif(not (_build.shutil.which("g++") and _build.shutil.which("readelf")),
+                               reason="needs g++ and readelf (binutils)")
+
+
+@needs_gxx
+def test_a_compiler_that_links_libstdcxx_statically_is_replaced(tmp_path, monkeypatch):
+    # The H100 image's CXX linked a second libstdc++ into the extension, and its error
+    # messages crashed the process (benchmarks/results/H100-2026-11-24/SUMMARY.md).
+    static = _wrapper(tmp_path, "static-g++", "-static-libstdc++")
+    assert _build._links_libstdcxx_dynamically(static) is False
+    monkeypatch.setenv("CXX", static)
+    compiler, note = _build.host_compiler()
+    assert compiler is not None and compiler != static and _build._links_libstdcxx_dynamically(compiler)
+    assert "links libstdc++ statically" in note and compiler in note
+
+
+@needs_gxx
+def test_a_compiler_that_links_libstdcxx_dynamically_is_kept(tmp_path, monkeypatch):
+    dynamic = _wrapper(tmp_path, "plain-g++", "")
+    monkeypatch.setenv("CXX", dynamic)
+    assert _build.host_compiler() == (dynamic, "")
+
+
+@needs_gxx
+def test_no_dynamic_compiler_means_no_build_and_a_reason(tmp_path, monkeypatch):
+    static = _wrapper(tmp_path, "static-g++", "-static-libstdc++")
+    monkeypatch.setenv("CXX", static)
+    monkeypatch.setattr(_build, "_links_libstdcxx_dynamically", lambda compiler: compiler == "never")
+    compiler, reason = _build.host_compiler()
+    assert compiler is None and "set CXX to a compiler that links it dynamically" in reason
+
+
+def test_a_compiler_that_cannot_be_run_leaves_torchs_choice(monkeypatch):
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    assert _build.host_compiler() == ("/nonexistent/c++", "")
