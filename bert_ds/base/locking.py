@@ -10,6 +10,11 @@ Removing a lock file races with a second process that opened it just before: tha
 may lock the removed file while a third creates and locks a new one. So a locker
 checks, after locking, that the path still names the file it locked, and tries again if
 not.
+
+A ``flock`` belongs to the open file, which a forked child shares: loader workers forked
+by a trainer would hold its folder for the seconds they outlive a ``kill -9`` of it. So a
+forked child closes its copy of every held lock at once (``os.register_at_fork``); the
+parent's lock is unaffected.
 """
 
 from __future__ import annotations
@@ -25,6 +30,18 @@ from bert_ds.base.errors import UserError
 LOCK_NAME = ".bert-ds.lock"
 
 
+_held_fds: set[int] = set()  # the locks this process holds (a FolderLock's fd)
+
+
+def _release_in_child() -> None:
+    for fd in _held_fds:
+        os.close(fd)  # the child's copy only: the parent still holds the lock
+    _held_fds.clear()
+
+
+os.register_at_fork(after_in_child=_release_in_child)
+
+
 class FolderBusy(UserError):
     """Another live process holds the folder's lock."""
 
@@ -37,6 +54,7 @@ class FolderLock:
         self.path = self.folder / LOCK_NAME
         self.command = command
         self._fd: int | None = None
+        self._pid = 0
 
     def __enter__(self) -> FolderLock:
         if self.folder.exists() and not self.folder.is_dir():
@@ -57,12 +75,14 @@ class FolderLock:
         os.ftruncate(fd, 0)
         os.write(fd, (f"{self.command} (pid {os.getpid()} on {socket.gethostname()}, since "
                       f"{time.strftime('%Y-%m-%d %H:%M:%S')})\n").encode())
-        self._fd = fd
+        self._fd, self._pid = fd, os.getpid()
+        _held_fds.add(fd)
         return self
 
     def __exit__(self, *exc) -> None:
-        if self._fd is None:
+        if self._fd is None or self._pid != os.getpid():  # a forked child neither unlinks nor closes
             return
+        _held_fds.discard(self._fd)
         try:
             self.path.unlink(missing_ok=True)  # while still locked: no one can take a file about to vanish
         finally:

@@ -58,7 +58,7 @@ from bert_ds.config import DataConfig, OptimConfig, TrainConfig, check_writable,
 from bert_ds.model.bert import PRESETS, ModelConfig, model_preset
 from bert_ds.train.faults import Faults
 from bert_ds.train.loop import RunOptions, batch_plan, run
-from bert_ds.train.session import entry, output_lock, training_session
+from bert_ds.train.session import entry, locked_session
 from bert_ds.train.summary import print_summary
 
 DEFAULT_PRESET = "mini"  # without --preset and without a checkpoint to resume
@@ -184,8 +184,7 @@ def _train(args: argparse.Namespace) -> None:
     cfg, options = prepared
     # Every input is checked before the lock, which creates OUTPUT: a refused command
     # leaves no folder behind. run() finds the checkpoint to resume again, under the lock.
-    with output_lock(cfg.output, "bert_ds.train"), \
-            training_session(cfg.collective_timeout) as (rank, world, device, stop):
+    with locked_session(cfg.output, "bert_ds.train", cfg.collective_timeout) as (rank, world, device, stop):
         summary = run(cfg, args.resume == "auto", rank, world, device, options, stop)
         if rank == 0:
             print_summary(summary)

@@ -46,7 +46,7 @@ from bert_ds.config import TrainConfig
 from bert_ds.base.errors import ConfigError
 from bert_ds.model.bert import PRESETS, model_preset
 from bert_ds.train.loop import run
-from bert_ds.train.session import entry, output_lock, training_session
+from bert_ds.train.session import entry, locked_session
 from bert_ds.train.summary import print_summary
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
@@ -192,8 +192,9 @@ def main(argv: list[str] | None = None) -> int:
                       f"{cfg.global_batch_size} (micro {cfg.micro_batch_size}), lr {cfg.optim.lr:g}, "
                       f"warm-up {cfg.optim.warmup_steps}, {cfg.ds_config} -> {cfg.output}")
             return
-        with (output_lock(plan.output, "bert_ds.train.phases"),  # the phases' folders are inside it
-              training_session(configs[0].collective_timeout) as (rank, world, device, stop)):
+        # the phases' folders are inside plan.output: its lock covers them
+        with locked_session(plan.output, "bert_ds.train.phases", configs[0].collective_timeout) as (
+                rank, world, device, stop):
             say = print if rank == 0 else (lambda *a, **k: None)
             previous: Path | None = None
             for phase, cfg in zip(plan.phases, configs):

@@ -5,7 +5,8 @@ folder's lock, and the entry point's exit status.
   ``error:`` line and the exit status of :mod:`bert_ds.base.errors`, where every status is
   defined) and destroys the process group on every path.
 - :func:`training_session` installs the stop-signal handlers (:mod:`.signals`) before the
-  process group exists, so that a signal during start-up ends the process at once.
+  process group exists, so that a signal during start-up ends the process at once;
+  :func:`locked_session` holds the run folder's lock around it, and a refusal ends every rank.
 - :func:`peer_failures` turns a collective that failed on a hung or dead peer into a
   :class:`~bert_ds.base.errors.RankFailure` naming the ranks that did not report back.
 """
@@ -26,7 +27,7 @@ import torch.distributed as dist
 
 from bert_ds import zero
 from bert_ds.base.errors import RankFailure, guarded
-from bert_ds.base.locking import FolderLock
+from bert_ds.base.locking import FolderBusy, FolderLock
 from bert_ds.train.signals import StopRequest
 
 
@@ -88,21 +89,37 @@ def training_session(collective_timeout: float) -> Iterator[tuple[int, int, torc
 
 
 @contextlib.contextmanager
-def output_lock(output: str | os.PathLike, command: str) -> Iterator[None]:
-    """Hold OUTPUT's folder lock (``bert_ds.base.locking``) for the run's whole life, so that a
-    second run into the same folder refuses (R17) before it reads or builds anything.
+def locked_session(output: str | os.PathLike, command: str,
+                   collective_timeout: float) -> Iterator[tuple[int, int, torch.device, StopRequest]]:
+    """OUTPUT's folder lock (``bert_ds.base.locking``) for the run's whole life, around
+    :func:`training_session`: a second run into the same folder is refused (R17) before it
+    reads or builds anything, on every rank at once.
 
     Only global rank 0 (the launcher's ``RANK``, read before the process group exists) takes
-    it: the ranks of one run share the folder, on one node or, through a shared filesystem,
-    on several, and must not lock each other out. A second run is therefore refused where
-    its rank 0 sees the first run's folder: on the first run's rank-0 node, or anywhere on a
-    shared filesystem. Its other ranks, waiting for rank 0 at the rendezvous, end when their
-    launcher stops them (``torchrun``: SIGTERM, then SIGKILL 30 s later)."""
-    if int(os.environ.get("RANK", "0")) != 0:
-        yield
-        return
-    with FolderLock(output, command):
-        yield
+    the lock: the ranks of one run share the folder, on one node or, through a shared
+    filesystem, on several, and must not lock each other out. A refused rank 0 of a run of
+    several ranks still joins the process group, and every rank learns of the refusal from
+    one all-reduce right after the rendezvous and ends with the same line; a rank 0 that
+    simply exited would leave the others waiting at the rendezvous until their launcher
+    stopped them (torchrun: about 40 s). A run of one rank is refused before any start-up.
+    """
+    refused: FolderBusy | None = None
+    with contextlib.ExitStack() as stack:
+        if int(os.environ.get("RANK", "0")) == 0:
+            try:
+                stack.enter_context(FolderLock(output, command))
+            except FolderBusy as busy:
+                if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+                    raise
+                refused = busy
+        rank, world, device, stop = stack.enter_context(training_session(collective_timeout))
+        if world > 1:
+            flag = torch.tensor([float(refused is not None)], device=device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            if flag.item() > 0:
+                raise refused or FolderBusy(f"{output} is in use: rank 0 refused the run (its own line names "
+                                            "the holder)")
+        yield rank, world, device, stop
 
 
 @contextlib.contextmanager

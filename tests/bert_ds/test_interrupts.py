@@ -197,7 +197,9 @@ def test_r13_sigterm_during_validation_abandons_the_pass(sample_data, tmp_path, 
 def test_r17_a_second_run_into_the_folder_is_refused_and_a_killed_holder_blocks_nothing(sample_data, tmp_path,
                                                                                          group_cleanup):
     out = tmp_path / "run"
-    first = _start_group(_args(sample_data, out, "--steps", "500"), 1, tmp_path / "first.log")
+    # With a loader worker: forked while the trainer holds the folder, it outlives a kill -9
+    # of the trainer by seconds, and must not hold the folder meanwhile.
+    first = _start_group(_args(sample_data, out, "--steps", "500", "--num-workers", "1"), 1, tmp_path / "first.log")
     group_cleanup(first)
     _wait_for_step(out, 1, first)
     t = time.monotonic()
@@ -209,8 +211,26 @@ def test_r17_a_second_run_into_the_folder_is_refused_and_a_killed_holder_blocks_
     assert err[0].startswith("error: ") and f"bert_ds.train (pid {first.pid} " in err[0]
     assert first.poll() is None
 
-    os.killpg(first.pid, signal.SIGKILL)
+    # Two ranks refused: rank 0 says why, rank 1 learns it from rank 0 instead of waiting
+    # at the rendezvous for torchrun to stop it.
+    t = time.monotonic()
+    second = run_cli(*_args(sample_data, out, "--steps", "500"), nproc=2, check=False, timeout=120)
+    refused_s = time.monotonic() - t
+    print(f"R17: 2 ranks into a busy folder: exit {second.returncode} after {refused_s:.1f} s")
+    assert second.returncode != 0 and refused_s < 30, second.stderr[-3000:]
+    assert f"bert_ds.train (pid {first.pid} " in second.stderr and "rank 0 refused the run" in second.stderr
+    assert first.poll() is None
+
+    workers = [pid for pid in _children(first.pid)]
+    assert workers, "the trainer runs a loader worker"
+    os.kill(first.pid, signal.SIGKILL)  # the trainer alone: its worker lives on for a while
     first.wait()
     third = run_cli(*_args(sample_data, out, "--steps", "2"), check=False)
     assert third.returncode == 0, third.stderr[-3000:]
     assert not (out / ".bert-ds.lock").exists()  # released and removed by its holder
+
+
+def _children(pid: int) -> list[int]:
+    """The live child processes of ``pid`` (Linux /proc)."""
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(c) for c in path.read_text().split()] if path.exists() else []

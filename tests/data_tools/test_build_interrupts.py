@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from bert_ds.data_tools.build import JOURNAL_NAME, BuildOptions, build
-from bert_ds.base.locking import LOCK_NAME, FolderLock
+from bert_ds.base.locking import LOCK_NAME, FolderBusy, FolderLock
 from bert_ds.data_tools.manifest import MANIFEST_NAME
 from bert_ds.data_tools.shard_format import ShardReader
 from tests.conftest import REPO, cli_env
@@ -122,3 +122,26 @@ def test_a_lock_left_by_a_killed_holder_does_not_block(tmp_path):
     assert (out / LOCK_NAME).exists()  # left behind, but no longer locked
     with FolderLock(out, "the next run"):
         assert "the next run" in (out / LOCK_NAME).read_text()
+
+
+def test_a_child_forked_by_a_killed_holder_does_not_keep_the_lock(tmp_path):
+    # A trainer's loader workers are forked while it holds its folder; they outlive a
+    # kill -9 of it by seconds and must not hold the folder meanwhile.
+    out = tmp_path / "run"
+    holder = subprocess.Popen([sys.executable, "-c", "import os, sys, time; from bert_ds.base.locking import FolderLock\n"
+                               f"FolderLock({str(out)!r}, 'a trainer').__enter__()\n"
+                               "child = os.fork()\n"
+                               "if child == 0:\n    time.sleep(60); os._exit(0)\n"
+                               "print(child, flush=True); time.sleep(60)"],
+                              cwd=REPO, env=cli_env(), stdout=subprocess.PIPE, text=True)
+    child = int(holder.stdout.readline())
+    try:
+        with pytest.raises(FolderBusy, match="in use by a trainer"):  # the parent still holds it
+            FolderLock(out, "too early").__enter__()
+        holder.kill()
+        holder.wait()
+        os.kill(child, 0)  # the forked child is still alive ...
+        with FolderLock(out, "the next run"):  # ... and the folder is free
+            assert "the next run" in (out / LOCK_NAME).read_text()
+    finally:
+        os.kill(child, signal.SIGKILL)
