@@ -98,15 +98,16 @@ def run_command(cmd: list[str], timeout: float, env: dict[str, str] | None = Non
 
 
 def run_cli(*args: str, timeout: float = 600, check: bool = True, nproc: int = 1,
-            launcher: str = "torchrun") -> subprocess.CompletedProcess:
-    """Run ``python -m ARGS`` (``nproc`` > 1: under torchrun or the deepspeed launcher)."""
+            launcher: str = "torchrun", env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run ``python -m ARGS`` (``nproc`` > 1: under torchrun or the deepspeed launcher), in
+    ``env`` (default :func:`cli_env`)."""
     cmd = [sys.executable, "-m"]
     if nproc > 1 and launcher == "torchrun":
         cmd += ["torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m"]
     elif nproc > 1:
         port = str(20000 + os.getpid() % 20000)
         cmd += ["deepspeed.launcher.runner", f"--num_gpus={nproc}", f"--master_port={port}", "--module"]
-    proc = run_command(cmd + list(args), timeout)
+    proc = run_command(cmd + list(args), timeout, env)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(args)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"
                              f"\n--- stderr\n{proc.stderr[-6000:]}")
