@@ -1,43 +1,82 @@
 #!/usr/bin/env bash
 # Every check of bert-ds that needs a GPU, in one command, with its results in one folder:
 #
-#   benchmarks/gpu_checks.sh [OUT_DIR]     (default: benchmarks/results/<gpu>-<yyyy-mm-dd>)
+#   benchmarks/gpu_checks.sh [--rehearse] [OUT_DIR]
+#       OUT_DIR default: benchmarks/results/<gpu>-<yyyy-mm-dd> (rehearsal: <tmp>/rehearsal-<date>)
 #
-#   1. python -m bert_ds.kernels.build --recheck             build the extension, self-check every op and time
-#                                                     each against its native alternative (auto's verdicts)
-#      python -m bert_ds.kernels.inspect --summary            registers, spills, CTAs per SM as that machine's nvcc builds them
-#   2. pytest tests/kernels/test_cuda_ops.py          every fused op and gradient against its reference
-#   3. python -m bert_ds.kernels.bench                        each op against torch eager / compile / SDPA
-#   4. python -m bert_ds.tools.bench                        (a) fused, (b) torch, (c) transformers at
-#                                                     BERT-Base seq 128 and 512, and the projection
-#   5. ./run.sh (the main job, MAIN_STEPS steps)      only where DeepSpeed imports: training on the
-#                                                     GPU under ZeRO-1 bf16 with LAMB, export, fill-mask
-#   6. python -m bert_ds.train --preset base          only where DeepSpeed imports: BERT-Base at seq 128
-#                                                     through the engine path a user runs (ZeRO-1, bf16,
-#                                                     LAMB, kernels=auto) for BASE_STEPS steps; its real
-#                                                     tokens/s and MFU (summary in train_base_summary.json)
+#   step             what                                                          H100, 2026-11-24
+#   kernels_build    python -m bert_ds.kernels.build --recheck: JIT build, self-check,      53 s
+#                    kernels=auto's race (its verdicts)
+#   kernels_inspect  python -m bert_ds.kernels.inspect --summary: registers, spills,       17 s
+#                    CTAs per SM as that machine's nvcc builds them
+#   test_cuda_ops    pytest tests/kernels/test_cuda_ops.py: every fused op and gradient    20 s
+#                    against its reference
+#   kernels_bench    python -m bert_ds.kernels.bench: each op against eager, compile,      58 s
+#                    SDPA, varlen_attn, with its roofline
+#   bench            python -m bert_ds.tools.bench: (a) fused, (b) torch, (c) transformers  49 s
+#                    at BERT-Base seq 128 and 512, goals and projection
+#   profile          python -m bert_ds.tools.profile_step: one BERT-Base step of (a) under   25 s
+#                    torch.profiler: busy and idle time, syncs, top kernels
+#   main_job         ./run.sh: the main job on the GPU (ZeRO-1 bf16, LAMB, export,          95 s
+#                    fill-mask), MAIN_STEPS steps
+#   train_base       python -m bert_ds.train --preset base: the engine path a user runs     ~60 s
+#                    (ZeRO-1, bf16, LAMB, kernels=auto), BERT's 30,522-word vocabulary,
+#                    the recipe's micro-batch of 256 at seq 128, 4 accumulation steps
+#   summary          python -m bert_ds.tools.gpu_summary: SUMMARY.md, the run in one page     1 s
 #
-# Run it from the repository root with a Python that has torch (CUDA), transformers, tokenizers,
-# safetensors and numpy; steps 1-4 need neither DeepSpeed nor datasets. Every step runs even if an
-# earlier one failed; the exit status is the number of steps that failed. Extra arguments for
-# the model bench go in BENCH_ARGS (e.g. BENCH_ARGS="--preset base,large").
+# The times are the first H100 run's (benchmarks/results/H100-2026-11-24, each a first build
+# or first start) plus the measured cost of what changed since; about 7 minutes in all, each
+# step bounded by its budget below (a step past its budget is stopped and counted failed).
+#
+# Run it from the repository root with a Python that has torch (CUDA), transformers,
+# tokenizers, safetensors and numpy. Wheels the machine lacks (DeepSpeed and its
+# requirements; benchmarks/gpu_kit.sh downloads them) are installed from $KIT (default
+# .gpu-kit) into a scratch target, without an index. Every step runs even if an earlier one
+# failed; the exit status is the number of steps that failed. ONLY="step ..." runs only those
+# steps (train_base needs main_job's data). BENCH_ARGS adds arguments to the model bench.
+#
+# --rehearse runs every step on this CPU machine: the same script, steps, result files and
+# summary, at tiny shapes and a few steps (the fused ops refuse, as they do without a GPU;
+# the kit's wheels are checked to install for Python 3.12 into a scratch target). The test
+# suite runs it (tests/test_gpu_checks.py), so that a broken step, flag or writer is found
+# here and not in a GPU session.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 python=${PYTHON:-python3}
-# The model in the device name: "NVIDIA H100 80GB HBM3" -> H100, "NVIDIA A100-SXM4-80GB" -> A100.
-gpu=$("$python" -c '
+rehearse=0
+if [[ ${1:-} == --rehearse ]]; then
+    rehearse=1
+    shift
+fi
+if [[ ${1:-} == -* ]]; then
+    echo "gpu_checks.sh: unknown option $1 (usage: gpu_checks.sh [--rehearse] [OUT_DIR])" >&2
+    exit 2
+fi
+if ((rehearse)); then
+    gpu=rehearsal
+    export DS_ACCELERATOR=cpu
+else
+    # The model in the device name: "NVIDIA H100 80GB HBM3" -> H100, "NVIDIA A100-SXM4-80GB" -> A100.
+    gpu=$("$python" -c '
 import re, torch
 if torch.cuda.is_available():
     name = torch.cuda.get_device_name().removeprefix("NVIDIA ")
     print((re.search(r"\b[A-Z]+\d+\w*", name) or re.search(r"\w+", name)).group(0))' 2>/dev/null)
-if [[ -z $gpu ]]; then
-    echo "gpu_checks.sh: no CUDA device is visible to $python" >&2
-    exit 2
+    if [[ -z $gpu ]]; then
+        echo "gpu_checks.sh: no CUDA device is visible to $python" >&2
+        exit 2
+    fi
 fi
-out=${1:-benchmarks/results/$gpu-$(date +%Y-%m-%d)}
+if ((rehearse)); then
+    out=${1:-${TMPDIR:-/tmp}/bert-ds-rehearsal-$(date +%Y-%m-%d)}
+else
+    out=${1:-benchmarks/results/$gpu-$(date +%Y-%m-%d)}
+fi
 mkdir -p "$out"
+: > "$out/steps.txt"
 export PYTHONUNBUFFERED=1
 failed=0
+
 # ONLY="name ..." runs just those steps (a lease split over several calls).
 wanted() { [[ -z ${ONLY:-} || " $ONLY " == *" $1 "* ]]; }
 step() {  # step NAME BUDGET_S COMMAND...: run within BUDGET_S, keep stdout+stderr in OUT/NAME.log, count a failure
@@ -47,42 +86,99 @@ step() {  # step NAME BUDGET_S COMMAND...: run within BUDGET_S, keep stdout+stde
     local start=$SECONDS
     timeout --kill-after=15 "$budget" "$@" 2>&1 | tee "$out/$name.log"
     local rc=${PIPESTATUS[0]}
-    echo "$name $rc $((SECONDS - start))" >> "$out/steps.txt"
+    echo "$name $rc $((SECONDS - start)) $budget" >> "$out/steps.txt"
     if [[ $rc -ne 0 ]]; then
         [[ $rc -eq 124 || $rc -eq 137 ]] && echo "== $name ran past its ${budget}s budget"
-        echo "== $name FAILED (exit $rc, $((SECONDS - start))s)"; failed=$((failed + 1))
+        echo "== $name FAILED (exit $rc, $((SECONDS - start))s)"
+        failed=$((failed + 1))
     else
         echo "== $name ok ($((SECONDS - start))s)"
     fi
 }
-# Wheels the GPU machine lacks (deepspeed and its requirements), carried in $KIT.
-kit=${KIT:-.whl}
-if ! "$python" -c 'import deepspeed' >/dev/null 2>&1 && compgen -G "$kit/*.whl" >/dev/null; then
-    site=$(mktemp -d)
-    if "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" "$kit"/*.whl; then
-        export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
-        echo "== kit: installed $(cd "$kit" && ls *.whl | sed 's/-[0-9].*//' | tr '\n' ' ')into $site"
-    else
-        echo "== kit: pip could not install $kit/*.whl"
+
+# ------------------------------------------------------------------ the carried wheels
+kit=${KIT:-.gpu-kit}
+scratch=$(mktemp -d)
+trap 'rm -rf "$scratch"' EXIT
+if compgen -G "$kit/*.whl" >/dev/null; then
+    names=$(cd "$kit" && ls -- *.whl | sed 's/-[0-9].*//' | tr '\n' ' ')
+    if ((rehearse)); then  # the wheels are for the GPU machine's Python: check they install there
+        if "$python" -m pip install -q --no-deps --no-compile --only-binary=:all: --python-version 3.12 \
+            --implementation cp --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
+            --target "$scratch/site" "$kit"/*.whl; then
+            echo "== kit (rehearsal): ${names}install for Python 3.12 from $kit"
+        else
+            echo "== kit (rehearsal): pip cannot install $kit/*.whl for Python 3.12"; failed=$((failed + 1))
+        fi
+    elif ! "$python" -c 'import deepspeed' >/dev/null 2>&1; then
+        if "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$scratch/site" \
+            "$kit"/*.whl; then
+            export PYTHONPATH="$scratch/site${PYTHONPATH:+:$PYTHONPATH}"
+            echo "== kit: installed ${names}from $kit"
+        else
+            echo "== kit: pip could not install $kit/*.whl"
+        fi
     fi
-fi
-step kernels_build 240 "$python" -m bert_ds.kernels.build --recheck
-step kernels_inspect 90 "$python" -m bert_ds.kernels.inspect --summary
-step test_cuda_ops 180 "$python" -m pytest -q -rs tests/kernels/test_cuda_ops.py
-step kernels_bench 150 "$python" -m bert_ds.kernels.bench --json "$out/kernels_bench.json"
-# shellcheck disable=SC2086  # BENCH_ARGS is a list of words
-step bench 300 "$python" -m bert_ds.tools.bench --json "$out/bench.json" --markdown "$out/bench.md" ${BENCH_ARGS:-}
-if "$python" -c 'import deepspeed' >/dev/null 2>&1; then
-    run_dir=$(mktemp -d)
-    step main_job 300 env VENV="$("$python" -c 'import sys; print(sys.prefix)')" SETUP=none RUN_DIR="$run_dir" \
-        STEPS="${MAIN_STEPS:-300}" ./run.sh
-    step train_base 240 "$python" -m bert_ds.train --data "$run_dir/data/train" --output "$run_dir/base" \
-        --preset base --seq-len 128 --micro-batch-size "${BASE_MICRO:-64}" --global-batch-size "${BASE_MICRO:-64}" \
-        --steps "${BASE_STEPS:-60}" --ds-config zero1_bf16.json --optimizer lamb --kernels auto \
-        --no-progress --no-tensorboard
-    cp "$run_dir/base/summary.json" "$out/train_base_summary.json" 2>/dev/null || true
 else
-    echo "== main_job skipped: DeepSpeed does not import in $python (carry its wheel to run it)"
+    echo "== kit: no wheels in $kit (benchmarks/gpu_kit.sh makes them)"
 fi
+missing=$("$python" -c '
+import importlib.util as u
+print(" ".join(m for m in ("deepspeed", "transformers", "tokenizers", "safetensors", "tensorboard", "pytest")
+               if u.find_spec(m) is None))')
+echo "== modules missing: ${missing:-none}"
+
+# ------------------------------------------------------------------ the steps
+if ((rehearse)); then
+    kbench=(--device cpu --models base --tokens 256 --reps 1 --no-compile)
+    bench=(--device cpu --preset tiny --seq-len 64 --steps 2 --warmup 1 --no-probes)
+    profile=(--device cpu --preset tiny --seq-len 64 --steps 1)
+    main_steps=${MAIN_STEPS:-10}
+    base=(--preset tiny --seq-len 64 --micro-batch-size 8 --global-batch-size 16 --steps "${BASE_STEPS:-3}"
+          --ds-config zero1_fp32.json --num-workers 0)
+else
+    kbench=()
+    bench=()
+    profile=(--preset base --seq-len 128)
+    main_steps=${MAIN_STEPS:-300}
+    base=(--preset base --seq-len 128 --micro-batch-size 256 --global-batch-size 1024 --steps "${BASE_STEPS:-30}"
+          --ds-config zero1_bf16.json --num-workers 4)
+fi
+if ((rehearse)); then  # no GPU to build for: the same sources and binding through nvcc and the host compiler
+    step kernels_build 240 "$python" -m bert_ds.kernels.compile_check
+else
+    step kernels_build 240 "$python" -m bert_ds.kernels.build --recheck
+fi
+step kernels_inspect 120 "$python" -m bert_ds.kernels.inspect --summary
+step test_cuda_ops 240 "$python" -m pytest -q -rs -p no:cacheprovider tests/kernels/test_cuda_ops.py
+step kernels_bench 240 "$python" -m bert_ds.kernels.bench --json "$out/kernels_bench.json" "${kbench[@]}"
+# shellcheck disable=SC2086  # BENCH_ARGS is a list of words
+step bench 360 "$python" -m bert_ds.tools.bench --json "$out/bench.json" --markdown "$out/bench.md" "${bench[@]}" \
+    ${BENCH_ARGS:-}
+step profile 180 "$python" -m bert_ds.tools.profile_step --json "$out/profile.json" --markdown "$out/profile.md" \
+    "${profile[@]}"
+if [[ " $missing " == *" deepspeed "* ]]; then
+    echo "== main_job, train_base skipped: DeepSpeed does not import in $python (benchmarks/gpu_kit.sh, then carry $kit)"
+else
+    run_dir=$scratch/run
+    step main_job 360 env VENV="$("$python" -c 'import sys; print(sys.prefix)')" SETUP=none RUN_DIR="$run_dir" \
+        STEPS="$main_steps" ./run.sh
+    # BERT-Base's decoder is as wide as its vocabulary: the main job's 4,096 WordPieces padded to
+    # BERT's 30,522 with [unusedN] entries, as BERT's own vocabulary holds 994 of them.
+    if wanted train_base && [[ -f $run_dir/data/train/vocab.txt ]]; then
+        mkdir -p "$scratch/vocab30522"
+        have=$(wc -l < "$run_dir/data/train/vocab.txt")
+        { cat "$run_dir/data/train/vocab.txt"; seq 0 $((30522 - have - 1)) | sed 's/.*/[unused&]/'; } \
+            > "$scratch/vocab30522/vocab.txt"
+        "$python" -m bert_ds.data_tools build --input data_tools/sample/valid.txt --output "$run_dir/data30522" \
+            --vocab "$scratch/vocab30522/vocab.txt" --split-sentences --workers 4 > "$out/train_base_data.log" 2>&1 \
+            || echo "== train_base: its data failed to build (train_base_data.log)"
+    fi
+    step train_base 300 "$python" -m bert_ds.train --data "$run_dir/data30522" --output "$run_dir/base" \
+        "${base[@]}" --optimizer lamb --kernels auto --no-progress --no-tensorboard
+    cp "$run_dir/base/summary.json" "$out/train_base_summary.json" 2>/dev/null || true
+    cp "$run_dir/base/metrics.jsonl" "$out/train_base_metrics.jsonl" 2>/dev/null || true
+fi
+step summary 60 "$python" -m bert_ds.tools.gpu_summary "$out"
 echo "== results in $out ($failed step(s) failed)"
 exit "$failed"

@@ -1,11 +1,14 @@
-"""Speed of the fused kernels against PyTorch, at BERT-Base and BERT-Large shapes (GPU only).
+"""Speed of the fused kernels against PyTorch, at BERT-Base and BERT-Large shapes.
 
     python -m bert_ds.kernels.bench [--ops layer_norm,bias_gelu,varlen_attention] [--dtype bf16]
-                                    [--tokens 16384] [--reps 30] [--no-compile] [--json FILE]
+                                    [--models base,large] [--tokens 16384] [--reps 30]
+                                    [--no-compile] [--device cuda|cpu] [--json FILE]
 
 Prints a markdown table; ``--json FILE`` also writes every figure with the device,
 driver, torch, CUDA and git commit. On a machine without a CUDA device it says so in
-one line and exits 0.
+one line and exits 0, unless ``--device cpu`` asks for a CPU run: the same cases, tables
+and files with the fused rows refused (``gpu_checks.sh --rehearse`` runs it at tiny
+shapes, so that a broken case or writer is found before a GPU session).
 
 Design choices, and why:
 
@@ -44,6 +47,7 @@ import functools
 import json
 import math
 import sys
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -129,12 +133,19 @@ def roofline(work: Work, device: dict[str, Any]) -> dict[str, float | str]:
 
 # --------------------------------------------------------------------------- timing
 
-def time_ms(fn: Callable[[], Any], reps: int, warmup: int = 3) -> float:
-    """Milliseconds per call: best of three rounds of ``reps`` back-to-back calls."""
+def time_ms(fn: Callable[[], Any], reps: int, warmup: int = 3, device: str = "cuda") -> float:
+    """Milliseconds per call: best of three rounds of ``reps`` back-to-back calls (CUDA
+    events on a GPU, the host clock on a CPU)."""
     for _ in range(warmup):
         fn()
     best = math.inf
     for _ in range(3):
+        if device != "cuda":
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            best = min(best, (time.perf_counter() - t0) * 1e3 / reps)
+            continue
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(reps):
@@ -159,10 +170,10 @@ def loader_lengths(batch: int, seq_len: int, generator: torch.Generator) -> list
     return torch.where(full, seq_len, short).tolist()
 
 
-def layer_norm_cases(model: str, tokens: int, dtype: torch.dtype):
+def layer_norm_cases(model: str, tokens: int, dtype: torch.dtype, device: str):
     hidden = MODELS[model]["hidden"]
-    x, residual = (torch.randn(tokens, hidden, device="cuda", dtype=dtype) for _ in range(2))
-    weight, bias = torch.randn(hidden, device="cuda", dtype=dtype), torch.randn(hidden, device="cuda", dtype=dtype)
+    x, residual = (torch.randn(tokens, hidden, device=device, dtype=dtype) for _ in range(2))
+    weight, bias = torch.randn(hidden, device=device, dtype=dtype), torch.randn(hidden, device=device, dtype=dtype)
     grad = torch.randn_like(x)
     shape = f"({tokens}, {hidden}) +residual"
     impls = {"fused": lambda x, r, w, b: layer_norm(x, w, b, 1e-12, r, backend="cuda"),
@@ -171,10 +182,10 @@ def layer_norm_cases(model: str, tokens: int, dtype: torch.dtype):
     return shape, impls, [x, residual, weight, bias], grad, work
 
 
-def bias_gelu_cases(model: str, tokens: int, dtype: torch.dtype):
+def bias_gelu_cases(model: str, tokens: int, dtype: torch.dtype, device: str):
     width = MODELS[model]["intermediate"]
-    x = torch.randn(tokens, width, device="cuda", dtype=dtype)
-    bias = torch.randn(width, device="cuda", dtype=dtype)
+    x = torch.randn(tokens, width, device=device, dtype=dtype)
+    bias = torch.randn(width, device=device, dtype=dtype)
     grad = torch.randn_like(x)
     impls = {"fused": lambda x, b: bias_gelu(x, b, "none", backend="cuda"),
              "torch eager": lambda x, b: bias_gelu_ref(x, b, "none")}
@@ -190,14 +201,14 @@ def _padded(x: torch.Tensor, lengths: list[int], seq_len: int) -> torch.Tensor:
     return out.transpose(1, 2).contiguous()
 
 
-def attention_cases(model: str, tokens: int, dtype: torch.dtype, seq_len: int):
+def attention_cases(model: str, tokens: int, dtype: torch.dtype, seq_len: int, device: str):
     heads = MODELS[model]["heads"]
     generator = torch.Generator().manual_seed(0)
     batch = max(1, tokens // seq_len)
     lengths = [seq_len] * batch if seq_len == 128 else loader_lengths(batch, seq_len, generator)
     total, max_seqlen = sum(lengths), max(lengths)
-    cu_seqlens = torch.tensor([0, *lengths], device="cuda").cumsum(0).to(torch.int32)
-    q, k, v = (torch.randn(total, heads, HEAD_DIM, device="cuda", dtype=dtype) for _ in range(3))
+    cu_seqlens = torch.tensor([0, *lengths], device=device).cumsum(0).to(torch.int32)
+    q, k, v = (torch.randn(total, heads, HEAD_DIM, device=device, dtype=dtype) for _ in range(3))
     grad = torch.randn_like(q)
     impls: dict[str, tuple[Callable, list[torch.Tensor], torch.Tensor]] = {
         "fused": (lambda q, k, v: varlen_attention(q, k, v, cu_seqlens, max_seqlen, backend="cuda"), [q, k, v], grad),
@@ -205,7 +216,7 @@ def attention_cases(model: str, tokens: int, dtype: torch.dtype, seq_len: int):
     }
     # The SDPA backends themselves, on their preferred layouts.
     padded = [_padded(t, lengths, max_seqlen) for t in (q, k, v)]
-    mask = (torch.arange(max_seqlen, device="cuda")[None, :] < torch.tensor(lengths, device="cuda")[:, None])
+    mask = (torch.arange(max_seqlen, device=device)[None, :] < torch.tensor(lengths, device=device)[:, None])
     mask = None if min(lengths) == max_seqlen else mask[:, None, None, :]  # (B, 1, 1, S): keys only
     padded_grad = torch.randn_like(padded[0])
     for name, backend in (("sdpa math", "MATH"), ("sdpa mem-efficient", "EFFICIENT_ATTENTION"),
@@ -253,12 +264,12 @@ def _varlen_attn(cu_seqlens: torch.Tensor, max_seqlen: int) -> Callable:
 
 # --------------------------------------------------------------------------- the run
 
-def measure(fn: Callable[[], Any], reps: int) -> tuple[float | None, str]:
+def measure(fn: Callable[[], Any], reps: int, device: str) -> tuple[float | None, str]:
     """(ms, "") or (None, why it could not run)."""
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            return time_ms(fn, reps), ""
+            return time_ms(fn, reps, device=device), ""
     except Exception as error:  # a backend that refuses the input: say why
         reasons = [str(w.message).splitlines()[0] for w in caught] + [str(error).splitlines()[0] if str(error) else ""]
         return None, "; ".join(r for r in reasons if r)[:200] or type(error).__name__
@@ -266,42 +277,42 @@ def measure(fn: Callable[[], Any], reps: int) -> tuple[float | None, str]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     dtype = DTYPES[args.dtype]
-    device = probes.measure(torch.device("cuda"))
+    probed = probes.measure(torch.device(args.device))
     rows = []
 
     def add(op, model, shape, impl, pass_, ms, why, work, unit):
         rate = None if ms is None else work.bytes / ms / 1e6 if unit == "GB/s" else work.flops / ms / 1e9
-        peak = device["copy_gb_per_s"] if unit == "GB/s" else device["matmul_tflops"]
+        peak = probed["copy_gb_per_s"] if unit == "GB/s" else probed["matmul_tflops"]
         rows.append({"op": op, "model": model, "shape": shape, "impl": impl, "pass": pass_, "ms": ms,
                      "flops": work.flops, "bytes": work.bytes, "rate": rate, "unit": unit,
                      "fraction_of_peak": None if rate is None else rate / peak, "note": why})
 
-    for model in ("base", "large"):
+    for model in args.models:
         for op in args.ops:
             if op == "varlen_attention":
                 for seq_len in (128, 512):
-                    shape, impls, work = attention_cases(model, args.tokens, dtype, seq_len)
+                    shape, impls, work = attention_cases(model, args.tokens, dtype, seq_len, args.device)
                     if args.compile:
                         impls["torch.compile"] = (torch.compile(impls["torch eager"][0]), *impls["torch eager"][1:])
                     for impl, (fn, inputs, grad) in impls.items():
                         for pass_ in PASSES:
                             call = (lambda fn=fn, inputs=inputs: fn(*inputs)) if pass_ == "forward" else \
                                 forward_backward(fn, [t.detach().requires_grad_() for t in inputs], grad)
-                            ms, why = measure(call, args.reps)
+                            ms, why = measure(call, args.reps, args.device)
                             add(op, model, shape, impl, pass_, ms, why, work[pass_], "TFLOP/s")
                 continue
             shape, impls, inputs, grad, work = (layer_norm_cases if op == "layer_norm" else bias_gelu_cases)(
-                model, args.tokens, dtype)
+                model, args.tokens, dtype, args.device)
             if args.compile:
                 impls["torch.compile"] = torch.compile(impls["torch eager"])
             for impl, fn in impls.items():
                 for pass_ in PASSES:
                     call = functools.partial(fn, *inputs) if pass_ == "forward" else \
                         forward_backward(fn, [t.detach().requires_grad_() for t in inputs], grad)
-                    ms, why = measure(call, args.reps)
+                    ms, why = measure(call, args.reps, args.device)
                     add(op, model, shape, impl, pass_, ms, why, work[pass_], "GB/s")
-    return {"environment": probes.environment(torch.device("cuda")), "dtype": args.dtype, "tokens": args.tokens, "device_probes": device,
-            "rows": rows}
+    return {"environment": probes.environment(torch.device(args.device)), "dtype": args.dtype,
+            "tokens": args.tokens, "device_probes": probed, "rows": rows}
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -349,27 +360,39 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bert_ds.kernels.bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--ops", default=",".join(OPS), help=f"comma-separated subset of {', '.join(OPS)}")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {', '.join(MODELS)}")
     parser.add_argument("--tokens", type=int, default=16384, help="real tokens per call")
     parser.add_argument("--reps", type=int, default=30, help="calls per timed round")
     parser.add_argument("--no-compile", dest="compile", action="store_false", help="skip the torch.compile rows")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                        help="cpu: the same cases and files, fused rows refused (a rehearsal)")
     parser.add_argument("--json", type=Path, default=None, help="also write every figure to this JSON file")
     args = parser.parse_args(argv)
     args.ops = [op.strip() for op in args.ops.split(",") if op.strip()]
-    unknown = set(args.ops) - set(OPS)
+    args.models = [m.strip() for m in args.models.split(",") if m.strip()]
+    unknown = (set(args.ops) - set(OPS)) | (set(args.models) - set(MODELS))
     if unknown:
-        parser.error(f"unknown ops: {', '.join(sorted(unknown))}")
+        parser.error(f"unknown ops or models: {', '.join(sorted(unknown))}")
+    if args.tokens < 1 or args.reps < 1:
+        parser.error("--tokens and --reps must be >= 1")
+    if args.device == "cpu":
+        return _report(run(args), args.json)
     if not torch.cuda.is_available():
-        print("bert_ds.kernels.bench: no CUDA device here; the kernels bench runs on a GPU only")
+        print("bert_ds.kernels.bench: no CUDA device here; the kernels bench runs on a GPU only (--device cpu "
+              "rehearses it)")
         return 0
     extension, reason = _build.load_extension()
     if extension is None:
         print(f"bert_ds.kernels.bench: the fused CUDA kernels cannot load: {reason}", file=sys.stderr)
         return 1
-    result = run(args)
+    return _report(run(args), args.json)
+
+
+def _report(result: dict[str, Any], path: Path | None) -> int:
     print(markdown(result))
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=2) + "\n")
     return 0
 
 

@@ -1,5 +1,12 @@
-"""benchmarks/gpu_checks.sh: where no GPU is visible it says so in one line and runs nothing."""
+"""benchmarks/gpu_checks.sh and its kit, rehearsed on this CPU machine.
 
+A lent GPU comes to one session in twenty, for 30 minutes: everything its run needs must
+already work. ``gpu_checks.sh --rehearse`` runs every step here (the same script, steps,
+result files and summary, at tiny shapes), and ``gpu_kit.sh`` builds the wheels the GPU
+machine lacks; a broken step, flag, writer or budget fails here.
+"""
+
+import json
 import os
 import subprocess
 import sys
@@ -8,18 +15,81 @@ from pathlib import Path
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_checks.sh"
+from tests.conftest import REPO
+
+SCRIPT = REPO / "benchmarks" / "gpu_checks.sh"
+KIT_SCRIPT = REPO / "benchmarks" / "gpu_kit.sh"
+STEPS = ("kernels_build", "kernels_inspect", "test_cuda_ops", "kernels_bench", "bench", "profile", "main_job",
+         "train_base", "summary")
+RESULT_FILES = ("steps.txt", "SUMMARY.md", "kernels_bench.json", "bench.json", "bench.md", "profile.json",
+                "profile.md", "train_base_summary.json", "train_base_metrics.jsonl",
+                *(f"{step}.log" for step in STEPS))
+
+
+def _env(**extra: str) -> dict[str, str]:
+    return {**os.environ, "PYTHON": sys.executable, **extra}
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible: the script would run every check")
 def test_without_a_gpu_the_script_refuses_in_one_line(tmp_path):
     out = tmp_path / "results"
-    proc = subprocess.run(["bash", str(SCRIPT), str(out)], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHON": sys.executable})
+    proc = subprocess.run(["bash", str(SCRIPT), str(out)], capture_output=True, text=True, timeout=120, env=_env())
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [f"gpu_checks.sh: no CUDA device is visible to {sys.executable}"]
     assert not out.exists()
 
 
-def test_the_script_parses():
-    assert subprocess.run(["bash", "-n", str(SCRIPT)], capture_output=True).returncode == 0
+def test_an_unknown_option_is_refused_in_one_line(tmp_path):
+    proc = subprocess.run(["bash", str(SCRIPT), "--rehears", str(tmp_path)], capture_output=True, text=True,
+                          timeout=60, env=_env())
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        "gpu_checks.sh: unknown option --rehears (usage: gpu_checks.sh [--rehearse] [OUT_DIR])"]
+
+
+def test_the_scripts_parse():
+    for script in (SCRIPT, KIT_SCRIPT):
+        assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+
+
+@pytest.fixture(scope="module")
+def kit(tmp_path_factory) -> Path:
+    """The GPU kit built into a temporary folder (from PyPI, as a user's machine would)."""
+    folder = tmp_path_factory.mktemp("kit") / "wheels"
+    proc = subprocess.run(["bash", str(KIT_SCRIPT), str(folder)], capture_output=True, text=True, timeout=600,
+                          cwd=REPO, env=_env())
+    if proc.returncode != 0 and ("Could not find" in proc.stderr or "connection" in proc.stderr.lower()):
+        pytest.skip(f"PyPI unreachable: {proc.stderr.strip().splitlines()[-1]}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith("gpu kit: 7 wheels in ") and "of the 64 MiB a call carries" in proc.stdout
+    print(proc.stdout.strip())
+    return folder
+
+
+def test_the_kit_holds_deepspeed_and_what_the_gpu_machine_lacks(kit):
+    names = {p.name.split("-")[0].lower() for p in kit.glob("*.whl")}
+    assert names == {"deepspeed", "hjson", "pydantic", "pydantic_core", "annotated_types", "typing_inspection",
+                     "typing_extensions"}
+    assert all(p.stat().st_size < 8 * 2**20 for p in kit.glob("*.whl"))
+
+
+def test_the_rehearsal_runs_every_step_and_writes_every_result(kit, tmp_path):
+    out = tmp_path / "rehearsal"
+    proc = subprocess.run(["bash", str(SCRIPT), "--rehearse", str(out)], capture_output=True, text=True,
+                          timeout=1200, cwd=REPO, env=_env(KIT=str(kit)))
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-5000:]
+    assert "== kit (rehearsal): " in log and "install for Python 3.12" in log
+    steps = {name: (int(rc), int(seconds), int(budget)) for name, rc, seconds, budget in
+             (line.split() for line in (out / "steps.txt").read_text().splitlines())}
+    assert list(steps) == list(STEPS)
+    assert all(rc == 0 and seconds < budget for rc, seconds, budget in steps.values()), steps
+    missing = [name for name in RESULT_FILES if not (out / name).is_file() or (out / name).stat().st_size == 0]
+    assert not missing, missing
+    for name in ("kernels_bench.json", "bench.json", "profile.json", "train_base_summary.json"):
+        json.loads((out / name).read_text())
+    summary = (out / "SUMMARY.md").read_text()
+    for section in ("## Steps", "## Fused kernels", "## Training throughput", "## One step, profiled",
+                    "## The engine path a user runs"):
+        assert section in summary
+    assert "could not be summarized" not in summary and "is missing" not in summary
+    assert "| train_base | ok |" in summary

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The wheels a lent GPU machine lacks, downloaded here for its Python, into one ignored folder:
+#
+#   benchmarks/gpu_kit.sh [KIT_DIR]     (default: .gpu-kit, ignored by git)
+#
+# The GPU machine (the device tool's KINDS.md lists its packages) has Python 3.12, torch
+# 2.11+cu130, transformers, tokenizers, safetensors, numpy, tensorboard, tqdm, pytest and
+# ninja, and no internet: DeepSpeed and the requirements of it that the image lacks travel
+# as wheels with the working tree (at most 64 MiB per call, the tree included), named in
+# the call's `carry`. `benchmarks/gpu_checks.sh` installs them from KIT_DIR with
+# `pip install --no-index --target` and says what it installed.
+#
+# The versions are pinned to the set that ran on an H100 on 2026-11-24
+# (benchmarks/results/H100-2026-11-24). DeepSpeed is published as source only; its wheel is
+# built here without compiled ops (DS_BUILD_OPS=0: pure Python, ops are JIT-built where used).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+kit=${1:-.gpu-kit}
+python=${PYTHON:-python3}
+target_python=${KIT_PYTHON:-3.12}
+DEEPSPEED=deepspeed==0.19.8
+WHEELS=(hjson==3.1.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
+    typing-extensions==4.16.0)
+LIMIT_MIB=64
+
+mkdir -p "$kit"
+platforms=()
+for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64; do
+    platforms+=(--platform "$p")
+done
+"$python" -m pip download --quiet --no-deps --only-binary=:all: --python-version "$target_python" \
+    --implementation cp "${platforms[@]}" -d "$kit" "${WHEELS[@]}"
+if ! compgen -G "$kit/deepspeed-*.whl" >/dev/null; then
+    build=$(mktemp -d)
+    trap 'rm -rf "$build"' EXIT
+    "$python" -m pip download --quiet --no-deps --no-binary=:all: -d "$build" "$DEEPSPEED"
+    DS_BUILD_OPS=0 "$python" -m pip wheel --quiet --no-deps -w "$kit" "$build"/deepspeed-*.tar.gz
+fi
+
+# What travels: tracked and untracked-not-ignored files, plus the kit.
+tree_bytes=$(git ls-files -z --cached --others --exclude-standard | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
+kit_bytes=$(du -cb "$kit"/*.whl | tail -1 | cut -f1)
+total_mib=$(( (tree_bytes + kit_bytes) / 1048576 ))
+awk -v n="$(ls "$kit"/*.whl | wc -l)" -v kit="$kit" -v k="$kit_bytes" -v t="$tree_bytes" -v limit="$LIMIT_MIB" \
+    'BEGIN { printf "gpu kit: %d wheels in %s, %.1f MiB; with the working tree (%.1f MiB) %.1f MiB of the %d MiB a call carries\n", n, kit, k / 1048576, t / 1048576, (k + t) / 1048576, limit }'
+if (( total_mib * 2 > LIMIT_MIB )); then
+    echo "gpu kit: more than half the carry limit; a call may not fit" >&2
+    exit 1
+fi

@@ -1,0 +1,241 @@
+"""One page for a run of ``benchmarks/gpu_checks.sh``: SUMMARY.md in its results folder.
+
+    python -m bert_ds.tools.gpu_summary RESULTS_DIR
+
+Reads what the steps wrote (``steps.txt``, the logs, ``kernels_bench.json``, ``bench.json``,
+``profile.json``, ``train_base_summary.json`` and ``train_base_metrics.jsonl``) and writes
+``RESULTS_DIR/SUMMARY.md``, also printed:
+
+- the device, driver and versions (torch, CUDA, Python, transformers, tokenizers,
+  DeepSpeed: read in this process, which runs on the same Python as the steps), the commit;
+- each step's status, seconds and budget;
+- ``kernels=auto``'s verdicts per op (fused or native, and both times) and the fused ops'
+  tests;
+- each fused op at BERT-Base shapes: time, rate, share of the measured copy bandwidth or
+  matmul peak, and the fastest other implementation;
+- BERT-Base at seq 128 and 512: real tokens/s and MFU of bert-ds fused, bert-ds on
+  PyTorch's ops and transformers, the goals, and the projected seed run;
+- one profiled step: wall, GPU-busy and idle time, launches, host syncs, top kernels;
+- the engine path a user runs (``train_base``): real tokens/s, MFU, step time, data wait.
+
+A file that a failed step did not write is named as missing: nothing here fails because
+a step did, so the page is written on every run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import platform
+import re
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+from bert_ds.base.errors import UserError, guarded
+
+BENCH_VARIANTS = {"a": "bert-ds fused", "b": "bert-ds, PyTorch ops", "c": "transformers (SDPA)"}
+VERDICT = re.compile(r"^\s+(\w+)\s+runs (\w+) \((.*?)\)(.*)$")
+PYTEST_CLOSING = re.compile(r"\b\d+ (passed|failed|skipped|errors?|deselected)\b.* in [\d.]+s")
+
+
+def _json(path: Path) -> Any | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _version(name: str) -> str:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _percent(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def _missing(name: str) -> list[str]:
+    return [f"`{name}` is missing: its step did not write it.", ""]
+
+
+def header(results: Path) -> list[str]:
+    env = next((j["environment"] for j in (_json(results / "bench.json"), _json(results / "kernels_bench.json"))
+                if j), {})
+    commit = env.get("git_commit")
+    return [f"# {results.name}: benchmarks/gpu_checks.sh", "",
+            f"- device: {env.get('device', '?')}, driver {env.get('driver') or '-'}, "
+            f"compute capability {env.get('capability') or '-'}",
+            f"- software: Python {platform.python_version()}, torch {_version('torch')} "
+            f"(CUDA {env.get('cuda') or '-'}), transformers {_version('transformers')}, "
+            f"tokenizers {_version('tokenizers')}, DeepSpeed {_version('deepspeed')}",
+            f"- commit: {(commit or '?')[:12]}{' (dirty)' if env.get('git_dirty') else ''}", ""]
+
+
+def steps_table(results: Path) -> list[str]:
+    lines = ["## Steps", "", "| step | status | seconds | budget |", "|---|---|---:|---:|"]
+    try:
+        rows = [line.split() for line in (results / "steps.txt").read_text().splitlines() if line.strip()]
+    except OSError:
+        return lines[:2] + _missing("steps.txt")
+    for name, rc, seconds, *budget in rows:
+        status = "ok" if rc == "0" else "past its budget" if rc in ("124", "137") else f"**failed** (exit {rc})"
+        lines.append(f"| {name} | {status} | {seconds} | {budget[0] if budget else ''} |")
+    return lines + [""]
+
+
+def kernels(results: Path) -> list[str]:
+    lines = ["## Fused kernels", ""]
+    try:
+        log = (results / "kernels_build.log").read_text()
+    except OSError:
+        log = ""
+    verdicts = [m.groups() for m in map(VERDICT.match, log.splitlines()) if m]
+    if verdicts:
+        lines += ["kernels=auto's verdicts (`kernels_build.log`):", "", "| op | runs | times (forward + backward) |",
+                  "|---|---|---|"]
+        lines += [f"| {op} | {runs} | {times}{rest.strip(' ;')and '; ' + rest.strip(' ;')} |"
+                  for op, runs, times, rest in verdicts]
+    else:
+        lines.append("No verdicts in `kernels_build.log`: " + (log.strip().splitlines() or ["(empty)"])[-1])
+    lines += ["", f"Fused ops against their references (`test_cuda_ops.log`): {test_outcome(results)}"]
+    return lines + [""] + kernel_rates(results)
+
+
+def test_outcome(results: Path) -> str:
+    """pytest's closing line ("202 passed in 20.13s"), or how the run ended without one."""
+    try:
+        log = (results / "test_cuda_ops.log").read_text().splitlines()
+    except OSError:
+        return "`test_cuda_ops.log` is missing"
+    closing = [line.strip("= ") for line in log if PYTEST_CLOSING.search(line)]
+    if closing:
+        return closing[-1]
+    fatal = next((line[line.index("Fatal Python error"):] for line in log if "Fatal Python error" in line), None)
+    return f"**crashed**: {fatal}" if fatal else "no pytest summary in the log"
+
+
+def kernel_rates(results: Path) -> list[str]:
+    bench = _json(results / "kernels_bench.json")
+    if bench is None:
+        return _missing("kernels_bench.json")
+    rows = bench["rows"]
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["op"], r["model"], r["shape"], r["pass"]), []).append(r)
+    probed = bench["device_probes"]
+    lines = [f"Each op at its shapes (`kernels_bench.json`; measured copy {probed['copy_gb_per_s']:.3g} GB/s, "
+             f"matmul {probed['matmul_tflops']:.3g} TFLOP/s):", "",
+             "| op | model | shape | pass | fused ms | fused rate | % of roofline | fastest other |",
+             "|---|---|---|---|---:|---:|---:|---|"]
+    for (op, model, shape, pass_), group in groups.items():
+        fused = next((r for r in group if r["impl"] == "fused"), None)
+        others = [r for r in group if r["impl"] != "fused" and r["ms"] is not None]
+        best = min(others, key=lambda r: r["ms"], default=None)
+        other = f"{best['impl']} {best['ms']:.3f} ms" if best else "-"
+        if fused is None or fused["ms"] is None:
+            why = fused["note"][:80] if fused else "not run"
+            lines.append(f"| {op} | {model} | {shape} | {pass_} | - | refused: {why} | | {other} |")
+            continue
+        lines.append(f"| {op} | {model} | {shape} | {pass_} | {fused['ms']:.3f} | {fused['rate']:.1f} "
+                     f"{fused['unit']} | {100 * fused['fraction_of_peak']:.0f}% | {other} |")
+    return lines + [""]
+
+
+def throughput(results: Path) -> list[str]:
+    bench = _json(results / "bench.json")
+    if bench is None:
+        return ["## Training throughput", ""] + _missing("bench.json")
+    lines = ["## Training throughput (`bench.md`: the bench loop, no DeepSpeed engine)", "",
+             "| model | seq | variant | ms/step | real tokens/s | MFU (datasheet) | MFU (measured matmul) |",
+             "|---|---:|---|---:|---:|---:|---:|"]
+    for config in bench["configs"]:
+        for key, r in config["results"].items():
+            name = BENCH_VARIANTS.get(key, key)
+            if "not_run" in r:
+                lines.append(f"| {config['preset']} | {config['seq_len']} | ({key}) {name} | not run: "
+                             f"{r['not_run'][:80]} | | | |")
+                continue
+            lines.append(f"| {config['preset']} | {config['seq_len']} | ({key}) {name} | {r['ms_per_step']:.1f} | "
+                         f"{r['real_tokens_per_s']:,.0f} | {_percent(r.get('mfu_vs_datasheet_bf16'))} | "
+                         f"{_percent(r.get('mfu_vs_matmul'))} |")
+    lines += [""] + [f"- {g['goal']}: measured {g['measured']}, {'met' if g['met'] else '**not met**'}"
+                     for g in bench.get("goals", [])]
+    projection = bench.get("projection") or {}
+    if projection.get("variants"):
+        anchor = projection["anchor"]
+        lines += ["", f"Projected seed run ({anchor['tokens'] / 1e9:.1f}B tokens on {anchor['gpus']}x {anchor['gpu']}, "
+                      f"anchor {anchor['seconds'] / 3600:.1f} h), at each variant's measured MFU:", ""]
+        lines += [f"- ({key}) {BENCH_VARIANTS.get(key, key)}: {v['seconds'] / 3600:.1f} h, "
+                  f"{v['speedup']:.2f}x the anchor" for key, v in projection["variants"].items()]
+    return lines + [""]
+
+
+def profile(results: Path) -> list[str]:
+    prof = _json(results / "profile.json")
+    if prof is None:
+        return ["## One step, profiled", ""] + _missing("profile.json")
+    s = prof["summary"]
+    lines = [f"## One step, profiled (`profile.md`: {prof['preset']}, seq {prof['seq_len']}, batch "
+             f"{prof['batch_size']}, variant ({prof['variant']}) {prof['kernels']})", "",
+             f"- wall {s['wall_ms_per_step']:.2f} ms/step; device busy {s['device_busy_ms_per_step']:.2f} ms/step"
+             + (f"; idle {s['idle_ms_per_step']:.2f} ms/step" if s.get("idle_ms_per_step") is not None else ""),
+             f"- {s['kernel_launches_per_step']:.0f} kernel launches per step; host calls that wait for the device "
+             f"per step: " + (", ".join(f"{k} {v:g}" for k, v in s["blocking_calls_per_step"].items()) or "none")]
+    lines += [f"- GPU span of `{r['name']}`: {r['ms_per_step']:.2f} ms/step" for r in s.get("annotated_ranges", [])]
+    top = s["top_kernels"][:10]
+    if top:
+        lines += ["", "| kernel | calls/step | ms/step | share of busy |", "|---|---:|---:|---:|"]
+        lines += [f"| `{k['name'][:80]}` | {k['calls_per_step']:g} | {k['ms_per_step']:.3f} | "
+                  f"{100 * k['share_of_busy']:.1f}% |" for k in top]
+    return lines + [""]
+
+
+def engine_path(results: Path) -> list[str]:
+    summary = _json(results / "train_base_summary.json")
+    lines = ["## The engine path a user runs (`train_base.log`)", ""]
+    if summary is None:
+        return lines + _missing("train_base_summary.json")
+    lines.append(f"- {summary['steps']} steps, {summary['tokens']:,} real tokens: {summary['tokens_per_s']:,.0f} "
+                 f"real tokens/s, MFU {_percent(summary.get('mfu'))} of the datasheet peak")
+    try:
+        records = [json.loads(line) for line in (results / "train_base_metrics.jsonl").read_text().splitlines()
+                   if line.strip()]
+    except (OSError, ValueError):
+        records = []
+    train = [r for r in records if "step_time_s" in r][len(records) // 3:]  # past the first third: warm
+    if train:
+        step = statistics.median(r["step_time_s"] for r in train)
+        wait = statistics.median(r["data_wait_s"] for r in train)
+        lines.append(f"- median over steps {train[0]['step']}-{train[-1]['step']}: {1e3 * step:.1f} ms per step, "
+                     f"of which {1e3 * wait:.2f} ms waiting for the loader")
+    return lines + [""]
+
+
+def write_summary(results: Path) -> str:
+    if not results.is_dir():
+        raise UserError(f"{results} is not a folder of gpu_checks.sh results")
+    lines = []
+    for section in (header, steps_table, kernels, throughput, profile, engine_path):
+        try:
+            lines += section(results)
+        except (KeyError, TypeError, ValueError, IndexError) as error:  # a file of another shape: say so, go on
+            lines += [f"({section.__name__}: could not be summarized: {type(error).__name__}: {error})", ""]
+    text = "\n".join(lines).rstrip() + "\n"
+    (results / "SUMMARY.md").write_text(text)
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bert_ds.tools.gpu_summary", description=__doc__.split("\n\n")[0])
+    parser.add_argument("results", type=Path, help="the folder gpu_checks.sh wrote")
+    args = parser.parse_args(argv)
+    return guarded(lambda: print(write_summary(args.results), end=""))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
