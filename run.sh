@@ -6,6 +6,9 @@
 #                            through DeepSpeed (ZeRO-1, bf16), export a Hugging Face directory,
 #                            load it back and run a fill-mask example.
 #   ./run.sh test [ARGS]     the test suite (pytest ARGS)
+#   ./run.sh test-lowest [ARGS]  the suite's torch- and transformers-facing tests under the lowest
+#                            supported torch and transformers (pyproject.toml's lower bounds), in
+#                            a second environment, $LOWEST_VENV (CI's second pass)
 #   ./run.sh setup           only create the environment (and build DeepSpeed's JIT ops into it)
 #   ./run.sh prepare         sample corpus -> $DATA_DIR/{train,heldout} shards
 #   ./run.sh pretrain [ARGS] python -m bert_ds.train on $DATA_DIR; ARGS override the defaults.
@@ -39,6 +42,7 @@
 #   RDZV_ID    [bert-ds]            pretrain with NNODES > 1 and no NODE_RANK: the job's rendezvous id
 #   HOSTFILE   [hostfile]           multinode: the deepspeed hostfile
 #   VENV       [.venv]              the environment the first run creates
+#   LOWEST_VENV [.venv-lowest]      test-lowest's environment
 #   SETUP      [auto]               auto: create or update $VENV as below; none: use $VENV/bin/python as it
 #                                   is (an environment a cluster image or CI provides)
 #   TORCH_SPEC [torch==2.13.0]      torch to install when none is importable
@@ -92,6 +96,41 @@ setup_env() {
 }
 
 python_() { "$VENV/bin/python" "$@"; }
+
+# The tests that touch torch's and transformers' APIs: the model and its graph, the kernels'
+# native and emulated paths, export, init-from, LAMB and ZeRO, and training runs through
+# DeepSpeed on one rank and two.
+LOWEST_TESTS=(tests/bert_ds/test_model.py tests/kernels/test_native.py tests/kernels/test_reference.py
+    tests/kernels/test_choice.py tests/kernels/test_cuda_emulated.py tests/bert_ds/test_export.py
+    tests/bert_ds/test_continued_pretraining.py tests/bert_ds/test_golden_run.py tests/bert_ds/test_train.py
+    tests/bert_ds/test_lamb.py tests/bert_ds/test_zero.py tests/bert_ds/test_checkpoint.py
+    tests/bert_ds/test_optim.py tests/bert_ds/test_padding.py tests/bert_ds/test_train_step.py
+    tests/bert_ds/test_data.py tests/examples/test_finetune.py)
+
+# test-lowest's environment: pyproject.toml's lower bounds of torch and transformers, the rest
+# as pip resolves it. The lowest torch on PyPI is the CUDA build (about 5 GB installed); it runs
+# on a CPU as well.
+setup_lowest_env() {
+    local venv=${LOWEST_VENV:-$ROOT/.venv-lowest} stamp want pins
+    pins=$("$SYS_PYTHON" - <<'PY'
+import re, tomllib
+deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]
+print(" ".join(f"{name}=={m.group(1)}" for name in ("torch", "transformers") for d in deps
+               if (m := re.fullmatch(rf"{name}>=([\w.]+)(,.*)?", d))))
+PY
+)
+    stamp="$venv/.bert-ds-installed"
+    want=$(cat pyproject.toml run.sh | sha256sum | cut -d' ' -f1)
+    if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$want" ]]; then
+        [[ -x "$venv/bin/python" ]] || "$SYS_PYTHON" -m venv "$venv"
+        log "installing the lowest supported $pins into $venv"
+        # shellcheck disable=SC2086  # pins is a list of words
+        "$venv/bin/python" -m pip install --quiet --disable-pip-version-check $pins -e ".[test]"
+        (VENV=$venv; export_accelerator && python_ -m bert_ds.train.extensions)
+        echo "$want" > "$stamp"
+    fi
+    LOWEST_PYTHON=$venv/bin/python
+}
 
 # Processes per node: all visible GPUs, else one CPU process (gloo).
 nproc_per_node() {
@@ -165,6 +204,10 @@ case "$mode" in
         setup_env
         export_accelerator
         python_ -m pytest "$@" ;;
+    test-lowest)
+        setup_lowest_env
+        VENV=$(dirname "$(dirname "$LOWEST_PYTHON")") export_accelerator
+        "$LOWEST_PYTHON" -m pytest "${LOWEST_TESTS[@]}" "$@" ;;
     prepare) setup_env; prepare ;;
     pretrain) setup_env; pretrain "$@" ;;
     multinode) setup_env; multinode "$@" ;;
@@ -178,5 +221,5 @@ case "$mode" in
         export_hf
         python_ -m bert_ds.tools.demo "$RUN_DIR" ;;
     -h|--help|help) sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//' ;;
-    *) echo "run.sh: unknown mode '$mode' (modes: main, test, setup, prepare, pretrain, multinode, export, bench, plot; see ./run.sh --help)" >&2; exit 2 ;;
+    *) echo "run.sh: unknown mode '$mode' (modes: main, test, test-lowest, setup, prepare, pretrain, multinode, export, bench, plot; see ./run.sh --help)" >&2; exit 2 ;;
 esac
