@@ -167,7 +167,9 @@ class _FlatLayout:
 
     def slot_squares(self, x: torch.Tensor) -> torch.Tensor:
         """(numel,) -> (num_params + 1,) fp64 sums of squares per parameter; the last slot is padding."""
-        chunks = torch.segment_reduce(x.square(), "sum", lengths=self.chunk_lengths)
+        # unsafe: the lengths tile the tensor by construction (_flat_layout); the safe form reads
+        # them back to check, a host sync per call on a GPU.
+        chunks = torch.segment_reduce(x.square(), "sum", lengths=self.chunk_lengths, unsafe=True)
         out = torch.zeros(self.num_params + 1, dtype=torch.float64, device=x.device)
         return out.index_add_(0, self.chunk_slots, chunks.to(torch.float64))
 

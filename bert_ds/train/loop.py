@@ -216,7 +216,9 @@ class _StepLog:
         record = {
             "step": state.step, "loss": result.outcome.loss, "mlm_acc": ratio(s["mlm_correct"], s["mlm_count"]),
             "nsp_acc": ratio(s["nsp_correct"], s["nsp_count"]), "lr": result.lr,
-            "grad_norm": _float(engine.get_global_grad_norm()), "loss_scale": zero.loss_scale(engine),
+            # the step's own norm where it computed one (no device read here); else DeepSpeed's
+            "grad_norm": _float(engine.get_global_grad_norm()) if result.grad_norm is None else result.grad_norm,
+            "loss_scale": zero.loss_scale(engine),
             "skipped_steps": state.skipped_steps, "tokens": state.tokens, "samples": loader.consumed_samples,
             "tokens_per_s": s["tokens"] / step_s, "step_time_s": step_s, "data_wait_s": result.data_s,
         }

@@ -13,10 +13,12 @@ folder's lock, and the entry point's exit status.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import gc
 import os
 import socket
+import sys
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -32,12 +34,30 @@ from bert_ds.train.signals import StopRequest
 
 
 def entry(body: Callable[[], object]) -> int:
-    """Run an entry point's body; the failures users act on become one line and an exit status."""
-    return guarded(body, cleanup=_end_process)
+    """Run an entry point's body; the failures users act on become one line and an exit status.
+
+    A rank of a run of several ends without interpreter finalization: DeepSpeed keeps its gloo
+    groups alive past ``destroy_process_group``, and a gloo thread that drops the last reference
+    to a finished collective's tensor while Python finalizes aborts the process inside C++
+    (SIGABRT, exit -6, after a run that finished and saved; seen with torch 2.11 about once in
+    15 two-rank runs). So the exit handlers run (logging, the loader workers' end), the streams
+    are flushed, and the process exits with its status there."""
+    status = guarded(body, cleanup=_end_process)
+    if _had_peers:
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    return status
+
+
+_had_peers = False  # this process was a rank of a run of several
 
 
 def _end_process() -> None:
+    global _had_peers
     if dist.is_available() and dist.is_initialized():
+        _had_peers = dist.get_world_size() > 1
         dist.destroy_process_group()
     # The interpreter's last garbage collection would walk every torch/DeepSpeed object
     # (2 s and more on a busy machine, after a stop signal too); everything is closed by now.

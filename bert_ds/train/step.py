@@ -17,6 +17,7 @@ without an engine or a process group:
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -50,18 +51,22 @@ class RunState:
 # gradient (ZeRO-0: checked here; ZeRO-1/2: DeepSpeed checks) skips the update, and a
 # stop signal on any rank stops the run after this step.
 STATS = ("loss_sum", "micro_batches", "mlm_correct", "mlm_count", "nsp_correct", "nsp_count", "tokens",
-         "sum_sq_len", "nonfinite_loss", "nonfinite_grad", "stop")
+         "sum_sq_len", "grad_sq", "nonfinite_loss", "nonfinite_grad", "stop")
 AT = {name: i for i, name in enumerate(STATS)}
 
 
 def batch_stats(out, batch: Batch, loss: torch.Tensor) -> torch.Tensor:
-    """The STATS of one micro-batch, on the batch's device (no host sync)."""
-    lengths = batch["attention_mask"].sum(dim=1).double()
-    nsp = (out.nsp_correct, out.nsp_count) if out.nsp_count is not None else (0, 0)  # --pair-task none
-    loss = loss.detach()
-    parts = [loss, 1, out.mlm_correct, out.mlm_count, *nsp, lengths.sum(), (lengths ** 2).sum(),
-             ~torch.isfinite(loss), 0, 0]
-    return torch.stack([torch.as_tensor(x, device=lengths.device).double() for x in parts])
+    """The STATS of one micro-batch, on the batch's device, made of device values only: a
+    Python number turned into a device tensor is a copy from host memory, which on a GPU
+    waits for everything queued before it. The step-wide entries (``grad_sq``,
+    ``nonfinite_grad``, ``stop``) are zero here; :class:`TrainStep` fills them."""
+    lengths = batch["attention_mask"].sum(dim=1, dtype=torch.float64)
+    loss = loss.detach().double()
+    zero = torch.zeros((), dtype=torch.float64, device=loss.device)  # filled on the device: no copy
+    nsp = (out.nsp_correct, out.nsp_count) if out.nsp_count is not None else (zero, zero)  # --pair-task none
+    parts = [loss, zero + 1, out.mlm_correct, out.mlm_count, *nsp, lengths.sum(), (lengths ** 2).sum(), zero,
+             (~torch.isfinite(loss)).double(), zero, zero]
+    return torch.stack([x.double() for x in parts])
 
 
 def all_reduce(t: torch.Tensor) -> list[float]:
@@ -127,6 +132,7 @@ def check_bad_streak(state: RunState, max_bad_steps: int, newest: Callable[[], P
 class StepResult:
     outcome: StepOutcome
     lr: float  # the step's learning rate
+    grad_norm: float | None  # the gradients' global L2 norm before clipping; None: ask the engine
     first_position: int  # the loader's stream position at the start of the step
     step_s: float  # the whole step
     data_s: float  # of which waiting for the loader
@@ -140,8 +146,11 @@ class TrainStep:
         self.engine, self.optimizer, self.loader = engine, optimizer, loader
         self.device, self.rank, self.stop, self.fp16, self.faults = device, rank, stop, fp16, faults
         # ZeRO-0 in fp32 steps our optimizer directly and DeepSpeed never checks the gradients (we
-        # do, and skip); under any DeepSpeed wrapper, a non-finite gradient norm makes DeepSpeed skip.
+        # do, and skip). ZeRO-1/2 in bf16 or fp32: DeepSpeed's per-gradient check is off (its cost:
+        # zero.overflow_check_is_ours), so we check the partition's gradients and ask for its check
+        # on a non-finite step. Elsewhere (fp16, bf16 with fp32 accumulation) DeepSpeed checks.
         self.plain_optimizer = zero.steps_directly(engine, optimizer)
+        self.own_overflow_check = not self.plain_optimizer and zero.overflow_check_is_ours(engine)
 
     def __call__(self, state: RunState) -> StepResult:
         step = state.step + 1
@@ -151,14 +160,21 @@ class TrainStep:
         batches = self.loader.next_step()
         data_s = time.perf_counter() - t0
         stats = self._forward_backward(batches, step)
-        if self.plain_optimizer:
-            stats[AT["nonfinite_grad"]] = _nonfinite_grads(self.engine.module)
-        stats[AT["stop"]] = float(self.stop.requested)
+        grads = ([p.grad for p in self.engine.module.parameters()] if self.plain_optimizer else
+                 zero.partition_gradients(self.engine) if self.own_overflow_check else None)
+        if grads is not None:  # the flag that decides a skip, and the norm, in the same all-reduce
+            stats[AT["grad_sq"]] = grad_square_sum(grads, self.device)
+            stats[AT["nonfinite_grad"]] = (~torch.isfinite(stats[AT["grad_sq"]])).double()
+        stats[AT["stop"]] = float(self.stop.requested)  # a host number assigned is a fill: no copy
         sums = dict(zip(STATS, all_reduce(stats)))  # the step's one host sync, before the update
         lr = self.engine.get_lr()[0]  # this step's; the scheduler moves on inside engine.step()
         engine_skipped = self._update(skip=sums["nonfinite_loss"] > 0 or sums["nonfinite_grad"] > 0)
         outcome = account(state, sums, engine_skipped, fp16=self.fp16)
-        return StepResult(outcome, lr, first_position, time.perf_counter() - t0, data_s)
+        grad_norm = None
+        if grads is not None:  # ZeRO-0: every rank holds all the gradients, the sum counts them world times
+            square = sums["grad_sq"] / (dist.get_world_size() if self.plain_optimizer else 1)
+            grad_norm = math.sqrt(square) if math.isfinite(square) else math.inf  # inf, as DeepSpeed reports a skip
+        return StepResult(outcome, lr, grad_norm, first_position, time.perf_counter() - t0, data_s)
 
     def _forward_backward(self, batches: list[Batch], step: int) -> torch.Tensor:
         stats = torch.zeros(len(STATS), dtype=torch.float64, device=self.device)
@@ -175,15 +191,26 @@ class TrainStep:
     def _update(self, skip: bool) -> bool:
         """engine.step(); whether the engine skipped the update."""
         before = zero.skipped_steps(self.engine)
-        with zero.direct_step(self.optimizer, skip) if self.plain_optimizer else contextlib.nullcontext():
+        if self.plain_optimizer:
+            around = zero.direct_step(self.optimizer, skip)
+        elif skip and self.own_overflow_check:
+            around = zero.checked_step(self.engine)
+        else:
+            around = contextlib.nullcontext()
+        with around:
             self.engine.step()
         return zero.skipped_steps(self.engine) > before
 
 
-def _nonfinite_grads(module: torch.nn.Module) -> torch.Tensor:
-    """1.0 if any gradient holds an inf or NaN (ZeRO-0: gradients are already all-reduced, so
-    every rank gets the same answer), without a host sync."""
-    grads = [p.grad for p in module.parameters() if p.grad is not None]
+def grad_square_sum(grads: list[torch.Tensor | None], device: torch.device) -> torch.Tensor:
+    """The sum of squares of ``grads``, in float64: one fused norm over all of them (a few
+    kernels on a GPU), without a host sync; inf or NaN where any gradient holds one. Under
+    ZeRO-1/2 each rank sums its partition, and the step's all-reduce makes it the global
+    squared norm, which DeepSpeed computes again for clipping, one tensor at a time."""
+    grads = [g for g in grads if g is not None]
     if not grads:
-        return torch.zeros((), dtype=torch.float64)
-    return (~torch.isfinite(torch.stack(torch._foreach_norm(grads)).sum())).double()
+        return torch.zeros((), dtype=torch.float64, device=device)
+    # float64: a float32 norm of a large gradient is off in the 6th digit on a CPU (the
+    # accumulation order); the reduction is bound by reading the gradients either way
+    norms = torch._foreach_norm(grads, 2, dtype=torch.float64)
+    return torch.stack(norms).square().sum()

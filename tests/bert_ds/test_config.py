@@ -102,3 +102,22 @@ def test_lamb_refuses_engine_layouts_it_cannot_be_exact_under(ds_config, message
         deepspeed_config(cfg, BatchPlan.resolve(32, 32, 1))
     cfg.optim = OptimConfig(name="adamw")
     assert deepspeed_config(cfg, BatchPlan.resolve(32, 32, 1))["zero_allow_untested_optimizer"] is True
+
+
+@pytest.mark.parametrize("name,check", [("zero1_bf16.json", False), ("zero2_bf16.json", False),
+                                        ("zero1_fp32.json", None), ("zero1_fp16.json", None)])
+def test_deepspeed_config_turns_off_the_per_step_syncs(name, check):
+    ds = deepspeed_config(_cfg(ds_config=name), BatchPlan.resolve(32, 32, 1))
+    # DeepSpeed's throughput timer synchronises the device twice a step; bert-ds times itself.
+    assert ds["timers"] == {"throughput": {"enabled": False}}
+    # bf16 ZeRO-1/2: the step checks the gradients itself (bert_ds.zero.overflow_check_is_ours)
+    assert ds.get("bf16", {}).get("check_grad_overflow") is check
+
+
+def test_deepspeed_config_keeps_a_users_own_timers_and_overflow_check(tmp_path):
+    own = tmp_path / "own.json"
+    own.write_text(json.dumps({"zero_optimization": {"stage": 1}, "bf16": {"enabled": True, "check_grad_overflow": True},
+                               "timers": {"throughput": {"enabled": True, "synchronized": False}}}))
+    ds = deepspeed_config(_cfg(ds_config=str(own)), BatchPlan.resolve(32, 32, 1))
+    assert ds["timers"] == {"throughput": {"enabled": True, "synchronized": False}}
+    assert ds["bf16"]["check_grad_overflow"] is True

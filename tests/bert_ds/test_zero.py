@@ -165,7 +165,18 @@ CHECKS = {
     or pytest.fail("the fragment is not inside a flat partition"),
     "fragment address": lambda v, b: (type(v.start) is int and type(v.numel) is int) or pytest.fail(repr(v)),
     "skip protocol": lambda v, b: _check_skip_protocol(v, b),
+    "bool": lambda v, b: (type(v) is bool) or pytest.fail(f"{v!r} is not a bool"),
+    "gradients per group": lambda v, b: _check_gradients(v, b),
 }
+
+
+def _check_gradients(value, built: _Built) -> bool:
+    """A dict group -> list of gradient tensors (or None), empty until the first boundary backward."""
+    assert isinstance(value, dict), f"{value!r} is not a dict"
+    for group, grads in value.items():
+        assert 0 <= group < len(built.client.param_groups), group
+        assert grads is None or all(g is None or isinstance(g, torch.Tensor) for g in grads), grads
+    return True
 
 
 def _instances(owner: str, built: list[_Built]) -> list[tuple[object, _Built | None]]:
@@ -259,6 +270,48 @@ def _probe_step(built: dict[str, _Built]) -> dict:
     return out
 
 
+def _probe_own_overflow_check() -> dict:
+    """ZeRO-1 and ZeRO-2 in bf16 with DeepSpeed's per-gradient check off, as bert_ds.config
+    leaves it: the partition's gradients are there before engine.step(), one poisoned
+    gradient turns the fused flag on, and checked_step makes DeepSpeed skip that step."""
+    import deepspeed
+    import torch.nn.functional as F
+
+    from bert_ds.optim.builders import bind_to_engine
+    from bert_ds.optim.lamb import Lamb
+    from bert_ds.train.step import grad_square_sum
+    from tests.bert_ds import lamb_zero_worker as worker
+
+    out = {}
+    for stage in (1, 2):
+        model = worker.build_model()
+        client = Lamb(worker.param_groups(model), lr=worker.LR)
+        config = worker.ds_config(stage, "bf16", 1)
+        config["bf16"]["check_grad_overflow"] = False
+        engine, *_ = deepspeed.initialize(model=model, optimizer=client, config=config)
+        bind_to_engine(client, engine)
+        x, y = worker.batches()
+        flags, skipped, unchanged = [], [], []
+        for poison in (False, True, False):
+            for k in range(worker.GAS):
+                engine.backward(F.cross_entropy(engine(x[0, k].to(torch.bfloat16)).float(), y[0, k]))
+                if k < worker.GAS - 1:
+                    engine.step()
+            grads = zero.partition_gradients(engine)
+            if poison:
+                grads[-1].view(-1)[0] = float("nan")
+            flag = float(not torch.isfinite(grad_square_sum(grads, torch.device("cpu"))))
+            before, weights = zero.skipped_steps(engine), [p.detach().clone() for p in engine.module.parameters()]
+            with zero.checked_step(engine) if flag else contextlib.nullcontext():
+                engine.step()
+            flags.append(flag)
+            skipped.append(zero.skipped_steps(engine) - before)
+            unchanged.append(all(torch.equal(a, b) for a, b in zip(weights, engine.module.parameters())))
+        out[f"zero{stage}"] = {"ours": zero.overflow_check_is_ours(engine), "flags": flags, "skipped": skipped,
+                               "unchanged": unchanged, "check_after": engine.optimizer.check_grad_overflow}
+    return out
+
+
 def probe(out: Path) -> None:
     import deepspeed
     import torch.distributed as dist
@@ -274,6 +327,7 @@ def probe(out: Path) -> None:
         result["fields"] = {f"{f.owner}.{f.name}": _check_field(f, list(built.values())) for f in zero.RELIED_ON}
         result["full_state"] = _probe_full_state(built)
         result["step"] = _probe_step(built)
+        result["own_overflow_check"] = _probe_own_overflow_check()
         torch.save(result, out)
     finally:
         dist.destroy_process_group()
@@ -355,6 +409,12 @@ def test_direct_step_skips_and_the_engine_counts_it(probed):
     assert step["zero0-fp32"] == {"loss_scale": 1.0, "skipped": 1, "directly": True}
     for name in ("zero2-fp32", "zero1-bf16", "zero1-bf16acc32"):
         assert step[name] == {"loss_scale": 1.0, "skipped": 0, "directly": False}, name
+
+
+def test_a_non_finite_gradient_is_found_by_the_fused_flag_and_skipped_by_deepspeed(probed):
+    for stage, got in probed["own_overflow_check"].items():
+        assert got == {"ours": True, "flags": [0.0, 1.0, 0.0], "skipped": [0, 1, 0],
+                       "unchanged": [False, True, False], "check_after": False}, stage
 
 
 def test_bind_to_engine_binds_nothing_for_another_optimizer():
