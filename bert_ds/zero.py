@@ -94,6 +94,8 @@ RELIED_ON: tuple[Field, ...] = (
     Field(_ZERO, "cur_scale", "loss scale", "the loss scale (1.0 without fp16); no public getter"),
     Field(_ZERO, "check_grad_overflow", "bool",
           "DeepSpeed's per-gradient overflow check, read at each step(): off unless fp16; on for one step to skip it"),
+    Field(_ZERO, "compute_grad_norm", "bool", "off: DeepSpeed neither measures nor clips the gradients"),
+    Field(_ZERO, "clip_grad", "float", "DeepSpeed's own clipping threshold; 0 where the step clips"),
     Field(_ZERO, "averaged_gradients", "gradients per group",
           "this rank's reduced gradients per group, ready at the accumulation boundary before step()"),
     Field(_ZERO, "loss_scaler", "loss scaler", "holds `cur_scale` where the wrapper has no property for it"),
@@ -315,17 +317,17 @@ def direct_step(optimizer: torch.optim.Optimizer, skip: bool) -> Iterator[None]:
             group["params"] = params
 
 
-def overflow_check_is_ours(engine) -> bool:
-    """True where the ZeRO-1/2 wrapper's own per-gradient overflow check is off (bf16 with
-    ``bert_ds.config``'s default, and fp32, where DeepSpeed never runs it): the training step
-    then checks this rank's gradients itself, one fused reduction inside its per-step
-    all-reduce (:func:`partition_gradients`), and turns DeepSpeed's check on for a step it
-    found non-finite (:func:`checked_step`). DeepSpeed's check walks every gradient with about
-    a dozen small kernels each (2,500 launches per BERT-Base step), then reads the device."""
+def step_owns_gradients(engine) -> bool:
+    """True where the ZeRO-1/2 wrapper neither checks gradients for overflow nor measures or
+    clips them (``check_grad_overflow`` and ``compute_grad_norm`` off, ``clip_grad`` 0), as
+    :func:`bert_ds.config.step_owns_gradients` configures it: the training step then does all
+    three over :func:`partition_gradients`, and asks for DeepSpeed's check on a step it found
+    non-finite (:func:`checked_step`)."""
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     wrapper = engine.optimizer
-    return isinstance(wrapper, DeepSpeedZeroOptimizer) and not wrapper.check_grad_overflow
+    return (isinstance(wrapper, DeepSpeedZeroOptimizer) and not wrapper.check_grad_overflow
+            and not wrapper.compute_grad_norm and wrapper.clip_grad == 0.0)
 
 
 def partition_gradients(engine) -> list[torch.Tensor]:

@@ -16,7 +16,7 @@ from bert_ds.checkpoint import hf_import
 from bert_ds.checkpoint import resume as resuming
 from bert_ds.checkpoint import store as checkpoint
 from bert_ds.base.errors import ConfigError
-from bert_ds.config import BatchPlan, TrainConfig, deepspeed_config, precision_of
+from bert_ds.config import BatchPlan, TrainConfig, deepspeed_config, precision_of, step_owns_gradients
 from bert_ds.loader.pretraining import PretrainingDataset, PretrainingLoader, open_pretraining_data, step_positions
 from bert_ds.model.bert import BertForPreTraining
 from bert_ds.model.flops import datasheet_peak_tflops, training_flops
@@ -53,7 +53,8 @@ def run(cfg: TrainConfig, resume: bool, rank: int, world: int, device: torch.dev
     progress = Progress()
     checkpointer = Checkpointer.for_run(cfg, engine, loader, rank, saved_at=state.step if start.found else None)
     train_step = TrainStep(engine, start.optimizer, loader, device, rank, stop,
-                           fp16=start.precision == "fp16", faults=options.faults)
+                           fp16=start.precision == "fp16", faults=options.faults, grad_clip=cfg.optim.grad_clip,
+                           owns_gradients=step_owns_gradients(start.ds_cfg))
     step_log = _StepLog(log, progress, cfg, start.plan, rank, world, device, options.log_samples)
     validation = _Validation(engine, start.val_set, cfg, rank, world, device, stop, log, progress)
     try:

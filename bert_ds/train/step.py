@@ -142,15 +142,21 @@ class TrainStep:
     """Runs one optimizer step on the engine; ``optimizer`` is the one handed to DeepSpeed."""
 
     def __init__(self, engine, optimizer: torch.optim.Optimizer, loader: PretrainingLoader, device: torch.device,
-                 rank: int, stop: StopRequest, *, fp16: bool, faults: Faults):
+                 rank: int, stop: StopRequest, *, fp16: bool, faults: Faults, grad_clip: float = 0.0,
+                 owns_gradients: bool = False):
         self.engine, self.optimizer, self.loader = engine, optimizer, loader
         self.device, self.rank, self.stop, self.fp16, self.faults = device, rank, stop, fp16, faults
         # ZeRO-0 in fp32 steps our optimizer directly and DeepSpeed never checks the gradients (we
-        # do, and skip). ZeRO-1/2 in bf16 or fp32: DeepSpeed's per-gradient check is off (its cost:
-        # zero.overflow_check_is_ours), so we check the partition's gradients and ask for its check
-        # on a non-finite step. Elsewhere (fp16, bf16 with fp32 accumulation) DeepSpeed checks.
+        # do, and skip). ZeRO-1/2 in bf16 or fp32 (bert_ds.config.step_owns_gradients): we check,
+        # measure and clip the partition's gradients, and ask for DeepSpeed's check on a
+        # non-finite step. Elsewhere (fp16, bf16 with fp32 accumulation) DeepSpeed does all three.
         self.plain_optimizer = zero.steps_directly(engine, optimizer)
-        self.own_overflow_check = not self.plain_optimizer and zero.overflow_check_is_ours(engine)
+        self.owns_gradients = owns_gradients
+        self.grad_clip = grad_clip
+        if owns_gradients != zero.step_owns_gradients(engine):
+            raise RuntimeError(f"the engine config {'gives' if owns_gradients else 'does not give'} the step the "
+                               f"gradients' checks, but the engine's optimizer ({type(engine.optimizer).__name__}) "
+                               f"{'still does them' if owns_gradients else 'leaves them undone'}")
 
     def __call__(self, state: RunState) -> StepResult:
         step = state.step + 1
@@ -161,19 +167,22 @@ class TrainStep:
         data_s = time.perf_counter() - t0
         stats = self._forward_backward(batches, step)
         grads = ([p.grad for p in self.engine.module.parameters()] if self.plain_optimizer else
-                 zero.partition_gradients(self.engine) if self.own_overflow_check else None)
+                 zero.partition_gradients(self.engine) if self.owns_gradients else None)
         if grads is not None:  # the flag that decides a skip, and the norm, in the same all-reduce
             stats[AT["grad_sq"]] = grad_square_sum(grads, self.device)
             stats[AT["nonfinite_grad"]] = (~torch.isfinite(stats[AT["grad_sq"]])).double()
         stats[AT["stop"]] = float(self.stop.requested)  # a host number assigned is a fill: no copy
         sums = dict(zip(STATS, all_reduce(stats)))  # the step's one host sync, before the update
         lr = self.engine.get_lr()[0]  # this step's; the scheduler moves on inside engine.step()
-        engine_skipped = self._update(skip=sums["nonfinite_loss"] > 0 or sums["nonfinite_grad"] > 0)
-        outcome = account(state, sums, engine_skipped, fp16=self.fp16)
+        skip = sums["nonfinite_loss"] > 0 or sums["nonfinite_grad"] > 0
         grad_norm = None
         if grads is not None:  # ZeRO-0: every rank holds all the gradients, the sum counts them world times
             square = sums["grad_sq"] / (dist.get_world_size() if self.plain_optimizer else 1)
             grad_norm = math.sqrt(square) if math.isfinite(square) else math.inf  # inf, as DeepSpeed reports a skip
+        if self.owns_gradients and not skip:
+            clip_gradients(grads, grad_norm, self.grad_clip)
+        engine_skipped = self._update(skip)
+        outcome = account(state, sums, engine_skipped, fp16=self.fp16)
         return StepResult(outcome, lr, grad_norm, first_position, time.perf_counter() - t0, data_s)
 
     def _forward_backward(self, batches: list[Batch], step: int) -> torch.Tensor:
@@ -193,13 +202,23 @@ class TrainStep:
         before = zero.skipped_steps(self.engine)
         if self.plain_optimizer:
             around = zero.direct_step(self.optimizer, skip)
-        elif skip and self.own_overflow_check:
+        elif skip and self.owns_gradients:
             around = zero.checked_step(self.engine)
         else:
             around = contextlib.nullcontext()
         with around:
             self.engine.step()
         return zero.skipped_steps(self.engine) > before
+
+
+def clip_gradients(grads: list[torch.Tensor], norm: float, max_norm: float) -> None:
+    """Scale ``grads`` in place so that their global ``norm`` is at most ``max_norm`` (0: no
+    clipping): DeepSpeed's rule, the factor ``max_norm / (norm + 1e-6)`` where below 1. The
+    factor is a host number: one fused multiply, no copy."""
+    if max_norm > 0 and grads:
+        factor = max_norm / (norm + 1e-6)
+        if factor < 1.0:
+            torch._foreach_mul_(grads, factor)
 
 
 def grad_square_sum(grads: list[torch.Tensor | None], device: torch.device) -> torch.Tensor:

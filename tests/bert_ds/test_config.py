@@ -2,7 +2,8 @@ import json
 
 import pytest
 
-from bert_ds.config import BatchPlan, DataConfig, OptimConfig, TrainConfig, deepspeed_config, precision_of
+from bert_ds.config import (BatchPlan, DataConfig, OptimConfig, TrainConfig, deepspeed_config, precision_of,
+                            step_owns_gradients)
 from bert_ds.base.errors import ConfigError
 from bert_ds.model.bert import model_preset
 
@@ -27,7 +28,8 @@ def test_deepspeed_config_gets_batch_and_clip_from_train_config():
     cfg = _cfg(global_batch_size=64, micro_batch_size=8, ds_config="zero2_bf16.json")
     ds = deepspeed_config(cfg, BatchPlan.resolve(64, 8, 2))
     assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (64, 8, 4)
-    assert ds["gradient_clipping"] == cfg.optim.grad_clip
+    # ZeRO-2 in bf16: the training step clips (step_owns_gradients), DeepSpeed's threshold is 0
+    assert ds["gradient_clipping"] == 0.0 and step_owns_gradients(ds) and cfg.optim.grad_clip == 1.0
     assert ds["zero_optimization"]["stage"] == 2
     assert precision_of(ds) == "bf16"
 
@@ -104,20 +106,35 @@ def test_lamb_refuses_engine_layouts_it_cannot_be_exact_under(ds_config, message
     assert deepspeed_config(cfg, BatchPlan.resolve(32, 32, 1))["zero_allow_untested_optimizer"] is True
 
 
-@pytest.mark.parametrize("name,check", [("zero1_bf16.json", False), ("zero2_bf16.json", False),
-                                        ("zero1_fp32.json", None), ("zero1_fp16.json", None)])
-def test_deepspeed_config_turns_off_the_per_step_syncs(name, check):
-    ds = deepspeed_config(_cfg(ds_config=name), BatchPlan.resolve(32, 32, 1))
+@pytest.mark.parametrize("name,owned", [("zero1_bf16.json", True), ("zero2_bf16.json", True),
+                                        ("zero1_fp32.json", True), ("zero0_fp32.json", False),
+                                        ("zero1_fp16.json", False), ("zero3_bf16.json", False)])
+def test_deepspeed_config_turns_off_the_per_step_syncs(name, owned):
+    ds = deepspeed_config(_cfg(ds_config=name, optim=OptimConfig(name="adamw", grad_clip=0.5)),
+                          BatchPlan.resolve(32, 32, 1))
     # DeepSpeed's throughput timer synchronises the device twice a step; bert-ds times itself.
     assert ds["timers"] == {"throughput": {"enabled": False}}
-    # bf16 ZeRO-1/2: the step checks the gradients itself (bert_ds.zero.overflow_check_is_ours)
-    assert ds.get("bf16", {}).get("check_grad_overflow") is check
+    # ZeRO-1/2 in bf16 or fp32: the step checks, measures and clips the gradients itself
+    assert step_owns_gradients(ds) is owned
+    assert ds["gradient_clipping"] == (0.0 if owned else 0.5)
+    assert ds["zero_optimization"].get("compute_grad_norm", True) is not owned
+    if precision_of(ds) == "bf16":
+        assert ds["bf16"].get("check_grad_overflow", True) is not owned
 
 
-def test_deepspeed_config_keeps_a_users_own_timers_and_overflow_check(tmp_path):
+def test_deepspeed_config_keeps_a_users_own_timers_and_checks(tmp_path):
     own = tmp_path / "own.json"
     own.write_text(json.dumps({"zero_optimization": {"stage": 1}, "bf16": {"enabled": True, "check_grad_overflow": True},
                                "timers": {"throughput": {"enabled": True, "synchronized": False}}}))
     ds = deepspeed_config(_cfg(ds_config=str(own)), BatchPlan.resolve(32, 32, 1))
     assert ds["timers"] == {"throughput": {"enabled": True, "synchronized": False}}
-    assert ds["bf16"]["check_grad_overflow"] is True
+    assert ds["bf16"]["check_grad_overflow"] is True and not step_owns_gradients(ds)
+    assert ds["gradient_clipping"] == 1.0 and "compute_grad_norm" not in ds["zero_optimization"]
+
+
+def test_a_norm_off_with_the_overflow_check_on_is_refused(tmp_path):
+    own = tmp_path / "own.json"
+    own.write_text(json.dumps({"zero_optimization": {"stage": 1, "compute_grad_norm": False},
+                               "bf16": {"enabled": True, "check_grad_overflow": True}}))
+    with pytest.raises(ConfigError, match="compute_grad_norm false needs bf16.check_grad_overflow false"):
+        deepspeed_config(_cfg(ds_config=str(own)), BatchPlan.resolve(32, 32, 1))
