@@ -214,7 +214,9 @@ class TrainStep:
 def clip_gradients(grads: list[torch.Tensor], norm: float, max_norm: float) -> None:
     """Scale ``grads`` in place so that their global ``norm`` is at most ``max_norm`` (0: no
     clipping): DeepSpeed's rule, the factor ``max_norm / (norm + 1e-6)`` where below 1. The
-    factor is a host number: one fused multiply, no copy."""
+    factor is a host number: one fused multiply, no copy. bf16 gradients are scaled in bf16
+    (DeepSpeed scales their fp32 copy): one more rounding, of 2^-8 relative, of gradients that
+    were accumulated and reduced in bf16 already."""
     if max_norm > 0 and grads:
         factor = max_norm / (norm + 1e-6)
         if factor < 1.0:

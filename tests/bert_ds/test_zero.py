@@ -286,28 +286,30 @@ def _probe_owned_gradients() -> dict:
     from bert_ds.train.step import clip_gradients, grad_square_sum
     from tests.bert_ds import lamb_zero_worker as worker
 
-    def engine_for(stage: int, owned: bool):
+    def engine_for(stage: int, precision: str, owned: bool):
         torch.manual_seed(0)
         model = worker.build_model()
         client = Lamb(worker.param_groups(model), lr=worker.LR)
-        config = worker.ds_config(stage, "bf16", 1)
+        config = worker.ds_config(stage, precision, 1)
         if owned:
             config.update(gradient_clipping=0.0)
             config["zero_optimization"]["compute_grad_norm"] = False
-            config["bf16"]["check_grad_overflow"] = False
+            if precision == "bf16":
+                config["bf16"]["check_grad_overflow"] = False
         engine, *_ = deepspeed.initialize(model=model, optimizer=client, config=config)
         bind_to_engine(client, engine)
         return engine
 
     x, y = worker.batches()
     out = {}
-    for stage in (1, 2):
-        owned, theirs = engine_for(stage, True), engine_for(stage, False)
+    for stage, precision in ((1, "fp32"), (2, "fp32"), (1, "bf16"), (2, "bf16")):
+        owned, theirs = engine_for(stage, precision, True), engine_for(stage, precision, False)
+        dtype = next(owned.module.parameters()).dtype
         flags, skipped, unchanged = [], [], []
         for seed, poison in ((0, False), (1, True), (2, False)):
-            for engine in (owned, theirs):
+            for engine in (owned,) if poison else (owned, theirs):  # theirs sees no poisoned step
                 for k in range(worker.GAS):
-                    engine.backward(F.cross_entropy(engine(x[seed, k].to(torch.bfloat16)).float(), y[seed, k]))
+                    engine.backward(F.cross_entropy(engine(x[seed, k].to(dtype)).float(), y[seed, k]))
                     if k < worker.GAS - 1:
                         engine.step()
             grads = zero.partition_gradients(owned)
@@ -325,9 +327,11 @@ def _probe_owned_gradients() -> dict:
             flags.append(flag)
             skipped.append(zero.skipped_steps(owned) - before)
             unchanged.append(all(torch.equal(a, b) for a, b in zip(weights, owned.module.parameters())))
-        gap = max(float(((a.float() - b.float()).abs() / b.float().abs().clamp_min(1e-30)).max())
+        # fp32 master weights: each tensor's largest difference over its largest value
+        gap = max(float((zero.full_fp32_param(a) - zero.full_fp32_param(b)).abs().max()
+                        / zero.full_fp32_param(b).abs().max())
                   for a, b in zip(owned.module.parameters(), theirs.module.parameters()))
-        out[f"zero{stage}"] = {"owned": zero.step_owns_gradients(owned), "theirs": zero.step_owns_gradients(theirs),
+        out[f"zero{stage}-{precision}"] = {"owned": zero.step_owns_gradients(owned), "theirs": zero.step_owns_gradients(theirs),
                                "flags": flags, "skipped": skipped, "unchanged": unchanged,
                                "check_after": owned.optimizer.check_grad_overflow, "weight_gap": gap}
     return out
@@ -437,9 +441,11 @@ def test_the_step_owns_the_gradients_checks_as_deepspeed_would(probed):
         gap = got.pop("weight_gap")
         assert got == {"owned": True, "theirs": False, "flags": [False, True, False], "skipped": [0, 1, 0],
                        "unchanged": [False, True, False], "check_after": False}, stage
-        # the step's clipping (float64 norm) against DeepSpeed's (float32): the bf16 weights
-        # differ by one unit in the last place at most (8 significant bits: 2^-7 relative)
-        assert gap <= 2 ** -7, (stage, gap)
+        # The step's clipping (float64 norm) against DeepSpeed's (float32 norm per tensor), after
+        # two applied steps. fp32: the masters agree to float32 rounding. bf16: the step scales
+        # the bf16 gradients, DeepSpeed their fp32 copy, one more rounding of gradients that
+        # carry 2^-8 relative rounding already: the masters agree within that.
+        assert gap <= (1e-6 if stage.endswith("fp32") else 2 ** -8), (stage, gap)
 
 
 def test_bind_to_engine_binds_nothing_for_another_optimizer():
