@@ -11,14 +11,26 @@ Per real (non-pad) token, forward, for L layers, hidden H, vocabulary V:
 
 from __future__ import annotations
 
+import re
+
 from bert_ds.model.bert import ModelConfig
 
-# Dense bf16 peak of the device's datasheet, TFLOP/s, for MFU against a public figure.
-DATASHEET_BF16_TFLOPS = {
-    "A100": 312.0,
-    "H100": 989.0,
-    "H200": 989.0,
-}
+# Dense bf16 peak of the device's datasheet, TFLOP/s, for MFU against a public figure, by the
+# name CUDA reports, most specific first: the H100 and H200 come as SXM boards (989), as PCIe
+# cards (H100 PCIe: 756) and as NVL cards (835), whose names differ only in a suffix. A device
+# no pattern names gets no datasheet MFU (its MFU against a measured matmul still prints).
+DATASHEET_PEAKS: tuple[tuple[str, float], ...] = (
+    (r"H100.*PCIe", 756.0),
+    (r"H[12]00 NVL", 835.0),
+    (r"GH200", 989.0),
+    (r"H100", 989.0),
+    (r"H200", 989.0),
+    (r"A100", 312.0),
+    (r"L40S", 362.0),
+    (r"\bL4\b", 121.0),
+)
+# The anchor's GPU by its short name (bert_ds.tools.projection).
+DATASHEET_BF16_TFLOPS = {"A100": 312.0, "H100": 989.0, "H200": 989.0}
 
 
 def training_flops(cfg: ModelConfig, tokens: int, sum_sq_lengths: int, masked_tokens: int) -> float:
@@ -35,8 +47,6 @@ def training_flops(cfg: ModelConfig, tokens: int, sum_sq_lengths: int, masked_to
 
 
 def datasheet_peak_tflops(device_name: str) -> float | None:
-    """The datasheet bf16 dense peak for a CUDA device name, or None if unknown."""
-    for key, peak in DATASHEET_BF16_TFLOPS.items():
-        if key in device_name:
-            return peak
-    return None
+    """The datasheet bf16 dense peak for a CUDA device name ("NVIDIA H100 80GB HBM3"), or None
+    if no pattern of :data:`DATASHEET_PEAKS` names it."""
+    return next((peak for pattern, peak in DATASHEET_PEAKS if re.search(pattern, device_name)), None)
