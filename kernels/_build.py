@@ -8,7 +8,10 @@ Attempts, cheapest first, stopping at the first that works:
   3. a JIT build of ``kernels/csrc`` (``torch.utils.cpp_extension.load``, ninja, nvcc;
      sm_80 and sm_90 code plus sm_90 PTX) into ``~/.cache/bert-ds/kernels/<hash>``,
      where the hash covers the sources, the torch and CUDA versions and the target
-     architectures: a later process, or another rank, only loads it;
+     architectures: a later process, or another rank, only loads it. It links with a
+     compiler that links libstdc++ dynamically (:func:`host_compiler`), and its lock is
+     watched (:mod:`bert_ds.base.build_locks`): a lock left by a killed build is removed,
+     one held by a live build is waited on for at most ``BERT_DS_BUILD_LOCK_TIMEOUT`` s;
   4. none: ``(None, reason)``, reason being a CPU-only torch, no CUDA device, no nvcc
      or ninja, or "the build failed" with the first error line (the full log stays in
      the build directory). ``kernels=cuda`` fails with the reason, ``kernels=auto``
@@ -42,6 +45,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
@@ -50,6 +54,8 @@ from typing import Any
 import torch
 
 from bert_ds.base.atomic import atomic_write
+from bert_ds.base.build_locks import bounded_build_locks, log
+from bert_ds.base.errors import UserError
 
 EXTENSION_NAME = "bert_ds_kernels"
 CSRC = Path(__file__).resolve().parent / "csrc"
@@ -153,13 +159,23 @@ def build_into(directory: Path) -> tuple[ModuleType | None, str]:
         return None, why_not
     if why_not:
         logger.warning("kernels: %s", why_not)
+    fresh = not any(directory.glob(f"{EXTENSION_NAME}*.so"))
+    if fresh:
+        log(f"kernels: building the fused CUDA kernels into {directory} (about a minute, once per source, torch "
+            "and CUDA version; later starts load the build)")
+    start = time.monotonic()
     try:
-        with _environment(CXX=compiler):
+        # torch waits on another process's build with no bound: stale locks go, live ones are bounded
+        with _environment(CXX=compiler), bounded_build_locks(directory.parent, "the fused kernels' build"):
             module = cpp_extension.load(**build_options(directory))
+    except UserError as error:  # another build's lock, held past the bound
+        return None, str(error)
     except Exception as error:  # the compiler's output is the exception's text
-        log = directory / "build.log"
-        log.write_text(str(error))
-        return None, f"the build failed: {_first_error_line(str(error))} (full log: {log})"
+        build_log = directory / "build.log"
+        build_log.write_text(str(error))
+        return None, f"the build failed: {_first_error_line(str(error))} (full log: {build_log})"
+    if fresh:
+        log(f"kernels: built in {time.monotonic() - start:.0f} s")
     return module, ""
 
 

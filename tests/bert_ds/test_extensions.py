@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from bert_ds.base import build_locks
 from bert_ds.train import extensions
 from bert_ds.train.signals import STARTUP_EXIT_GRACE_S
 from bert_ds.base.errors import EXIT_USER_ERROR, UserError
@@ -39,7 +40,7 @@ def built_cache() -> Path:
 def cache(built_cache, tmp_path) -> Path:
     """A private copy of the built cache: the tests put locks into it."""
     root = tmp_path / "torch_extensions"
-    shutil.copytree(built_cache, root, ignore=shutil.ignore_patterns(extensions.LOCK_NAME))
+    shutil.copytree(built_cache, root, ignore=shutil.ignore_patterns(build_locks.LOCK_NAME))
     return root
 
 
@@ -66,7 +67,7 @@ def _train(data: dict[str, Path], out: Path, cache: Path, **env: str) -> subproc
                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
 
 
-def _polls(watch: extensions.LockWatch, n: int) -> list[bool]:
+def _polls(watch: build_locks.LockWatch, n: int) -> list[bool]:
     return [watch.poll(time.monotonic()) for _ in range(n)]
 
 
@@ -81,31 +82,31 @@ def test_r14_the_build_cache_belongs_to_the_environment_unless_the_user_chose_on
 
 @pytest.mark.parametrize("value", ["0", "-5", "soon", "inf", "nan"])
 def test_r14_a_bad_lock_timeout_is_one_line(monkeypatch, value):
-    monkeypatch.setenv(extensions.LOCK_TIMEOUT_ENV, value)
-    with pytest.raises(UserError, match=extensions.LOCK_TIMEOUT_ENV):
-        extensions.lock_timeout_s()
+    monkeypatch.setenv(build_locks.LOCK_TIMEOUT_ENV, value)
+    with pytest.raises(UserError, match=build_locks.LOCK_TIMEOUT_ENV):
+        build_locks.lock_timeout_s()
 
 
 def test_r14_a_stale_lock_is_removed_with_a_note(tmp_path, capfd):
-    lock = tmp_path / OP / extensions.LOCK_NAME
+    lock = tmp_path / OP / build_locks.LOCK_NAME
     lock.parent.mkdir()
     lock.touch()
-    watch = extensions.LockWatch(tmp_path, timeout_s=60)
+    watch = build_locks.LockWatch(tmp_path, timeout_s=60)
     assert _polls(watch, 2) == [True, False]  # removed on the second look, not the first (FileBaton closes, then removes)
     assert not lock.exists()
     assert f"removed a stale build lock {lock}" in capfd.readouterr().err
 
 
 def test_r14_a_lock_is_live_while_its_holder_runs_and_stale_once_it_is_killed(tmp_path, capfd):
-    lock = tmp_path / OP / extensions.LOCK_NAME
+    lock = tmp_path / OP / build_locks.LOCK_NAME
     holder = _hold(lock)
-    assert extensions.lock_holders(lock) == [holder.pid]
-    watch = extensions.LockWatch(tmp_path, timeout_s=60)
+    assert build_locks.lock_holders(lock) == [holder.pid]
+    watch = build_locks.LockWatch(tmp_path, timeout_s=60)
     assert _polls(watch, 3) == [True, True, True]
     assert lock.exists()
     holder.kill()
     holder.wait()
-    assert extensions.lock_holders(lock) == []
+    assert build_locks.lock_holders(lock) == []
     assert _polls(watch, 2) == [True, False]
     assert not lock.exists()
     assert "removed a stale build lock" in capfd.readouterr().err
@@ -113,7 +114,7 @@ def test_r14_a_lock_is_live_while_its_holder_runs_and_stale_once_it_is_killed(tm
 
 def test_r14_a_start_killed_during_the_build_is_followed_by_a_normal_start(sample_data, tmp_path, built_cache):
     cache = tmp_path / "torch_extensions"
-    lock = cache / OP / extensions.LOCK_NAME
+    lock = cache / OP / build_locks.LOCK_NAME
     build = spawn([sys.executable, "-m", "bert_ds.train.extensions"], env={**cli_env(), extensions.CACHE_ENV: str(cache)},
                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
     _wait_for(lock.exists, 120, "the build's lock")
@@ -123,7 +124,7 @@ def test_r14_a_start_killed_during_the_build_is_followed_by_a_normal_start(sampl
     # The objects as a finished compile leaves them, so that the start below loads the op
     # instead of compiling it for 35-50 s; the lock stays the one the killed build left.
     for f in (built_cache / OP).iterdir():
-        if f.name != extensions.LOCK_NAME:
+        if f.name != build_locks.LOCK_NAME:
             shutil.copy2(f, cache / OP / f.name)
     train = _train(sample_data, tmp_path / "run", cache)
     out, err = train.communicate(timeout=300)
@@ -134,10 +135,10 @@ def test_r14_a_start_killed_during_the_build_is_followed_by_a_normal_start(sampl
 
 
 def test_r14_a_live_lock_is_waited_on_for_the_bound_then_one_line(sample_data, tmp_path, cache):
-    lock = cache / OP / extensions.LOCK_NAME
+    lock = cache / OP / build_locks.LOCK_NAME
     holder = _hold(lock)
     bound = 4
-    train = _train(sample_data, tmp_path / "run", cache, **{extensions.LOCK_TIMEOUT_ENV: str(bound)})
+    train = _train(sample_data, tmp_path / "run", cache, **{build_locks.LOCK_TIMEOUT_ENV: str(bound)})
     _, err = train.communicate(timeout=120)
     assert train.returncode == EXIT_USER_ERROR, err[-4000:]
     assert f"waiting for DeepSpeed's extension build lock {lock}, held by pid {holder.pid}" in err
@@ -149,9 +150,9 @@ def test_r14_a_live_lock_is_waited_on_for_the_bound_then_one_line(sample_data, t
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
 def test_r14_a_stop_signal_before_the_first_step_exits_promptly(sample_data, tmp_path, cache, sig):
-    lock = cache / OP / extensions.LOCK_NAME
+    lock = cache / OP / build_locks.LOCK_NAME
     _hold(lock)  # keeps the start waiting where SIGTERM used to be put off "until the next step"
-    train = _train(sample_data, tmp_path / "run", cache, **{extensions.LOCK_TIMEOUT_ENV: "60"})
+    train = _train(sample_data, tmp_path / "run", cache, **{build_locks.LOCK_TIMEOUT_ENV: "60"})
     err_lines: list[str] = []
     _wait_for(lambda: "waiting for DeepSpeed's extension build lock" in _read_line(train, err_lines), 120,
               "the waiting message")

@@ -2,6 +2,7 @@
 
 import json
 import logging
+import subprocess
 import sys
 
 import pytest
@@ -207,3 +208,48 @@ def test_no_dynamic_compiler_means_no_build_and_a_reason(tmp_path, monkeypatch):
 def test_a_compiler_that_cannot_be_run_leaves_torchs_choice(monkeypatch):
     monkeypatch.setenv("CXX", "/nonexistent/c++")
     assert _build.host_compiler() == ("/nonexistent/c++", "")
+
+
+# --------------------------------------------------------------------------- the build's lock
+
+
+@pytest.fixture
+def fake_build(fresh_loader, monkeypatch):
+    """build_into with torch's load faked (it records its calls) and a compiler that always fits."""
+    from torch.utils import cpp_extension
+
+    calls = []
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", "/usr/local/cuda")
+    monkeypatch.setattr(cpp_extension, "is_ninja_available", lambda: True)
+    monkeypatch.setattr(_build, "host_compiler", lambda: ("c++", ""))
+    monkeypatch.setattr(cpp_extension, "load", lambda **kw: calls.append(kw) or sys.modules[__name__])
+    directory = _build.build_dir()
+    directory.mkdir(parents=True)
+    return directory, calls
+
+
+def test_a_lock_left_by_a_killed_build_is_removed_and_the_build_runs(fake_build, capfd):
+    directory, calls = fake_build
+    (directory / "lock").touch()  # no process holds it: a build killed with kill -9
+    module, reason = _build.build_into(directory)
+    assert module is not None and reason == "" and len(calls) == 1
+    assert not (directory / "lock").exists()
+    err = capfd.readouterr().err
+    assert f"removed a stale build lock {directory / 'lock'}" in err
+    assert "building the fused CUDA kernels into" in err and "kernels: built in" in err
+
+
+def test_a_lock_held_past_the_bound_ends_the_build_with_a_reason(fake_build, monkeypatch):
+    directory, calls = fake_build
+    lock = directory / "lock"
+    holder = subprocess.Popen([sys.executable, "-c", f"import time; f = open({str(lock)!r}, 'w'); "
+                               "print('held', flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        monkeypatch.setenv("BERT_DS_BUILD_LOCK_TIMEOUT", "1")
+        module, reason = _build.build_into(directory)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert module is None and not calls
+    assert reason.startswith(f"the fused kernels' build lock {lock} is still held by pid {holder.pid} ")
