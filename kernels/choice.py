@@ -4,9 +4,10 @@
   op against its ``<op>_ref`` (``kernels/selfcheck.py``: every dtype, a few shapes,
   forward and backward). An op that failed is refused by :func:`bert_ds.kernels.dispatch.choose`:
   an error under ``kernels=cuda``, never run under ``kernels=auto``.
-- speed: the first time ``kernels=auto`` meets a device, :func:`op_choices` times each
-  op's correct candidates (fused, native, apex's LayerNorm) at the model's shapes and
-  records the winner with the timings (``kernels/speed.py``).
+- speed: the first time ``kernels=auto`` meets a device with a model's shapes,
+  :func:`op_choices` times each op's correct candidates (fused, native, apex's LayerNorm)
+  at those shapes and the training's sequence length and records the winner with the
+  timings under the shapes (``kernels/speed.py``).
 - :func:`resolve_backend`: a ``kernels: auto | cuda | torch`` setting to the backend the ops
   run (``kernels/dispatch.py`` says what each runs).
 
@@ -133,10 +134,11 @@ _choices: dict[str, Choice] | None = None  # this process's, once decided
 def op_choices(shapes: OpShapes | None = None) -> dict[str, Choice]:
     """Per op, the implementation ``kernels=auto`` runs on this device, with the timings behind it.
 
-    Raced at ``shapes`` (a BERT-Base's when None) the first time ``kernels=auto`` meets
-    this device under this :func:`~bert_ds.kernels._build.device_key`. Like the record, which
-    later processes and models of other sizes read, the first call in a process decides for
-    the process (``python -m bert_ds.kernels.build --recheck`` races again).
+    Raced at ``shapes`` (a BERT-Base's at seq 128 when None) the first time ``kernels=auto``
+    meets these shapes on this device under this :func:`~bert_ds.kernels._build.device_key`,
+    and recorded under the shapes: a later process with the same shapes reads it, one with
+    other shapes races them. The first call in a process decides for the process (one
+    training process builds one model; ``python -m bert_ds.kernels.build --recheck`` races again).
     """
     global _choices
     if _choices is None:
@@ -156,7 +158,7 @@ def _decide_choices(shapes: OpShapes | None) -> dict[str, Choice]:
         choices = speed.race(shapes, device, timed, excluded, race_timer or speed.best_seconds_per_call)
         return {"shapes": dataclasses.asdict(shapes), "ops": {op: c.to_json() for op, c in choices.items()}}
 
-    return {op: Choice.from_json(c) for op, c in recorded("choices", run_race)["ops"].items()}
+    return {op: Choice.from_json(c) for op, c in recorded(f"choices {shapes.key}", run_race)["ops"].items()}
 
 
 def _fused_problems() -> dict[str, str]:

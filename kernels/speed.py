@@ -7,15 +7,19 @@ Candidates per op, in this order:
 - ``apex`` (LayerNorm only): apex's fused LayerNorm, where apex is installed and it passes
   the same self-check.
 
-Each candidate is timed forward + backward on seeded inputs at the model's shapes
-(:class:`OpShapes`), and the fastest wins. A tie goes to ``native``: a fused kernel is
-used only when it is faster, so ``kernels=auto`` is never slower than the native path.
-A candidate that raises at these shapes is excluded, with the reason.
+Each candidate is timed forward + backward on seeded inputs at the model's shapes and the
+training's sequence length (:class:`OpShapes`), on as many tokens as a training micro-batch
+holds (32,768 by default, a BERT-Base micro-batch of 256 x 128), so that launch costs do not
+decide; on a GPU by CUDA events around back-to-back calls. The fastest wins. A tie goes to
+``native``: a fused kernel is used only when it is faster, so ``kernels=auto`` is never
+slower than the native path. A candidate that raises at these shapes is excluded, with the
+reason.
 
-The race runs once per device and is recorded beside the self-check verdicts
-(``kernels/choice.py``); it takes a few milliseconds per candidate and happens when the
-model is built, before any training step, so no run's figures include it. The device
-and the clock are parameters, so that the choice is tested on a CPU with stand-ins.
+The race runs once per device and shapes, and is recorded beside the self-check verdicts
+under its shapes (``kernels/choice.py``): a tiny model's verdict never decides for a
+BERT-Base. It takes some tens of milliseconds per candidate and happens when the model is
+built, before any training step, so no run's figures include it. The device and the clock
+are parameters, so that the choice is tested on a CPU with stand-ins.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ IMPLEMENTATIONS = {"layer_norm": LAYER_NORM, "bias_gelu": BIAS_GELU, "varlen_att
 LAYER_NORM_EPS = 1e-12  # BERT's
 CALLS_PER_SAMPLE = 10  # calls per timed sample, so that one sample is well above the clock's resolution
 SAMPLES = 5
+RACE_TOKENS = 32768  # a BERT-Base micro-batch of the recipe (256 x 128)
 
 Timer = Callable[[Callable[[], Any], torch.device], float]  # (run once, device) -> seconds per run
 
@@ -49,13 +54,13 @@ class OpShapes:
     hidden: int = 768
     intermediate: int = 3072
     num_heads: int = 12
-    max_seqlen: int = 512
+    max_seqlen: int = 128  # the training's sequence length (phase 1 of BERT's recipe by default)
     approximate: str = "none"  # the model's GELU: "none" (erf) or "tanh"
     dtype: str = "bfloat16"  # the training dtype of the bf16 DeepSpeed configs
-    sequences: int = 16  # lengths spread over [max_seqlen / 2, max_seqlen], as unpadded batches are
+    tokens: int = RACE_TOKENS  # at least this many tokens per call, as a training micro-batch
 
     def __post_init__(self) -> None:
-        for name in ("hidden", "intermediate", "num_heads", "max_seqlen", "sequences"):
+        for name in ("hidden", "intermediate", "num_heads", "max_seqlen", "tokens"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
                 raise ValueError(f"OpShapes.{name} must be a positive integer, got {getattr(self, name)!r}")
         if self.hidden % self.num_heads:
@@ -69,10 +74,22 @@ class OpShapes:
         return self.hidden // self.num_heads
 
     def lengths(self) -> list[int]:
-        return [self.max_seqlen - i * self.max_seqlen // (2 * self.sequences) for i in range(self.sequences)]
+        """The pretraining loader's shape: nine sequences in ten full length, the tenth half as
+        long, until :attr:`tokens` are reached."""
+        lengths: list[int] = []
+        while sum(lengths) < self.tokens:
+            lengths.append(self.max_seqlen if len(lengths) % 10 != 9 else max(1, self.max_seqlen // 2))
+        return lengths
+
+    @property
+    def key(self) -> str:
+        """Names these shapes in the record: a verdict holds for the shapes it was raced at."""
+        return (f"{self.dtype} hidden {self.hidden} ffn {self.intermediate} heads {self.num_heads} "
+                f"seq {self.max_seqlen} tokens {self.tokens} gelu {self.approximate}")
 
     def describe(self) -> str:
-        return (f"{self.dtype}, {sum(self.lengths())} tokens in {self.sequences} sequences of <= {self.max_seqlen}, "
+        lengths = self.lengths()
+        return (f"{self.dtype}, {sum(lengths)} tokens in {len(lengths)} sequences of <= {self.max_seqlen}, "
                 f"hidden {self.hidden}, intermediate {self.intermediate}, {self.num_heads} heads of {self.head_dim}")
 
 
@@ -99,11 +116,24 @@ class Choice:
 
 
 def best_seconds_per_call(run: Callable[[], Any], device: torch.device) -> float:
-    """The default clock: the best of a few samples of several calls, after one untimed call."""
+    """The default clock: the best of a few samples of several back-to-back calls, after one
+    untimed call; on a GPU by CUDA events around each sample (the device's own time, not the
+    host's), elsewhere by the host clock."""
     def sample() -> None:
         for _ in range(CALLS_PER_SAMPLE):
             run()
-    return probes.best_seconds(sample, device, SAMPLES) / CALLS_PER_SAMPLE
+    if device.type != "cuda":
+        return probes.best_seconds(sample, device, SAMPLES) / CALLS_PER_SAMPLE
+    run()
+    best = float("inf")
+    for _ in range(SAMPLES):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        sample()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    return best / CALLS_PER_SAMPLE
 
 
 def candidates(fused_problems: Mapping[str, str], apex_problem: str,

@@ -386,12 +386,16 @@ def pretraining_inputs(batch: Mapping[str, torch.Tensor | int]) -> dict[str, Any
 
 
 class BertForPreTraining(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, train_seq_len: int | None = None) -> None:
+        """``train_seq_len``: the sequence length training feeds, at which ``kernels=auto``
+        times its candidates the first time it meets this device with these shapes
+        (default: ``max_position_embeddings``)."""
         super().__init__()
         self.config = config
         self.backend = resolve_backend(config.kernels, OpShapes(  # kernels=auto times candidates at these
             hidden=config.hidden_size, intermediate=config.intermediate_size, num_heads=config.num_heads,
-            max_seqlen=config.max_position_embeddings, approximate=_GELU_APPROXIMATE[config.hidden_act]))
+            max_seqlen=train_seq_len or config.max_position_embeddings,
+            approximate=_GELU_APPROXIMATE[config.hidden_act]))
         self.bert = BertModel(config, self.backend)
         self.cls = BertPreTrainingHeads(config, self.backend, self.bert.embeddings.word_embeddings.weight)
         self._init_weights()

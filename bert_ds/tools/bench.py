@@ -254,7 +254,7 @@ def transformers_loss(model, batch: Batch) -> torch.Tensor:
 
 
 def build_variant(v: Variant, cfg: ModelConfig, weights: dict[str, torch.Tensor], lr: float,
-                  device: torch.device) -> tuple[torch.nn.Module, Callable, torch.optim.Optimizer, str]:
+                  device: torch.device, seq_len: int) -> tuple[torch.nn.Module, Callable, torch.optim.Optimizer, str]:
     """Model (holding ``weights``), its loss function, its optimizer, and which kernels it runs.
 
     Variant (a) asks for ``kernels=cuda`` on a GPU: every op fused, or a
@@ -266,7 +266,7 @@ def build_variant(v: Variant, cfg: ModelConfig, weights: dict[str, torch.Tensor]
 
     if v.family == "bert_ds":
         kernels = v.kernels if v.kernels != "fused" else "cuda" if device.type == "cuda" else "auto"
-        model = BertForPreTraining(dataclasses.replace(cfg, kernels=kernels))
+        model = BertForPreTraining(dataclasses.replace(cfg, kernels=kernels), train_seq_len=seq_len)
         model.load_state_dict(weights)
         loss_fn, ran = bert_ds_loss, {"cuda": "fused (all ops)", "torch": "torch"}.get(model.backend, model.backend)
         if v.kernels == "fused" and device.type != "cuda":
@@ -364,7 +364,7 @@ def run_config(s: BenchSettings, preset: str, seq_len: int, device: torch.device
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
         try:
-            model, loss_fn, optimizer, kernels = build_variant(v, cfg, weights, s.lr, device)
+            model, loss_fn, optimizer, kernels = build_variant(v, cfg, weights, s.lr, device, seq_len)
             loss = first_batch_loss(model, loss_fn, first, autocast)
             loader = PretrainingLoader(samples, plan, rank=0, num_workers=s.workers,
                                        pin_memory=device.type == "cuda")

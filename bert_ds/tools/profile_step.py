@@ -135,7 +135,7 @@ def profile_variant(args: argparse.Namespace) -> dict[str, Any]:
     torch.manual_seed(s.seed)
     weights = BertForPreTraining(dataclasses.replace(cfg, kernels="torch")).state_dict()
     model, loss_fn, optimizer, kernels = bench.build_variant(bench.VARIANTS[args.variant], cfg, weights, s.lr,
-                                                             device)
+                                                             device, args.seq_len)
     loader = PretrainingLoader(samples, BatchPlan.resolve(batch_size, batch_size, world_size=1), rank=0,
                                num_workers=s.workers, pin_memory=device.type == "cuda")
 

@@ -153,7 +153,7 @@ def _build_engine(cfg: TrainConfig, ds_cfg: dict[str, Any], device: torch.device
     """The DeepSpeed engine, the optimizer handed to it, and the model's parameter count."""
     import deepspeed
 
-    model = BertForPreTraining(cfg.model).to(device)
+    model = BertForPreTraining(cfg.model, train_seq_len=cfg.data.max_seq_length).to(device)
     optimizer = build_optimizer(model, cfg.optim)
     engine, _, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer, config=ds_cfg,

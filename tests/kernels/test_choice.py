@@ -8,6 +8,7 @@ follows are the real code.
 """
 
 import importlib
+import dataclasses
 import json
 import logging
 import sys
@@ -24,7 +25,8 @@ from bert_ds.kernels.choice import resolve_backend
 layer_norm = importlib.import_module("bert_ds.kernels.layer_norm")
 bias_gelu = importlib.import_module("bert_ds.kernels.bias_gelu")
 
-SHAPES = speed.OpShapes(hidden=16, intermediate=64, num_heads=2, max_seqlen=8, sequences=2, dtype="float32")
+SHAPES = speed.OpShapes(hidden=16, intermediate=64, num_heads=2, max_seqlen=8, tokens=16, dtype="float32")
+RECORDED = f"choices {SHAPES.key}"
 MS = 1e-3  # the fake clock counts seconds
 
 
@@ -189,18 +191,35 @@ def test_torch_runs_native_and_races_nothing(auto):
 
 # --------------------------------------------------------------------------- the record
 
-def test_the_verdict_is_recorded_and_a_later_process_reads_it(auto):
+def test_the_verdict_is_recorded_under_its_shapes_and_a_later_process_reads_it(auto):
     resolve_backend("auto", SHAPES)
     first = choice.op_choices()
     record = json.loads(_build.verdict_path().read_text())
-    assert record["key"]["device"] == "Fake H100" and record["choices"]["shapes"]["hidden"] == 16
-    assert set(record) == {"key", "selfcheck", "choices"}
+    assert record["key"]["device"] == "Fake H100" and record[RECORDED]["shapes"]["hidden"] == 16
+    assert set(record) == {"key", "selfcheck", RECORDED}
     timed = len(auto.clock.timed)
 
     auto.new_process()
-    assert resolve_backend("auto", speed.OpShapes()) == "prefer_cuda"  # another model: the device's record holds
+    assert resolve_backend("auto", SHAPES) == "prefer_cuda"  # the same shapes: the record holds
     assert len(auto.clock.timed) == timed
     assert {op: c.to_json() for op, c in choice.op_choices().items()} == {op: c.to_json() for op, c in first.items()}
+
+
+def test_a_model_of_other_shapes_races_its_own(auto):
+    # A tiny model's verdict (the main job's) must not decide for a BERT-Base on the same GPU.
+    resolve_backend("auto", SHAPES)
+    timed = len(auto.clock.timed)
+    auto.new_process()
+    other = dataclasses.replace(SHAPES, max_seqlen=16)
+    resolve_backend("auto", other)
+    assert len(auto.clock.timed) > timed
+    assert set(json.loads(_build.verdict_path().read_text())) == {"key", "selfcheck", RECORDED,
+                                                                  f"choices {other.key}"}
+
+
+def test_the_race_runs_on_a_training_micro_batch_of_tokens():
+    lengths = speed.OpShapes().lengths()
+    assert sum(lengths) >= 32768 and set(lengths) == {128, 64} and lengths.count(64) == len(lengths) // 10
 
 
 def _raced_again(auto) -> bool:
@@ -322,6 +341,11 @@ def test_the_model_has_its_own_shapes_timed(auto):
     config = ModelConfig(vocab_size=50, hidden_size=24, num_layers=1, num_heads=3, intermediate_size=40,
                          max_position_embeddings=12, hidden_act="gelu_tanh", kernels="auto")
     assert BertForPreTraining(config).backend == "prefer_cuda"
-    shapes = json.loads(_build.verdict_path().read_text())["choices"]["shapes"]
+    record = json.loads(_build.verdict_path().read_text())
+    shapes = next(v for k, v in record.items() if k.startswith("choices "))["shapes"]
     assert (shapes["hidden"], shapes["intermediate"], shapes["num_heads"], shapes["max_seqlen"],
             shapes["approximate"]) == (24, 40, 3, 12, "tanh")
+    auto.new_process()  # the trainer passes its sequence length: the race runs at it
+    BertForPreTraining(config, train_seq_len=6)
+    record = json.loads(_build.verdict_path().read_text())
+    assert sorted(v["shapes"]["max_seqlen"] for k, v in record.items() if k.startswith("choices ")) == [6, 12]
