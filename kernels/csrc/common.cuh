@@ -80,15 +80,21 @@ __device__ __forceinline__ float warp_sum(float v) {
 }
 
 // out[c] = sum over p of parts[p * cols + c], for the fp32 per-block partial sums
-// that the backward kernels leave (LayerNorm dw/db, bias-GELU dbias). Block
-// (32, 8): x walks 32 adjacent columns (coalesced), y splits the partial rows.
-constexpr int kColumnSumRows = 8;
+// that the backward kernels leave (LayerNorm dw/db, bias-GELU dbias): about 1,600 rows
+// at BERT's shapes. Block (8, 32): x walks 8 adjacent columns (one 32-byte sector of a
+// row), y splits the rows 32 ways, each thread summing its rows in order and thread
+// y = 0 the 32 partial sums in order (deterministic). The narrow tile gives cols / 8
+// blocks (96 at BERT-Base's 768) to keep loads in flight on every SM; a 32-wide tile gave
+// 24 blocks on an H100's 132 SMs and took 11 us a call (benchmarks/results/H100-2026-11-24).
+constexpr int kColumnSumCols = 8;
+constexpr int kColumnSumRows = 32;
 
 template <typename OutT>
-__global__ void __launch_bounds__(32 * kColumnSumRows)
+__global__ void __launch_bounds__(kColumnSumCols * kColumnSumRows)
 column_sum_kernel(const float* __restrict__ parts, int num_parts, int cols, OutT* __restrict__ out) {
-  __shared__ float partial[kColumnSumRows][33];  // +1: no bank conflict on the transposed read
-  const int col = blockIdx.x * 32 + threadIdx.x;
+  // Row stride kColumnSumCols: a warp (4 rows of 8 columns) writes 32 distinct banks.
+  __shared__ float partial[kColumnSumRows][kColumnSumCols];
+  const int col = blockIdx.x * kColumnSumCols + threadIdx.x;
   float sum = 0.f;
   if (col < cols) {
     for (int p = threadIdx.y; p < num_parts; p += kColumnSumRows) sum += parts[(int64_t)p * cols + col];
@@ -104,7 +110,7 @@ column_sum_kernel(const float* __restrict__ parts, int num_parts, int cols, OutT
 
 template <typename OutT>
 inline cudaError_t column_sum(const float* parts, int num_parts, int cols, OutT* out, cudaStream_t stream) {
-  const dim3 grid((cols + 31) / 32), block(32, kColumnSumRows);
+  const dim3 grid((cols + kColumnSumCols - 1) / kColumnSumCols), block(kColumnSumCols, kColumnSumRows);
   column_sum_kernel<OutT><<<grid, block, 0, stream>>>(parts, num_parts, cols, out);
   return cudaGetLastError();
 }
