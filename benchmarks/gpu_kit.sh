@@ -10,6 +10,9 @@
 # the call's `carry`. `benchmarks/gpu_checks.sh` installs them from KIT_DIR with
 # `pip install --no-index --target` and says what it installed.
 #
+# Not `python -m bert_ds.tools.bundle`: that gathers everything bert-ds needs (transformers,
+# datasets, pyarrow and the rest: far over the carry limit), most of which the image has.
+#
 # The versions are pinned to the set that ran on an H100 on 2026-11-24
 # (benchmarks/results/H100-2026-11-24). DeepSpeed is published as source only; its wheel is
 # built here without compiled ops (DS_BUILD_OPS=0: pure Python, ops are JIT-built where used).
