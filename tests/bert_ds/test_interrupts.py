@@ -217,7 +217,7 @@ def test_r17_a_second_run_into_the_folder_is_refused_and_a_killed_holder_blocks_
     second = run_cli(*_args(sample_data, out, "--steps", "500"), nproc=2, check=False, timeout=120)
     refused_s = time.monotonic() - t
     print(f"R17: 2 ranks into a busy folder: exit {second.returncode} after {refused_s:.1f} s")
-    assert second.returncode != 0 and refused_s < 30, second.stderr[-3000:]
+    assert second.returncode != 0 and refused_s < 90, second.stderr[-3000:]  # a bound on a hang, not a speed
     assert f"bert_ds.train (pid {first.pid} " in second.stderr and "rank 0 refused the run" in second.stderr
     assert first.poll() is None
 
