@@ -634,9 +634,13 @@ def _bench(args: argparse.Namespace) -> None:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     result = run(settings_from(args))
-    text = markdown(result)
+    write_report(markdown(result), result, args.json, args.markdown)
+
+
+def write_report(text: str, result: dict[str, Any], json_path: Path | None, markdown_path: Path | None) -> None:
+    """Print the markdown report; also write it, and every figure as JSON, where asked."""
     print(text, flush=True)
-    for path, content in ((args.json, json.dumps(result, indent=2) + "\n"), (args.markdown, text + "\n")):
+    for path, content in ((json_path, json.dumps(result, indent=2) + "\n"), (markdown_path, text + "\n")):
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(content)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 import time
 from pathlib import Path
@@ -188,12 +187,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(args: argparse.Namespace) -> None:
     result = profile_variant(args)
-    text = markdown(result)
-    print(text, flush=True)
-    for path, content in ((args.json, json.dumps(result, indent=2) + "\n"), (args.markdown, text + "\n")):
-        if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(content)
+    bench.write_report(markdown(result), result, args.json, args.markdown)
 
 
 if __name__ == "__main__":
