@@ -130,7 +130,7 @@ echo "== modules missing: ${missing:-none}"
 
 # ------------------------------------------------------------------ the steps
 if ((rehearse)); then
-    kbench=(--device cpu --models base --tokens 256 --reps 1 --no-compile)
+    kbench=(--device cpu --models base --tokens 256 --lamb-elements 100000 --reps 1 --no-compile)
     bench=(--device cpu --preset tiny --seq-len 64 --steps 2 --warmup 1 --no-probes)
     profile=(--device cpu --preset tiny --seq-len 64 --steps 1)
     main_steps=${MAIN_STEPS:-10}

@@ -1,7 +1,7 @@
 """Speed of the fused kernels against PyTorch, at BERT-Base and BERT-Large shapes.
 
-    python -m bert_ds.kernels.bench [--ops layer_norm,bias_gelu,varlen_attention] [--dtype bf16]
-                                    [--models base,large] [--tokens 16384] [--reps 30]
+    python -m bert_ds.kernels.bench [--ops layer_norm,bias_gelu,varlen_attention,lamb_update] [--dtype bf16]
+                                    [--models base,large] [--tokens 16384] [--lamb-elements N] [--reps 30]
                                     [--no-compile] [--device cuda|cpu] [--json FILE]
 
 Prints a markdown table; ``--json FILE`` also writes every figure with the device,
@@ -31,7 +31,12 @@ Design choices, and why:
   the same for every implementation, so a slower one shows a lower figure. Attention
   FLOPs are the useful ones (4 * nh * hd * sum of L^2 forward, 2.5x that backward);
   padded work is not counted.
-- **Figures.** Memory-bound ops (layer_norm, bias_gelu): GB/s and the fraction of a
+- **LAMB's update** (``lamb_update``, pass "step"): one optimizer step over a flat fp32
+  tensor of the model's parameter count (ZeRO-1 on one GPU: the whole model in one
+  partition; ``--lamb-elements`` overrides), cut into 1,024-element chunks at fragments of
+  the layer shapes, fused against the native path (what ``kernels=torch`` runs). Its work:
+  g, m, v, w read once and m, v, w written once (7 x 4 bytes per element).
+- **Figures.** Memory-bound ops (layer_norm, bias_gelu, lamb_update): GB/s and the fraction of a
   device-to-device copy measured in the same run. Attention: TFLOP/s and the fraction
   of a bf16 8192^3 matmul measured in the same run.
 - **Roofline.** Per op, for the fused kernel and (attention) ``varlen_attn``, flash
@@ -60,12 +65,14 @@ import torch.nn.functional as F
 from bert_ds.kernels import _build, probes
 from bert_ds.kernels.attention import VARLEN_ATTN, varlen_attention, varlen_attention_ref
 from bert_ds.kernels.bias_gelu import bias_gelu, bias_gelu_ref
+from bert_ds.kernels.lamb import Chunks, LambScalars, lamb_update, lamb_update_native
 from bert_ds.kernels.layer_norm import layer_norm, layer_norm_ref
 
-MODELS = {"base": dict(hidden=768, intermediate=3072, heads=12),
-          "large": dict(hidden=1024, intermediate=4096, heads=16)}
+# params: BertForPreTraining's parameter count at BERT's 30,522-token vocabulary (bert_ds.model)
+MODELS = {"base": dict(hidden=768, intermediate=3072, heads=12, params=110_106_428),
+          "large": dict(hidden=1024, intermediate=4096, heads=16, params=336_226_108)}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-OPS = ("layer_norm", "bias_gelu", "varlen_attention")
+OPS = ("layer_norm", "bias_gelu", "varlen_attention", "lamb_update")
 PASSES = ("forward", "forward+backward")
 HEAD_DIM = 64
 # The implementations the roofline table lists: ours, and attention's fastest alternatives.
@@ -120,6 +127,12 @@ def attention_work(lengths: list[int], heads: int, head_dim: int, itemsize: int,
     forward = Work(flops, 4 * tensor + lse)
     backward = Work(2.5 * flops, 8 * tensor + lse)  # dout, q, k, v, out, lse in; dq, dk, dv out
     return _per_pass(forward, backward, pass_)
+
+
+def lamb_update_work(elements: int) -> Work:
+    """One LAMB step over fp32 state: g, m, v, w read, m, v, w written; ~16 FLOPs per element
+    (the moments, the update, its square and the weight's)."""
+    return Work(16 * elements, 7 * 4 * elements)
 
 
 def roofline(work: Work, device: dict[str, Any]) -> dict[str, float | str]:
@@ -191,6 +204,28 @@ def bias_gelu_cases(model: str, tokens: int, dtype: torch.dtype, device: str):
              "torch eager": lambda x, b: bias_gelu_ref(x, b, "none")}
     work = {p: bias_gelu_work(tokens, width, x.element_size(), p) for p in PASSES}
     return f"({tokens}, {width}) erf", impls, [x, bias], grad, work
+
+
+def lamb_update_cases(model: str, elements: int | None, device: str):
+    """A flat fp32 tensor of ``elements`` (the model's parameter count by default) in fragments
+    of the layer's weight shapes, as ZeRO lays out the parameters; the callback returns one
+    multiplier per chunk as the optimizer's does (its all-reduce aside)."""
+    shapes = MODELS[model]
+    numel = elements or shapes["params"]
+    layer = [shapes["hidden"] ** 2] * 4 + [shapes["hidden"] * shapes["intermediate"]] * 2
+    pieces: list[int] = []
+    while sum(pieces) < numel:
+        pieces.append(min(layer[len(pieces) % len(layer)], numel - sum(pieces)))
+    chunks, _ = Chunks.tile(pieces, device)
+    w, g, m = (torch.randn(numel, device=device) for _ in range(3))
+    v = torch.rand(numel, device=device)
+    s = LambScalars.at_step((0.9, 0.999), 1e-6, 0.01, 10)
+
+    def scales(squares: torch.Tensor) -> torch.Tensor:
+        return (squares[:, 0].sqrt() / squares[:, 1].sqrt().clamp_min(1e-12)).mul_(1e-9)
+    impls = {"fused": lambda: lamb_update(w, g, m, v, chunks, s, scales, backend="cuda"),
+             "torch eager": lambda: lamb_update_native(w, g, m, v, chunks, s, scales)}
+    return f"({numel},) fp32, {chunks.lengths.numel()} chunks", impls, lamb_update_work(numel)
 
 
 def _padded(x: torch.Tensor, lengths: list[int], seq_len: int) -> torch.Tensor:
@@ -289,6 +324,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     for model in args.models:
         for op in args.ops:
+            if op == "lamb_update":
+                shape, impls, work = lamb_update_cases(model, args.lamb_elements, args.device)
+                for impl, fn in impls.items():
+                    ms, why = measure(fn, args.reps, args.device)
+                    add(op, model, shape, impl, "step", ms, why, work, "GB/s")
+                continue
             if op == "varlen_attention":
                 for seq_len in (128, 512):
                     shape, impls, work = attention_cases(model, args.tokens, dtype, seq_len, args.device)
@@ -362,6 +403,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {', '.join(MODELS)}")
     parser.add_argument("--tokens", type=int, default=16384, help="real tokens per call")
+    parser.add_argument("--lamb-elements", type=int, default=None,
+                        help="lamb_update's flat tensor (default: the model's parameter count)")
     parser.add_argument("--reps", type=int, default=30, help="calls per timed round")
     parser.add_argument("--no-compile", dest="compile", action="store_false", help="skip the torch.compile rows")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
@@ -373,8 +416,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = (set(args.ops) - set(OPS)) | (set(args.models) - set(MODELS))
     if unknown:
         parser.error(f"unknown ops or models: {', '.join(sorted(unknown))}")
-    if args.tokens < 1 or args.reps < 1:
-        parser.error("--tokens and --reps must be >= 1")
+    if args.tokens < 1 or args.reps < 1 or (args.lamb_elements is not None and args.lamb_elements < 1):
+        parser.error("--tokens, --reps and --lamb-elements must be >= 1")
     if args.device == "cpu":
         return _report(run(args), args.json)
     if not torch.cuda.is_available():

@@ -45,7 +45,7 @@ if TYPE_CHECKING:  # bert_ds.kernels.speed imports the ops, which import this mo
 
 Backend = Literal["cuda", "prefer_cuda", "torch"]  # what an op runs on, after resolution
 Impl = Literal["fused", "native", "apex"]  # an op's implementations: ours, PyTorch's, apex's
-OPS = ("layer_norm", "bias_gelu", "varlen_attention")
+OPS = ("layer_norm", "bias_gelu", "varlen_attention", "lamb_update")
 
 logger = logging.getLogger(__name__)
 

@@ -22,6 +22,7 @@ import torch
 
 from bert_ds.kernels.attention import varlen_attention_fused, varlen_attention_ref
 from bert_ds.kernels.bias_gelu import bias_gelu_fused, bias_gelu_ref
+from bert_ds.kernels.lamb import Chunks, LambScalars, lamb_update_fused, lamb_update_ref
 from bert_ds.kernels.layer_norm import layer_norm_fused, layer_norm_ref
 
 # atol = TOLERANCE[dtype] * max(1, |truth|_max): room for the case where the same-dtype
@@ -36,7 +37,8 @@ def run_all() -> dict[str, str]:
     cuda = torch.device("cuda")
     checks = {"layer_norm": lambda: check_layer_norm(layer_norm_fused, cuda),
               "bias_gelu": lambda: check_bias_gelu(bias_gelu_fused, cuda),
-              "varlen_attention": lambda: check_varlen_attention(varlen_attention_fused, cuda)}
+              "varlen_attention": lambda: check_varlen_attention(varlen_attention_fused, cuda),
+              "lamb_update": lambda: check_lamb_update(lamb_update_fused, cuda)}
     return {op: verdict(check) for op, check in checks.items()}
 
 
@@ -160,4 +162,39 @@ def check_varlen_attention(impl: Callable[..., torch.Tensor], device: torch.devi
                 lambda q, k, v, rest=rest: impl(q, k, v, *rest),
                 lambda q, k, v, rest=rest: varlen_attention_ref(q, k, v, *rest),
                 leaves, rand(total, heads, head_dim, dtype=dtype), dtype)
+    return problems
+
+
+def check_lamb_update(impl: Callable[..., None], device: torch.device) -> list[str]:
+    """``impl`` (``lamb_update_ref``'s signature) against the reference, both in float32 (the
+    only dtype of the fused kernel): the moments, the weights and the per-chunk squared norms
+    the callback receives, within a relative 1e-5 (float32 rounding of a few operations; a
+    wrong index or a lost chunk is off by far more). Ragged chunks (1, 1023, 1024, 1025, 7
+    elements, ...), with and without weight decay, with per-chunk multipliers and one for all."""
+    rand = _Inputs(seed=3, device=device)
+    problems = []
+    chunks, _ = Chunks.tile([1, 1023, 1024, 1025, 7, 4096 + 13, 300], device)
+    for weight_decay, adapt in ((0.01, True), (0.0, True), (0.0, False)):
+        s = LambScalars.at_step((0.9, 0.999), 1e-6, weight_decay, step=3)
+        state = {"param": rand(chunks.numel, dtype=torch.float32), "grad": rand(chunks.numel, dtype=torch.float32),
+                 "exp_avg": rand(chunks.numel, dtype=torch.float32, scale=0.1),
+                 "exp_avg_sq": rand(chunks.numel, dtype=torch.float32).abs().mul_(0.01)}
+        runs = {}
+        for name, fn in (("ours", impl), ("reference", lamb_update_ref)):
+            tensors = {k: t.clone() for k, t in state.items()}
+            seen: list[torch.Tensor] = []
+
+            def scales(squares: torch.Tensor, seen=seen) -> torch.Tensor:
+                seen.append(squares.detach().clone())
+                return squares[:, 0].sqrt() / squares[:, 1].sqrt() * 1e-2
+            fn(tensors["param"], tensors["grad"], tensors["exp_avg"], tensors["exp_avg_sq"], chunks, s,
+               scales if adapt else 1e-2)
+            runs[name] = {**tensors, "squares": seen[0] if seen else torch.zeros(0, device=device)}
+        case = f"weight_decay {weight_decay}{' per-chunk scales' if adapt else ' one scale'}"
+        for key in ("param", "exp_avg", "exp_avg_sq", "squares"):
+            ours, truth = runs["ours"][key], runs["reference"][key]
+            if ours.shape != truth.shape or not torch.isfinite(ours).all():
+                problems.append(f"{case} {key}: wrong shape or non-finite values")
+            elif ours.numel() and (ours - truth).abs().max().item() > 1e-5 * max(1.0, truth.abs().max().item()):
+                problems.append(f"{case} {key}: off by {(ours - truth).abs().max().item():.3g}")
     return problems

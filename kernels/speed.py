@@ -32,13 +32,14 @@ from typing import Any
 
 import torch
 
-from bert_ds.kernels import attention, probes
+from bert_ds.kernels import attention, lamb, probes
 from bert_ds.kernels.bias_gelu import IMPLEMENTATIONS as BIAS_GELU
 from bert_ds.kernels.dispatch import OPS
 from bert_ds.kernels.layer_norm import IMPLEMENTATIONS as LAYER_NORM
 
 # Per op, its implementations by name ("native", "fused", "apex"), all with its reference's signature.
-IMPLEMENTATIONS = {"layer_norm": LAYER_NORM, "bias_gelu": BIAS_GELU, "varlen_attention": attention.IMPLEMENTATIONS}
+IMPLEMENTATIONS = {"layer_norm": LAYER_NORM, "bias_gelu": BIAS_GELU, "varlen_attention": attention.IMPLEMENTATIONS,
+                   "lamb_update": lamb.IMPLEMENTATIONS}
 LAYER_NORM_EPS = 1e-12  # BERT's
 CALLS_PER_SAMPLE = 10  # calls per timed sample, so that one sample is well above the clock's resolution
 SAMPLES = 5
@@ -98,13 +99,13 @@ class Choice:
     """The race's verdict for one op."""
 
     runs: str  # the winner: "native", "fused" or "apex"
-    ms: dict[str, float]  # per timed candidate, milliseconds per forward + backward
+    ms: dict[str, float]  # per timed candidate, ms per call (forward + backward; for LAMB's update one step)
     excluded: dict[str, str]  # per candidate not timed (or that raised), why
 
     def describe(self) -> str:
         timed = ", ".join(f"{name} {ms:.3f} ms" for name, ms in self.ms.items())
         left_out = "".join(f"; {name} not a candidate: {why}" for name, why in self.excluded.items())
-        return f"runs {self.runs} ({timed}, forward + backward){left_out}"
+        return f"runs {self.runs} ({timed} per call){left_out}"
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -161,11 +162,11 @@ def race(shapes: OpShapes, device: torch.device, timed: Mapping[str, Mapping[str
     choices = {}
     with torch.inference_mode(False), torch.enable_grad(), torch.autocast(device.type, enabled=False):
         for op, implementations in timed.items():
-            call, leaves, grad = _case(op, shapes, device)
+            run = _case(op, shapes, device)
             ms, left_out = {}, dict(excluded.get(op, {}))
             for name, fn in implementations.items():
                 try:
-                    ms[name] = timer(functools.partial(_forward_backward, call, fn, leaves, grad), device) * 1e3
+                    ms[name] = timer(functools.partial(run, fn), device) * 1e3
                 except Exception as error:  # a candidate that cannot run these shapes is not one
                     left_out[name] = f"raised {type(error).__name__}: {_first_line(error)}"
             if "native" not in ms:
@@ -180,13 +181,17 @@ def _first_line(error: Exception) -> str:
     return lines[0] if lines else ""
 
 
-def _forward_backward(call, fn, leaves: dict[str, torch.Tensor], grad: torch.Tensor) -> None:
-    out = call(fn, leaves)
-    torch.autograd.grad(out, list(leaves.values()), grad)
+def _forward_backward(call, leaves: dict[str, torch.Tensor], grad: torch.Tensor) -> Callable[[Callable], None]:
+    """Runs a candidate forward (``call(fn, leaves)``) and backward, for the autograd ops."""
+    def run(fn) -> None:
+        out = call(fn, leaves)
+        torch.autograd.grad(out, list(leaves.values()), grad)
+    return run
 
 
-def _case(op: str, shapes: OpShapes, device: torch.device):
-    """``(call, leaves, grad)``: ``call(fn, leaves)`` runs one candidate on the op's inputs at ``shapes``."""
+def _case(op: str, shapes: OpShapes, device: torch.device) -> Callable[[Callable], None]:
+    """``run(fn)``: one call of candidate ``fn`` on the op's inputs at ``shapes`` (forward and
+    backward for the model's ops, one in-place step for LAMB's update)."""
     generator = torch.Generator(device=device).manual_seed(0)
     dtype = getattr(torch, shapes.dtype)
     lengths = shapes.lengths()
@@ -199,15 +204,36 @@ def _case(op: str, shapes: OpShapes, device: torch.device):
     if op == "layer_norm":
         leaves = {"x": rand(tokens, shapes.hidden), "residual": rand(tokens, shapes.hidden),
                   "weight": rand(shapes.hidden, shift=1.0), "bias": rand(shapes.hidden)}
-        return (lambda fn, t: fn(t["x"], t["weight"], t["bias"], LAYER_NORM_EPS, t["residual"]),
-                leaves, rand(tokens, shapes.hidden).detach())
+        return _forward_backward(lambda fn, t: fn(t["x"], t["weight"], t["bias"], LAYER_NORM_EPS, t["residual"]),
+                                 leaves, rand(tokens, shapes.hidden).detach())
     if op == "bias_gelu":
         leaves = {"x": rand(tokens, shapes.intermediate), "bias": rand(shapes.intermediate)}
-        return (lambda fn, t: fn(t["x"], t["bias"], shapes.approximate),
-                leaves, rand(tokens, shapes.intermediate).detach())
+        return _forward_backward(lambda fn, t: fn(t["x"], t["bias"], shapes.approximate),
+                                 leaves, rand(tokens, shapes.intermediate).detach())
     if op == "varlen_attention":
         cu_seqlens = torch.tensor([0, *lengths], device=device).cumsum(0).to(torch.int32)
         leaves = {name: rand(tokens, shapes.num_heads, shapes.head_dim) for name in ("q", "k", "v")}
-        return (lambda fn, t: fn(t["q"], t["k"], t["v"], cu_seqlens, shapes.max_seqlen),
-                leaves, rand(tokens, shapes.num_heads, shapes.head_dim).detach())
+        return _forward_backward(lambda fn, t: fn(t["q"], t["k"], t["v"], cu_seqlens, shapes.max_seqlen),
+                                 leaves, rand(tokens, shapes.num_heads, shapes.head_dim).detach())
+    if op == "lamb_update":
+        return _lamb_case(shapes, device, generator)
     raise ValueError(f"no timing case for op {op!r}")
+
+
+def _lamb_case(shapes: OpShapes, device: torch.device, generator: torch.Generator) -> Callable[[Callable], None]:
+    """LAMB's step on a flat fp32 tensor cut like a ZeRO partition: the weights of two encoder
+    layers (hidden^2 four times, hidden x intermediate twice, each), 14.2M elements at BERT-Base's
+    shapes, about what each of 8 ranks holds of its 110M, with per-chunk multipliers from a
+    callback as the optimizer's."""
+    layer = [shapes.hidden ** 2] * 4 + [shapes.hidden * shapes.intermediate] * 2
+    chunks, _ = lamb.Chunks.tile(layer * 2, device)
+    w, g, m = (torch.randn(chunks.numel, generator=generator, device=device) for _ in range(3))
+    v = torch.rand(chunks.numel, generator=generator, device=device)
+    scalars = lamb.LambScalars.at_step((0.9, 0.999), 1e-6, 0.01, 10)
+
+    def scales(squares: torch.Tensor) -> torch.Tensor:  # stands in for the optimizer's sums and ratios
+        return (squares[:, 0].sqrt() / squares[:, 1].sqrt().clamp_min(1e-12)).mul_(1e-9)
+
+    def run(fn) -> None:
+        fn(w, g, m, v, chunks, scalars, scales)
+    return run

@@ -23,7 +23,8 @@ Design choices, and why:
   clips by the global norm (``gradient_clipping``) before it calls ``step()``, and skips
   the call on an overflow; doing either again here would change the recipe.
 - **A reference and a fast path.** :class:`LambReference` loops over tensors and is the
-  definition; :class:`Lamb` does the same with ``torch._foreach_*`` ops. Tests pin them.
+  definition; :class:`Lamb` does the same with ``torch._foreach_*`` ops and, for flat tensors, the chunked
+  update op. Tests pin them.
 - **Per-parameter ratios over flat tensors.** A sharding wrapper (DeepSpeed ZeRO-1/2) may
   replace each param group's ``params`` by ONE flat tensor: this rank's slice of the group's
   concatenated parameters. A ratio over that tensor mixes parameters and changes with the
@@ -35,10 +36,15 @@ Design choices, and why:
   parameter's ratio. A parameter split between ranks, or absent from a rank, gets the same
   ratio everywhere. Reading the segments out of DeepSpeed is :mod:`bert_ds.zero`'s business;
   ``bert_ds.optim.builders.bind_to_engine`` passes them on.
-- **Vectorised and accurate segment norms.** Fragments are cut into chunks of at most
-  ``_CHUNK`` elements; one ``segment_reduce`` sums the chunks and an fp64 ``index_add_``
-  sums chunks into parameters. A single fp32 reduction over a 20M-element fragment is
-  off by ~4% on CPU; the two-level sum stays within ~1e-8.
+- **Chunked, fused where it pays.** A bound flat tensor is cut into chunks of at most
+  1,024 elements, each inside one fragment (:class:`bert_ds.kernels.lamb.Chunks`); the
+  elementwise update and the chunks' squared norms are one op,
+  :func:`bert_ds.kernels.lamb.lamb_update`, which calls back here between its two passes for
+  the per-chunk multipliers (chunk sums into parameters in fp64, the all-reduce, the ratios).
+  A single fp32 reduction over a 20M-element fragment is off by ~4% on CPU; the two-level
+  sum stays within ~1e-8. On a GPU the op runs its fused kernel (10 passes over the fp32
+  state instead of ~31) where the ``kernels`` setting allows it: ``auto`` when it passed its
+  self-check on the device and won the race against the native ops, as the model's ops do.
 - **A forgotten bind is an error.** ``step()`` refuses tensors that were neither passed
   to the constructor nor bound, instead of silently running a per-partition LAMB.
 - **No DeepSpeed here.** This module is the optimizer math and the flat-tensor layout only;
@@ -47,7 +53,6 @@ Design choices, and why:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Literal
 from collections.abc import Iterable, Sequence
@@ -55,7 +60,8 @@ from collections.abc import Iterable, Sequence
 import torch
 import torch.distributed as dist
 
-_CHUNK = 1024  # elements summed in fp32 before the fp64 sum; keeps the norm error ~1e-8
+from bert_ds.kernels import Backend, KernelSetting, resolve_backend
+from bert_ds.kernels.lamb import ChunkScales, Chunks, LambScalars, lamb_update
 
 
 LambVariant = Literal["nvidia", "paper"]
@@ -84,6 +90,16 @@ def _adapts(weight_decay: float, variant: str) -> bool:
 def _trust_ratio(w_norm: torch.Tensor, u_norm: torch.Tensor) -> torch.Tensor:
     """||w|| / ||u|| elementwise, 1 where either norm is 0."""
     return torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm, torch.ones_like(w_norm))
+
+
+def _advanced_state(state: dict, p: torch.Tensor) -> dict:
+    """``p``'s optimizer ``state``: the moments (zeros at its first step), the step counter advanced."""
+    if not state:
+        state["step"] = 0
+        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    state["step"] += 1
+    return state
 
 
 # --------------------------------------------------------------------------- reference
@@ -136,12 +152,7 @@ class LambReference(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                state = self.state[p]
-                if not state:
-                    state["step"] = 0
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["step"] += 1
+                state = _advanced_state(self.state[p], p)
                 lamb_reference_step(p, p.grad, state["exp_avg"], state["exp_avg_sq"], state["step"],
                                     lr=group["lr"], betas=group["betas"], eps=group["eps"],
                                     weight_decay=group["weight_decay"], variant=self.variant)
@@ -155,28 +166,36 @@ class LambReference(torch.optim.Optimizer):
 class _FlatLayout:
     """Where each parameter's fragment lies in one flat 1-D tensor, cut into chunks.
 
-    Chunks tile ``[0, numel)`` in order; a chunk lies inside one fragment, or inside a gap
-    (DeepSpeed's alignment padding), whose slot is ``num_params``. Slot order is the
-    parameter order of the group, the same on every rank, so slot vectors add up across ranks.
+    A chunk lies inside one fragment, or inside a gap (DeepSpeed's alignment padding), whose
+    slot is ``num_params``. Slot order is the parameter order of the group, the same on every
+    rank, so slot vectors add up across ranks.
     """
     tensor: torch.Tensor          # the bound flat tensor, kept to make the id key safe
-    chunk_lengths: torch.Tensor   # (K,) int64 on the tensor's device
+    chunks: Chunks                # on the tensor's device
     chunk_slots: torch.Tensor     # (K,) int64 on the tensor's device, values in [0, num_params]
     num_params: int
     group: object | None          # process group to all-reduce over; None: nothing to reduce
 
-    def slot_squares(self, x: torch.Tensor) -> torch.Tensor:
-        """(numel,) -> (num_params + 1,) fp64 sums of squares per parameter; the last slot is padding."""
-        # unsafe: the lengths tile the tensor by construction (_flat_layout); the safe form reads
-        # them back to check, a host sync per call on a GPU.
-        chunks = torch.segment_reduce(x.square(), "sum", lengths=self.chunk_lengths, unsafe=True)
-        out = torch.zeros(self.num_params + 1, dtype=torch.float64, device=x.device)
-        return out.index_add_(0, self.chunk_slots, chunks.to(torch.float64))
+    def slot_sums(self, squares: torch.Tensor) -> torch.Tensor:
+        """(K, 2) per-chunk sums -> (2, num_params + 1) per-parameter sums in fp64, this rank's;
+        the last slot is padding. A single fp32 sum over a 20M-element fragment is off by ~4%
+        on a CPU; chunk sums of at most 1,024 elements, then fp64, stay within ~1e-8."""
+        sums = torch.zeros(2, self.num_params + 1, dtype=torch.float64, device=squares.device)
+        sums[0].index_add_(0, self.chunk_slots, squares[:, 0].to(torch.float64))
+        sums[1].index_add_(0, self.chunk_slots, squares[:, 1].to(torch.float64))
+        return sums
 
-    def expand(self, per_slot: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """(num_params + 1,) -> (numel,): each element gets its parameter's value."""
-        return torch.repeat_interleave(per_slot[self.chunk_slots].to(dtype), self.chunk_lengths,
-                                       output_size=self.tensor.numel())
+    def chunk_scales(self, lr: float) -> ChunkScales:
+        """The callback of :func:`~bert_ds.kernels.lamb.lamb_update`: per-chunk squared norms of
+        w and u -> per-chunk lr * the trust ratio of the chunk's parameter, its sums all-reduced
+        over ``group`` in one call."""
+        def scales(squares: torch.Tensor) -> torch.Tensor:  # (K, 2) fp32 -> (K,) fp32
+            sums = self.slot_sums(squares)
+            if self.group is not None:
+                dist.all_reduce(sums, group=self.group)
+            ratio = _trust_ratio(sums[0].sqrt(), sums[1].sqrt())
+            return (ratio * lr)[self.chunk_slots].to(torch.float32)
+        return scales
 
 
 def _flat_layout(flat: torch.Tensor, segments: Sequence[tuple[int, int, int]], num_params: int,
@@ -196,12 +215,9 @@ def _flat_layout(flat: torch.Tensor, segments: Sequence[tuple[int, int, int]], n
         pieces.append((numel - cursor, num_params))
 
     lengths, slots = zip(*pieces)
-    piece_lengths = torch.tensor(lengths, dtype=torch.int64)
-    per_piece = (piece_lengths + _CHUNK - 1) // _CHUNK
-    chunk_slots = torch.repeat_interleave(torch.tensor(slots, dtype=torch.int64), per_piece)
-    chunk_lengths = torch.full((int(per_piece.sum()),), _CHUNK, dtype=torch.int64)
-    chunk_lengths[torch.cumsum(per_piece, 0) - 1] = piece_lengths - _CHUNK * (per_piece - 1)
-    return _FlatLayout(flat, chunk_lengths.to(flat.device), chunk_slots.to(flat.device), num_params, group)
+    chunks, piece_of_chunk = Chunks.tile(lengths, flat.device)
+    chunk_slots = torch.tensor(slots, dtype=torch.int64, device=flat.device)[piece_of_chunk]
+    return _FlatLayout(flat, chunks, chunk_slots, num_params, group)
 
 
 # --------------------------------------------------------------------------- LAMB
@@ -223,9 +239,12 @@ class Lamb(torch.optim.Optimizer):
     """
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-6, weight_decay: float = 0.0, variant: LambVariant = "nvidia"):
+                 eps: float = 1e-6, weight_decay: float = 0.0, variant: LambVariant = "nvidia",
+                 kernels: KernelSetting = "auto"):
         _check_hyperparameters(lr, betas, eps, weight_decay, variant)
         self.variant = variant
+        self.kernels = kernels  # the flat tensors' update: fused where it runs and is faster (auto), or not
+        self._resolved: Backend | None = None
         self._given: set[int] = set()               # ids of tensors stepped with one ratio each
         self._layouts: dict[int, _FlatLayout] = {}  # id of a bound flat tensor -> its layout
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
@@ -282,53 +301,60 @@ class Lamb(torch.optim.Optimizer):
                     "ratios would cover whole partitions. Inside deepspeed.initialize this is ZeRO-0 with "
                     "bf16/fp16, whose wrapper steps once with zero gradients (weight decay alone would move "
                     "the weights); use ZeRO stage 1 or 2.")
-        params = plain + flats
-        if not params:
-            return
+        if plain:
+            self._step_plain(group, plain)
+        for flat in flats:
+            self._step_flat(group, flat)
+
+    def _step_plain(self, group: dict, params: list[torch.Tensor]) -> None:
+        """Separate tensors, one trust ratio each, in foreach ops."""
         updates = self._adam_updates(group, params)
         lr = group["lr"]
-        if not _adapts(group["weight_decay"], self.variant):
-            # Same decision on every rank (the group's settings are), so no rank waits on a
-            # norm all-reduce the others skip.
+        if _adapts(group["weight_decay"], self.variant):
+            ratio = _trust_ratio(torch.stack(torch._foreach_norm(params)), torch.stack(torch._foreach_norm(updates)))
+            torch._foreach_mul_(updates, list((ratio * lr).unbind(0)))
+        else:
             torch._foreach_mul_(updates, lr)
-            torch._foreach_sub_(params, updates)
-            return
-        plain_updates, flat_updates = updates[:len(plain)], updates[len(plain):]
-        if plain:
-            ratio = _trust_ratio(torch.stack(torch._foreach_norm(plain)),
-                                 torch.stack(torch._foreach_norm(plain_updates)))
-            torch._foreach_mul_(plain_updates, list((ratio * lr).unbind(0)))
-        if flats:
-            self._scale_flat_updates(flats, flat_updates, lr)
         torch._foreach_sub_(params, updates)
+
+    def _step_flat(self, group: dict, flat: torch.Tensor) -> None:
+        """A bound flat tensor, one trust ratio per parameter, by the chunked update op."""
+        state = self._state(flat)
+        layout = self._layouts[id(flat)]
+        scalars = LambScalars.at_step(group["betas"], group["eps"], group["weight_decay"], state["step"])
+        # Same decision on every rank (the group's settings are), so no rank waits on a norm
+        # all-reduce the others skip.
+        scales = layout.chunk_scales(group["lr"]) if _adapts(group["weight_decay"], self.variant) else group["lr"]
+        lamb_update(flat, flat.grad, state["exp_avg"], state["exp_avg_sq"], layout.chunks, scalars, scales,
+                    backend=self._backend(flat))
+
+    def _backend(self, flat: torch.Tensor) -> Backend:
+        """The kernels setting, resolved at the first step of a flat tensor (in a training
+        process the model resolved it first, and this reads the same verdicts)."""
+        if self._resolved is None:
+            self._resolved = resolve_backend(self.kernels)
+        return self._resolved
+
+    def _state(self, p: torch.Tensor) -> dict:
+        if p.grad.is_sparse:
+            raise RuntimeError("Lamb does not support sparse gradients")
+        return _advanced_state(self.state[p], p)
 
     def _adam_updates(self, group: dict, params: list[torch.Tensor]) -> list[torch.Tensor]:
         """Advance the moments of ``params``; returns the updates (weight decay included), new tensors."""
         beta1, beta2 = group["betas"]
-        grads, exp_avgs, exp_avg_sqs, steps = [], [], [], []
-        for p in params:
-            if p.grad.is_sparse:
-                raise RuntimeError("Lamb does not support sparse gradients")
-            state = self.state[p]
-            if not state:
-                state["step"] = 0
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["step"] += 1
-            grads.append(p.grad), exp_avgs.append(state["exp_avg"]), exp_avg_sqs.append(state["exp_avg_sq"])
-            steps.append(state["step"])
+        states = [self._state(p) for p in params]
+        grads = [p.grad for p in params]
+        exp_avgs, exp_avg_sqs = [st["exp_avg"] for st in states], [st["exp_avg_sq"] for st in states]
+        scalars = [LambScalars.at_step(group["betas"], group["eps"], group["weight_decay"], st["step"])
+                   for st in states]
 
         torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)  # m + (1 - b1)(g - m): one pass instead of two
         torch._foreach_mul_(exp_avg_sqs, beta2)
         torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
-        # (m / c1) / (sqrt(v / c2) + eps) = m * (sqrt(c2) / c1) / (sqrt(v) + eps sqrt(c2)), with c the
-        # bias corrections: the corrections ride on per-tensor scalars, which saves two passes
-        # over the moments (memory traffic is the whole cost of this step).
-        c1 = [1 - beta1 ** t for t in steps]
-        sqrt_c2 = [math.sqrt(1 - beta2 ** t) for t in steps]
         denom = torch._foreach_sqrt(exp_avg_sqs)
-        torch._foreach_add_(denom, [group["eps"] * s for s in sqrt_c2])
-        step_sizes = [s / c for s, c in zip(sqrt_c2, c1)]
+        torch._foreach_add_(denom, [s.eps_hat for s in scalars])
+        step_sizes = [s.step_size for s in scalars]
         if group["weight_decay"] != 0:
             updates = torch._foreach_mul(params, group["weight_decay"])
             torch._foreach_addcdiv_(updates, exp_avgs, denom, step_sizes)
@@ -336,27 +362,6 @@ class Lamb(torch.optim.Optimizer):
             updates = torch._foreach_div(exp_avgs, denom)
             torch._foreach_mul_(updates, step_sizes)
         return updates
-
-    def _scale_flat_updates(self, flats: list[torch.Tensor], updates: list[torch.Tensor], lr: float) -> None:
-        """Multiply each bound flat update by lr * its parameters' ratios, summing norms over ranks."""
-        layouts = [self._layouts[id(p)] for p in flats]
-        sums = [torch.stack([layout.slot_squares(p), layout.slot_squares(u)])  # (2, num_params + 1)
-                for layout, p, u in zip(layouts, flats, updates)]
-        # One all-reduce per process group; DeepSpeed has one flat tensor per param group.
-        by_group: dict[int, list[int]] = {}
-        for k, layout in enumerate(layouts):
-            by_group.setdefault(id(layout.group), []).append(k)
-        for members in by_group.values():
-            group = layouts[members[0]].group
-            if group is None:
-                continue
-            packed = torch.cat([sums[k] for k in members], dim=1)
-            dist.all_reduce(packed, group=group)
-            for k, part in zip(members, packed.split([sums[k].shape[1] for k in members], dim=1)):
-                sums[k] = part
-        for layout, u, squares in zip(layouts, updates, sums):
-            ratio = _trust_ratio(squares[0].sqrt(), squares[1].sqrt())
-            u.mul_(layout.expand(ratio * lr, u.dtype))
 
 
 __all__ = ["VARIANTS", "Lamb", "LambReference", "LambVariant", "lamb_reference_step"]

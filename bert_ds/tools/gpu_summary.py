@@ -96,7 +96,7 @@ def kernels(results: Path) -> list[str]:
         log = ""
     verdicts = [m.groups() for m in map(VERDICT.match, log.splitlines()) if m]
     if verdicts:
-        lines += ["kernels=auto's verdicts (`kernels_build.log`):", "", "| op | runs | times (forward + backward) |",
+        lines += ["kernels=auto's verdicts (`kernels_build.log`):", "", "| op | runs | times (per call: forward + backward; LAMB one step) |",
                   "|---|---|---|"]
         lines += [f"| {op} | {runs} | {times}{rest.strip(' ;')and '; ' + rest.strip(' ;')} |"
                   for op, runs, times, rest in verdicts]

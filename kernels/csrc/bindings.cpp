@@ -309,10 +309,90 @@ std::vector<at::Tensor> varlen_attention_bwd(const at::Tensor& dout_in, const at
   return {dq, dk, dv};
 }
 
+// ---------------------------------------------------------------- LAMB over a chunked flat tensor
+
+struct LambFlat {
+  at::Tensor offsets, lengths;
+  int64_t num_chunks;
+};
+
+// The checks both passes share: fp32 1-D contiguous state of one numel on one device, and a
+// chunk table of int64 offsets and lengths on it.
+LambFlat check_lamb(const std::vector<const at::Tensor*>& state, const at::Tensor& offsets,
+                    const at::Tensor& lengths) {
+  const at::Device device = state[0]->device();
+  const char* names[] = {"param", "exp_avg", "exp_avg_sq", "grad"};
+  for (size_t i = 0; i < state.size(); ++i) {
+    const at::Tensor& t = *state[i];
+    check_cuda(t, names[i], device);
+    TORCH_CHECK(t.scalar_type() == at::kFloat && t.dim() == 1 && t.is_contiguous(), names[i],
+                " must be a contiguous 1-D float32 tensor, got ", t.scalar_type(), " of shape ", t.sizes());
+    TORCH_CHECK(t.numel() == state[0]->numel(), names[i], " has ", t.numel(), " elements, param ",
+                state[0]->numel());
+  }
+  check_cuda(offsets, "offsets", device);
+  check_cuda(lengths, "lengths", device);
+  TORCH_CHECK(offsets.scalar_type() == at::kLong && lengths.scalar_type() == at::kLong && offsets.dim() == 1 &&
+                  lengths.sizes() == offsets.sizes(),
+              "offsets and lengths must be int64 vectors of one length, got ", offsets.sizes(), " and ",
+              lengths.sizes());
+  // The chunks' bounds are the caller's contract (checked when the table is built); reading
+  // them back here would be a host sync per step.
+  return {offsets.contiguous(), lengths.contiguous(), offsets.numel()};
+}
+
+at::Tensor lamb_moments(const at::Tensor& grad, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
+                        const at::Tensor& param, const at::Tensor& offsets, const at::Tensor& lengths,
+                        double beta1, double beta2, double step_size, double eps_hat, double weight_decay,
+                        bool norms) {
+  const LambFlat flat = check_lamb({&param, &exp_avg, &exp_avg_sq, &grad}, offsets, lengths);
+  const c10::cuda::CUDAGuard guard(param.device());
+  at::Tensor squares = at::empty({norms ? flat.num_chunks : 0, 2}, param.options());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  cudaError_t err;
+  {
+    pybind11::gil_scoped_release no_gil;
+    err = bds_lamb_moments(grad.data_ptr<float>(), exp_avg.data_ptr<float>(), exp_avg_sq.data_ptr<float>(),
+                           param.data_ptr<float>(), flat.offsets.data_ptr<int64_t>(),
+                           flat.lengths.data_ptr<int64_t>(), norms ? squares.data_ptr<float>() : nullptr,
+                           flat.num_chunks, (float)beta1, (float)beta2, (float)step_size, (float)eps_hat,
+                           (float)weight_decay, stream);
+  }
+  check_launch(err, "lamb moments");
+  return squares;
+}
+
+void lamb_apply(const at::Tensor& param, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
+                const at::Tensor& offsets, const at::Tensor& lengths, const c10::optional<at::Tensor>& scales_in,
+                double uniform_scale, double beta1, double beta2, double step_size, double eps_hat,
+                double weight_decay) {
+  const LambFlat flat = check_lamb({&param, &exp_avg, &exp_avg_sq}, offsets, lengths);
+  at::Tensor scales;
+  if (scales_in) {
+    check_cuda(*scales_in, "scales", param.device());
+    TORCH_CHECK(scales_in->scalar_type() == at::kFloat && scales_in->numel() == flat.num_chunks,
+                "scales must be float32 with one value per chunk (", flat.num_chunks, "), got ",
+                scales_in->scalar_type(), " of ", scales_in->numel());
+    scales = scales_in->contiguous();
+  }
+  const c10::cuda::CUDAGuard guard(param.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  cudaError_t err;
+  {
+    pybind11::gil_scoped_release no_gil;
+    err = bds_lamb_apply(exp_avg.data_ptr<float>(), exp_avg_sq.data_ptr<float>(), param.data_ptr<float>(),
+                         flat.offsets.data_ptr<int64_t>(), flat.lengths.data_ptr<int64_t>(),
+                         scales.defined() ? scales.data_ptr<float>() : nullptr, (float)uniform_scale,
+                         flat.num_chunks, (float)beta1, (float)beta2, (float)step_size, (float)eps_hat,
+                         (float)weight_decay, stream);
+  }
+  check_launch(err, "lamb apply");
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "bert-ds fused CUDA kernels: LayerNorm(x + residual), gelu(x + bias), varlen attention";
+  m.doc() = "bert-ds fused CUDA kernels: LayerNorm(x + residual), gelu(x + bias), varlen attention, LAMB";
   m.attr("source_hash") = BDS_STRINGIFY(BDS_SOURCE_HASH);
   m.def("layer_norm_fwd", &layer_norm_fwd, "LayerNorm(x + residual) forward -> (y, mean, rstd)", py::arg("x"),
         py::arg("weight"), py::arg("bias"), py::arg("residual"), py::arg("eps"));
@@ -328,4 +408,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("varlen_attention_bwd", &varlen_attention_bwd, "varlen attention backward -> (dq, dk, dv)",
         py::arg("dout"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"),
         py::arg("cu_seqlens"), py::arg("max_seqlen"), py::arg("softmax_scale"));
+  m.def("lamb_moments", &lamb_moments, "LAMB moments in place -> (chunks, 2) squared norms of w and u",
+        py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("param"), py::arg("offsets"),
+        py::arg("lengths"), py::arg("beta1"), py::arg("beta2"), py::arg("step_size"), py::arg("eps_hat"),
+        py::arg("weight_decay"), py::arg("norms"));
+  m.def("lamb_apply", &lamb_apply, "LAMB update in place: param -= scale * u", py::arg("param"),
+        py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("offsets"), py::arg("lengths"), py::arg("scales"),
+        py::arg("uniform_scale"), py::arg("beta1"), py::arg("beta2"), py::arg("step_size"), py::arg("eps_hat"),
+        py::arg("weight_decay"));
 }

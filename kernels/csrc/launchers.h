@@ -75,6 +75,25 @@ cudaError_t bds_varlen_attention_bwd(const void* dout, const void* q, const void
                                      int batch, int64_t total, int num_heads, int head_dim, int max_seqlen,
                                      float softmax_scale, int dtype, cudaStream_t stream);
 
+// ---------------------------------------------------------------- LAMB over a chunked flat tensor
+// grad, exp_avg, exp_avg_sq, param: one flat fp32 tensor each (the same numel); chunk c is
+// elements [offsets[c], offsets[c] + lengths[c]) (int64 arrays on the device, num_chunks each,
+// chunks disjoint). With u = step_size * m / (sqrt(v) + eps_hat) + weight_decay * w:
+// moments: m = beta1 m + (1 - beta1) g, v = beta2 v + (1 - beta2) g^2 in place, and, when
+// squares (2 * num_chunks floats) is not NULL, squares[2c] = sum of w^2 and squares[2c + 1] =
+// sum of u^2 over chunk c (fp32, in a fixed order).
+cudaError_t bds_lamb_moments(const float* grad, float* exp_avg, float* exp_avg_sq, const float* param,
+                             const int64_t* offsets, const int64_t* lengths, float* squares, int64_t num_chunks,
+                             float beta1, float beta2, float step_size, float eps_hat, float weight_decay,
+                             cudaStream_t stream);
+
+// apply (after moments, with the same scalars): param -= scale * u, scale = scales[c] over chunk c
+// (num_chunks floats on the device), or uniform_scale everywhere when scales is NULL.
+cudaError_t bds_lamb_apply(const float* exp_avg, const float* exp_avg_sq, float* param, const int64_t* offsets,
+                           const int64_t* lengths, const float* scales, float uniform_scale, int64_t num_chunks,
+                           float beta1, float beta2, float step_size, float eps_hat, float weight_decay,
+                           cudaStream_t stream);
+
 #ifdef __cplusplus
 }
 #endif

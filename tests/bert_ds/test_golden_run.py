@@ -30,6 +30,7 @@ field and world size against the record made on that machine:
       ATEN_CPU_CAPABILITY=avx2                    6.3e-8 (loss), 2.3e-8 (grad norm)
       ATEN_CPU_CAPABILITY=default (no AVX)        6.4e-8 (loss), 2.8e-8 (grad norm)
       an Intel Xeon with AVX-512 (issue #19)      5.7e-8 (loss at step 2)
+      torch 2.13.0+cu130 from PyPI (its CPU path) 0 (bitwise, 2026-11-25)
     changes of behaviour
       learning rate off by 1%                     1.4e-3 (loss), 2.9e-3 (grad norm)
       two samples of the epoch trade places       5.8e-4 (loss), 1.7e-2 (grad norm)
@@ -40,7 +41,9 @@ smallest change of behaviour, in the loss alone. ``test_a_planted_change_fails_t
 plants the three changes and checks that each fails the comparison with the record. A
 torch or DeepSpeed version other than the recorded one may round differently beyond this;
 the comparison with the record then skips, naming both versions (the bitwise check on one
-machine still runs).
+machine still runs). torch's build tag (``+cpu``, ``+cu130``) is not part of the version
+compared: the builds share their CPU kernels (measured bitwise above), and a user's
+``pip install torch`` on Linux gets the CUDA build.
 
 Regenerate (only with a reason: a deliberate change of the sample order, the model, the
 optimizer, or a new torch):
@@ -110,6 +113,11 @@ def _versions() -> dict[str, str]:
     import torch
 
     return {"torch": torch.__version__, "deepspeed": deepspeed.__version__}
+
+
+def _release(versions: dict[str, str]) -> dict[str, str]:
+    """The versions without torch's build tag (2.13.0+cpu and 2.13.0+cu130 compare equal)."""
+    return {name: version.split("+")[0] for name, version in versions.items()}
 
 
 def _machine() -> dict[str, str]:
@@ -190,7 +198,7 @@ def golden(tmp_path_factory) -> tuple[Path, dict]:
 @pytest.fixture(scope="module")
 def recorded() -> dict:
     record = json.loads(GOLDEN.read_text())
-    if record["versions"] != _versions():
+    if _release(record["versions"]) != _release(_versions()):
         pytest.skip(f"recorded with {record['versions']}, running {_versions()}: re-record (see the docstring)")
     return record
 

@@ -226,11 +226,14 @@ def test_segment_norms_are_exact_across_chunk_boundaries_and_large_fragments():
         offset += n + 1
     x = torch.randn(offset, generator=torch.Generator().manual_seed(3)) * 0.02
     layout = _flat_layout(x, segments, len(sizes), None)
-    got = layout.slot_squares(x)
+    chunk_squares = layout.chunks.sums(x.square())
+    got = layout.slot_sums(torch.stack([chunk_squares, 4 * chunk_squares], dim=1))
     want = [x[s:s + n].double().square().sum() for s, n, _ in segments]
     gaps = x.double().square().sum() - sum(want)
-    torch.testing.assert_close(got, torch.stack(want + [gaps]), rtol=1e-6, atol=0)
-    expanded = layout.expand(torch.arange(len(sizes) + 1, dtype=torch.float64), torch.float32)
+    torch.testing.assert_close(got[0], torch.stack(want + [gaps]), rtol=1e-6, atol=0)
+    torch.testing.assert_close(got[1], 4 * got[0], rtol=0, atol=0)
+    assert torch.all(layout.chunks.lengths <= 1024)
+    expanded = layout.chunks.expand(layout.chunk_slots)
     for s, n, i in segments:
         assert torch.all(expanded[s:s + n] == i)
     assert expanded[0] == expanded[1] == len(sizes)  # the leading gap is padding

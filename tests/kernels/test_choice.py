@@ -114,9 +114,10 @@ def test_a_fused_kernel_slower_than_native_is_not_used(auto):
     auto.costs("varlen_attention", native=1.0, fused=1.0)  # a tie is no reason to run a kernel
     assert resolve_backend("auto", SHAPES) == "prefer_cuda"
     choices = choice.op_choices()
-    assert _runs() == {"layer_norm": "fused", "bias_gelu": "native", "varlen_attention": "native"}
+    assert _runs() == {"layer_norm": "fused", "bias_gelu": "native", "varlen_attention": "native",
+                       "lamb_update": "fused"}
     assert choices["bias_gelu"].ms == pytest.approx({"native": 2.0, "fused": 3.0})
-    assert len(auto.clock.timed) == 6 and set(auto.clock.timed) == {torch.device("cpu")}
+    assert len(auto.clock.timed) == 2 * len(speed.OPS) and set(auto.clock.timed) == {torch.device("cpu")}
 
 
 def test_the_public_ops_run_the_winner(auto, monkeypatch):
@@ -144,7 +145,7 @@ def test_inputs_the_winner_cannot_take_run_the_native_op(auto, caplog):
 
 def test_a_fused_kernel_that_failed_its_self_check_is_not_a_candidate(auto, monkeypatch):
     monkeypatch.setattr(selfcheck, "run_all", lambda: {"layer_norm": "out: error 9 > 2 x 0 + 0", "bias_gelu": "",
-                                                       "varlen_attention": ""})
+                                                       "varlen_attention": "", "lamb_update": ""})
     resolve_backend("auto", SHAPES)
     winner = choice.op_choices()["layer_norm"]
     assert winner.runs == "native" and set(winner.ms) == {"native"}  # never timed, though the faster
@@ -304,7 +305,8 @@ def test_apex_alone_makes_auto_time_layer_norm(auto, monkeypatch):
     monkeypatch.setattr(layer_norm, "APEX_LAYER_NORM", _apex_stand_in)
     monkeypatch.setitem(layer_norm.IMPLEMENTATIONS, "apex", auto.clock.charging(0.5 * MS, layer_norm.layer_norm_apex))
     assert resolve_backend("auto", SHAPES) == "prefer_cuda"
-    assert _runs() == {"layer_norm": "apex", "bias_gelu": "native", "varlen_attention": "native"}
+    assert _runs() == {"layer_norm": "apex", "bias_gelu": "native", "varlen_attention": "native",
+                       "lamb_update": "native"}
     excluded = choice.op_choices()["bias_gelu"].excluded
     assert excluded["fused"] == "the fused CUDA kernels cannot load: tests build nothing"
 
@@ -326,10 +328,11 @@ def test_the_choice_is_logged_once_with_both_timings(auto, caplog):
     logged = [r.getMessage() for r in caplog.records if r.name == "bert_ds.kernels.choice"]
     choices = [m for m in logged if " runs " in m]  # beside them: the self-check's and the race's lines
     assert sorted(choices) == [
-        "kernels=auto: bias_gelu runs native (native 2.000 ms, fused 3.000 ms, forward + backward)",
-        "kernels=auto: layer_norm runs fused (native 2.000 ms, fused 1.000 ms, forward + backward); "
+        "kernels=auto: bias_gelu runs native (native 2.000 ms, fused 3.000 ms per call)",
+        "kernels=auto: lamb_update runs fused (native 2.000 ms, fused 1.000 ms per call)",
+        "kernels=auto: layer_norm runs fused (native 2.000 ms, fused 1.000 ms per call); "
         "apex not a candidate: apex is not installed",
-        "kernels=auto: varlen_attention runs fused (native 2.000 ms, fused 1.000 ms, forward + backward)",
+        "kernels=auto: varlen_attention runs fused (native 2.000 ms, fused 1.000 ms per call)",
     ]
     races = [r.getMessage() for r in caplog.records if "timing each op's candidates" in r.getMessage()]
     assert races == [f"kernels=auto: timing each op's candidates on Fake H100 at {SHAPES.describe()}"]

@@ -199,3 +199,17 @@ def test_attention_reaches_two_ctas_per_sm(compiled, arch):
              f"registers, {k.smem} B smem, {k.threads} threads)"
              for k in kernels if k.source == "attention.cu" and k.arch == arch and (k.ctas_per_sm or 0) < 2]
     assert not short, "\n".join(short)
+
+
+@needs_nvcc
+@pytest.mark.parametrize("arch", sorted(kinspect.DEVICES))
+def test_lamb_kernels_keep_half_the_sm_busy(compiled, arch):
+    """LAMB's two passes are memory-bound: they need many loads in flight, so at least 1,024
+    threads (half an SM's 2,048) resident per SM, i.e. 4 CTAs of 256."""
+    kernels, _ = compiled
+    lamb = [k for k in kernels if k.source == "lamb.cu" and k.arch == arch]
+    assert {k.name.split("(")[0].split("<")[0].split("::")[-1] for k in lamb} >= {"lamb_moments_kernel",
+                                                                                   "lamb_apply_kernel"}, lamb
+    short = [f"{k.name}: {k.ctas_per_sm} CTAs of {k.threads} ({k.limiter}: {k.registers} registers)"
+             for k in lamb if (k.ctas_per_sm or 0) * (k.threads or 0) < 1024]
+    assert not short, "\n".join(short)
