@@ -10,7 +10,8 @@ forward -> backward -> optimizer step:
 
 - (a) bert_ds: ``bert_ds.model.bert`` with ``kernels=cuda`` (every op fused; where that is
   impossible, the variant reports why and the others still run), unpadded, the MLM
-  decoder on masked tokens only, and LAMB (``bert_ds.optim.lamb``); on a CPU, ``kernels=auto``;
+  decoder on masked tokens only, and LAMB over flat groups as ZeRO-1 lays them out
+  (``bert_ds.optim.flat.FlatLamb``, its update fused); on a CPU, ``kernels=auto``;
 - (b) bert_ds with ``kernels=torch``: the same model on the PyTorch-native ops (varlen_attn on CUDA);
 - (c) ``transformers.BertForPreTraining`` with SDPA attention and torch's fused AdamW,
   fed the padded batch and dense labels: what a user would otherwise run.
@@ -261,9 +262,10 @@ def build_variant(v: Variant, cfg: ModelConfig, weights: dict[str, torch.Tensor]
     :class:`KernelUnavailable` that says why, never a silent mix. On a CPU it runs
     ``kernels=auto``, which is the reference there.
     """
-    from bert_ds.optim.lamb import Lamb
     from bert_ds.optim.builders import param_groups
+    from bert_ds.optim.flat import FlatLamb
 
+    kernels = "auto"
     if v.family == "bert_ds":
         kernels = v.kernels if v.kernels != "fused" else "cuda" if device.type == "cuda" else "auto"
         model = BertForPreTraining(dataclasses.replace(cfg, kernels=kernels), train_seq_len=seq_len)
@@ -285,7 +287,9 @@ def build_variant(v: Variant, cfg: ModelConfig, weights: dict[str, torch.Tensor]
         loss_fn, ran = transformers_loss, "SDPA"
     model = model.to(device).train()
     groups = param_groups(model, weight_decay=0.01)
-    optimizer = Lamb(groups, lr=lr) if v.optimizer == "lamb" else torch.optim.AdamW(groups, lr=lr, fused=True)
+    # LAMB over flat groups as ZeRO-1 lays them out: the update a training run makes (fused on a GPU)
+    optimizer = (FlatLamb(groups, lr=lr, kernels=kernels) if v.optimizer == "lamb" else
+                 torch.optim.AdamW(groups, lr=lr, fused=True))
     return model, loss_fn, optimizer, ran
 
 

@@ -361,3 +361,30 @@ def test_bf16_trains_skips_the_overflow_step_and_tracks_the_reference(zero_runs,
     diff = _max_diff(run["weights"], ref_weights)
     naive = _max_diff(runs["zero1-fp32-naive-paper"]["weights"], _reference(variant="paper")[0])
     assert diff <= 2e-2 and diff < naive / 10, (diff, naive)
+
+
+def test_flat_lamb_steps_the_model_as_per_tensor_lamb_does():
+    """FlatLamb (one flat tensor per group, the parameters views of it) follows Lamb over the
+    separate tensors: the same per-parameter ratios, norms summed per chunk instead of at once.
+    The model keeps its parameters (names, shapes, storage shared with the flat tensor)."""
+    from bert_ds.optim.flat import FlatLamb
+
+    torch.manual_seed(0)
+    weights = {}
+    for opt_cls in (Lamb, FlatLamb):
+        model = worker.build_model()
+        shapes = {name: p.shape for name, p in model.named_parameters()}
+        opt = opt_cls(worker.param_groups(model), lr=worker.LR, betas=worker.BETAS, eps=worker.EPS)
+        x, y = worker.batches()
+        for s in range(5):
+            F.cross_entropy(model(x[s].reshape(-1, worker.IN)), y[s].reshape(-1)).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        assert {name: p.shape for name, p in model.named_parameters()} == shapes
+        weights[opt_cls.__name__] = [p.detach().clone() for p in model.parameters()]
+        if opt_cls is FlatLamb:
+            flat = opt.param_groups[0]["params"][0]
+            first = next(p for p in model.parameters() if p.ndim >= 2)
+            assert first.data_ptr() == flat.data_ptr()  # a view: the flat update moves the model
+    assert _max_diff(weights["FlatLamb"], weights["Lamb"]) <= 1e-6
+    assert _max_diff(weights["FlatLamb"], [p.detach() for p in worker.build_model().parameters()]) > 1e-4
