@@ -62,10 +62,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from bert_ds.kernels import _build, probes
+from bert_ds.kernels import _build, probes, speed
 from bert_ds.kernels.attention import VARLEN_ATTN, varlen_attention, varlen_attention_ref
 from bert_ds.kernels.bias_gelu import bias_gelu, bias_gelu_ref
-from bert_ds.kernels.lamb import Chunks, LambScalars, lamb_update, lamb_update_native
+from bert_ds.kernels.lamb import lamb_update, lamb_update_native
 from bert_ds.kernels.layer_norm import layer_norm, layer_norm_ref
 
 # params: BertForPreTraining's parameter count at BERT's 30,522-token vocabulary (bert_ds.model)
@@ -208,24 +208,17 @@ def bias_gelu_cases(model: str, tokens: int, dtype: torch.dtype, device: str):
 
 def lamb_update_cases(model: str, elements: int | None, device: str):
     """A flat fp32 tensor of ``elements`` (the model's parameter count by default) in fragments
-    of the layer's weight shapes, as ZeRO lays out the parameters; the callback returns one
-    multiplier per chunk as the optimizer's does (its all-reduce aside)."""
+    of the layer's weight shapes, as ZeRO lays out the parameters (``speed.lamb_timing_case``)."""
     shapes = MODELS[model]
     numel = elements or shapes["params"]
     layer = [shapes["hidden"] ** 2] * 4 + [shapes["hidden"] * shapes["intermediate"]] * 2
     pieces: list[int] = []
     while sum(pieces) < numel:
         pieces.append(min(layer[len(pieces) % len(layer)], numel - sum(pieces)))
-    chunks, _ = Chunks.tile(pieces, device)
-    w, g, m = (torch.randn(numel, device=device) for _ in range(3))
-    v = torch.rand(numel, device=device)
-    s = LambScalars.at_step((0.9, 0.999), 1e-6, 0.01, 10)
-
-    def scales(squares: torch.Tensor) -> torch.Tensor:
-        return (squares[:, 0].sqrt() / squares[:, 1].sqrt().clamp_min(1e-12)).mul_(1e-9)
-    impls = {"fused": lambda: lamb_update(w, g, m, v, chunks, s, scales, backend="cuda"),
-             "torch eager": lambda: lamb_update_native(w, g, m, v, chunks, s, scales)}
-    return f"({numel},) fp32, {chunks.lengths.numel()} chunks", impls, lamb_update_work(numel)
+    run = speed.lamb_timing_case(pieces, device)
+    impls = {"fused": lambda: run(functools.partial(lamb_update, backend="cuda")),
+             "torch eager": lambda: run(lamb_update_native)}
+    return f"({numel},) fp32, {len(pieces)} fragments", impls, lamb_update_work(numel)
 
 
 def _padded(x: torch.Tensor, lengths: list[int], seq_len: int) -> torch.Tensor:

@@ -223,10 +223,17 @@ def _case(op: str, shapes: OpShapes, device: torch.device) -> Callable[[Callable
 def _lamb_case(shapes: OpShapes, device: torch.device, generator: torch.Generator) -> Callable[[Callable], None]:
     """LAMB's step on a flat fp32 tensor cut like a ZeRO partition: the weights of two encoder
     layers (hidden^2 four times, hidden x intermediate twice, each), 14.2M elements at BERT-Base's
-    shapes, about what each of 8 ranks holds of its 110M, with per-chunk multipliers from a
-    callback as the optimizer's."""
+    shapes, about what each of 8 ranks holds of its 110M."""
     layer = [shapes.hidden ** 2] * 4 + [shapes.hidden * shapes.intermediate] * 2
-    chunks, _ = lamb.Chunks.tile(layer * 2, device)
+    return lamb_timing_case(layer * 2, device, generator)
+
+
+def lamb_timing_case(pieces: list[int], device: torch.device | str,
+                     generator: torch.Generator | None = None) -> Callable[[Callable], None]:
+    """``run(fn)``: one LAMB step by ``fn`` (``lamb_update_ref``'s signature) on a flat fp32 tensor
+    of fragments of these lengths, with per-chunk multipliers from a callback as the optimizer's
+    (its all-reduce aside); the learning rate is tiny, so repeated calls leave the weights put."""
+    chunks, _ = lamb.Chunks.tile(pieces, device)
     w, g, m = (torch.randn(chunks.numel, generator=generator, device=device) for _ in range(3))
     v = torch.rand(chunks.numel, generator=generator, device=device)
     scalars = lamb.LambScalars.at_step((0.9, 0.999), 1e-6, 0.01, 10)
