@@ -23,7 +23,12 @@ Design choices, and why:
   whole. Callers with only an ``attention_mask`` still get it computed here.
 - **The MLM decoder runs only on masked positions** (~15% of tokens). With a 30k
   vocabulary it is the largest GEMM in the model, and the other rows' logits are
-  never used by the loss.
+  never used by the loss. Its weight is padded to a multiple of 8 rows for the GEMM
+  (BERT's 30,522 -> 30,528): a logit row of 30,522 bf16 values is not 16-byte aligned,
+  which leaves tensor-core GEMMs the slow alignment-2 kernels in all three passes. The
+  padded rows are zero and their bias -inf, so they add nothing to the softmax, win no
+  argmax and get a zero gradient; the parameters keep BERT's shape, so nothing about it
+  reaches a checkpoint.
 - **Post-LN by default** (the original BERT, exportable). ``pre_layernorm=True``
   normalises each sublayer's input instead and adds a final
   ``bert.encoder.LayerNorm``: stabler at depth or with high learning rates, but
@@ -330,6 +335,24 @@ class BertPredictionHeadTransform(nn.Module):
         return self.LayerNorm(x)
 
 
+class MlmDecoder(nn.Linear):
+    """The tied decoder (weight: the word embedding, (V, H); bias: ``cls.predictions.bias``),
+    its GEMM padded to V' = :func:`padded_vocab_size` columns; see the module's docstring.
+    A module of its own so that ZeRO-3 gathers its (tied) weight before the forward, as it
+    does for any ``nn.Linear``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (M, H) -> logits (M, V'), the padding columns -inf (:func:`vocab_columns` views the V real ones)."""
+        weight, bias = self.weight, self.bias
+        pad = padded_vocab_size(weight.shape[0]) - weight.shape[0]
+        if not pad:
+            return F.linear(x, weight, bias)
+        device = x.device.type
+        if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
+            weight = weight.to(torch.get_autocast_dtype(device))  # pad the cast copy, the one autocast would make
+        return F.linear(x, F.pad(weight, (0, 0, 0, pad)), F.pad(bias, (0, pad), value=float("-inf")))
+
+
 class BertLMPredictionHead(nn.Module):
     def __init__(self, config: ModelConfig, backend: Backend, word_embeddings: nn.Parameter) -> None:
         super().__init__()
@@ -337,13 +360,23 @@ class BertLMPredictionHead(nn.Module):
         self.bias = nn.Parameter(torch.zeros(config.vocab_size))
         # Created on "meta" because both of its tensors are replaced by the tied ones at once:
         # the decoder shares the word embedding (as in BERT) and the bias registered above.
-        self.decoder = nn.Linear(config.hidden_size, config.vocab_size, device="meta")
+        self.decoder = MlmDecoder(config.hidden_size, config.vocab_size, device="meta")
         self.decoder.weight = word_embeddings
         self.decoder.bias = self.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: (M, H) -> logits (M, V)."""
+        """x: (M, H) -> logits (M, V'), V' = :func:`padded_vocab_size` (V)."""
         return self.decoder(self.transform(x))
+
+
+def padded_vocab_size(vocab_size: int) -> int:
+    """The MLM decoder's GEMM width: ``vocab_size`` rounded up to a multiple of 8 (16 bytes of bf16)."""
+    return -(-vocab_size // 8) * 8
+
+
+def vocab_columns(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The ``vocab_size`` real columns of the decoder's padded logits (a view, no copy)."""
+    return logits[:, :vocab_size]
 
 
 class BertPreTrainingHeads(nn.Module):
@@ -353,7 +386,7 @@ class BertPreTrainingHeads(nn.Module):
         self.seq_relationship = nn.Linear(config.hidden_size, 2)
 
     def forward(self, predicted: torch.Tensor, pooled: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """predicted: (M, H), pooled: (B, H) -> MLM logits (M, V), NSP logits (B, 2)."""
+        """predicted: (M, H), pooled: (B, H) -> MLM logits (M, V'), NSP logits (B, 2)."""
         return self.predictions(predicted), self.seq_relationship(pooled)
 
 
@@ -467,14 +500,15 @@ class BertForPreTraining(nn.Module):
 
         mlm_labels = unpadded.masked_labels  # (M,) or None
         predicted = hidden if mlm_labels is None else hidden.index_select(0, unpadded.masked_positions)  # (M, H)
-        mlm_logits, nsp_logits = self.cls(predicted, pooled)  # (M, V), (B, 2)
+        mlm_logits, nsp_logits = self.cls(predicted, pooled)  # (M, V'), (B, 2)
 
-        out = PreTrainingOutput(mlm_logits=mlm_logits, nsp_logits=nsp_logits)
+        out = PreTrainingOutput(mlm_logits=vocab_columns(mlm_logits, self.config.vocab_size), nsp_logits=nsp_logits)
         if mlm_labels is not None:
             masked = mlm_labels.shape[0]  # a host int: the layout's size, not a device value
             # Sum / count equals HF's mean, but is 0 rather than NaN for a batch with nothing masked.
             # The losses are taken in fp32: in bf16 a log-softmax over 30k logits loses the
             # small differences the gradient is made of (the logits themselves stay bf16).
+            # They see the padded logits (contiguous; the -inf columns add exactly nothing).
             out.mlm_loss = F.cross_entropy(mlm_logits.float(), mlm_labels, reduction="sum") / max(masked, 1)
             out.mlm_correct = (mlm_logits.detach().argmax(dim=-1) == mlm_labels).sum()
             out.mlm_count = _count(masked, mlm_labels.device)

@@ -222,6 +222,42 @@ def test_pre_layernorm_runs_forward_and_backward():
     assert model.bert.encoder.LayerNorm.weight.grad.abs().sum() > 0
 
 
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+def test_padded_decoder_is_the_plain_decoder(autocast):
+    """The decoder's GEMM runs 8-aligned (97 -> 104 columns): the real columns, the loss and every
+    gradient are those of the unpadded F.linear, and a padding column never wins an argmax,
+    even where every real logit is far below zero."""
+    from bert_ds.model.bert import padded_vocab_size
+    assert [padded_vocab_size(v) for v in (97, 104, 30522, 4096)] == [104, 104, 30528, 4096]
+    torch.manual_seed(0)
+    model = BertForPreTraining(_config())
+    decoder = model.cls.predictions.decoder
+    with torch.no_grad():
+        model.cls.predictions.bias.fill_(-1e4)  # every real logit about -1e4: -inf must still lose
+    x = torch.randn(6, 48, requires_grad=True)
+    labels = torch.tensor([0, 5, 96, 50, 3, 1])
+    results = []
+    for padded in (True, False):
+        model.zero_grad()
+        x.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            logits = decoder(x) if padded else torch.nn.functional.linear(x, decoder.weight, decoder.bias)
+            loss = torch.nn.functional.cross_entropy(logits.float(), labels)
+        loss.backward()
+        results.append((logits.detach(), loss.detach(), x.grad.clone(), decoder.weight.grad.clone(),
+                        decoder.bias.grad.clone()))
+    (padded, loss_p, *grads_p), (plain, loss_u, *grads_u) = results
+    assert padded.shape == (6, 104) and plain.shape == (6, VOCAB)
+    assert torch.equal(padded[:, VOCAB:], torch.full_like(padded[:, VOCAB:], float("-inf")))
+    assert (padded.argmax(dim=-1) < VOCAB).all()
+    tolerance = dict(rtol=1e-2, atol=1e-2) if autocast else dict(rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(padded[:, :VOCAB], plain, **tolerance)
+    torch.testing.assert_close(loss_p, loss_u, **tolerance)
+    for a, b in zip(grads_p, grads_u):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b, **tolerance)
+
+
 def test_no_masked_tokens_gives_zero_mlm_loss():
     model = BertForPreTraining(_config())
     input_ids, token_type_ids, attention_mask, labels, next_sentence = _batch(seed=5)
