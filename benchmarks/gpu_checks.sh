@@ -21,7 +21,8 @@
 #                    fill-mask), MAIN_STEPS steps
 #   train_base       python -m bert_ds.train --preset base: the engine path a user runs     ~60 s
 #                    (ZeRO-1, bf16, LAMB, kernels=auto), BERT's 30,522-word vocabulary,
-#                    the recipe's micro-batch of 256 at seq 128, 4 accumulation steps
+#                    the recipe's micro-batch of 256 at seq 128, 4 accumulation steps;
+#                    its last 3 steps profiled (--profile-steps): where the engine's step goes
 #   summary          python -m bert_ds.tools.gpu_summary: SUMMARY.md, the run in one page     1 s
 #
 # The times are the first H100 run's (benchmarks/results/H100-2026-11-24, each a first build
@@ -134,14 +135,16 @@ if ((rehearse)); then
     bench=(--device cpu --preset tiny --seq-len 64 --steps 2 --warmup 1 --no-probes)
     profile=(--device cpu --preset tiny --seq-len 64 --steps 1)
     main_steps=${MAIN_STEPS:-10}
-    base=(--preset tiny --seq-len 64 --micro-batch-size 8 --global-batch-size 16 --steps "${BASE_STEPS:-3}"
+    base_steps=${BASE_STEPS:-3}
+    base=(--preset tiny --seq-len 64 --micro-batch-size 8 --global-batch-size 16 --steps "$base_steps"
           --ds-config zero1_fp32.json --num-workers 0)
 else
     kbench=()
     bench=()
     profile=(--preset base --seq-len 128)
     main_steps=${MAIN_STEPS:-300}
-    base=(--preset base --seq-len 128 --micro-batch-size 256 --global-batch-size 1024 --steps "${BASE_STEPS:-30}"
+    base_steps=${BASE_STEPS:-30}
+    base=(--preset base --seq-len 128 --micro-batch-size 256 --global-batch-size 1024 --steps "$base_steps"
           --ds-config zero1_bf16.json --num-workers 4)
 fi
 if ((rehearse)); then  # no GPU to build for: the same sources and binding through nvcc and the host compiler
@@ -175,9 +178,12 @@ else
             || echo "== train_base: its data failed to build (train_base_data.log)"
     fi
     step train_base 300 "$python" -m bert_ds.train --data "$run_dir/data30522" --output "$run_dir/base" \
-        "${base[@]}" --optimizer lamb --kernels auto --no-progress --no-tensorboard
+        "${base[@]}" --profile-steps "$((base_steps > 2 ? base_steps - 2 : 1))-$base_steps" \
+        --optimizer lamb --kernels auto --no-progress --no-tensorboard
     cp "$run_dir/base/summary.json" "$out/train_base_summary.json" 2>/dev/null || true
     cp "$run_dir/base/metrics.jsonl" "$out/train_base_metrics.jsonl" 2>/dev/null || true
+    cp "$run_dir/base/profile/rank0.json" "$out/train_base_profile.json" 2>/dev/null || true
+    cp "$run_dir/base/profile/rank0.md" "$out/train_base_profile.md" 2>/dev/null || true
 fi
 step summary 60 "$python" -m bert_ds.tools.gpu_summary "$out"
 echo "== results in $out ($failed step(s) failed)"

@@ -22,7 +22,8 @@ KIT_SCRIPT = REPO / "benchmarks" / "gpu_kit.sh"
 STEPS = ("kernels_build", "kernels_inspect", "test_cuda_ops", "kernels_bench", "bench", "profile", "main_job",
          "train_base", "summary")
 RESULT_FILES = ("steps.txt", "SUMMARY.md", "kernels_bench.json", "bench.json", "bench.md", "profile.json",
-                "profile.md", "train_base_summary.json", "train_base_metrics.jsonl",
+                "profile.md", "train_base_summary.json", "train_base_metrics.jsonl", "train_base_profile.json",
+                "train_base_profile.md",
                 *(f"{step}.log" for step in STEPS))
 
 
@@ -85,11 +86,12 @@ def test_the_rehearsal_runs_every_step_and_writes_every_result(kit, tmp_path):
     assert all(rc == 0 and seconds < budget for rc, seconds, budget in steps.values()), steps
     missing = [name for name in RESULT_FILES if not (out / name).is_file() or (out / name).stat().st_size == 0]
     assert not missing, missing
-    for name in ("kernels_bench.json", "bench.json", "profile.json", "train_base_summary.json"):
+    for name in ("kernels_bench.json", "bench.json", "profile.json", "train_base_summary.json",
+                 "train_base_profile.json"):
         json.loads((out / name).read_text())
     summary = (out / "SUMMARY.md").read_text()
     for section in ("## Steps", "## Fused kernels", "## Training throughput", "## One step, profiled",
-                    "## The engine path a user runs"):
+                    "## The engine path a user runs", "### Steps 1-3 profiled"):
         assert section in summary
     assert "could not be summarized" not in summary and "is missing" not in summary
     assert "| train_base | ok |" in summary

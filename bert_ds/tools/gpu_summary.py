@@ -3,7 +3,8 @@
     python -m bert_ds.tools.gpu_summary RESULTS_DIR
 
 Reads what the steps wrote (``steps.txt``, the logs, ``kernels_bench.json``, ``bench.json``,
-``profile.json``, ``train_base_summary.json`` and ``train_base_metrics.jsonl``) and writes
+``profile.json``, ``train_base_summary.json``, ``train_base_metrics.jsonl`` and
+``train_base_profile.json``) and writes
 ``RESULTS_DIR/SUMMARY.md``, also printed:
 
 - the device, driver and versions (torch, CUDA, Python, transformers, tokenizers,
@@ -16,7 +17,8 @@ Reads what the steps wrote (``steps.txt``, the logs, ``kernels_bench.json``, ``b
 - BERT-Base at seq 128 and 512: real tokens/s and MFU of bert-ds fused, bert-ds on
   PyTorch's ops and transformers, the goals, and the projected seed run;
 - one profiled step: wall, GPU-busy and idle time, launches, host syncs, top kernels;
-- the engine path a user runs (``train_base``): real tokens/s, MFU, step time, data wait.
+- the engine path a user runs (``train_base``): real tokens/s, MFU, step time, data wait,
+  and three of its steps profiled the same way (``--profile-steps``), engine included.
 
 A file that a failed step did not write is named as missing: nothing here fails because
 a step did, so the page is written on every run.
@@ -179,20 +181,15 @@ def profile(results: Path) -> list[str]:
     prof = _json(results / "profile.json")
     if prof is None:
         return ["## One step, profiled", ""] + _missing("profile.json")
-    s = prof["summary"]
-    lines = [f"## One step, profiled (`profile.md`: {prof['preset']}, seq {prof['seq_len']}, batch "
-             f"{prof['batch_size']}, variant ({prof['variant']}) {prof['kernels']})", "",
-             f"- wall {s['wall_ms_per_step']:.2f} ms/step; device busy {s['device_busy_ms_per_step']:.2f} ms/step"
-             + (f"; idle {s['idle_ms_per_step']:.2f} ms/step" if s.get("idle_ms_per_step") is not None else ""),
-             f"- {s['kernel_launches_per_step']:.0f} kernel launches per step; host calls that wait for the device "
-             f"per step: " + (", ".join(f"{k} {v:g}" for k, v in s["blocking_calls_per_step"].items()) or "none")]
-    lines += [f"- GPU span of `{r['name']}`: {r['ms_per_step']:.2f} ms/step" for r in s.get("annotated_ranges", [])]
-    top = s["top_kernels"][:10]
-    if top:
-        lines += ["", "| kernel | calls/step | ms/step | share of busy |", "|---|---:|---:|---:|"]
-        lines += [f"| `{k['name'][:80]}` | {k['calls_per_step']:g} | {k['ms_per_step']:.3f} | "
-                  f"{100 * k['share_of_busy']:.1f}% |" for k in top]
-    return lines + [""]
+    return [f"## One step, profiled (`profile.md`: {prof['preset']}, seq {prof['seq_len']}, batch "
+            f"{prof['batch_size']}, variant ({prof['variant']}) {prof['kernels']})", "",
+            *_profiled(prof["summary"])]
+
+
+def _profiled(summary: dict[str, Any]) -> list[str]:
+    from bert_ds.train.profiling import summary_lines  # imports torch: only where a profile was written
+
+    return summary_lines(summary, top=10) + [""]
 
 
 def engine_path(results: Path) -> list[str]:
@@ -213,7 +210,11 @@ def engine_path(results: Path) -> list[str]:
         wait = statistics.median(r["data_wait_s"] for r in train)
         lines.append(f"- median over steps {train[0]['step']}-{train[-1]['step']}: {1e3 * step:.1f} ms per step, "
                      f"of which {1e3 * wait:.2f} ms waiting for the loader")
-    return lines + [""]
+    prof = _json(results / "train_base_profile.json")
+    if prof is None:
+        return lines + [""] + _missing("train_base_profile.json")
+    return lines + ["", f"### Steps {prof['steps']} profiled (`train_base_profile.md`, `--profile-steps`)", "",
+                    *_profiled(prof["summary"])]
 
 
 def write_summary(results: Path) -> str:

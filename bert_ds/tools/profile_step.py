@@ -13,7 +13,9 @@ and prints:
   blocking copies), per step: each one drains the queue of launched work;
 - the kernels that take the most device time, per step, with their share of the busy time.
 
-On a CPU the same run profiles the host ops (there are no kernels and no gaps).
+On a CPU the same run profiles the host ops (there are no kernels and no gaps). The
+training run's own steps, engine included, are profiled by ``python -m bert_ds.train
+--profile-steps`` (:mod:`bert_ds.train.profiling`, the same summary).
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from bert_ds.base.errors import guarded
@@ -35,92 +36,15 @@ from bert_ds.kernels import probes
 from bert_ds.loader.pretraining import PretrainingLoader, to_device
 from bert_ds.model.bert import BertForPreTraining, model_preset
 from bert_ds.tools import bench
-
-# Host calls that block until the device has finished earlier work.
-SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy ",
-              "cudaMemcpy", "cudaStreamWaitEvent")
-BLOCKING = {"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy"}
-
-
-def busy_us(intervals: list[tuple[float, float]]) -> float:
-    """Length of the union of [start, end) intervals (microseconds)."""
-    total, end = 0.0, float("-inf")
-    for start, stop in sorted(intervals):
-        if start > end:
-            total += stop - start
-            end = stop
-        elif stop > end:
-            total += stop - end
-            end = stop
-    return total
-
-
-def _is_annotation(event) -> bool:
-    """A ``record_function`` range (``Optimizer.step#Lamb.step``) mirrored on the GPU timeline:
-    it spans kernels rather than being one, so it is kept out of the busy time."""
-    return bool(getattr(event, "is_user_annotation", False))
-
-
-def summarize(events, steps: int, wall_s: float, top: int) -> dict[str, Any]:
-    """The profile's figures per step: busy, idle, syncs and the top kernels."""
-    kernels: dict[str, list[float]] = {}
-    intervals: list[tuple[float, float]] = []
-    syncs: dict[str, int] = {}
-    host_ops: dict[str, float] = {}
-    ranges: dict[str, float] = {}
-    for e in events:
-        if e.device_type == DeviceType.CUDA and _is_annotation(e):  # a record_function's span on the GPU
-            ranges[e.name] = ranges.get(e.name, 0.0) + e.time_range.elapsed_us()
-        elif e.device_type == DeviceType.CUDA:
-            intervals.append((e.time_range.start, e.time_range.end))
-            entry = kernels.setdefault(e.name, [0, 0.0])
-            entry[0] += 1
-            entry[1] += e.time_range.elapsed_us()
-        else:
-            if e.name in BLOCKING:
-                syncs[e.name] = syncs.get(e.name, 0) + 1
-            if not e.name.startswith("cuda") and e.cpu_parent is None:
-                host_ops[e.name] = host_ops.get(e.name, 0.0) + e.time_range.elapsed_us()
-    busy = busy_us(intervals)
-    ranked = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:top]
-    wall_us = wall_s * 1e6
-    return {
-        "steps": steps,
-        "wall_ms_per_step": wall_us / steps / 1e3,
-        "device_busy_ms_per_step": busy / steps / 1e3,
-        "idle_ms_per_step": max(wall_us - busy, 0.0) / steps / 1e3 if intervals else None,
-        "kernel_launches_per_step": sum(n for n, _ in kernels.values()) / steps,
-        "blocking_calls_per_step": {k: v / steps for k, v in sorted(syncs.items())},
-        "top_kernels": [{"name": name, "calls_per_step": n / steps, "ms_per_step": us / steps / 1e3,
-                         "share_of_busy": us / busy if busy else None} for name, (n, us) in ranked],
-        "annotated_ranges": [{"name": name, "ms_per_step": us / steps / 1e3}
-                             for name, us in sorted(ranges.items(), key=lambda kv: -kv[1])],
-        "top_host_ops": [{"name": name, "ms_per_step": us / steps / 1e3}
-                         for name, us in sorted(host_ops.items(), key=lambda kv: -kv[1])[:top]],
-    }
-
+from bert_ds.train.profiling import TOP, summarize, summary_lines
 
 def markdown(r: dict[str, Any]) -> str:
-    s = r["summary"]
-    lines = [f"## One training step, profiled: {r['preset']}, seq {r['seq_len']}, batch {r['batch_size']}, "
-             f"variant ({r['variant']}) {r['kernels']}",
-             "",
-             f"- device: {r['device']}; {s['steps']} profiled steps after {r['warmup']} warm-up steps",
-             f"- wall {s['wall_ms_per_step']:.2f} ms/step; device busy {s['device_busy_ms_per_step']:.2f} ms/step"
-             + (f"; idle gaps {s['idle_ms_per_step']:.2f} ms/step" if s["idle_ms_per_step"] is not None else ""),
-             f"- kernel launches per step: {s['kernel_launches_per_step']:.0f}; host calls that wait for the "
-             f"device, per step: " + (", ".join(f"{k} {v:g}" for k, v in s["blocking_calls_per_step"].items())
-                                      or "none"),
-             *(f"- GPU span of `{r['name']}`: {r['ms_per_step']:.2f} ms/step" for r in s["annotated_ranges"]),
-             ""]
-    if s["top_kernels"]:
-        lines += ["| kernel | calls/step | ms/step | share of busy |", "|---|---:|---:|---:|"]
-        lines += [f"| `{k['name'][:90]}` | {k['calls_per_step']:g} | {k['ms_per_step']:.3f} | "
-                  f"{100 * k['share_of_busy']:.1f}% |" for k in s["top_kernels"]]
-    else:
-        lines += ["| host op | ms/step |", "|---|---:|"]
-        lines += [f"| `{k['name'][:90]}` | {k['ms_per_step']:.3f} |" for k in s["top_host_ops"]]
-    return "\n".join(lines)
+    return "\n".join([f"## One training step, profiled: {r['preset']}, seq {r['seq_len']}, batch {r['batch_size']}, "
+                      f"variant ({r['variant']}) {r['kernels']}",
+                      "",
+                      f"- device: {r['device']}; {r['summary']['steps']} profiled steps after {r['warmup']} "
+                      "warm-up steps",
+                      *summary_lines(r["summary"])])
 
 
 def profile_variant(args: argparse.Namespace) -> dict[str, Any]:
@@ -170,7 +94,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--variant", choices=sorted(bench.VARIANTS), default="a")
     p.add_argument("--steps", type=int, default=3, help="profiled steps (after the bench's warm-up steps)")
-    p.add_argument("--top", type=int, default=25, help="kernels (or host ops) listed")
+    p.add_argument("--top", type=int, default=TOP, help="kernels (or host ops) listed")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--markdown", type=Path, default=None)
     p.add_argument("--trace", type=Path, default=None, help="also write a Chrome trace (large)")

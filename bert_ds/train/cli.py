@@ -51,6 +51,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from bert_ds.base.errors import ConfigError
 from bert_ds.checkpoint import hf_import
 from bert_ds.checkpoint import resume as resuming
 from bert_ds.checkpoint import store as checkpoint
@@ -58,6 +59,7 @@ from bert_ds.config import DataConfig, OptimConfig, TrainConfig, check_writable,
 from bert_ds.model.bert import PRESETS, ModelConfig, model_preset
 from bert_ds.train.faults import Faults
 from bert_ds.train.loop import RunOptions, batch_plan, run
+from bert_ds.train.profiling import StepRange
 from bert_ds.train.session import entry, locked_session
 from bert_ds.train.summary import print_summary
 
@@ -118,9 +120,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--resume", default="auto", choices=["auto", "never"], help="resume from OUTPUT/checkpoints if present")
     p.add_argument("--init-from", default=None, metavar="CKPT",
                    help="start a fresh run from these weights: a Hugging Face BERT folder (config.json and "
-                        "model.safetensors or pytorch_model.bin), a bert_ds export, checkpoint or run folder, or a "
-                        "model.safetensors; without --preset the model's sizes come from it; optimizer and "
-                        "schedule start fresh; ignored when resuming")
+                        "model.safetensors or pytorch_model.bin, or their sharded *.index.json), a bert_ds export, "
+                        "checkpoint or run folder, or a .safetensors file; without --preset the model's sizes come "
+                        "from it; optimizer and schedule start fresh; ignored when resuming")
     p.add_argument("--max-bad-steps", type=int, default=t.max_bad_steps,
                    help="stop (exit 3) after this many non-finite steps in a row; single ones are skipped; 0: never")
     p.add_argument("--collective-timeout", type=float, default=t.collective_timeout, metavar="SECONDS",
@@ -128,6 +130,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--log-samples", default=None, metavar="FILE",
                    help="append the global stream positions each rank consumes at each step to FILE (JSON lines; "
                         "to check that a resume neither repeats nor skips samples, see consumed_positions())")
+    p.add_argument("--profile-steps", default=None, metavar="FIRST-LAST",
+                   help="profile these steps with torch.profiler (e.g. 11-13): per-step device busy and idle "
+                        "time, host syncs, top kernels, and a Chrome trace, in OUTPUT/profile/")
     Faults.add_arguments(p)
     p.add_argument("--no-tensorboard", action="store_true", help="do not write TensorBoard events")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -202,7 +207,10 @@ def prepare(args: argparse.Namespace) -> tuple[TrainConfig, RunOptions] | None:
     if init is not None:
         hf_import.check_vocabulary(init, Path(args.data[0]))
     cfg = config_from_args(args, vocab_size, resuming.saved_model(found) if found else None, init)
-    options = RunOptions(args.log_samples, Faults.from_args(args))
+    profile = StepRange.parse(args.profile_steps) if args.profile_steps is not None else None
+    if profile is not None and profile.first > cfg.steps:
+        raise ConfigError(f"--profile-steps {profile} starts after the run's last step (--steps {cfg.steps})")
+    options = RunOptions(args.log_samples, Faults.from_args(args), profile)
     if options.log_samples:
         check_writable(options.log_samples, "--log-samples", folder=False)
     world = int(os.environ.get("WORLD_SIZE", "1"))

@@ -24,6 +24,7 @@ from bert_ds.optim.builders import bind_to_engine, build_optimizer, build_schedu
 from bert_ds.train.checkpointer import Checkpointer
 from bert_ds.train.faults import NO_FAULTS, Faults
 from bert_ds.train.metrics import MetricsLogger
+from bert_ds.train.profiling import StepProfiler, StepRange
 from bert_ds.train.sample_log import SampleLog
 from bert_ds.train.session import peer_failures, pid_file
 from bert_ds.train.signals import StopRequest
@@ -38,6 +39,7 @@ class RunOptions:
 
     log_samples: str | None = None  # --log-samples
     faults: Faults = NO_FAULTS  # test hooks (bert_ds.train.faults)
+    profile: StepRange | None = None  # --profile-steps
 
 
 def run(cfg: TrainConfig, resume: bool, rank: int, world: int, device: torch.device,
@@ -57,13 +59,16 @@ def run(cfg: TrainConfig, resume: bool, rank: int, world: int, device: torch.dev
                            owns_gradients=step_owns_gradients(start.ds_cfg))
     step_log = _StepLog(log, progress, cfg, start.plan, rank, world, device, options.log_samples)
     validation = _Validation(engine, start.val_set, cfg, rank, world, device, stop, log, progress)
+    profiler = StepProfiler(options.profile, Path(cfg.output), device, rank)
     try:
         with pid_file(Path(cfg.output), rank), peer_failures(rank, world, cfg.collective_timeout,
                                                              lambda: state.step + 1):
             last_step = min(cfg.steps, state.step + cfg.exit_after) if cfg.exit_after else cfg.steps
             stop.begin_steps()
             while state.step < last_step:
+                profiler.before(state.step + 1)
                 result = train_step(state)
+                _profiled(log, profiler.after(state.step))
                 step_log.write(result, state, engine, loader)
                 check_bad_streak(state, cfg.max_bad_steps, checkpointer.newest)
                 if result.outcome.stop_votes:
@@ -76,11 +81,13 @@ def run(cfg: TrainConfig, resume: bool, rank: int, world: int, device: torch.dev
                     progress.stopped_by = _stopping(log, stop, state, "after this step's save")
                     break
             stop.end_steps()
+            _profiled(log, profiler.close())
             if validation.due_at_end(state.step):
                 validation.run(state)
             final = checkpointer.save(state, last=True)
     finally:
         stop.end_steps()
+        profiler.discard()  # after an error: the profiler stops, nothing is written
         log.close()
         step_log.close()
     summary = progress.summary(state, final, checkpointer.last_save_s)
@@ -192,6 +199,11 @@ def _announce(log: MetricsLogger, cfg: TrainConfig, start: _Start, rank: int, wo
         if found is not None:
             resuming.record(output, found, start.state.step, start.changes)
         (output / "train_config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+
+
+def _profiled(log: MetricsLogger, written: Path | None) -> None:
+    if written is not None:
+        log.print(f"profile written: {written} (and its .json, .trace.json.gz)")
 
 
 def _stopping(log: MetricsLogger, stop: StopRequest, state: RunState, where: str) -> str:

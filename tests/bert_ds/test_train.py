@@ -84,17 +84,27 @@ def test_two_ranks_under_a_launcher(sample_data, tmp_path, launcher):
         pytest.skip(f"DeepSpeed's launcher runs numactl on CPU, and PATH holds directories this user cannot "
                     f"search ({', '.join(blocked)}): subprocess raises PermissionError, not FileNotFoundError")
     out = tmp_path / "run2"
-    _train(sample_data, out, "--steps", "6", nproc=2, launcher=launcher)
+    proc = _train(sample_data, out, "--steps", "6", "--profile-steps", "4-5", nproc=2, launcher=launcher)
     train, val = _records(out)
     assert [r["step"] for r in train] == list(range(1, 7))
     assert len(val) == 1
     assert (out / "checkpoints" / "latest" / "COMPLETE").is_file()
+    # --profile-steps: each rank profiles the same two steps of the engine's run
+    assert f"profile written: {out / 'profile' / 'rank0.md'}" in proc.stderr  # the run's log lines
+    for rank in (0, 1):
+        record = json.loads((out / "profile" / f"rank{rank}.json").read_text())
+        assert record["steps"] == "4-5" and record["rank"] == rank and record["summary"]["steps"] == 2
+        assert record["summary"]["top_host_ops"] and record["summary"]["wall_ms_per_step"] > 0
+        assert (out / "profile" / f"rank{rank}.trace.json.gz").stat().st_size > 0
 
 
 @pytest.mark.parametrize("args,message", [
     (["--data", "/nonexistent/data"], "/nonexistent/data"),
     (["--preset", "huge"], "preset"),
     (["--global-batch-size", "30", "--micro-batch-size", "8"], "not a multiple"),
+    (["--profile-steps", "3-x"], "--profile-steps must be STEP or FIRST-LAST"),
+    (["--profile-steps", "2-1"], "FIRST must not exceed LAST"),
+    (["--profile-steps", "2-3"], "starts after the run's last step (--steps 1)"),
 ])
 def test_bad_input_gives_one_line_error(sample_data, args, message):
     base = ["--data", str(sample_data["train"]), "--output", "/tmp/unused-run", "--steps", "1"]
