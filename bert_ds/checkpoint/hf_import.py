@@ -2,8 +2,11 @@
 
 A source is one of:
 
-- a Hugging Face BERT folder: ``config.json`` and ``model.safetensors`` or ``pytorch_model.bin``
-  of ``BertForPreTraining``, ``BertForMaskedLM`` or ``BertModel`` (a ``bert_ds.checkpoint.export`` is one);
+- a Hugging Face BERT folder: ``config.json`` and ``model.safetensors`` or ``pytorch_model.bin``,
+  or either sharded as ``save_pretrained`` shards a large model (``model.safetensors.index.json``,
+  ``pytorch_model.bin.index.json`` and the shards they name), of ``BertForPreTraining``,
+  ``BertForMaskedLM`` or ``BertModel`` (a ``bert_ds.checkpoint.export`` is one); a weights file
+  of such a folder given directly (a ``.safetensors`` or an index) takes its ``config.json``;
 - a bert_ds checkpoint folder, its ``latest`` link, a ``checkpoints/`` folder or a run folder
   (the newest complete checkpoint, checked against its marker's CRCs);
 - a bare ``.safetensors`` file with our parameter names (its architecture: ``--preset``).
@@ -35,6 +38,7 @@ Design choices, and why:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,7 +59,9 @@ ARCHITECTURE = tuple(name.removeprefix("model.") for name, kind in FIELDS.items(
 FRESH_PREFIXES = ("cls.", "bert.pooler.")  # heads a source may lack; the encoder it may not
 _BUFFERS = frozenset({"bert.embeddings.position_ids", "bert.embeddings.token_type_ids"})  # saved by older transformers
 _LEGACY_SUFFIXES = {"LayerNorm.gamma": "LayerNorm.weight", "LayerNorm.beta": "LayerNorm.bias"}
-HF_WEIGHTS = ("model.safetensors", "pytorch_model.bin")  # in transformers' order of preference
+# In transformers' order of preference: one file, else an index of shards.
+HF_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+INDEX_SUFFIX = ".index.json"
 HF_CONFIG = "config.json"
 
 
@@ -84,6 +90,9 @@ def open_source(path: Path) -> InitSource:
     if not path.exists():
         raise InitFromError(f"--init-from {path}: no such file or folder")
     if path.is_file():
+        weights_like = path.suffix == ".safetensors" or path.name.endswith(INDEX_SUFFIX)
+        if weights_like and (path.parent / HF_CONFIG).is_file():  # a file of a Hugging Face folder: its config
+            return dataclasses.replace(_hf_folder(path.parent, weights=path), path=path)
         if path.suffix != ".safetensors":
             raise InitFromError(f"--init-from {path}: give the folder that holds it and its {HF_CONFIG}, "
                                 "or a .safetensors file")
@@ -111,7 +120,8 @@ def _is_checkpoint(path: Path) -> bool:
             or any(path.glob("step_*")))
 
 
-def _hf_folder(folder: Path) -> InitSource:
+def _hf_folder(folder: Path, weights: Path | None = None) -> InitSource:
+    """``folder``'s config and weights (``weights``: the file the user named, else transformers' pick)."""
     config = folder / HF_CONFIG
     try:
         values = json.loads(config.read_text(encoding="utf-8"))
@@ -120,11 +130,13 @@ def _hf_folder(folder: Path) -> InitSource:
     if not isinstance(values, dict):
         raise InitFromError(f"{config}: not a JSON object")
     model = _architecture(from_hf_config(values, config))
-    weights = next((folder / name for name in HF_WEIGHTS if (folder / name).is_file()), None)
+    weights = weights or next((folder / name for name in HF_WEIGHTS if (folder / name).is_file()), None)
     if weights is None:
-        raise InitFromError(f"{folder}: holds {HF_CONFIG} but neither {' nor '.join(HF_WEIGHTS)}")
-    if weights.suffix == ".safetensors":
-        checkpoint.weights_file(weights)  # a damaged file fails here, before any rank starts
+        raise InitFromError(f"{folder}: holds {HF_CONFIG} but none of {', '.join(HF_WEIGHTS)}")
+    files = list(shards(weights)) if weights.name.endswith(INDEX_SUFFIX) else [weights]
+    for file in files:
+        if file.suffix == ".safetensors":
+            checkpoint.weights_file(file)  # a damaged file fails here, before any rank starts
     has_tokenizer = (folder / "tokenizer.json").is_file() or (folder / "vocab.txt").is_file()
     return InitSource(folder, weights, model, config, folder if has_tokenizer else None)
 
@@ -173,8 +185,39 @@ def check_vocabulary(source: InitSource, dataset: Path) -> None:
                             f"({dataset}) as {our_norm}; build the shards with --vocab {source.tokenizer}")
 
 
+def shards(index: Path) -> dict[Path, list[str]]:
+    """The shard files a transformers index (``*.index.json``: ``{"weight_map": {tensor: shard}}``)
+    names, beside it, and the tensors each holds; one line naming the index or the missing shard."""
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
+    except (OSError, ValueError, AttributeError) as e:
+        raise InitFromError(f"{index}: not a readable index of shards ({describe(e) if isinstance(e, OSError) else e})"
+                            ) from None
+    if not isinstance(weight_map, dict) or not weight_map or not all(
+            isinstance(name, str) and isinstance(shard, str) for name, shard in weight_map.items()):
+        raise InitFromError(f"{index}: its weight_map must map tensor names to shard files")
+    files: dict[Path, list[str]] = {}
+    for name, shard in weight_map.items():
+        file = index.parent / shard
+        if Path(shard).name != shard or not file.is_file():
+            raise InitFromError(f"{index}: names shard {shard!r} (for {name}), which is not a file beside it")
+        files.setdefault(file, []).append(name)
+    return files
+
+
 def read_state(file: Path) -> dict[str, torch.Tensor]:
-    """The tensors of a safetensors or pytorch_model.bin file (the latter without running its pickle)."""
+    """The tensors of a safetensors or pytorch_model.bin file (the latter without running its pickle),
+    or of the shards an index names (only the tensors it maps, each from its shard)."""
+    if file.name.endswith(INDEX_SUFFIX):
+        state: dict[str, torch.Tensor] = {}
+        for shard, names in shards(file).items():
+            part = read_state(shard)
+            absent = [name for name in names if name not in part]
+            if absent:
+                raise InitFromError(f"{file}: maps {absent[0]} to {shard.name}, which does not hold it"
+                                    + (f" (nor {len(absent) - 1} more)" if len(absent) > 1 else ""))
+            state.update((name, part[name]) for name in names)
+        return state
     if file.suffix == ".safetensors":
         return checkpoint.read_weights(file)
     try:

@@ -2,6 +2,7 @@
 reachable) -> shards built with its tokenizer -> ``bert_ds.train --init-from`` -> export ->
 ``from_pretrained`` and the fill-mask pipeline."""
 
+import dataclasses
 import json
 
 import pytest
@@ -162,6 +163,73 @@ def test_legacy_gamma_beta_names_in_a_pytorch_model_bin_load_as_transformers_loa
     torch.testing.assert_close(ours.nsp_logits, theirs.seq_relationship_logits, rtol=0, atol=1e-5)
 
 
+def _same_as_transformers(source: hf_import.InitSource, folder) -> None:
+    ours, theirs = _logits(_ours(source), transformers.BertForPreTraining.from_pretrained(folder))
+    torch.testing.assert_close(ours.mlm_logits, theirs.prediction_logits[0], rtol=0, atol=1e-5)
+    torch.testing.assert_close(ours.nsp_logits, theirs.seq_relationship_logits, rtol=0, atol=1e-5)
+
+
+def test_sharded_safetensors_load_as_transformers_loads_them(vocab, tmp_path):
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    install_tokenizer(hf, vocab, Normalization(lowercase=True))
+    torch.manual_seed(0)
+    transformers.BertForPreTraining(transformers.BertConfig(vocab_size=len(vocab_entries(vocab)), **SHAPE)
+                                    ).save_pretrained(hf, max_shard_size="100KB")
+    shard_files = sorted(hf.glob("model-*.safetensors"))
+    assert len(shard_files) > 2 and not (hf / "model.safetensors").exists()
+    source = hf_import.open_source(hf)
+    assert source.weights == hf / "model.safetensors.index.json" and source.model["num_layers"] == 3
+    _same_as_transformers(source, hf)
+    # the index given directly is the same source; a damaged shard fails at open, naming it
+    assert hf_import.open_source(hf / "model.safetensors.index.json") == dataclasses.replace(
+        source, path=hf / "model.safetensors.index.json")
+    shard_files[1].write_bytes(b"\x00" * 9)
+    with pytest.raises(UserError, match=f"{shard_files[1].name}: not a readable safetensors file"):
+        hf_import.open_source(hf)
+
+
+def test_sharded_pytorch_model_bin_loads_and_a_bad_index_is_one_line(vocab, tmp_path):
+    hf = tmp_path / "hf"
+    state = _hf_folder(hf, vocab).state_dict()
+    (hf / "model.safetensors").unlink()
+    names = sorted(state)
+    halves = {"pytorch_model-00001-of-00002.bin": names[: len(names) // 2],
+              "pytorch_model-00002-of-00002.bin": names[len(names) // 2:]}
+    for file, part in halves.items():
+        torch.save({name: state[name] for name in part}, hf / file)
+    index = hf / "pytorch_model.bin.index.json"
+    weight_map = {name: file for file, part in halves.items() for name in part}
+    index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    source = hf_import.open_source(hf)
+    assert source.weights == index
+    _same_as_transformers(source, hf)
+
+    moved = dict(weight_map, **{names[0]: "pytorch_model-00002-of-00002.bin"})
+    index.write_text(json.dumps({"weight_map": moved}))
+    with pytest.raises(hf_import.InitFromError, match=f"maps {names[0]} to pytorch_model-00002-of-00002.bin, "
+                                                      "which does not hold it"):
+        hf_import.read_state(index)
+    index.write_text(json.dumps({"weight_map": dict(weight_map, **{names[0]: "../elsewhere.bin"})}))
+    with pytest.raises(hf_import.InitFromError, match="names shard '../elsewhere.bin'"):
+        hf_import.open_source(hf)
+    for bad in ("[1, 2]", "{}", '{"weight_map": {"a": 3}}', "not json"):
+        index.write_text(bad)
+        with pytest.raises(hf_import.InitFromError, match="pytorch_model.bin.index.json: "):
+            hf_import.open_source(hf)
+
+
+def test_a_safetensors_file_of_a_hugging_face_folder_takes_its_config(vocab, tmp_path):
+    hf = tmp_path / "hf"
+    _hf_folder(hf, vocab)
+    source = hf_import.open_source(hf / "model.safetensors")
+    assert source.model == hf_import.open_source(hf).model and source.described_by == hf / "config.json"
+    _same_as_transformers(source, hf)
+    bare = tmp_path / "bare.safetensors"
+    bare.write_bytes((hf / "model.safetensors").read_bytes())
+    assert hf_import.open_source(bare).model is None  # no config.json beside it: the architecture is --preset's
+
+
 def test_masked_lm_folder_lacks_only_pooler_and_nsp(vocab, tmp_path):
     hf = tmp_path / "hf"
     source_model = _hf_folder(hf, vocab, transformers.BertForMaskedLM)
@@ -235,7 +303,8 @@ def test_sources_that_cannot_start_a_run_are_one_line(vocab, tmp_path):
     with pytest.raises(ConfigError, match="model_type 'roberta'; --init-from takes a BERT model"):
         hf_import.open_source(empty)
     (empty / "config.json").write_text(json.dumps({"model_type": "bert", "hidden_size": 48}))
-    with pytest.raises(hf_import.InitFromError, match="holds config.json but neither model.safetensors nor pytorch_model.bin"):
+    with pytest.raises(hf_import.InitFromError, match="holds config.json but none of model.safetensors, "
+                       "model.safetensors.index.json, pytorch_model.bin, pytorch_model.bin.index.json"):
         hf_import.open_source(empty)
     (empty / "model.safetensors").write_bytes(b"\x00" * 7)
     with pytest.raises(UserError, match="model.safetensors: not a readable safetensors file"):
