@@ -44,6 +44,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("bert_ds.kernels", "bert_ds.data_tools", "bert_ds.ds_configs"),  # the top-level folders
     ("bert_ds.config", "bert_ds.model", "bert_ds.loader", "bert_ds.optim", "bert_ds.zero"),  # the library
     ("bert_ds.checkpoint",),  # checkpoints, resume, export, import of weights
+    ("bert_ds.eval",),  # downstream evaluation of exports (below train: a plan may end with it)
     ("bert_ds.train",),  # the training command and loop
     ("bert_ds.tools",),  # commands around the system
 )

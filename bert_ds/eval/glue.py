@@ -1,0 +1,172 @@
+"""``python -m bert_ds.eval glue``: fine-tune a model on the GLUE tasks and report their scores.
+
+    python -m bert_ds.eval glue --model DIR --data DIR --output DIR
+                                [--tasks mnli,qqp,...] [--seeds 3] [--recipe glue_bert_paper]
+                                [--lr X] [--epochs N] [--batch-size N] [--max-seq-length N]
+
+``--model`` is a bert_ds export (``python -m bert_ds.checkpoint.export``) or any Hugging Face
+BERT folder; ``--data`` holds the tasks' folders in any layout of
+:mod:`bert_ds.eval.glue_data`. Every task is read and checked before the first one trains.
+Each (task, seed) is one fine-tuning run (:mod:`bert_ds.eval.finetune`) whose scores go to
+``OUTPUT/TASK/seedN.json`` as soon as it ends; ``OUTPUT/results.md`` and ``results.json``
+hold the table: per dev set, the median over seeds of the task's score, the spread
+(min-max) and the seeds' count, then the BERT paper's average (:mod:`bert_ds.eval.metrics`).
+
+The same command run again keeps the runs already done (an interrupted evaluation goes on
+where it stopped) when they were made from the same model, data and recipe; a results
+folder of another model or recipe is refused, never mixed into the table or overwritten.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+from pathlib import Path
+from typing import Any
+
+from bert_ds.base.atomic import atomic_write
+from bert_ds.base.errors import ConfigError, UserError
+from bert_ds.config import check_writable
+from bert_ds.eval import metrics, recipe as recipes
+from bert_ds.eval.glue_data import EXCLUDED, TASKS, Task, read_split
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, type=Path, help="an export or Hugging Face BERT folder (config.json)")
+    p.add_argument("--data", required=True, type=Path, help="the folder holding the tasks' folders (SST-2/ or sst2/)")
+    p.add_argument("--output", required=True, type=Path, help="results folder (a rerun keeps what is done)")
+    p.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated, of {', '.join(TASKS)}")
+    p.add_argument("--seeds", type=int, default=3, help="fine-tuning runs per task (seeds SEED..SEED+N-1)")
+    p.add_argument("--seed", type=int, default=1, help="the first seed")
+    p.add_argument("--recipe", default=recipes.DEFAULT, help="a recipe name (bert_ds/recipes/glue_*.json) or file")
+    p.add_argument("--lr", type=float, default=None, help="override the recipe's learning rate")
+    p.add_argument("--epochs", type=float, default=None, help="override the recipe's epochs")
+    p.add_argument("--batch-size", type=int, default=None, help="override the recipe's batch size")
+    p.add_argument("--max-seq-length", type=int, default=None, help="override the recipe's sequence length")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda where available)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def parse_tasks(text: str) -> list[Task]:
+    names = [n.strip().lower().replace("-", "") for n in text.split(",") if n.strip()]
+    if not names:
+        raise ConfigError("--tasks: name at least one task")
+    for name in names:
+        if name in EXCLUDED:
+            raise ConfigError(f"--tasks: {name} is {EXCLUDED[name]}")
+        if name not in TASKS:
+            raise ConfigError(f"--tasks: unknown task {name!r} (known: {', '.join(TASKS)})")
+    return [TASKS[n] for n in dict.fromkeys(names)]
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    tasks = parse_tasks(args.tasks)
+    if args.seeds < 1:
+        raise ConfigError(f"--seeds must be >= 1, got {args.seeds}")
+    if not (args.model / "config.json").is_file():
+        raise UserError(f"--model {args.model}: not a Hugging Face model folder (no config.json); export a "
+                        "checkpoint with python -m bert_ds.checkpoint.export")
+    if not args.data.is_dir():
+        raise UserError(f"--data {args.data}: no such folder")
+    check_writable(args.output, "--output", folder=True)
+    base = recipes.load(args.recipe).with_overrides(
+        learning_rate=args.lr, epochs=args.epochs, batch_size=args.batch_size, max_seq_length=args.max_seq_length)
+    data = {task.name: (read_split(args.data, task, "train"),
+                        {name: read_split(args.data, task, name) for name, _, _ in task.evals}) for task in tasks}
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    seeds = list(range(args.seed, args.seed + args.seeds))
+    identity = {"model": str(args.model.resolve()), "data": str(args.data.resolve())}
+    # Every kept result is checked before anything trains: a refusal must not come after hours.
+    kept = {(t.name, s): _kept(args.output, t, s, identity, base.for_task(t.name)) for t in tasks for s in seeds}
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for task in tasks:
+        from bert_ds.eval.finetune import finetune
+
+        recipe = base.for_task(task.name)
+        train, evals = data[task.name]
+        for seed in seeds:
+            result = kept[task.name, seed]
+            if result is not None:
+                print(f"{_line(task, result)}: kept from an earlier run", flush=True)
+            else:
+                result = finetune(args.model, task, train, evals, recipe, seed, device, progress=not args.no_progress)
+                result.update(identity, recipe=recipe.to_dict())
+                (args.output / task.name).mkdir(parents=True, exist_ok=True)
+                atomic_write(_seed_file(args.output, task, seed), json.dumps(result, indent=2) + "\n")
+                print(_line(task, result), flush=True)
+            runs.setdefault(task.name, []).append(result)
+    table = summarize(tasks, runs)
+    report = {**identity, "recipe": base.to_dict(), "seeds": seeds, **table}
+    atomic_write(args.output / "results.json", json.dumps(report, indent=2) + "\n")
+    text = markdown(report)
+    atomic_write(args.output / "results.md", text)
+    print(text, end="")
+    return report
+
+
+def _seed_file(output: Path, task: Task, seed: int) -> Path:
+    return output / task.name / f"seed{seed}.json"
+
+
+def _kept(output: Path, task: Task, seed: int, identity: dict[str, str], recipe: recipes.Recipe) -> dict | None:
+    """A finished run of the same model, data and recipe, or None; a different one is refused."""
+    path = _seed_file(output, task, seed)
+    if not path.is_file():
+        return None
+    try:
+        result = json.loads(path.read_text())
+        same = all(result[k] == v for k, v in identity.items()) and result["recipe"] == recipe.to_dict()
+    except (OSError, ValueError, KeyError, TypeError):
+        raise UserError(f"{path}: unreadable; move it away to run {task.name} seed {seed} again") from None
+    if not same:
+        raise UserError(f"--output {output}: {path.name} of {task.name} was made from another model, data or "
+                        "recipe; give another --output (results are never mixed or overwritten)")
+    return result
+
+
+def _line(task: Task, result: dict[str, Any]) -> str:
+    scores = ", ".join(f"{name} {s['score']:.2f}" for name, s in result["scores"].items())
+    return (f"{task.name} seed {result['seed']}: {scores} ({task.metric}; {result['steps']} steps, "
+            f"{result['seconds']:.0f} s)")
+
+
+def summarize(tasks: list[Task], runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Per dev set: median, min and max over seeds of each figure; the paper's average of the medians."""
+    columns: dict[str, dict[str, Any]] = {}
+    for task in tasks:
+        for name, _, _ in task.evals:
+            per_seed = [r["scores"][name] for r in runs[task.name]]
+            figures = {key: {"median": statistics.median(s[key] for s in per_seed),
+                             "min": min(s[key] for s in per_seed), "max": max(s[key] for s in per_seed)}
+                       for key in per_seed[0]}
+            columns[name] = {"task": task.name, "metric": task.metric, "seeds": len(per_seed), "figures": figures}
+    value, missing = metrics.average({name: c["figures"]["score"]["median"] for name, c in columns.items()})
+    return {"columns": columns, "average": None if math.isnan(value) else value, "average_missing": missing}
+
+
+def markdown(report: dict[str, Any]) -> str:
+    r = report["recipe"]
+    lines = [f"# GLUE dev results: {report['model']}", "",
+             f"Recipe {r['name']} (lr {r['learning_rate']:g}, batch {r['batch_size']}, {r['epochs']:g} epochs, "
+             f"warm-up {r['warmup_ratio']:g}, weight decay {r['weight_decay']:g}, max length {r['max_seq_length']}"
+             + (f"; per task: {json.dumps(r['per_task'])}" if r["per_task"] else "") + f"); seeds {report['seeds']}.",
+             "Each cell: the median over seeds of the task's score, (min-max) over seeds. Scores in percent: "
+             "CoLA Matthews correlation, MRPC and QQP F1, STS-B Spearman, accuracy elsewhere.", "",
+             "| dev set | metric | median | min-max | other figures (median) |", "|---|---|---:|---:|---|"]
+    for name, c in report["columns"].items():
+        f = c["figures"]
+        others = ", ".join(f"{k} {v['median']:.2f}" for k, v in f.items() if k not in ("score", c["metric"]))
+        lines.append(f"| {name} | {c['metric']} | {f['score']['median']:.2f} | {f['score']['min']:.2f}-"
+                     f"{f['score']['max']:.2f} | {others} |")
+    lines.append("")
+    if report["average"] is not None:
+        missing = report["average_missing"]
+        lines.append(f"**Average {report['average']:.2f}**: the BERT paper's (mean of MNLI-m, MNLI-mm, QQP, QNLI, "
+                     "SST-2, CoLA, STS-B, MRPC, RTE; BERT-Base: 79.6 on the test server)"
+                     + (f"; over the dev sets run, without {', '.join(missing)}: not comparable to it" if missing
+                        else "") + ".")
+    return "\n".join(lines) + "\n"
