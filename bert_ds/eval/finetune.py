@@ -94,6 +94,22 @@ def _schedule(optimizer: torch.optim.Optimizer, total: int, warmup: int) -> torc
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
+def load_quietly(model_class, folder: Path, **kwargs):
+    """``model_class.from_pretrained(folder, **kwargs)`` without transformers' load report: it
+    lists the pretraining heads a task model drops and the layer it adds, at every load, which
+    is the point here; errors still show."""
+    import transformers
+
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    try:
+        return model_class.from_pretrained(folder, **kwargs)
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+        transformers.utils.logging.enable_progress_bar()
+
+
 @torch.no_grad()
 def predict(model, data: Encoded, batch_size: int, pad_id: int, device: torch.device, regression: bool,
             autocast) -> list[float]:
@@ -123,18 +139,8 @@ def finetune(model_dir: Path, task: Task, train: Examples, evals: dict[str, Exam
     rng = random.Random(seed)
     regression = task.labels is None
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
-    # transformers reports the pretraining heads it drops and the classifier it adds, at every
-    # load; that is the point of fine-tuning here, so its report is kept to errors
-    verbosity = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    try:
-        model = transformers.AutoModelForSequenceClassification.from_pretrained(
-            model_dir, num_labels=task.num_labels,
-            problem_type="regression" if regression else "single_label_classification")
-    finally:
-        transformers.logging.set_verbosity(verbosity)
-        transformers.utils.logging.enable_progress_bar()
+    model = load_quietly(transformers.AutoModelForSequenceClassification, model_dir, num_labels=task.num_labels,
+                         problem_type="regression" if regression else "single_label_classification")
     model.to(device)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     train_enc = encode(tokenizer, train, recipe.max_seq_length)

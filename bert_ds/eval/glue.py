@@ -1,7 +1,7 @@
 """``python -m bert_ds.eval glue``: fine-tune a model on the GLUE tasks and report their scores.
 
     python -m bert_ds.eval glue --model DIR --data DIR --output DIR
-                                [--tasks mnli,qqp,...] [--seeds 3] [--recipe glue_bert_paper]
+                                [--tasks mnli,qqp,...] [--seeds 3] [--recipe bert_paper]
                                 [--lr X] [--epochs N] [--batch-size N] [--max-seq-length N]
 
 ``--model`` is a bert_ds export (``python -m bert_ds.checkpoint.export``) or any Hugging Face
@@ -23,6 +23,7 @@ import argparse
 import json
 import math
 import statistics
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,7 @@ from bert_ds.base.atomic import atomic_write
 from bert_ds.base.errors import ConfigError, UserError
 from bert_ds.config import check_writable
 from bert_ds.eval import metrics, recipe as recipes
-from bert_ds.eval.glue_data import EXCLUDED, TASKS, Task, read_split
+from bert_ds.eval.glue_data import EXCLUDED, TASKS, Examples, Task, read_split
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -40,7 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated, of {', '.join(TASKS)}")
     p.add_argument("--seeds", type=int, default=3, help="fine-tuning runs per task (seeds SEED..SEED+N-1)")
     p.add_argument("--seed", type=int, default=1, help="the first seed")
-    p.add_argument("--recipe", default=recipes.DEFAULT, help="a recipe name (bert_ds/recipes/glue_*.json) or file")
+    p.add_argument("--recipe", default=recipes.DEFAULT, help="a recipe name (bert_ds/recipes/glue/NAME.json) or a file")
     p.add_argument("--lr", type=float, default=None, help="override the recipe's learning rate")
     p.add_argument("--epochs", type=float, default=None, help="override the recipe's epochs")
     p.add_argument("--batch-size", type=int, default=None, help="override the recipe's batch size")
@@ -61,51 +62,99 @@ def parse_tasks(text: str) -> list[Task]:
     return [TASKS[n] for n in dict.fromkeys(names)]
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    import torch
+@dataclass
+class Prepared:
+    """A GLUE evaluation checked and read, before anything trains."""
 
+    tasks: list[Task]
+    recipe: recipes.Recipe  # with the command line's overrides
+    data: dict[str, tuple[Examples, dict[str, Examples]]]  # task -> (train, {dev set: examples})
+    seeds: list[int]
+    identity: dict[str, str]  # what a kept result must have been made from
+
+
+def prepare(args: argparse.Namespace, *, model_exists: bool = True) -> Prepared:
+    """Every input checked and every task's data read (``model_exists=False``: the model is
+    still to be trained, by a phase plan that ends with this evaluation)."""
     tasks = parse_tasks(args.tasks)
     if args.seeds < 1:
         raise ConfigError(f"--seeds must be >= 1, got {args.seeds}")
-    if not (args.model / "config.json").is_file():
+    if model_exists and not (args.model / "config.json").is_file():
         raise UserError(f"--model {args.model}: not a Hugging Face model folder (no config.json); export a "
                         "checkpoint with python -m bert_ds.checkpoint.export")
     if not args.data.is_dir():
         raise UserError(f"--data {args.data}: no such folder")
     check_writable(args.output, "--output", folder=True)
-    base = recipes.load(args.recipe).with_overrides(
+    recipe = recipes.load(args.recipe).with_overrides(
         learning_rate=args.lr, epochs=args.epochs, batch_size=args.batch_size, max_seq_length=args.max_seq_length)
     data = {task.name: (read_split(args.data, task, "train"),
                         {name: read_split(args.data, task, name) for name, _, _ in task.evals}) for task in tasks}
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     seeds = list(range(args.seed, args.seed + args.seeds))
-    identity = {"model": str(args.model.resolve()), "data": str(args.data.resolve())}
-    # Every kept result is checked before anything trains: a refusal must not come after hours.
-    kept = {(t.name, s): _kept(args.output, t, s, identity, base.for_task(t.name)) for t in tasks for s in seeds}
-    runs: dict[str, list[dict[str, Any]]] = {}
-    for task in tasks:
-        from bert_ds.eval.finetune import finetune
+    return Prepared(tasks, recipe, data, seeds, {"model": str(args.model.resolve()), "data": str(args.data.resolve())})
 
-        recipe = base.for_task(task.name)
-        train, evals = data[task.name]
-        for seed in seeds:
+
+def run(args: argparse.Namespace, prepared: Prepared | None = None) -> dict[str, Any]:
+    import torch
+
+    from bert_ds.eval.finetune import finetune
+
+    p = prepared or prepare(args)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    # Every kept result is checked before anything trains: a refusal must not come after hours.
+    kept = {(t.name, s): _kept(args.output, t, s, p.identity, p.recipe.for_task(t.name)) for t in p.tasks
+            for s in p.seeds}
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for task in p.tasks:
+        recipe = p.recipe.for_task(task.name)
+        train, evals = p.data[task.name]
+        for seed in p.seeds:
             result = kept[task.name, seed]
             if result is not None:
                 print(f"{_line(task, result)}: kept from an earlier run", flush=True)
             else:
                 result = finetune(args.model, task, train, evals, recipe, seed, device, progress=not args.no_progress)
-                result.update(identity, recipe=recipe.to_dict())
+                result.update(p.identity, recipe=recipe.to_dict())
                 (args.output / task.name).mkdir(parents=True, exist_ok=True)
                 atomic_write(_seed_file(args.output, task, seed), json.dumps(result, indent=2) + "\n")
                 print(_line(task, result), flush=True)
             runs.setdefault(task.name, []).append(result)
-    table = summarize(tasks, runs)
-    report = {**identity, "recipe": base.to_dict(), "seeds": seeds, **table}
+    report = {**p.identity, "recipe": p.recipe.to_dict(), "seeds": p.seeds, **summarize(p.tasks, runs)}
     atomic_write(args.output / "results.json", json.dumps(report, indent=2) + "\n")
     text = markdown(report)
     atomic_write(args.output / "results.md", text)
     print(text, end="")
     return report
+
+
+def stage_args(values: Any, model: Path, output: Path) -> argparse.Namespace:
+    """A phase plan's ``"evaluate": {"glue": {...}}`` as this command's arguments: ``data``
+    required; ``tasks`` (a list), ``seeds``, ``seed``, ``recipe``, ``lr``, ``epochs``,
+    ``batch_size``, ``max_seq_length`` as the flags; the model and output come from the plan."""
+    if not isinstance(values, dict) or not isinstance(values.get("data"), str):
+        raise ConfigError('phase plan: evaluate.glue must be an object with "data" (the GLUE folder)')
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--model", str(model), "--data", values["data"], "--output", str(output),
+                              "--no-progress"])
+    allowed = {"data", "tasks", "seeds", "seed", "recipe", "lr", "epochs", "batch_size", "max_seq_length"}
+    unknown = sorted(set(values) - allowed)
+    if unknown:
+        raise ConfigError(f"phase plan: evaluate.glue: unknown key(s) {', '.join(unknown)}; allowed: "
+                          f"{', '.join(sorted(allowed))}")
+    kinds = {"seeds": int, "seed": int, "batch_size": int, "max_seq_length": int, "lr": (int, float),
+             "epochs": (int, float), "recipe": str}
+    for key, value in values.items():
+        if key in kinds and (not isinstance(value, kinds[key]) or isinstance(value, bool)):
+            raise ConfigError(f"phase plan: evaluate.glue.{key} must be {'an integer' if kinds[key] is int else 'a number' if isinstance(kinds[key], tuple) else 'a string'}, "
+                              f"got {value!r}")
+        if key == "tasks":
+            if not isinstance(value, list) or not all(isinstance(t, str) for t in value):
+                raise ConfigError("phase plan: evaluate.glue.tasks must be a list of task names")
+            value = ",".join(value)
+        elif key == "data":
+            value = Path(value)
+        setattr(args, key, value)
+    return args
 
 
 def _seed_file(output: Path, task: Task, seed: int) -> Path:

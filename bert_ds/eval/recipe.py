@@ -1,4 +1,4 @@
-"""A fine-tuning recipe: a JSON file in ``bert_ds/recipes/`` (``glue_*.json``) or anywhere, typed
+"""A fine-tuning recipe: a JSON file in ``bert_ds/recipes/glue/`` (by name) or anywhere, typed
 and checked, with per-task overrides (``"per_task": {"rte": {"batch_size": 16}}``)."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import Any
 
 from bert_ds.base.errors import ConfigError, require
 
-RECIPES = Path(__file__).resolve().parent.parent / "recipes"
-DEFAULT = "glue_bert_paper"
+RECIPES = Path(__file__).resolve().parent.parent / "recipes" / "glue"
+DEFAULT = "bert_paper"
 _TUNABLE = ("learning_rate", "batch_size", "epochs", "warmup_ratio", "weight_decay", "max_seq_length")
 
 
@@ -62,14 +62,14 @@ class Recipe:
 
 
 def load(name_or_path: str) -> Recipe:
-    """A recipe by name (``glue_bert_paper``: ``bert_ds/recipes/glue_bert_paper.json``) or path."""
+    """A recipe by name (``bert_paper``: ``bert_ds/recipes/glue/bert_paper.json``) or path."""
     path = Path(name_or_path)
     if not path.suffix and not path.exists():
         path = RECIPES / f"{name_or_path}.json"
     try:
         values = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        known = ", ".join(sorted(p.stem for p in RECIPES.glob("glue_*.json")))
+        known = ", ".join(sorted(p.stem for p in RECIPES.glob("*.json")))
         raise ConfigError(f"--recipe {name_or_path}: no such recipe file (built in: {known})") from None
     except (OSError, ValueError) as e:
         raise ConfigError(f"--recipe {path}: unreadable ({e})") from None

@@ -24,6 +24,9 @@ Design choices:
 - Rerunning the same command resumes: a phase whose final checkpoint exists is not rerun,
   and a phase with checkpoints resumes from its newest one (its weights come from there,
   not from the previous phase). A stop signal ends the command after the phase's checkpoint.
+- An optional last stage, ``"evaluate": {"glue": {"data": "DIR", "tasks": [...], "seeds": 3}}``,
+  exports the final weights to ``OUTPUT/hf`` and fine-tunes them on GLUE into ``OUTPUT/glue``
+  (``python -m bert_ds.eval glue``; its data is read and checked before the first phase).
 - Exit statuses are those of ``bert_ds.train``.
 """
 
@@ -42,8 +45,10 @@ from typing import Any
 import torch
 
 from bert_ds.checkpoint import store as checkpoint
+from bert_ds.checkpoint.export import export_checkpoint
 from bert_ds.config import TrainConfig
 from bert_ds.base.errors import ConfigError
+from bert_ds.eval import glue
 from bert_ds.model.bert import PRESETS, model_preset
 from bert_ds.train.loop import run
 from bert_ds.train.session import entry, locked_session
@@ -91,13 +96,16 @@ class PhasePlan:
     phases: list[Phase]
     # The commands that make the plan's datasets (optional): named when they are missing.
     prepare: list[str] = dataclasses.field(default_factory=list)
+    # What follows the last phase (optional): {"glue": {"data": DIR, ...}} exports the final
+    # weights to OUTPUT/hf and fine-tunes them on GLUE into OUTPUT/glue (bert_ds.eval.glue).
+    evaluate: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, d: Any) -> PhasePlan:
         if not isinstance(d, dict):
             raise ConfigError("a phase plan must be a JSON object")
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown, missing = sorted(set(d) - known), sorted(known - set(d) - {"prepare"})
+        unknown, missing = sorted(set(d) - known), sorted(known - set(d) - {"prepare", "evaluate"})
         if unknown or missing:
             raise ConfigError(f"phase plan: {'unknown key(s) ' + ', '.join(unknown) if unknown else ''}"
                               f"{'; ' if unknown and missing else ''}"
@@ -118,7 +126,10 @@ class PhasePlan:
         prepare = d.get("prepare", [])
         if not isinstance(prepare, list) or not all(isinstance(c, str) for c in prepare):
             raise ConfigError('phase plan: "prepare" must be a list of commands (strings)')
-        return cls(str(d["output"]), dict(d["model"]), dict(d["base"]), phases, prepare)
+        evaluate = d.get("evaluate", {})
+        if not isinstance(evaluate, dict) or set(evaluate) - {"glue"}:
+            raise ConfigError('phase plan: "evaluate" must be an object whose only key is "glue"')
+        return cls(str(d["output"]), dict(d["model"]), dict(d["base"]), phases, prepare, dict(evaluate))
 
     @classmethod
     def load(cls, path: Path) -> PhasePlan:
@@ -135,6 +146,13 @@ class PhasePlan:
         if not isinstance(first, str):
             raise ConfigError('phase plan: base.data.train must name the training dataset folder(s)')
         return Path(first)
+
+    def glue(self) -> tuple[argparse.Namespace, glue.Prepared] | None:
+        """The GLUE stage's arguments, checked and its data read (before any phase trains), or None."""
+        if "glue" not in self.evaluate:
+            return None
+        args = glue.stage_args(self.evaluate["glue"], Path(self.output) / "hf", Path(self.output) / "glue")
+        return args, glue.prepare(args, model_exists=False)
 
     def train_configs(self, vocab_size: int) -> list[TrainConfig]:
         """Each phase's validated TrainConfig (init_from still unset: it is known once the previous phase ends)."""
@@ -186,40 +204,63 @@ def main(argv: list[str] | None = None) -> int:
                 raise
             raise ConfigError(f"{e}; this plan's data is made by: {' && '.join(plan.prepare)}") from None
         configs = plan.train_configs(manifest.vocab_size)
+        evaluation = plan.glue()  # a typo in the last stage fails before the first phase trains
         if args.check:
             for phase, cfg in zip(plan.phases, configs):
                 print(f"{phase.name}: {cfg.steps} steps, seq {cfg.data.max_seq_length}, batch "
                       f"{cfg.global_batch_size} (micro {cfg.micro_batch_size}), lr {cfg.optim.lr:g}, "
                       f"warm-up {cfg.optim.warmup_steps}, {cfg.ds_config} -> {cfg.output}")
+            if evaluation is not None:
+                glue_args, prepared = evaluation
+                print(f"then GLUE: {', '.join(t.name for t in prepared.tasks)}, seeds {prepared.seeds}, recipe "
+                      f"{prepared.recipe.name}, export {glue_args.model} -> {glue_args.output}")
             return
         # the phases' folders are inside plan.output: its lock covers them
         with locked_session(plan.output, "bert_ds.train.phases", configs[0].collective_timeout) as (
                 rank, world, device, stop):
-            say = print if rank == 0 else (lambda *a, **k: None)
-            previous: Path | None = None
-            for phase, cfg in zip(plan.phases, configs):
-                done = finished_checkpoint(cfg)
-                if done is not None:
-                    say(f"[bert_ds.train.phases] {phase.name}: finished ({done}), not rerun", file=sys.stderr, flush=True)
-                    previous = done
-                    continue
-                if previous is not None:
-                    cfg = dataclasses.replace(cfg, init_from=str(previous))
-                say(f"[bert_ds.train.phases] {phase.name}: {cfg.steps} steps at seq {cfg.data.max_seq_length}"
-                    f"{', from ' + str(previous) if previous else ''}", file=sys.stderr, flush=True)
-                summary = run(cfg, True, rank, world, device, stop=stop)
-                if rank == 0:
-                    print_summary(summary)
-                if summary["steps"] < cfg.steps or summary["stopped_by"]:  # a signal or --exit-after: rerun to go on
-                    say(f"[bert_ds.train.phases] {phase.name}: stopped at step {summary['steps']}; rerun the same "
-                        "command to resume", file=sys.stderr, flush=True)
-                    return
-                previous = Path(summary["checkpoint"])
-                gc.collect()  # the phase's engine, before the next one is built
-                if torch.cuda.is_available():
-                    torch.cuda.empty_cache()
+            final = _run_phases(plan, configs, rank, world, device, stop)
+        if final is not None and evaluation is not None and rank == 0:
+            _evaluate(final, *evaluation, device)
 
     return entry(body)
+
+
+def _run_phases(plan: PhasePlan, configs: list[TrainConfig], rank: int, world: int, device, stop) -> Path | None:
+    """Each phase not yet finished, in order; the last phase's final checkpoint, or None where a
+    phase stopped early (a signal, --exit-after: the same command goes on)."""
+    say = print if rank == 0 else (lambda *a, **k: None)
+    previous: Path | None = None
+    for phase, cfg in zip(plan.phases, configs):
+        done = finished_checkpoint(cfg)
+        if done is not None:
+            say(f"[bert_ds.train.phases] {phase.name}: finished ({done}), not rerun", file=sys.stderr, flush=True)
+            previous = done
+            continue
+        if previous is not None:
+            cfg = dataclasses.replace(cfg, init_from=str(previous))
+        say(f"[bert_ds.train.phases] {phase.name}: {cfg.steps} steps at seq {cfg.data.max_seq_length}"
+            f"{', from ' + str(previous) if previous else ''}", file=sys.stderr, flush=True)
+        summary = run(cfg, True, rank, world, device, stop=stop)
+        if rank == 0:
+            print_summary(summary)
+        if summary["steps"] < cfg.steps or summary["stopped_by"]:  # a signal or --exit-after: rerun to go on
+            say(f"[bert_ds.train.phases] {phase.name}: stopped at step {summary['steps']}; rerun the same "
+                "command to resume", file=sys.stderr, flush=True)
+            return None
+        previous = Path(summary["checkpoint"])
+        gc.collect()  # the phase's engine, before the next one is built
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return previous
+
+
+def _evaluate(final: Path, glue_args: argparse.Namespace, prepared: glue.Prepared, device) -> None:
+    """The plan's GLUE stage, on rank 0 once every phase is done: the final weights exported to
+    OUTPUT/hf, then fine-tuned; a rerun keeps the GLUE runs already finished."""
+    print(f"[bert_ds.train.phases] glue: exporting {final} to {glue_args.model}", file=sys.stderr, flush=True)
+    export_checkpoint(final, glue_args.model)
+    glue_args.device = str(device)
+    glue.run(glue_args, prepared)
 
 
 if __name__ == "__main__":

@@ -124,9 +124,9 @@ def test_metrics_against_hand_computed_values():
 
 
 def test_recipes_load_and_refuse_bad_values(tmp_path):
-    paper = load_recipe("glue_bert_paper")
+    paper = load_recipe("bert_paper")
     assert (paper.learning_rate, paper.batch_size, paper.epochs, paper.warmup_ratio) == (2e-5, 32, 3, 0.1)
-    roberta = load_recipe("glue_roberta_style")
+    roberta = load_recipe("roberta_style")
     assert roberta.for_task("rte").batch_size == 16 and roberta.for_task("sst2").batch_size == 32
     assert roberta.with_overrides(batch_size=8).for_task("rte").batch_size == 8  # the command line wins
     bad = tmp_path / "bad.json"
@@ -134,7 +134,7 @@ def test_recipes_load_and_refuse_bad_values(tmp_path):
     with pytest.raises(Exception, match="learning_rate: must be in"):
         load_recipe(str(bad))
     with pytest.raises(Exception, match="no such recipe file"):
-        load_recipe("glue_nonexistent")
+        load_recipe("nonexistent")
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +146,7 @@ def tiny_export(sample_data, tmp_path_factory):
                      tmp_path_factory.mktemp("export") / "model")
 
 
-def _learnable_sst2(root, seed=0):
+def learnable_sst2(root, seed=0):
     """SST-2 in the classic layout whose label is whether 'good' or 'bad' is in the sentence."""
     rng = random.Random(seed)
     folder = root / "SST-2"
@@ -168,7 +168,7 @@ def _eval(model, data, out, *extra, check=True):
 
 def test_a_tiny_export_learns_a_task_and_a_rerun_keeps_its_results(tiny_export, tmp_path):
     data, out = tmp_path / "glue", tmp_path / "results"
-    _learnable_sst2(data)
+    learnable_sst2(data)
     args = ("--tasks", "sst2", "--seeds", "2", "--lr", "1e-3", "--epochs", "3")
     _eval(tiny_export, data, out, *args)
     report = json.loads((out / "results.json").read_text())
@@ -198,7 +198,7 @@ def test_a_tiny_export_learns_a_task_and_a_rerun_keeps_its_results(tiny_export, 
 ])
 def test_bad_input_is_one_line_and_trains_nothing(tiny_export, tmp_path, args, message):
     data, out = tmp_path / "glue", tmp_path / "results"
-    _learnable_sst2(data)
+    learnable_sst2(data)
     proc = _eval(tiny_export, data, out, "--tasks", "sst2", *args, check=False)
     err = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(err) == 1 and err[0].startswith("error:") and message in err[0], proc.stderr

@@ -4,6 +4,7 @@ whose second phase is killed and resumed."""
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -154,3 +155,41 @@ def test_two_phases_run_and_a_crash_in_phase_two_resumes_phase_two(sample_data, 
     assert all(redone[r["step"]] == r["loss"] for r in overlap)
     assert steps_at_2 == 2
     assert lr2[0] == pytest.approx(1e-2 / 4) and max(lr2) == pytest.approx(1e-2)  # warm-up again, 4 steps
+
+
+def test_a_plan_ending_with_glue_exports_and_fine_tunes_after_its_last_phase(sample_data, tmp_path):
+    """phase 1 -> phase 2 -> GLUE is one command with one results folder; its GLUE data is checked
+    before the first phase, and a rerun keeps what is done."""
+    from tests.bert_ds.test_glue import learnable_sst2
+
+    learnable_sst2(tmp_path / "glue")
+    root, config = tmp_path / "run", tmp_path / "plan.json"
+    plan = _tiny_plan(sample_data, root)
+    plan["evaluate"] = {"glue": {"data": str(tmp_path / "glue"), "tasks": ["rte"], "seeds": 1}}
+    config.write_text(json.dumps(plan))
+    proc = run_cli("bert_ds.train.phases", "--config", str(config), check=False)
+    assert proc.returncode == 2 and "no folder for rte" in proc.stderr and not root.exists()  # before phase 1
+
+    plan["evaluate"]["glue"].update(tasks=["sst2"], lr=1e-3, epochs=1)
+    config.write_text(json.dumps(plan))
+    assert "then GLUE: sst2, seeds [1], recipe bert_paper" in run_cli(
+        "bert_ds.train.phases", "--config", str(config), "--check").stdout
+    run_cli("bert_ds.train.phases", "--config", str(config))
+    assert (root / "hf" / "config.json").is_file()
+    report = json.loads((root / "glue" / "results.json").read_text())
+    assert report["model"] == str((root / "hf").resolve()) and report["columns"]["sst2"]["seeds"] == 1
+    again = run_cli("bert_ds.train.phases", "--config", str(config))
+    assert "kept from an earlier run" in again.stdout and "finished" in again.stderr
+
+
+@pytest.mark.parametrize("evaluate,message", [
+    ({"glue": {"tasks": ["sst2"]}}, 'evaluate.glue must be an object with "data"'),
+    ({"squad": {}}, 'whose only key is "glue"'),
+    ({"glue": {"data": "x", "seedz": 3}}, "evaluate.glue: unknown key(s) seedz"),
+    ({"glue": {"data": "x", "seeds": "3"}}, "evaluate.glue.seeds must be an integer, got '3'"),
+])
+def test_a_bad_evaluate_stage_is_a_config_error(evaluate, message):
+    d = json.loads((RECIPES / "tiny_two_phase.json").read_text())
+    d["evaluate"] = evaluate
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        PhasePlan.from_dict(d).glue()
