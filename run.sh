@@ -105,7 +105,8 @@ LOWEST_TESTS=(tests/bert_ds/test_model.py tests/kernels/test_native.py tests/ker
     tests/bert_ds/test_continued_pretraining.py tests/bert_ds/test_golden_run.py tests/bert_ds/test_train.py
     tests/bert_ds/test_lamb.py tests/bert_ds/test_zero.py tests/bert_ds/test_checkpoint.py
     tests/bert_ds/test_optim.py tests/bert_ds/test_padding.py tests/bert_ds/test_train_step.py
-    tests/bert_ds/test_data.py tests/examples/test_finetune.py tests/bert_ds/test_glue.py tests/bert_ds/test_profiling.py)
+    tests/bert_ds/test_data.py tests/examples/test_finetune.py tests/bert_ds/test_glue.py tests/bert_ds/test_profiling.py
+    tests/bert_ds/test_parity.py)
 
 # test-lowest's environment: pyproject.toml's lower bounds of torch and transformers, the rest
 # as pip resolves it. The lowest torch on PyPI is the CUDA build (about 5 GB installed); it runs

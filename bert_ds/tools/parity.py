@@ -171,6 +171,25 @@ def _spread(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "spread": max(values) - min(values), "values": values}
 
 
+def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Per trainer and held-out set: median and spread over seeds of the loss and the accuracy."""
+    sets = list(next(iter(runs.values()))[0]["scores"])
+    return {who: {name: {k: _spread([r["scores"][name][k] for r in rs]) for k in ("loss", "accuracy")}
+                  for name in sets} for who, rs in runs.items()}
+
+
+def verdicts(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per held-out set: bert-ds is not worse where its median loss exceeds transformers' by no
+    more than the larger of the two seed spreads."""
+    out = {}
+    for name in summary["bert-ds"]:
+        ours, theirs = summary["bert-ds"][name]["loss"], summary["transformers"][name]["loss"]
+        allowed = max(ours["spread"], theirs["spread"])
+        difference = ours["median"] - theirs["median"]
+        out[name] = {"difference": difference, "allowed": allowed, "not_worse": difference <= allowed}
+    return out
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from bert_ds.config import check_writable
 
@@ -190,17 +209,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print(f"seed {seed}: " + "; ".join(
             f"{who} loss " + "/".join(f"{s['loss']:.3f}" for s in r[-1]["scores"].values())
             for who, r in runs.items()), flush=True)
-    summary = {who: {name: {k: _spread([r["scores"][name][k] for r in rs]) for k in ("loss", "accuracy")}
-                     for name in sets} for who, rs in runs.items()}
-    verdicts = {}
-    for name in sets:
-        ours, theirs = summary["bert-ds"][name]["loss"], summary["transformers"][name]["loss"]
-        allowed = max(ours["spread"], theirs["spread"])
-        verdicts[name] = {"difference": ours["median"] - theirs["median"], "allowed": allowed,
-                          "not_worse": ours["median"] - theirs["median"] <= allowed}
+    summary = summarize(runs)
     report = {"settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
               "eval_batches": {name: len(b) for name, b in sets.items()}, "runs": runs, "summary": summary,
-              "verdicts": verdicts}
+              "verdicts": verdicts(summary)}
     (args.output / "parity.json").write_text(json.dumps(report, indent=2) + "\n")
     text = markdown(report)
     (args.output / "parity.md").write_text(text)
