@@ -18,7 +18,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             glue.run(args)
         except KeyboardInterrupt:  # finished runs are on disk already: say how to go on
-            print(f"\ninterrupted: the finished runs are kept in {args.output}; the same command goes on from them",
+            done = len(list(args.output.glob("*/seed*.json")))
+            print(f"\ninterrupted: {done} finished run(s) kept in {args.output}; the same command goes on from them",
                   file=sys.stderr, flush=True)
             return 130
         return None
