@@ -189,6 +189,22 @@ def test_a_tiny_export_learns_a_task_and_a_rerun_keeps_its_results(tiny_export, 
     assert {p.name: p.read_text() for p in (out / "sst2").iterdir()} == before
 
 
+def test_sts_b_regression_and_mnli_two_dev_sets_run_end_to_end(tiny_export, tmp_path):
+    """STS-B (one output, mean squared error, Pearson/Spearman) from save_to_disk, MNLI (three
+    labels, matched and mismatched dev sets) from Parquet: every dev set scored, in the table."""
+    stsb, mnli = TASKS["stsb"], TASKS["mnli"]
+    _saved(tmp_path / "glue" / "stsb", stsb, {"train": _rows(stsb, 40, 1), "validation": _rows(stsb, 20, 2)})
+    _parquet(tmp_path / "glue" / "mnli", mnli, {"train": _rows(mnli, 40, 3), "validation_matched": _rows(mnli, 12, 4),
+                                                "validation_mismatched": _rows(mnli, 14, 5)})
+    out = tmp_path / "results"
+    _eval(tiny_export, tmp_path / "glue", out, "--tasks", "stsb,mnli", "--seeds", "1", "--epochs", "1")
+    report = json.loads((out / "results.json").read_text())
+    assert list(report["columns"]) == ["stsb", "mnli-m", "mnli-mm"]
+    assert set(report["columns"]["stsb"]["figures"]) == {"score", "pearson", "spearman"}
+    run = json.loads((out / "mnli" / "seed1.json").read_text())
+    assert run["eval_examples"] == {"mnli-m": 12, "mnli-mm": 14} and run["steps"] == 2  # 40 examples, batch 32
+
+
 @pytest.mark.parametrize("args,message", [
     (["--tasks", "wnli"], "wnli is left out, as in the BERT paper"),
     (["--tasks", "squad"], "unknown task 'squad'"),
