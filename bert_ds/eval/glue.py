@@ -85,6 +85,7 @@ def prepare(args: argparse.Namespace, *, model_exists: bool = True) -> Prepared:
     if not args.data.is_dir():
         raise UserError(f"--data {args.data}: no such folder")
     check_writable(args.output, "--output", folder=True)
+    _ours_or_empty(args.output)
     recipe = recipes.load(args.recipe).with_overrides(
         learning_rate=args.lr, epochs=args.epochs, batch_size=args.batch_size, max_seq_length=args.max_seq_length)
     data = {task.name: (read_split(args.data, task, "train"),
@@ -155,6 +156,21 @@ def stage_args(values: Any, model: Path, output: Path) -> argparse.Namespace:
             value = Path(value)
         setattr(args, key, value)
     return args
+
+
+def _ours_or_empty(output: Path) -> None:
+    """An --output that exists must be empty or an earlier GLUE evaluation: its results.md and
+    results.json are rewritten, and another folder's files of those names are not ours to replace."""
+    if not output.is_dir() or not any(output.iterdir()):
+        return
+    earlier = any((output / name).is_dir() for name in TASKS) or (output / "results.json").is_file()
+    try:
+        earlier = earlier and (not (output / "results.json").is_file()
+                               or "columns" in json.loads((output / "results.json").read_text()))
+    except (OSError, ValueError):
+        earlier = False
+    if not earlier:
+        raise UserError(f"--output {output} exists and holds no GLUE results; give a new or empty folder")
 
 
 def _seed_file(output: Path, task: Task, seed: int) -> Path:

@@ -171,6 +171,31 @@ def _spread(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "spread": max(values) - min(values), "values": values}
 
 
+# What the data, the models and so their figures depend on: a rerun with other values would
+# mix runs of two experiments, so it is refused (seeds may be added, evaluation redone).
+TRAINING = ("train_text", "heldout_text", "preset", "vocab_size", "seq_len", "batch_size", "steps", "lr",
+            "warmup_steps")
+
+
+def _same_settings(args: argparse.Namespace) -> None:
+    path = args.output / "settings.json"
+    mine = {k: str(getattr(args, k).resolve()) if isinstance(getattr(args, k), Path) else getattr(args, k)
+            for k in TRAINING}
+    if path.is_file():
+        try:
+            theirs = json.loads(path.read_text())
+        except ValueError:
+            theirs = {}
+        changed = [k for k in TRAINING if theirs.get(k) != mine[k]]
+        if changed:
+            raise UserError(f"--output {args.output} holds a parity run with other {', '.join(changed)} "
+                            f"({', '.join(f'{k} {theirs.get(k)!r}' for k in changed)}); give another --output")
+    elif any(args.output.iterdir()):
+        raise UserError(f"--output {args.output} exists and holds no parity run; give a new or empty folder")
+    else:
+        path.write_text(json.dumps(mine, indent=2) + "\n")
+
+
 def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     """Per trainer and held-out set: median and spread over seeds of the loss and the accuracy."""
     sets = list(next(iter(runs.values()))[0]["scores"])
@@ -198,6 +223,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             raise UserError(f"{flag} {path}: no such file")
     check_writable(args.output, "--output", folder=True)
     args.output.mkdir(parents=True, exist_ok=True)
+    _same_settings(args)
     train, heldout = build_data(args)
     sets = eval_batches(args, train, heldout)
     runs: dict[str, list[dict[str, Any]]] = {"bert-ds": [], "transformers": []}
@@ -245,7 +271,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bert_ds.tools.parity", description=__doc__.split("\n\n")[0])
     p.add_argument("--train-text", type=Path, default=SAMPLE / "valid.txt", help="training text (default: the sample)")
     p.add_argument("--heldout-text", type=Path, default=SAMPLE / "test.txt", help="held-out text")
-    p.add_argument("--output", type=Path, required=True, help="results folder (a rerun keeps finished runs)")
+    p.add_argument("--output", type=Path, required=True,
+                   help="results folder, new or empty (the same command again keeps its finished runs)")
     p.add_argument("--preset", default="tiny-h128")
     p.add_argument("--vocab-size", type=int, default=4096)
     p.add_argument("--seq-len", type=int, default=128)

@@ -221,6 +221,16 @@ def test_bad_input_is_one_line_and_trains_nothing(tiny_export, tmp_path, args, m
     assert not (out / "sst2").exists()
 
 
+def test_an_output_folder_of_other_files_is_refused_and_left_as_it_was(tiny_export, tmp_path):
+    data, out = tmp_path / "glue", tmp_path / "mine"
+    learnable_sst2(data)
+    out.mkdir()
+    (out / "results.json").write_text('{"my": "own results"}')
+    proc = _eval(tiny_export, data, out, "--tasks", "sst2", check=False)
+    assert proc.returncode == 2 and "exists and holds no GLUE results" in proc.stderr
+    assert [p.name for p in out.iterdir()] == ["results.json"] and "own results" in (out / "results.json").read_text()
+
+
 def test_a_folder_without_config_json_is_refused(tmp_path):
     proc = _eval(tmp_path, tmp_path, tmp_path / "out", check=False)
     assert proc.returncode == 2 and "not a Hugging Face model folder (no config.json)" in proc.stderr

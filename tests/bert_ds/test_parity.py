@@ -43,3 +43,12 @@ def test_a_tiny_parity_run_trains_both_on_the_same_budget(tmp_path):
     assert len(trained) == 4
     run_cli(*args, timeout=900)
     assert {p.parent.name: p.stat().st_mtime_ns for p in out.glob("*-seed*/config.json")} == trained
+    other = run_cli(*args[:-2], "--vocab-size", "2048", check=False)
+    assert other.returncode == 2 and "holds a parity run with other vocab_size (vocab_size 1024)" in other.stderr
+
+
+def test_a_folder_that_holds_something_else_is_refused(tmp_path):
+    (tmp_path / "mine.txt").write_text("keep me")
+    proc = run_cli("bert_ds.tools.parity", "--output", str(tmp_path), check=False)
+    assert proc.returncode == 2 and "exists and holds no parity run" in proc.stderr
+    assert [p.name for p in tmp_path.iterdir()] == ["mine.txt"]
