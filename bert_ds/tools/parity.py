@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from bert_ds.base.atomic import atomic_write
 from bert_ds.base.errors import UserError, guarded
 
 SAMPLE = Path(__file__).resolve().parents[1] / "data_tools" / "sample"
@@ -193,7 +194,7 @@ def _same_settings(args: argparse.Namespace) -> None:
     elif any(args.output.iterdir()):
         raise UserError(f"--output {args.output} exists and holds no parity run; give a new or empty folder")
     else:
-        path.write_text(json.dumps(mine, indent=2) + "\n")
+        atomic_write(path, json.dumps(mine, indent=2) + "\n")
 
 
 def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
@@ -239,9 +240,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     report = {"settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
               "eval_batches": {name: len(b) for name, b in sets.items()}, "runs": runs, "summary": summary,
               "verdicts": verdicts(summary)}
-    (args.output / "parity.json").write_text(json.dumps(report, indent=2) + "\n")
+    atomic_write(args.output / "parity.json", json.dumps(report, indent=2) + "\n")
     text = markdown(report)
-    (args.output / "parity.md").write_text(text)
+    atomic_write(args.output / "parity.md", text)
     print(text, end="")
     return report
 

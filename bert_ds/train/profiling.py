@@ -16,10 +16,8 @@ loop's variants, without the engine): the two are read side by side.
 
 from __future__ import annotations
 
-import gzip
 import json
 import re
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +27,7 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
+from bert_ds.base.atomic import atomic_write
 from bert_ds.base.errors import ConfigError
 
 # Host calls that block until the device has finished earlier work.
@@ -189,15 +188,11 @@ class StepProfiler:
         summary = summarize(prof.events(), self._count, wall)
         self.folder.mkdir(parents=True, exist_ok=True)
         stem = self.folder / f"rank{self.rank}"
-        trace = stem.with_suffix(".trace.json")
-        prof.export_chrome_trace(str(trace))
-        with trace.open("rb") as raw, gzip.open(f"{trace}.gz", "wb") as packed:
-            shutil.copyfileobj(raw, packed)
-        trace.unlink()
+        prof.export_chrome_trace(str(stem.with_suffix(".trace.json.gz")))  # torch gzips a .gz path itself
         device = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
         record = {"steps": steps, "rank": self.rank, "device": device, "summary": summary}
-        stem.with_suffix(".json").write_text(json.dumps(record, indent=2) + "\n")
+        atomic_write(stem.with_suffix(".json"), json.dumps(record, indent=2) + "\n")
         markdown = stem.with_suffix(".md")
-        markdown.write_text("\n".join([f"## Training steps {steps} profiled: rank {self.rank}, {device}", "",
+        atomic_write(markdown, "\n".join([f"## Training steps {steps} profiled: rank {self.rank}, {device}", "",
                                        *summary_lines(summary)]) + "\n")
         return markdown
