@@ -49,10 +49,10 @@ def _finite(x: float) -> bool:
 
 @dataclass
 class DataConfig:
-    train: list[str] = field(default_factory=list)  # dataset folders written by `data_tools build`
-    weights: list[float] | None = None  # blend weights of `train` (None: equal)
+    train: list[str] = field(default_factory=list)  # dataset folders (or parents of partitions) of `data_tools build`
+    weights: list[float] | None = None  # None: all of `train` is one corpus; else each entry's blend weight
     val: str | None = None  # held-out dataset folder (same tokenizer), or None
-    held_out: float = 0.0  # without `val`: this share of train[0]'s documents is held out instead
+    held_out: float = 0.0  # without `val`: this share of the corpus's documents (with weights: train[0]'s) is held out
     max_seq_length: int = 128  # tokens per sample including [CLS] and two [SEP]
     short_seq_prob: float = 0.1  # BERT: this share of samples gets a shorter random target
     mask_rate: float = 0.15  # share of tokens chosen for the MLM loss

@@ -60,6 +60,7 @@ import hashlib
 import mmap
 import os
 import struct
+import sys
 import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -293,18 +294,24 @@ class ShardIndex:
     bounds: np.ndarray  # (num_docs + 1,) int64 sentence index where each document starts, then num_sentences
 
 
+_NATIVE_FORMATS = {"<u2": "H", "<u4": "I", "<i4": "i", "<i8": "q", "<u8": "Q"}
+
+
 class FileArray:
     """A 1-D little-endian array stored in a file from byte ``offset`` on, read with ``os.pread``.
 
     ``a[lo:hi]`` reads those elements into a new array: nothing of the file is mapped into the
     process, so reading at random places across a corpus leaves the process's resident memory
     as it was (a memory map keeps every page it touched, plus up to 15 neighbours the kernel maps
-    with each fault). Pickled as its path; slices only, with a step of 1.
+    with each fault). ``a[i]`` reads one element as a Python int. Pickled as its path; slices
+    with a step of 1 only.
     """
 
     def __init__(self, path: str | os.PathLike, dtype: np.dtype | str, count: int, offset: int = 0):
         self.path, self.dtype, self.count, self.offset = Path(path), np.dtype(dtype), int(count), int(offset)
         self._itemsize = self.dtype.itemsize
+        # memoryview's format of the dtype, where this machine's byte order is the file's
+        self._native = _NATIVE_FORMATS.get(self.dtype.str) if sys.byteorder == "little" else None
         try:
             self._fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
         except OSError as e:
@@ -313,7 +320,9 @@ class FileArray:
     def __len__(self) -> int:
         return self.count
 
-    def __getitem__(self, where: slice) -> np.ndarray:
+    def __getitem__(self, where: slice | int) -> np.ndarray | int:
+        if isinstance(where, int):  # one element, as a Python int: no array is made
+            return self._item(where)
         lo = where.start or 0
         hi = self.count if where.stop is None else min(where.stop, self.count)
         n = max(0, hi - lo) * self._itemsize
@@ -322,6 +331,29 @@ class FileArray:
             raise ShardError(f"{self.path}: truncated: {n} bytes at byte {self.offset + lo * self._itemsize} "
                              f"could not be read (the file changed while open)")
         return np.frombuffer(data, self.dtype)
+
+    def ints(self, lo: int, hi: int) -> list[int]:
+        """Elements ``[lo, hi)`` as Python ints: for a few elements, a third of the cost of an
+        array's ``tolist()`` (no array is made)."""
+        if self._native is None:
+            return self[lo:hi].tolist()
+        hi = min(hi, self.count)
+        n = max(0, hi - lo) * self._itemsize
+        data = os.pread(self._fd, n, self.offset + lo * self._itemsize)
+        if len(data) != n:
+            raise ShardError(f"{self.path}: truncated: {n} bytes at byte {self.offset + lo * self._itemsize} "
+                             f"could not be read (the file changed while open)")
+        return memoryview(data).cast(self._native).tolist()
+
+    def _item(self, i: int) -> int:
+        if not 0 <= i < self.count:
+            raise IndexError(f"{self.path}: element {i} outside [0, {self.count})")
+        at = self.offset + i * self._itemsize
+        data = os.pread(self._fd, self._itemsize, at)
+        if len(data) != self._itemsize:
+            raise ShardError(f"{self.path}: truncated: element {i} at byte {at} could not be read "
+                             "(the file changed while open)")
+        return int.from_bytes(data, "little", signed=self.dtype.kind == "i")
 
     def __getstate__(self) -> dict:
         return {"path": self.path, "dtype": self.dtype, "count": self.count, "offset": self.offset}

@@ -1,9 +1,11 @@
 """``python -m bert_ds.loader.bench``: opening a dataset and drawing from it, beside the goals.
 
-``--scale TOKENS`` writes a synthetic dataset of that many tokens
+``--scale TOKENS [TOKENS ...]`` writes a synthetic dataset of each size
 (:func:`bert_ds.data_tools.bench.write_synthetic`: sentences U[8,48] tokens, documents
-U[5,60] sentences) into a temporary folder (``--keep DIR`` keeps it there and reuses it on
-the next run); ``--data DIR`` measures an existing dataset instead. Sequence length 128,
+U[5,60] sentences) into a temporary folder (``--keep DIR`` keeps it there, in
+``DIR/tokens-N`` per size, and reuses it on the next run) and measures each in turn; with
+several sizes it then prints how the drawing process's memory grows per further billion
+tokens (goal: at most +50 MB). ``--data DIR`` measures an existing dataset instead. Sequence length 128,
 NSP and masking. Every measurement runs in a fresh spawned process that imports torch
 and the loader before its timer starts, one at a time:
 
@@ -122,7 +124,8 @@ def _cached_child(conn, path: str, loader_seconds: float, draw_seconds: float) -
     conn.send({"seconds": seconds, "builds": len(builds), "rss_after_open": after_open,
                "rss_after_draws": _status_rss(), "samples_per_s": n / elapsed, "sample_seconds": elapsed,
                "drawn": drawn,
-               "draw_seconds": time.perf_counter() - t1, "map_file": str(ds._samples.path), "samples": len(ds)})
+               "draw_seconds": time.perf_counter() - t1, "map_file": str(ds._map.path), "map_header": ds._map.offset,
+               "samples": len(ds)})
 
 
 _CTX = multiprocessing.get_context("spawn")
@@ -224,7 +227,7 @@ def figures(r: dict) -> list[tuple[str, str, str, bool | None]]:
     ratio = max(t["seconds"] for t in r["two_cold"]) / cold["seconds"]
     rss, anon = cached["rss_after_draws"]["VmRSS"], cached["rss_after_draws"]["RssAnon"]
     rss_goal = 600 * MB + 50 * MB * max(0.0, billions - 1)
-    per_sample = (r["map_bytes"] - 128) / cached["samples"]  # the .npy header is 128 bytes
+    per_sample = (r["map_bytes"] - cached["map_header"]) / cached["samples"]
     scaled = (lambda met: met) if at_scale else (lambda met: None)
     return [
         ("cold open time", f"{cold['seconds']:.3f} s", "<= 8 s at 1B tokens", scaled(cold["seconds"] <= 8)),
@@ -238,7 +241,7 @@ def figures(r: dict) -> list[tuple[str, str, str, bool | None]]:
          anon <= rss_goal if billions >= 0.95 else None),
         ("loader samples/s per core", f"{cached['samples_per_s']:,.0f}", ">= 20,000",
          cached["samples_per_s"] >= 20_000),
-        ("sample map bytes per sample", f"{per_sample:.1f}", "as small as the ranges allow", None),
+        ("sample map bytes per sample", f"{per_sample:.1f}", "<= 12", per_sample <= 12),
     ]
 
 
@@ -298,9 +301,10 @@ def _seconds(text: str) -> float:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bert_ds.loader.bench", description=__doc__.split("\n\n")[0])
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--scale", type=_tokens, metavar="TOKENS", help="write a synthetic dataset of TOKENS tokens")
+    src.add_argument("--scale", type=_tokens, nargs="+", metavar="TOKENS",
+                     help="write a synthetic dataset of TOKENS tokens (several: one each, and the growth between)")
     src.add_argument("--data", metavar="DIR", help="measure an existing dataset (its map and index cache is cleared)")
-    p.add_argument("--keep", metavar="DIR", help="with --scale: write the dataset to DIR and keep it (reused)")
+    p.add_argument("--keep", metavar="DIR", help="with --scale: keep the datasets in DIR/tokens-N (reused)")
     p.add_argument("--loader-seconds", type=_seconds, default=5.0, metavar="S", help="samples/s measured for S s")
     p.add_argument("--draw-seconds", type=_seconds, default=10.0, metavar="S", help="batches drawn for S s")
     p.add_argument("--json", metavar="FILE", help="also write every measurement to FILE")
@@ -315,12 +319,37 @@ def main(argv: list[str] | None = None) -> int:
 def _bench(args: argparse.Namespace) -> None:
     if args.keep and args.data:
         raise UserError("--keep goes with --scale (a dataset given with --data is never removed)")
-    r = run(args.data, args.scale, args.keep, args.loader_seconds, args.draw_seconds)
-    figs = figures(r)
-    r["figures"] = [{"name": n, "measured": m, "goal": g, "met": ok} for n, m, g, ok in figs]
-    print(format_report(r, figs))
+    runs = []
+    for scale in args.scale or [None]:
+        keep = str(Path(args.keep) / f"tokens-{scale}") if args.keep else None
+        r = run(args.data, scale, keep, args.loader_seconds, args.draw_seconds)
+        figs = figures(r)
+        r["figures"] = [{"name": n, "measured": m, "goal": g, "met": ok} for n, m, g, ok in figs]
+        print(format_report(r, figs) + "\n", flush=True)
+        runs.append(r)
+    result = {"runs": runs, "growth": growth(runs) if len(runs) > 1 else None}
+    if result["growth"]:
+        print(format_growth(result["growth"]))
     if args.json:
-        Path(args.json).write_text(json.dumps(r, indent=2) + "\n", encoding="utf-8")
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+
+
+def growth(runs: list[dict]) -> dict:
+    """How the drawing process's memory grows from the smallest to the largest dataset, per
+    further billion tokens."""
+    small, large = min(runs, key=lambda r: r["totals"]["tokens"]), max(runs, key=lambda r: r["totals"]["tokens"])
+    billions = (large["totals"]["tokens"] - small["totals"]["tokens"]) / 1e9
+    rss = {k: (large["cached"]["rss_after_draws"][k] - small["cached"]["rss_after_draws"][k]) / max(billions, 1e-9)
+           for k in ("VmRSS", "RssAnon", "RssFile")}
+    return {"from_tokens": small["totals"]["tokens"], "to_tokens": large["totals"]["tokens"],
+            "per_billion": rss, "goal_per_billion": 50 * MB, "met": rss["VmRSS"] <= 50 * MB}
+
+
+def format_growth(g: dict) -> str:
+    per = g["per_billion"]
+    return (f"growth from {g['from_tokens']:,} to {g['to_tokens']:,} tokens, per further billion tokens: RSS after "
+            f"the cached open and the draws {per['VmRSS'] / MB:+,.1f} MB (private {per['RssAnon'] / MB:+,.1f} MB, "
+            f"file-backed {per['RssFile'] / MB:+,.1f} MB); goal <= +50 MB: {'yes' if g['met'] else 'NO'}")
 
 
 if __name__ == "__main__":

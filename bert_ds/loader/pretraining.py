@@ -1,11 +1,15 @@
-"""Pretraining samples built at load time from memory-mapped token shards.
+"""Pretraining samples built at load time from token shards.
 
 Design choices:
-- Shards store sentences and document boundaries, not samples. A *sample map*
-  (document, first and last sentence, target length; :mod:`.sample_map`) is built once
-  per dataset and seed with BERT's chunking rule, cached beside the data and
-  memory-mapped by every process; everything random after that (the A/B split,
-  the random next segment, truncation, masking) is drawn at load time.
+- Shards store sentences and document boundaries, not samples. A *sample map* (each
+  sample's first sentence and sentence count; :mod:`.sample_map`) is built once per corpus
+  and seed with BERT's chunking rule, cached beside the data and read with ``pread`` by
+  every process, like the sentence index and the tokens: a drawing process maps nothing of
+  the corpus, so its resident memory does not grow with it. Everything random after that
+  (the A/B split, the random next segment, truncation, masking) is drawn at load time.
+- A corpus is one dataset folder, the folders of a partitioned build, or any list of
+  folders built with one tokenizer: their shards are numbered in order as one corpus, so
+  every sample comes once per epoch and each folder weighs what its data weighs.
 - Every sample is a pure function of ``(seed, epoch, sample index)``: its generator
   is seeded with exactly that triple. So the same sample comes out whatever the
   world size, loader worker count or resume point, and masks change every epoch.
@@ -25,7 +29,8 @@ Design choices:
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from bisect import bisect_left, bisect_right
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -38,10 +43,10 @@ from bert_ds.config import BatchPlan, DataConfig
 from bert_ds.loader.workers import end_loader_workers_at_exit, loader_worker_init
 from bert_ds.model.padding import IGNORE_INDEX, unpad
 from bert_ds.base.errors import ShardError
-from bert_ds.data_tools.manifest import open_dataset
-from bert_ds.data_tools.shard_format import FileArray
+from bert_ds.data_tools.manifest import Manifest, open_dataset
+from bert_ds.data_tools.shard_format import FileArray, ShardInfo, ShardReader
 from bert_ds.loader.permutation import EpochPermutation
-from bert_ds.loader.sample_map import build_sample_map, open_sample_map, open_sentence_index
+from bert_ds.loader.sample_map import COUNT_BITS, COUNT_MASK, ChunkTargets, bases, open_sample_map, open_sentence_index
 
 Batch = dict[str, torch.Tensor | int]  # what collate returns: tensors, and max_seqlen as a host int
 _PERMUTATION_STREAM = 0x5EED  # keeps the shuffle generator apart from the per-sample ones
@@ -92,44 +97,50 @@ class PretrainingDataset(Dataset):
     """Map-style dataset indexed by *global stream position* (epochs unrolled).
 
     ``dataset[p]`` is sample ``perm_e[p % N]`` of epoch ``e = p // N``.
-    ``split`` selects documents: all of them, or the train / held-out side of
-    ``DataConfig.held_out`` (a fixed share of documents, chosen by a hash).
+    ``path`` is one dataset folder, a parent of a partitioned build's folders, or a list of
+    either: all of them are one corpus (every sample once per epoch, in proportion to the
+    data), which must share one tokenizer. ``split`` selects documents: all of them, or the
+    train / held-out side of ``DataConfig.held_out`` (a fixed share of documents, chosen by a
+    hash).
     """
 
-    def __init__(self, path: str | Path, cfg: DataConfig, seed: int,
+    def __init__(self, path: str | Path | Sequence[str | Path], cfg: DataConfig, seed: int,
                  split: Literal["all", "train", "held_out"] = "all"):
         if not 0 <= seed < 2**32:
             raise ShardError(f"seed must be in [0, 2^32), got {seed}")
-        self.path = Path(path)
+        paths = [Path(path)] if isinstance(path, (str, Path)) else [Path(p) for p in path]
+        self.path = paths[0]  # named in messages; the corpus's sample maps are cached here
         self.cfg = cfg
         self.seed = seed
-        self.manifest, readers = open_dataset(self.path)
+        self.folders = paths
+        self.manifest, readers, self._shards = _open_corpus(self.folders)
         self.vocab_size = self.manifest.vocab_size
         self.special = SpecialTokens(**self.manifest.special_tokens)
         reserve = 3 if cfg.pair_task != "none" else 2  # [CLS] A [SEP] (B [SEP])
         self.max_num_tokens = cfg.max_seq_length - reserve
-        # Memory-mapped from the dataset's cache, built there by the first process to open it;
-        # the readers' own index arrays are dropped with them at the end of __init__.
-        self._samples = open_sample_map(self.path, readers, self.max_num_tokens, cfg.short_seq_prob, seed, split,
-                                        cfg.held_out)
-        if len(self.samples) == 0:
+        # Built in the corpus's cache by the first process to open it, then read with pread by
+        # every process; the readers' own index arrays are dropped with them at the end of __init__.
+        self._map = open_sample_map(self.path, readers, self.max_num_tokens, cfg.short_seq_prob, seed, split,
+                                    cfg.held_out)
+        if len(self._map) == 0:
             raise ShardError(f"{self.path}: no samples in the {split!r} split (no non-empty documents)")
         self._offsets, self._bounds = open_sentence_index(self.path, readers)
-        self._shard_sentences = np.cumsum([0] + [r.num_sentences + 1 for r in readers])  # where each shard's
-        self._shard_docs = np.cumsum([0] + [r.num_docs + 1 for r in readers])  # part of the index starts
-        self.doc_offset = np.concatenate([[0], np.cumsum([r.num_docs for r in readers])]).astype(np.int64)
-        self.continuation = _continuation_table(self.path, self.vocab_size) if cfg.whole_word_mask else None
-        self._readers: list[tuple[np.ndarray, np.ndarray, np.ndarray]] | None = None
+        self._sentence_base = bases([r.num_sentences for r in readers])
+        self._doc_base = bases([r.num_docs for r in readers])
+        self.total_docs = sum(r.num_docs for r in readers)
+        self._targets = ChunkTargets(seed, self.max_num_tokens, cfg.short_seq_prob)
+        self.continuation = _continuation_table(self.folders[0], self.vocab_size) if cfg.whole_word_mask else None
+        self._token_files: list[FileArray | None] = [None] * len(self._shards)
         self._rng = _SampleRng()
         self._no_labels = np.full(cfg.max_seq_length, IGNORE_INDEX, dtype=np.int64)  # copied per sample
         self._perm = EpochPermutation(self.num_samples, seed, 0)
 
-    # The sample map and the index are memory maps: a loader worker maps the same files instead
-    # of receiving a copy (:class:`Mapped` pickles as its path); it opens the shards itself. The
-    # thread-local generator cannot be pickled: each copy makes its own.
+    # The map and the index are read with pread from their cache files: a loader worker gets their
+    # paths, not copies (:class:`FileArray` pickles as its path), and opens the token files itself.
+    # The thread-local generator cannot be pickled: each copy makes its own.
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        state["_readers"] = None
+        state["_token_files"] = [None] * len(self._shards)
         del state["_rng"]
         return state
 
@@ -138,29 +149,9 @@ class PretrainingDataset(Dataset):
         self._rng = _SampleRng()
 
     @property
-    def samples(self) -> np.ndarray:
-        """(N, 5) int32 or int64 sample map (:mod:`.sample_map`), memory-mapped."""
-        return self._samples.array
-
-    @property
-    def readers(self) -> list[tuple[FileArray, np.ndarray, np.ndarray]]:
-        """Per shard: its tokens, read with ``pread`` (a sample reads a few hundred bytes at a
-        random place: a memory map would keep every page a draw touched, and up to 15 neighbours
-        the kernel maps with it, until the process's resident memory held the whole corpus; a read
-        costs under 1 us more, ~8% of a sample), sentence token offsets and document bounds (views
-        of the shared, memory-mapped index: read with pread too, they cost another ~5%)."""
-        if self._readers is None:
-            offsets, bounds = self._offsets.array, self._bounds.array
-            self._readers = [(FileArray(self.path / f"{info.name}.bin", self.manifest.token_dtype, info.num_tokens),
-                              offsets[self._shard_sentences[s]: self._shard_sentences[s + 1]],
-                              bounds[self._shard_docs[s]: self._shard_docs[s + 1]])
-                             for s, info in enumerate(self.manifest.shards)]
-        return self._readers
-
-    @property
     def num_samples(self) -> int:
         """Samples in one epoch."""
-        return len(self.samples)
+        return len(self._map)
 
     def __len__(self) -> int:
         return self.num_samples
@@ -171,6 +162,26 @@ class PretrainingDataset(Dataset):
             self._perm = EpochPermutation(self.num_samples, self.seed, epoch)
         return self._perm
 
+    def chunk(self, index: int) -> tuple[int, int, int]:
+        """Sample ``index``'s sentences: (shard, first, end), sentence numbers within the shard
+        (shards of every folder of the corpus in order)."""
+        row = self._map[index]
+        first = row >> COUNT_BITS
+        shard = bisect_right(self._sentence_base, first) - 1
+        first -= self._sentence_base[shard]
+        return shard, first, first + (row & COUNT_MASK)
+
+    def document(self, g: int) -> tuple[int, int, int]:
+        """Document ``g`` of the corpus (shards in order): (shard, first sentence, end sentence)."""
+        shard = bisect_right(self._doc_base, g) - 1
+        lo, hi = self._bounds.ints(g + shard, g + shard + 2)  # each earlier shard adds a closing bound
+        return shard, lo, hi
+
+    def _sentence_offsets(self, shard: int, lo: int, hi: int) -> list[int]:
+        """Token offsets (within the shard) where its sentences ``lo .. hi`` start, ``hi`` included."""
+        at = self._sentence_base[shard] + shard  # each earlier shard adds a closing offset
+        return self._offsets.ints(at + lo, at + hi + 1)
+
     def __getitem__(self, position: int) -> dict[str, np.ndarray | int]:
         epoch, offset = divmod(int(position), self.num_samples)
         return self.sample(epoch, self.permutation(epoch)(offset))
@@ -178,9 +189,9 @@ class PretrainingDataset(Dataset):
     def sample(self, epoch: int, index: int) -> dict[str, np.ndarray | int]:
         """Sample ``index`` of ``epoch``: a pure function of (seed, epoch, index)."""
         rng = self._rng.keyed(_sample_key(self.seed, epoch, index))
-        shard, doc, first, end, target = self.samples[index].tolist()
+        shard, first, end = self.chunk(index)
         # The chunk's sentence offsets and tokens, each read once (relative offsets into `chunk`).
-        offsets = self.readers[shard][1][first: end + 1].tolist()
+        offsets = self._sentence_offsets(shard, first, end)
         base = offsets[0]
         chunk = self._tokens(shard, base, offsets[-1])
         cuts = [o - base for o in offsets]
@@ -189,7 +200,8 @@ class PretrainingDataset(Dataset):
             a = chunk[: self.max_num_tokens]
             b, label = None, -1
         elif task == "nsp":
-            a, b, label = self._nsp_pair(rng, shard, doc, chunk, cuts, target)
+            target = self._targets.one(shard, first)
+            a, b, label = self._nsp_pair(rng, shard, first, chunk, cuts, target)
         else:
             a, b, label = self._sop_pair(rng, chunk, cuts)
         if b is not None:
@@ -198,33 +210,29 @@ class PretrainingDataset(Dataset):
         labels = self._mask(rng, ids)
         return {"input_ids": ids, "token_type_ids": types, "labels": labels, "next_sentence_label": label}
 
-    def _nsp_pair(self, rng, shard: int, doc: int, chunk: np.ndarray, cuts: list[int], target: int):
-        """``chunk``: the tokens of the sample's sentences; ``cuts``: where each starts in it, then its length."""
+    def _nsp_pair(self, rng, shard: int, first: int, chunk: np.ndarray, cuts: list[int], target: int):
+        """``chunk``: the tokens of the sample's sentences (from ``first`` of ``shard``); ``cuts``:
+        where each starts in it, then its length."""
         n = len(cuts) - 1
         split = int(rng.integers(1, n)) if n >= 2 else 1
         a = chunk[: cuts[split]]
         if n == 1 or rng.random() < 0.5:
-            return a, self._random_segment(rng, shard, doc, max(1, target - len(a))), 1
+            return a, self._random_segment(rng, shard, first, max(1, target - len(a))), 1
         return a, chunk[cuts[split]:], 0
 
-    def _random_segment(self, rng, shard: int, doc: int, want: int) -> np.ndarray:
-        """Sentences from a random start in another document, up to ``want`` tokens."""
-        total_docs = int(self.doc_offset[-1])
-        this = int(self.doc_offset[shard]) + doc
-        g = this
+    def _random_segment(self, rng, shard: int, first: int, want: int) -> np.ndarray:
+        """Sentences from a random start in another document than the one holding sentence
+        ``first`` of ``shard``, up to ``want`` tokens."""
         for _ in range(10):  # a single-document corpus has no "other" document
-            g = int(rng.integers(0, total_docs))
-            if g != this:
+            s, lo, hi = self.document(int(rng.integers(0, self.total_docs)))
+            if s != shard or not lo <= first < hi:
                 break
-        s = int(self.doc_offset.searchsorted(g, side="right")) - 1
-        _, offsets, bounds = self.readers[s]
-        d = g - int(self.doc_offset[s])
-        lo, hi = bounds[d: d + 2].tolist()
-        doc_offsets = offsets[lo: hi + 1]  # the document's sentence offsets, read once
-        start = int(doc_offsets[int(rng.integers(lo, hi)) - lo])
-        # whole sentences until `want` tokens are reached (the last one may overshoot)
-        stop = int(doc_offsets.searchsorted(start + want, side="left"))
-        return self._tokens(s, start, int(doc_offsets[min(stop, hi - lo)]))
+        start = int(rng.integers(lo, hi))
+        # Whole sentences until `want` tokens are reached (the last one may overshoot). Every
+        # sentence holds a token, so the first `want` sentences always reach it.
+        offsets = self._sentence_offsets(s, start, min(hi, start + want))
+        stop = bisect_left(offsets, offsets[0] + want)
+        return self._tokens(s, offsets[0], offsets[min(stop, len(offsets) - 1)])
 
     def _tokens(self, shard: int, lo: int, hi: int) -> np.ndarray:
         """Token ids ``[lo, hi)`` of a shard, checked to be in the vocabulary.
@@ -235,14 +243,26 @@ class PretrainingDataset(Dataset):
         sample's tokens, 1-2 us of a 14-22 us sample (a damaged id would otherwise reach the
         embedding as an IndexError, or a device-side assert on a GPU).
         """
-        ids = self.readers[shard][0][lo:hi]
+        ids = self._token_file(shard)[lo:hi]
         if ids.size and int(ids.max()) >= self.vocab_size:
             at = int((ids >= self.vocab_size).argmax())
             raise ShardError(
-                f"{self.path / self.manifest.shards[shard].name}.bin: token id {int(ids[at])} at token offset "
+                f"{self._token_file(shard).path}: token id {int(ids[at])} at token offset "
                 f"{lo + at} is outside the vocabulary [0, {self.vocab_size}): the shard is damaged "
                 f"(`python -m bert_ds.data_tools verify {self.path}` checks every shard)")
         return ids
+
+    def _token_file(self, shard: int) -> FileArray:
+        """A shard's token ids, read with ``pread`` (a sample reads a few hundred bytes at a random
+        place: a memory map would keep every page a draw touched, and up to 15 neighbours the kernel
+        maps with it, until the process's resident memory held the whole corpus). Opened when first
+        read: a corpus of many shards holds a file descriptor only for the shards it has drawn from."""
+        f = self._token_files[shard]
+        if f is None:
+            folder, info = self._shards[shard]
+            f = self._token_files[shard] = FileArray(folder / f"{info.name}.bin", self.manifest.token_dtype,
+                                                     info.num_tokens)
+        return f
 
     def _sop_pair(self, rng, chunk: np.ndarray, cuts: list[int]):
         """ALBERT's sentence-order prediction: label 1 when the two halves are swapped."""
@@ -308,6 +328,22 @@ class PretrainingDataset(Dataset):
         sizes = np.bincount(word_of[word_of >= 0], minlength=len(starts))[order]
         take = order[: max(1, int(np.searchsorted(np.cumsum(sizes), budget, side="right")))]
         return candidates[np.isin(word_of, take)]
+
+
+def _open_corpus(folders: list[Path]) -> tuple[Manifest, list[ShardReader], list[tuple[Path, ShardInfo]]]:
+    """Open every folder of a corpus with :func:`open_dataset`'s checks: (the first folder's
+    manifest, every shard's reader, every shard's (folder, entry)), shards in folder order."""
+    manifest, readers, shards = None, [], []
+    for folder in folders:
+        m, opened = open_dataset(folder)
+        if manifest is None:
+            manifest = m
+        elif m.tokenizer_fingerprint != manifest.tokenizer_fingerprint:
+            raise ShardError(f"{folder}: built with another tokenizer than {folders[0]}; the folders of one corpus "
+                             "must share one (corpora of different tokenizers cannot be trained together)")
+        readers += opened
+        shards += [(folder, info) for info in m.shards]
+    return manifest, readers, shards
 
 
 def _continuation_table(path: Path, vocab_size: int) -> np.ndarray:
@@ -391,22 +427,27 @@ class BlendedDataset(Dataset):
 
 
 def open_pretraining_data(cfg: DataConfig, seed: int) -> tuple[Dataset, PretrainingDataset | None]:
-    """The training stream (one dataset or a blend) and the held-out dataset, per ``cfg``.
+    """The training stream and the held-out dataset, per ``cfg``.
 
+    Without ``cfg.weights`` every folder of ``cfg.train`` (dataset folders and parents of
+    partitions alike) is one corpus; with weights, each is a corpus of its own, blended by weight.
     Held out: ``cfg.val`` when given; else, with ``cfg.held_out > 0``, that share of the
-    first training dataset's documents (and training skips them); else none.
+    corpus's documents (with weights, of the first corpus's), which training skips; else none.
     """
     split = "train" if cfg.held_out > 0 and cfg.val is None else "all"
-    train = [PretrainingDataset(path, cfg, seed, split=split) for path in cfg.train]
-    stream = train[0] if len(train) == 1 else BlendedDataset(train, cfg.weights or [1.0] * len(train), seed)
+    if cfg.weights is None:
+        stream = first = PretrainingDataset(cfg.train, cfg, seed, split=split)
+    else:
+        train = [PretrainingDataset(path, cfg, seed, split=split) for path in cfg.train]
+        stream, first = (train[0] if len(train) == 1 else BlendedDataset(train, cfg.weights, seed)), train[0]
     if cfg.val is not None:
         val = PretrainingDataset(cfg.val, cfg, seed)
     elif cfg.held_out > 0:
-        val = PretrainingDataset(cfg.train[0], cfg, seed, split="held_out")
+        val = PretrainingDataset(first.folders, cfg, seed, split="held_out")
     else:
         return stream, None
-    if val.manifest.tokenizer_fingerprint != train[0].manifest.tokenizer_fingerprint:
-        raise ShardError(f"{val.path}: built with another tokenizer than {train[0].path}")
+    if val.manifest.tokenizer_fingerprint != first.manifest.tokenizer_fingerprint:
+        raise ShardError(f"{val.path}: built with another tokenizer than {first.path}")
     return stream, val
 
 
@@ -556,5 +597,5 @@ def validation_batches(dataset: PretrainingDataset, samples: int, micro_batch: i
         yield collate([dataset[p % dataset.num_samples] for p in range(lo, lo + micro_batch)], pad)
 
 
-__all__ = ["IGNORE_INDEX", "Batch", "step_positions", "BlendedDataset", "open_pretraining_data", "PretrainingDataset", "PretrainingLoader", "SpecialTokens",
-           "build_sample_map", "collate", "to_device", "validation_batches"]
+__all__ = ["IGNORE_INDEX", "Batch", "step_positions", "BlendedDataset", "open_pretraining_data", "PretrainingDataset",
+           "PretrainingLoader", "SpecialTokens", "collate", "to_device", "validation_batches"]

@@ -23,18 +23,27 @@ Design choices:
   data under a key of exactly those (R10), and built by one process per dataset: openers
   agree through ``flock`` on a lock file beside the cache (the kernel releases it when its
   holder dies, ``kill -9`` included); the builder writes to a temporary name, fsyncs and
-  renames, so a reader sees a whole map or none. Every process memory-maps the file, so
-  ranks and loader workers share one copy in the page cache. The shards' sentence offsets
-  and document bounds are cached and mapped the same way (:func:`open_sentence_index`).
+  renames, so a reader sees a whole map or none. The shards' sentence offsets and document
+  bounds are cached the same way (:func:`open_sentence_index`).
+- Drawing processes read the map and the index with ``pread`` (:class:`FileArray`), a few
+  bytes at a random place per sample, never through a memory map: a map keeps every page a
+  draw touched (and up to 15 neighbours the kernel maps with each fault) in the process's
+  resident memory, which then grows with the corpus until it holds all of both files.
+  Ranks and loader workers share one copy in the page cache either way.
 - The build holds one shard's index at a time (:meth:`ShardReader.read_index`, dropped
   before the next shard's is read) and writes each block of rows to the file as it is made,
   so its memory does not grow with the corpus; a cached open reads no shard index beyond the
   checks of opening the shards.
 
-Layout: a (N, 5) array, one row per sample: shard, document (within the shard), first
-sentence, end sentence (exclusive; both within the shard), target length. int32 (20 bytes
-per sample) while every shard's sentence and document counts are below 2^31, else int64
-(40 bytes per sample).
+Layout: one little-endian uint64 per sample (8 bytes), ``first << COUNT_BITS | sentences``:
+``first`` is the sample's first sentence in the corpus-wide numbering (shard s's sentence j
+is ``sentence_base[s] + j``, the shards of every folder of the corpus in order) and
+``sentences`` its number of sentences. Every sentence holds at least one token and a chunk
+stops at the sentence that reaches its target, so a count is at most ``max_num_tokens``
+(< 2^16). Nothing else is stored, since all of it follows: the shard is the last one whose
+base is <= ``first``; the target is the hash of (seed, shard, sentence); rows are in corpus
+order, so a document's chunks are consecutive. The document itself is needed only by NSP's
+draw of *another* document, which tests the drawn document's sentence range instead.
 """
 
 from __future__ import annotations
@@ -53,14 +62,18 @@ import numpy as np
 
 from bert_ds.base.atomic import atomic_file
 from bert_ds.base.errors import ShardError
-from bert_ds.data_tools.shard_format import ShardIndex, ShardReader
+from bert_ds.data_tools.shard_format import FileArray, ShardIndex, ShardReader
 from bert_ds.loader.permutation import mix64
 
 log = logging.getLogger(__name__)
 
 Split = Literal["all", "train", "held_out"]
-COLUMNS = ("shard", "doc", "first", "end", "target")
-_MAP_VERSION = 4  # 4: targets hashed per starting sentence, int32 rows, a cached sentence index
+COUNT_BITS = 16  # a row's low bits: the sample's sentence count (<= max_num_tokens < 2^16)
+COUNT_MASK = (1 << COUNT_BITS) - 1
+MAP_DTYPE = np.dtype("<u8")
+_MAX_SENTENCES = 1 << (64 - COUNT_BITS)  # corpus-wide sentence numbers must fit the high bits
+_MAP_VERSION = 5  # 5: one packed uint64 per sample, read with pread
+_INDEX_VERSION = 4  # the sentence index's own format (unchanged by map versions 4 -> 5)
 _TARGET_STREAM = 0x5EED  # keeps the target draws apart from every other generator of a seed
 _BUILD_BLOCK = 1 << 16  # documents per vectorised build step: bounds the build's temporary memory
 _FEW_OPEN = 32  # open documents below which each is walked alone instead of in rounds
@@ -86,35 +99,52 @@ def kept_documents(shard: int, num_docs: int, split: Split, held_out: float) -> 
     return held if split == "held_out" else ~held
 
 
-def chunk_targets(seed: int, shard: int, sentences: np.ndarray, max_num_tokens: int,
-                  short_seq_prob: float) -> np.ndarray:
-    """(k,) int64: the target length of a chunk starting at each of ``sentences`` (of ``shard``).
+class ChunkTargets:
+    """The target length of a chunk, by the shard and sentence it starts at: ``max_num_tokens``,
+    or with probability ``short_seq_prob`` a length uniform in [2, max_num_tokens].
 
     A keyed hash of (seed, shard, sentence), not a generator's stream: any sentence's draw
-    costs the same, alone or in a batch, and does not depend on the draws before it.
+    costs the same, alone or in a batch, and does not depend on the draws before it. The map
+    build draws for arrays of sentences (:meth:`many`), the loader for one sample at a time
+    (:meth:`one`, Python ints: no numpy call per sample); both compute the same formula.
     """
-    k_short, k_len = _target_keys(seed, shard)
-    x = np.asarray(sentences, dtype=np.uint64)
-    short = mix64(x, k_short) >> np.uint64(11) < np.uint64(int(short_seq_prob * (1 << 53)))
-    drawn = 2 + (mix64(x, k_len) % np.uint64(max_num_tokens - 1)).astype(np.int64)  # uniform in [2, max]
-    return np.where(short, drawn, max_num_tokens)
+
+    def __init__(self, seed: int, max_num_tokens: int, short_seq_prob: float):
+        self.seed, self.max_num_tokens = seed, max_num_tokens
+        self._short_below = int(short_seq_prob * (1 << 53))
+        self._keys: dict[int, tuple[int, int]] = {}
+
+    def keys(self, shard: int) -> tuple[int, int]:
+        if shard not in self._keys:
+            state = np.random.SeedSequence([self.seed, _TARGET_STREAM, 1, shard]).generate_state(2, np.uint64)
+            self._keys[shard] = int(state[0]), int(state[1])
+        return self._keys[shard]
+
+    def many(self, shard: int, sentences: np.ndarray) -> np.ndarray:
+        """(k,) int64 targets of chunks starting at (k,) ``sentences`` of ``shard``."""
+        k_short, k_len = self.keys(shard)
+        x = np.asarray(sentences, dtype=np.uint64)
+        short = mix64(x, k_short) >> np.uint64(11) < np.uint64(self._short_below)
+        drawn = 2 + (mix64(x, k_len) % np.uint64(self.max_num_tokens - 1)).astype(np.int64)
+        return np.where(short, drawn, self.max_num_tokens)
+
+    def one(self, shard: int, sentence: int) -> int:
+        k_short, k_len = self.keys(shard)
+        if mix64(sentence, k_short) >> 11 < self._short_below:
+            return 2 + mix64(sentence, k_len) % (self.max_num_tokens - 1)
+        return self.max_num_tokens
 
 
-def _target_keys(seed: int, shard: int) -> tuple[int, int]:
-    state = np.random.SeedSequence([seed, _TARGET_STREAM, 1, shard]).generate_state(2, np.uint64)
-    return int(state[0]), int(state[1])
-
-
-def map_dtype(readers: Sequence[ShardReader]) -> np.dtype:
-    """int32 when every shard's sentence and document counts fit it, else int64."""
-    limit = max([r.num_sentences for r in readers] + [r.num_docs for r in readers] + [len(readers)], default=0)
-    return np.dtype(np.int32 if limit < 2**31 - 1 else np.int64)
+def bases(counts: Sequence[int]) -> list[int]:
+    """Where each shard's sentences (or documents) start in the corpus-wide numbering, from the
+    shards' counts in order."""
+    return np.concatenate([[0], np.cumsum(counts, dtype=np.int64)[:-1]]).tolist() if len(counts) else []
 
 
 def build_sample_map(readers: Sequence[ShardReader], max_num_tokens: int, short_seq_prob: float, seed: int,
                      split: Split = "all", held_out: float = 0.0) -> np.ndarray:
-    """The (N, 5) map of :data:`COLUMNS` for ``readers`` (see the module docstring)."""
-    empty = [np.zeros((0, 5), dtype=map_dtype(readers))]
+    """The (N,) uint64 map for ``readers`` (see the module docstring)."""
+    empty = [np.zeros(0, dtype=MAP_DTYPE)]
     return np.concatenate(empty + list(_map_parts(readers, max_num_tokens, short_seq_prob, seed, split, held_out)))
 
 
@@ -122,19 +152,23 @@ def _map_parts(readers: Sequence[ShardReader], max_num_tokens: int, short_seq_pr
                held_out: float) -> Iterator[np.ndarray]:
     """The map as consecutive row blocks, made as they are asked for (the cache writes each
     before the next is made); one shard's index is held at a time."""
-    dtype = map_dtype(readers)
+    if sum(r.num_sentences for r in readers) >= _MAX_SENTENCES:
+        raise ShardError(f"{len(readers)} shards hold more than 2^{64 - COUNT_BITS} sentences: too many for the map")
+    targets = ChunkTargets(seed, max_num_tokens, short_seq_prob)
+    starts = bases([r.num_sentences for r in readers])
     for s, reader in enumerate(readers):
         docs = np.flatnonzero(kept_documents(s, reader.num_docs, split, held_out))
         index = reader.read_index() if len(docs) else None
         for lo in range(0, len(docs), _BUILD_BLOCK):
-            part = _chunk_documents(index, s, docs[lo: lo + _BUILD_BLOCK], max_num_tokens, short_seq_prob, seed)
-            yield part.astype(dtype, copy=False)
+            first, end = _chunk_documents(index, s, docs[lo: lo + _BUILD_BLOCK], targets)
+            yield ((first + starts[s]).astype(MAP_DTYPE) << np.uint64(COUNT_BITS)) | (end - first).astype(MAP_DTYPE)
         del index  # before the next shard's is read
 
 
-def _chunk_documents(index: ShardIndex, shard: int, docs: np.ndarray, max_num_tokens: int,
-                     short_seq_prob: float, seed: int) -> np.ndarray:
-    """The map rows of documents ``docs`` (ascending) of one shard, as int64 (n, 5).
+def _chunk_documents(index: ShardIndex, shard: int, docs: np.ndarray,
+                     targets: ChunkTargets) -> tuple[np.ndarray, np.ndarray]:
+    """The chunks of documents ``docs`` (ascending) of one shard: (first, end) sentence arrays
+    (int64, within the shard), in corpus order.
 
     Every round closes one chunk of each document still open: its end is the first sentence
     whose token end reaches the chunk's start plus its target (one ``searchsorted`` for all
@@ -144,37 +178,27 @@ def _chunk_documents(index: ShardIndex, shard: int, docs: np.ndarray, max_num_to
     """
     bounds, offsets = index.bounds, index.offsets
     token_ends = offsets[1:]
-    found = []  # (document index into docs, chunk number in its document, first, end, target)
-    active = np.arange(len(docs))
+    firsts, ends = [np.zeros(0, dtype=np.int64)], [np.zeros(0, dtype=np.int64)]
     first, doc_end = bounds[docs], bounds[docs + 1]
-    k = 0
-    while active.size > _FEW_OPEN:
-        target = chunk_targets(seed, shard, first, max_num_tokens, short_seq_prob)
-        end = np.searchsorted(token_ends, offsets[first] + target, side="left") + 1
+    while first.size > _FEW_OPEN:
+        end = np.searchsorted(token_ends, offsets[first] + targets.many(shard, first), side="left") + 1
         np.minimum(end, doc_end, out=end)
-        found.append((active, np.full(active.size, k), first, end, target))
+        firsts.append(first)
+        ends.append(end)
         open_ = end < doc_end
-        active, first, doc_end = active[open_], end[open_], doc_end[open_]
-        k += 1
-    for i, lo, hi in zip(active.tolist(), first.tolist(), doc_end.tolist(), strict=True):
-        f, e, t = _walk_document(offsets, shard, lo, hi, max_num_tokens, short_seq_prob, seed)
-        found.append((np.full(len(f), i), k + np.arange(len(f)), f, e, t))
-    # Rows in (document, chunk) order: document i's k-th chunk goes to row start[i] + k.
-    chunks = np.zeros(len(docs), dtype=np.int64)
-    for active, *_ in found:
-        np.add.at(chunks, active, 1)
-    start = np.concatenate([[0], np.cumsum(chunks)[:-1]]).astype(np.int64)
-    rows = np.empty((int(chunks.sum()), 5), dtype=np.int64)
-    rows[:, 0] = shard
-    for active, k, first, end, target in found:
-        at = start[active] + k
-        rows[at, 1], rows[at, 2], rows[at, 3], rows[at, 4] = docs[active], first, end, target
-    return rows
+        first, doc_end = end[open_], doc_end[open_]
+    for lo, hi in zip(first.tolist(), doc_end.tolist(), strict=True):
+        f, e = _walk_document(offsets, shard, lo, hi, targets)
+        firsts.append(f)
+        ends.append(e)
+    first, end = np.concatenate(firsts), np.concatenate(ends)
+    order = np.argsort(first, kind="stable")  # chunks never overlap: sorting by start is corpus order
+    return first[order], end[order]
 
 
-def _walk_document(offsets: np.ndarray, shard: int, lo: int, hi: int, max_num_tokens: int, short_seq_prob: float,
-                   seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The chunks of sentences [lo, hi) of one document: (first, end, target) arrays.
+def _walk_document(offsets: np.ndarray, shard: int, lo: int, hi: int,
+                   targets: ChunkTargets) -> tuple[np.ndarray, np.ndarray]:
+    """The chunks of sentences [lo, hi) of one document: (first, end) arrays.
 
     The end of a chunk that would start at each sentence is computed for a window of
     sentences at once; the chunks are then followed one by one through those ends (a
@@ -183,7 +207,7 @@ def _walk_document(offsets: np.ndarray, shard: int, lo: int, hi: int, max_num_to
     firsts, i = [], lo
     while i < hi:
         w_hi = min(hi, i + _WALK_WINDOW)
-        target = chunk_targets(seed, shard, np.arange(i, w_hi), max_num_tokens, short_seq_prob)
+        target = targets.many(shard, np.arange(i, w_hi))
         end = np.searchsorted(offsets[1:], offsets[i: w_hi] + target, side="left") + 1
         ends = np.minimum(end, hi).tolist()
         w_lo = i
@@ -191,12 +215,31 @@ def _walk_document(offsets: np.ndarray, shard: int, lo: int, hi: int, max_num_to
             firsts.append(i)
             i = ends[i - w_lo]
     first = np.array(firsts, dtype=np.int64)
-    target = chunk_targets(seed, shard, first, max_num_tokens, short_seq_prob)
-    end = np.minimum(np.searchsorted(offsets[1:], offsets[first] + target, side="left") + 1, hi)
-    return first, end, target
+    end = np.searchsorted(offsets[1:], offsets[first] + targets.many(shard, first), side="left") + 1
+    return first, np.minimum(end, hi)
 
 
-# -- the cache: one build per dataset, memory-mapped by every process ---------------------------
+# -- the cache: one build per dataset, read by every process --------------------------------------
+
+class InMemory:
+    """An array that no cache folder could hold (read-only data and user cache, a full disk), read
+    the way a :class:`FileArray` is; pickled whole."""
+
+    def __init__(self, array: np.ndarray):
+        self.array = array
+
+    def __len__(self) -> int:
+        return len(self.array)
+
+    def __getitem__(self, where: slice | int) -> np.ndarray | int:
+        return int(self.array[where]) if isinstance(where, int) else self.array[where]
+
+    def ints(self, lo: int, hi: int) -> list[int]:
+        return self.array[lo:hi].tolist()
+
+
+Cached = FileArray | InMemory  # a cache file read with pread, or an array in memory
+
 
 def cache_key(readers: Sequence[ShardReader], max_num_tokens: int, short_seq_prob: float, seed: int, split: Split,
               held_out: float) -> str:
@@ -212,28 +255,10 @@ def cache_folders(data: Path) -> list[Path]:
     return [data / ".cache", user]
 
 
-class Mapped:
-    """An array memory-mapped from a cache file; pickled as its path, so a loader worker maps
-    the same file instead of receiving a copy. ``path`` is None for an array no cache folder
-    could hold (then it is pickled whole)."""
-
-    def __init__(self, array: np.ndarray, path: Path | None):
-        self.array, self.path = array, path
-
-    def __getstate__(self) -> dict:
-        return {"path": self.path, "array": self.array if self.path is None else None}
-
-    def __setstate__(self, state: dict) -> None:
-        self.path, self.array = state["path"], state["array"]
-        if self.path is not None:
-            self.array = load_array(self.path, None)
-            if self.array is None:
-                raise ShardError(f"{self.path}: vanished or damaged while the dataset was open")
-
-
 def open_sample_map(data: Path, readers: Sequence[ShardReader], max_num_tokens: int, short_seq_prob: float,
-                    seed: int, split: Split = "all", held_out: float = 0.0) -> Mapped:
-    """The map, memory-mapped from its cache file (built and written there first if missing)."""
+                    seed: int, split: Split = "all", held_out: float = 0.0) -> Cached:
+    """The map of the corpus of ``readers`` (kept in ``data``'s cache; built and written there first if
+    missing)."""
     key = cache_key(readers, max_num_tokens, short_seq_prob, seed, split, held_out)
 
     def build() -> Iterator[np.ndarray]:
@@ -243,43 +268,49 @@ def open_sample_map(data: Path, readers: Sequence[ShardReader], max_num_tokens: 
             yield part
         log.info("sample map built: %d samples in %.2f s (pid %d)", rows, time.perf_counter() - t0, os.getpid())
 
-    return cached_array(data, f"samples-{key}.npy", len(COLUMNS), map_dtype(readers), build)
+    return cached_array(data, f"samples-{key}.npy", MAP_DTYPE, build)
 
 
-def open_sentence_index(data: Path, readers: Sequence[ShardReader]) -> tuple[Mapped, Mapped]:
-    """Every shard's sentence token offsets and document bounds, concatenated (shard s's
-    ``num_sentences + 1`` offsets, then shard s+1's; the same for its ``num_docs + 1`` bounds),
-    memory-mapped from the cache: shared by every process instead of each holding its own.
-    Written one shard at a time, as it is read.
+def index_dtypes(readers: Sequence[ShardReader]) -> tuple[np.dtype, np.dtype]:
+    """The sentence index's (offsets, bounds) dtypes: int32 where every shard's values fit it.
 
     Offsets are int32 while every shard holds fewer than 2^30 tokens (a loader adds a sample's
     length to an offset: the margin keeps that inside int32), bounds while every shard's
-    sentence count fits; else int64. At 4 bytes per sentence the index is half the size: the
-    pages a process has drawn from are part of its resident memory.
+    sentence count fits.
     """
-    src = json.dumps([_MAP_VERSION, [r.fingerprint for r in readers]])
-    key = hashlib.sha256(src.encode()).hexdigest()[:24]
-    wide = np.dtype(np.int64)
     tokens = max((r.num_tokens for r in readers), default=0)
-    offsets = cached_array(data, f"sentences-{key}.npy", 0, np.dtype(np.int32) if tokens < 2**30 else wide,
+    sentences = max((r.num_sentences for r in readers), default=0)
+    narrow, wide = np.dtype("<i4"), np.dtype("<i8")
+    return (narrow if tokens < 2**30 else wide), (narrow if sentences < 2**31 - 1 else wide)
+
+
+def open_sentence_index(data: Path, readers: Sequence[ShardReader]) -> tuple[Cached, Cached]:
+    """Every shard's sentence token offsets and document bounds, concatenated (shard s's
+    ``num_sentences + 1`` offsets, then shard s+1's; the same for its ``num_docs + 1`` bounds),
+    kept in ``data``'s cache and read from there by every process. Written one shard at a
+    time, as it is read. Shard s's entry for its sentence j is at ``sentence_base[s] + s + j``
+    (each earlier shard adds one closing entry), its document d's bounds at ``doc_base[s] + s + d``.
+    """
+    src = json.dumps([_INDEX_VERSION, [r.fingerprint for r in readers]])
+    key = hashlib.sha256(src.encode()).hexdigest()[:24]
+    offsets_dtype, bounds_dtype = index_dtypes(readers)
+    offsets = cached_array(data, f"sentences-{key}.npy", offsets_dtype,
                            lambda: (r.read_index().offsets for r in readers))
-    bounds = cached_array(data, f"documents-{key}.npy", 0, map_dtype(readers),
-                          lambda: (r.read_index().bounds for r in readers))
+    bounds = cached_array(data, f"documents-{key}.npy", bounds_dtype, lambda: (r.read_index().bounds for r in readers))
     return offsets, bounds
 
 
-def cached_array(data: Path, name: str, columns: int, dtype: np.dtype,
-                 build: Callable[[], Iterable[np.ndarray]]) -> Mapped:
-    """The ``dtype`` array cached as ``name`` (``columns`` 0: 1-D), built by ``build`` (its parts
-    are the array's consecutive rows, made as they are written) if no cache folder has it yet.
+def cached_array(data: Path, name: str, dtype: np.dtype, build: Callable[[], Iterable[np.ndarray]]) -> Cached:
+    """The 1-D ``dtype`` array cached as ``name``, built by ``build`` (its parts are the array's
+    consecutive elements, made as they are written) if no cache folder has it yet.
 
     Processes wanting the same missing file take turns on ``flock`` of a lock file beside it:
     the first builds and writes, the others find the file when their turn comes.
     """
     for folder in cache_folders(data):
-        found = load_array(folder / name, columns)
+        found = open_array(folder / name, dtype)
         if found is not None:
-            return Mapped(found, folder / name)
+            return found
     for folder in cache_folders(data):
         try:
             folder.mkdir(parents=True, exist_ok=True)
@@ -288,61 +319,68 @@ def cached_array(data: Path, name: str, columns: int, dtype: np.dtype,
             continue  # read-only: try the next folder
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)  # waits while another process builds this file
-            found = load_array(folder / name, columns)  # built by the process we waited for
+            found = open_array(folder / name, dtype)  # built by the process we waited for
             if found is None:
                 try:
-                    save_array(folder / name, build(), dtype, columns)
+                    save_array(folder / name, build(), dtype)
                 except OSError:
-                    return Mapped(_whole(build(), dtype, columns), None)  # a full disk: build again, uncached
-                found = load_array(folder / name, columns)
+                    return _whole(build(), dtype)  # a full disk: build again, uncached
+                found = open_array(folder / name, dtype)
             if found is not None:
-                return Mapped(found, folder / name)
+                return found
         finally:
             os.close(fd)  # closing releases the lock; the lock file stays (removing it would race)
-    return Mapped(_whole(build(), dtype, columns), None)
+    return _whole(build(), dtype)
 
 
-def _whole(parts: Iterable[np.ndarray], dtype: np.dtype, columns: int) -> np.ndarray:
-    empty = np.zeros((0, columns) if columns else 0, dtype=dtype)
-    return np.concatenate([empty, *parts]).astype(dtype, copy=False)
+def _whole(parts: Iterable[np.ndarray], dtype: np.dtype) -> InMemory:
+    return InMemory(np.concatenate([np.zeros(0, dtype=dtype), *parts]).astype(dtype, copy=False))
 
 
-def load_array(path: Path, columns: int | None) -> np.ndarray | None:
-    """The array at ``path``, memory-mapped read-only; None if missing, damaged or not of
-    ``columns`` columns (0: 1-D; None: any)."""
+_HEADER_READERS = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
+
+
+def open_array(path: Path, dtype: np.dtype) -> FileArray | None:
+    """The 1-D ``dtype`` .npy array at ``path``, to be read with pread; None if missing, damaged
+    (a header that does not parse, another dtype or shape, a size that does not match it)."""
     try:
-        array = np.load(path, mmap_mode="r")
+        with open(path, "rb") as f:
+            read_header = _HEADER_READERS.get(np.lib.format.read_magic(f))
+            if read_header is None:
+                return None
+            shape, fortran, stored = read_header(f)
+            offset, size = f.tell(), os.fstat(f.fileno()).st_size
     except (OSError, ValueError):
         return None  # missing, or damaged: the caller rebuilds it under the lock
-    if array.dtype not in (np.int32, np.int64):
+    if stored != dtype or len(shape) != 1 or fortran or size != offset + shape[0] * dtype.itemsize:
         return None
-    if columns is not None and array.shape[1:] != ((columns,) if columns else ()):
-        return None
-    return array.view(np.ndarray)  # the same mapped pages, without np.memmap's per-slice overhead
+    try:
+        return FileArray(path, dtype, shape[0], offset)
+    except ShardError:
+        return None  # removed since: the caller rebuilds it under the lock
 
 
-def save_array(path: Path, parts: Iterable[np.ndarray], dtype: np.dtype, columns: int) -> None:
-    """Write the concatenation of ``parts`` (``dtype``, ``columns`` columns, 0: 1-D) as ``path``
-    (an .npy file), each part as it comes, so that only one part is in memory at a time; readers
-    see a whole file or none (:func:`~bert_ds.base.atomic.atomic_file`). Only the lock holder
-    writes, so one temporary name is enough; one left by a killed builder is overwritten.
+def save_array(path: Path, parts: Iterable[np.ndarray], dtype: np.dtype) -> None:
+    """Write the concatenation of ``parts`` (1-D, ``dtype``) as ``path`` (an .npy file), each part as
+    it comes, so that only one part is in memory at a time; readers see a whole file or none
+    (:func:`~bert_ds.base.atomic.atomic_file`). Only the lock holder writes, so one temporary name
+    is enough; one left by a killed builder is overwritten.
 
-    The row count is known at the end: the header is written first with 0 rows and rewritten in
-    place (numpy pads the header so that the row count can grow to 21 digits in place).
+    The length is known at the end: the header is written first with length 0 and rewritten in
+    place (numpy pads the header so that the length can grow to 21 digits in place).
     """
     with atomic_file(path) as f:
-        _write_npy_header(f, dtype, columns, 0)
+        _write_npy_header(f, dtype, 0)
         data_start, rows = f.tell(), 0
         for part in parts:
             f.write(np.ascontiguousarray(part, dtype=dtype).data)
             rows += len(part)
         f.seek(0)
-        _write_npy_header(f, dtype, columns, rows)
+        _write_npy_header(f, dtype, rows)
         if f.tell() != data_start:
-            raise ValueError(f"{path}: the .npy header changed size when its row count was written")
+            raise ValueError(f"{path}: the .npy header changed size when its length was written")
 
 
-def _write_npy_header(f, dtype: np.dtype, columns: int, rows: int) -> None:
-    shape = (rows, columns) if columns else (rows,)
+def _write_npy_header(f, dtype: np.dtype, rows: int) -> None:
     np.lib.format.write_array_header_1_0(f, {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)),
-                                             "fortran_order": False, "shape": shape})
+                                             "fortran_order": False, "shape": (rows,)})

@@ -79,11 +79,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bert_ds.train", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     d, o, t, m = _Defaults(DataConfig), _Defaults(OptimConfig), _Defaults(TrainConfig), _Defaults(ModelConfig)
-    p.add_argument("--data", required=True, nargs="+", help="training dataset folder(s) (from `data_tools build`)")
-    p.add_argument("--data-weights", type=float, nargs="+", default=None, help="blend weights of several --data folders")
+    p.add_argument("--data", required=True, nargs="+",
+                   help="training data (from `data_tools build`): dataset folders or parents of a partitioned "
+                        "build, trained on as one corpus (every sample once per epoch, in proportion to the data)")
+    p.add_argument("--data-weights", type=float, nargs="+", default=None,
+                   help="one weight per --data entry: each entry is a corpus of its own, blended by weight")
     p.add_argument("--val-data", default=None, help="held-out dataset folder built with the same vocabulary")
     p.add_argument("--held-out", type=float, default=d.held_out,
-                   help="without --val-data: share of the first dataset's documents held out for validation")
+                   help="without --val-data: share of the corpus's documents (with --data-weights, of the first "
+                        "entry's) held out for validation")
     p.add_argument("--whole-word-mask", action="store_true", help="mask every WordPiece of a chosen word")
     p.add_argument("--output", default=t.output, help="run folder: metrics, TensorBoard, checkpoints")
     p.add_argument("--preset", default=None,

@@ -32,10 +32,10 @@ def _damaged_copy(sample_data, tmp_path: Path, offsets: slice | int, token_id: i
 def test_r5_a_token_past_the_vocabulary_names_the_shard_and_offset(sample_data, tmp_path):
     vocab = Manifest.load(sample_data["train"]).vocab_size
     probe = PretrainingDataset(sample_data["train"], DataConfig(train=str(sample_data["train"])), seed=7)
-    shard, _, first, end, _ = probe.samples[3].tolist()
+    shard, first, end = probe.chunk(3)
     assert shard == 0
-    offsets = probe.readers[0][1]
-    at = int(offsets[first]) + (int(offsets[end]) - int(offsets[first])) // 2  # inside sample 3's tokens
+    offsets = probe._sentence_offsets(shard, first, end)
+    at = offsets[0] + (offsets[-1] - offsets[0]) // 2  # inside sample 3's tokens
     prefix = _damaged_copy(sample_data, tmp_path, at, vocab)  # the first id past the end
     ds = PretrainingDataset(prefix.parent, DataConfig(train=str(prefix.parent)), seed=7)  # opening reads no tokens
     ds.sample(0, 2)  # samples elsewhere in the shard are still served

@@ -4,7 +4,9 @@ import numpy as np
 import pytest
 import torch
 
+from bert_ds.base.errors import ShardError
 from bert_ds.config import BatchPlan, DataConfig
+from bert_ds.data_tools.manifest import open_dataset
 from bert_ds.loader.pretraining import IGNORE_INDEX, PretrainingDataset, PretrainingLoader, collate
 
 
@@ -128,16 +130,32 @@ def test_collate_pads_right_and_keeps_labels():
     assert b["labels"][1, 3] == IGNORE_INDEX and b["next_sentence_label"].tolist() == [0, 1]
 
 
+def _documents_of(ds):
+    """{(shard, document)} of every sample of ``ds``, with the shards' own indexes."""
+    _, readers = open_dataset(ds.path)
+    found = set()
+    for i in range(len(ds)):
+        shard, first, _ = ds.chunk(i)
+        found.add((shard, int(np.searchsorted(readers[shard].doc_bounds, first, side="right")) - 1))
+    return found, readers
+
+
+def _whole_map(ds):
+    return ds._map[0:len(ds)]
+
+
 def test_sample_map_covers_every_sentence_once(dataset):
-    readers = dataset.readers
-    covered = {s: np.zeros(len(readers[s][1]) - 1, dtype=int) for s in range(len(readers))}
-    for shard, doc, first, end, target in dataset.samples.tolist():
-        _, offsets, bounds = readers[shard]
+    _, readers = open_dataset(dataset.path)
+    covered = [np.zeros(r.num_sentences, dtype=int) for r in readers]
+    for i in range(len(dataset)):
+        shard, first, end = dataset.chunk(i)
+        offsets, bounds = readers[shard].sentence_offsets, readers[shard].doc_bounds
+        doc = int(np.searchsorted(bounds, first, side="right")) - 1
         assert bounds[doc] <= first < end <= bounds[doc + 1]
         covered[shard][first:end] += 1
         # a chunk closes as soon as it reaches its target, so without its last sentence it is short
-        assert offsets[end - 1] - offsets[first] < target
-    assert all((c == 1).all() for c in covered.values())
+        assert offsets[end - 1] - offsets[first] < dataset._targets.one(shard, first)
+    assert all((c == 1).all() for c in covered)
 
 
 def test_whole_word_masking_masks_all_pieces_of_a_word(sample_data):
@@ -161,13 +179,11 @@ def test_held_out_split_is_disjoint_and_deterministic(sample_data):
     cfg = DataConfig(train=str(sample_data["train"]), held_out=0.2)
     train = PretrainingDataset(sample_data["train"], cfg, seed=1, split="train")
     held = PretrainingDataset(sample_data["train"], cfg, seed=1, split="held_out")
-    train_docs = {(s, d) for s, d in train.samples[:, :2].tolist()}
-    held_docs = {(s, d) for s, d in held.samples[:, :2].tolist()}
+    (train_docs, readers), (held_docs, _) = _documents_of(train), _documents_of(held)
     assert train_docs and held_docs and not train_docs & held_docs
-    total = train.readers and sum(len(r[2]) - 1 for r in train.readers)
-    assert len(train_docs | held_docs) == total
+    assert len(train_docs | held_docs) == sum(r.num_docs for r in readers)
     again = PretrainingDataset(sample_data["train"], cfg, seed=1, split="held_out")
-    assert np.array_equal(again.samples, held.samples)
+    assert np.array_equal(_whole_map(again), _whole_map(held))
 
 
 def test_blend_follows_weights_and_each_part_keeps_its_own_stream(sample_data):
@@ -182,6 +198,42 @@ def test_blend_follows_weights_and_each_part_keeps_its_own_stream(sample_data):
     positions_of_b = np.flatnonzero(owners == 1)[:5]
     for k, p in enumerate(positions_of_b):
         assert _equal_samples(blend[int(p)], b[k])
+
+
+def test_several_folders_are_one_corpus_in_proportion_to_their_data(sample_data, tmp_path):
+    """Folders given together without weights are one corpus: every sentence of each in exactly
+    one sample of an epoch, the epoch's order drawing each folder as often as it holds samples."""
+    from bert_ds.loader.pretraining import open_pretraining_data
+
+    a_path, b_path = sample_data["train"], sample_data["heldout"]
+    stream, _ = open_pretraining_data(DataConfig(train=[str(a_path), str(b_path)]), seed=5)
+    assert isinstance(stream, PretrainingDataset) and stream.folders == [a_path, b_path]
+    _, readers_a = open_dataset(a_path)
+    _, readers_b = open_dataset(b_path)
+    readers = readers_a + readers_b  # b's shards are numbered after a's
+    covered = [np.zeros(r.num_sentences, dtype=int) for r in readers]
+    for i in range(len(stream)):
+        shard, first, end = stream.chunk(i)
+        covered[shard][first:end] += 1
+    assert all((c == 1).all() for c in covered)
+    from_a = np.array([stream.chunk(i)[0] < len(readers_a) for i in range(len(stream))])
+    share = from_a.mean()
+    assert 0.2 < share < 0.8  # both folders hold a real part of the corpus (the sample's two files)
+    order = stream.permutation(0)
+    first_half = [from_a[order(p)] for p in range(len(stream) // 2)]
+    assert abs(np.mean(first_half) - share) < 0.05
+    # its samples are drawn from both folders' tokens, checked against the vocabulary as usual
+    assert {stream[p]["input_ids"].max() < stream.vocab_size for p in range(0, len(stream), 97)} == {True}
+
+
+def test_folders_of_other_tokenizers_are_refused_as_one_corpus(sample_data, tmp_path):
+    from tests.conftest import SAMPLE, run_cli
+
+    other = tmp_path / "other"
+    run_cli("bert_ds.data_tools", "build", "--input", str(SAMPLE / "test.txt"), "--output", str(other),
+            "--train-vocab", "1024", "--split-sentences", "--workers", "1")
+    with pytest.raises(ShardError, match=f"^{other}: built with another tokenizer than {sample_data['train']}"):
+        PretrainingDataset([sample_data["train"], other], DataConfig(train=[str(sample_data["train"])]), seed=1)
 
 
 def test_sample_map_cache_is_rebuilt_when_a_shard_changes(sample_data, tmp_path):
@@ -201,8 +253,8 @@ def test_sample_map_cache_is_rebuilt_when_a_shard_changes(sample_data, tmp_path)
     run_cli("bert_ds.data_tools", "build", "--input", str(SAMPLE / "test.txt"), "--output", str(copy),
             "--vocab", str(sample_data["train"] / "vocab.txt"), "--split-sentences", "--workers", "1")
     second = PretrainingDataset(copy, cfg, seed=0)
-    assert not np.array_equal(first.samples, second.samples)
-    assert len(second) == len(second.samples)
+    assert not np.array_equal(_whole_map(first), _whole_map(second))
+    assert len(list((copy / ".cache").glob("samples-*.npy"))) == 1  # the stale map went with the old folder
 
 
 def test_reused_generator_draws_as_a_fresh_philox(dataset):
@@ -230,15 +282,15 @@ def test_reused_generator_draws_as_a_fresh_philox(dataset):
 
 
 def test_a_worker_receives_paths_not_the_sample_map_or_the_index(dataset):
-    """Loader workers map the cached files: the pickled dataset holds no array that grows
+    """Loader workers read the cached files: the pickled dataset holds no array that grows
     with the data, and its copy draws the same samples."""
     import pickle
 
     blob = pickle.dumps(dataset)
-    mapped = dataset.samples.nbytes + dataset._offsets.array.nbytes + dataset._bounds.array.nbytes
-    assert len(blob) < 16_000 < mapped
+    cached = sum(f.stat().st_size for f in (dataset.path / ".cache").glob("*.npy"))
+    assert len(blob) < 16_000 < cached
     copy = pickle.loads(blob)
-    assert np.array_equal(copy.samples, dataset.samples)
+    assert np.array_equal(_whole_map(copy), _whole_map(dataset))
     for idx in (0, 17, len(dataset) - 1):
         assert _equal_samples(copy[idx], dataset[idx])
 
@@ -265,10 +317,10 @@ def test_a_process_with_an_open_loader_still_exits(sample_data):
     assert proc.returncode == 0 and proc.stdout.strip() == "fetched", proc.stderr[-2000:]
 
 
-def test_drawing_maps_no_shard_into_the_process(sample_data, tmp_path):
-    """Token ids are read with pread: however many samples a process draws, no page of a shard
-    is mapped into it (a memory map would keep every page a draw touched in its resident
-    memory); the sample map and the sentence index stay memory-mapped and shared."""
+def test_drawing_maps_nothing_of_the_dataset_into_the_process(sample_data, tmp_path):
+    """Token ids, the sample map and the sentence index are read with pread: however many
+    samples a process draws, no page of the dataset is mapped into it (a memory map would keep
+    every page a draw touched in its resident memory, which would grow with the corpus)."""
     import gc
     import shutil
     from pathlib import Path
@@ -281,5 +333,5 @@ def test_drawing_maps_no_shard_into_the_process(sample_data, tmp_path):
         ds[p]
     mapped = [line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines()
               if str(copy) in line]
-    assert not [m for m in mapped if m.endswith(".bin")], mapped
-    assert any("/.cache/samples-" in m for m in mapped) and any("/.cache/sentences-" in m for m in mapped)
+    assert not mapped, mapped
+    assert list((copy / ".cache").glob("samples-*.npy")) and list((copy / ".cache").glob("sentences-*.npy"))

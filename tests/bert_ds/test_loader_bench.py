@@ -21,12 +21,20 @@ FIGURES = [
 def test_scale_bench_prints_every_figure_and_builds_once_per_cold_start(tmp_path):
     out = tmp_path / "bench.json"
     keep = tmp_path / "data"
-    proc = run_cli("bert_ds.loader.bench", "--scale", "300k", "--keep", str(keep), "--loader-seconds", "0.3",
+    proc = run_cli("bert_ds.loader.bench", "--scale", "300k", "600k", "--keep", str(keep), "--loader-seconds", "0.3",
                    "--draw-seconds", "0.5", "--json", str(out), timeout=300)
-    r = json.loads(out.read_text())
+    result = json.loads(out.read_text())
+    r, larger = result["runs"]
     assert [f["name"] for f in r["figures"]] == FIGURES
     assert 300_000 <= r["totals"]["tokens"] < 300_000 + 60 * 48  # stops at the document that reaches the scale
-    assert (keep / "manifest.json").is_file()  # --keep: the dataset stays for the next run
+    assert 600_000 <= larger["totals"]["tokens"] < 600_000 + 60 * 48
+    assert (keep / "tokens-300000" / "manifest.json").is_file()  # --keep: the datasets stay for the next run
+    g = result["growth"]
+    assert (g["from_tokens"], g["to_tokens"]) == (r["totals"]["tokens"], larger["totals"]["tokens"])
+    step = (g["to_tokens"] - g["from_tokens"]) / 1e9
+    after = [x["cached"]["rss_after_draws"]["VmRSS"] for x in (r, larger)]
+    assert abs(g["per_billion"]["VmRSS"] * step - (after[1] - after[0])) < 1
+    assert "per further billion tokens: RSS after the cached open and the draws" in proc.stdout
     cold, two, cached = r["cold"], r["two_cold"], r["cached"]
     assert cold["builds"] == 1 and sum(x["builds"] for x in two) == 1 and cached["builds"] == 0
     assert cold["samples"] == cached["samples"] == two[0]["samples"] > 1000
@@ -35,11 +43,12 @@ def test_scale_bench_prints_every_figure_and_builds_once_per_cold_start(tmp_path
     after = cached["rss_after_draws"]
     assert after["VmRSS"] >= after["RssAnon"] > 0 and after["RssFile"] > 0
     assert cached["drawn"] > 0 and cached["samples_per_s"] > 0
-    assert r["map_bytes"] == 128 + 20 * cached["samples"]  # int32 rows of 5 behind the .npy header
+    assert r["map_bytes"] == cached["map_header"] + 8 * cached["samples"]  # one uint64 per sample behind the header
     for i, name in enumerate(FIGURES, 1):
         row = next(line for line in proc.stdout.splitlines() if line.startswith(f"{i}. {name} "))
         assert float(re.sub(r"[^0-9.]", "", row[len(f"{i}. {name}"):].split()[0])) > 0, row
-    assert "20.0" in next(line for line in proc.stdout.splitlines() if line.startswith("8. "))
+    map_row = next(line for line in proc.stdout.splitlines() if line.startswith("8. "))
+    assert "8.0" in map_row and map_row.endswith("yes")
 
     again = run_cli("bert_ds.loader.bench", "--scale", "300k", "--keep", str(keep), "--loader-seconds", "0.1",
                     "--draw-seconds", "0.1", timeout=300)

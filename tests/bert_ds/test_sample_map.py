@@ -2,7 +2,6 @@
 however many processes open it, whatever happens to the builder."""
 
 import hashlib
-import mmap
 import pickle
 import shutil
 import signal
@@ -15,8 +14,9 @@ import pytest
 
 from bert_ds.data_tools.manifest import open_dataset
 from bert_ds.loader import sample_map
-from bert_ds.loader.sample_map import (build_sample_map, chunk_targets, kept_documents, open_sample_map,
-                                      open_sentence_index)
+from bert_ds.data_tools.shard_format import FileArray
+from bert_ds.loader.sample_map import (COUNT_BITS, MAP_DTYPE, ChunkTargets, bases, build_sample_map, kept_documents,
+                                      open_sample_map, open_sentence_index)
 from tests.conftest import SAMPLE, cli_env, end, run_cli, run_command, spawn
 
 
@@ -53,6 +53,15 @@ def reference_map(readers, max_num_tokens, target_of, split="all", held_out=0.0)
     return np.array(rows, dtype=np.int64).reshape(-1, 5)
 
 
+def unpack(packed, readers):
+    """(N, 3) int64 (shard, first, end) of a packed map, sentences numbered within each shard."""
+    first = (packed >> np.uint64(COUNT_BITS)).astype(np.int64)
+    count = (packed & np.uint64((1 << COUNT_BITS) - 1)).astype(np.int64)
+    starts = np.asarray(bases([r.num_sentences for r in readers]), dtype=np.int64)
+    shard = np.searchsorted(starts, first, side="right") - 1
+    return np.stack([shard, first - starts[shard], first - starts[shard] + count], axis=1)
+
+
 @pytest.mark.parametrize("walk", ["rounds", "walks", "both"])
 @pytest.mark.parametrize("max_num_tokens, short_seq_prob, split", [
     (125, 0.1, "all"), (61, 0.5, "train"), (509, 0.0, "held_out"), (13, 1.0, "all"),
@@ -67,13 +76,15 @@ def test_map_is_bert_chunking_for_the_same_target_draws(shards, max_num_tokens, 
     assert len(readers) >= 3
     seed = 11
 
+    targets = ChunkTargets(seed, max_num_tokens, short_seq_prob)
+
     def target_of(shard, n):
-        return chunk_targets(seed, shard, np.arange(n), max_num_tokens, short_seq_prob)
+        return targets.many(shard, np.arange(n))
 
     got = build_sample_map(readers, max_num_tokens, short_seq_prob, seed, split, held_out=0.3)
     want = reference_map(readers, max_num_tokens, target_of, split, held_out=0.3)
-    assert got.dtype == np.int32 and len(want) > 100
-    np.testing.assert_array_equal(got, want)
+    assert got.dtype == MAP_DTYPE and len(want) > 100
+    np.testing.assert_array_equal(unpack(got, readers), want[:, [0, 2, 3]])
     short = want[:, 4] < max_num_tokens  # a short draw is uniform in [2, max]: it may be max itself
     assert abs(short.mean() - short_seq_prob * (max_num_tokens - 2) / (max_num_tokens - 1)) < 0.03
     assert ((want[:, 4] >= 2) & (want[:, 4] <= max_num_tokens)).all()
@@ -82,37 +93,37 @@ def test_map_is_bert_chunking_for_the_same_target_draws(shards, max_num_tokens, 
 def test_target_draws_and_map_do_not_depend_on_how_the_build_is_batched(shards, monkeypatch):
     _, readers = open_dataset(shards)
     whole = build_sample_map(readers, 125, 0.1, 3)
-    sentences = np.arange(readers[0].num_sentences)
-    one_by_one = [int(chunk_targets(3, 0, np.array([i]), 125, 0.1)[0]) for i in sentences[:500].tolist()]
-    assert chunk_targets(3, 0, sentences[:500], 125, 0.1).tolist() == one_by_one
+    targets = ChunkTargets(3, 125, 0.1)
+    sentences = np.arange(readers[1].num_sentences)
+    # the loader's scalar draw (Python ints) is the build's array draw, and an array's draws
+    # do not depend on the others in it
+    one_by_one = [targets.one(1, i) for i in sentences.tolist()]
+    assert targets.many(1, sentences).tolist() == one_by_one
+    assert [int(targets.many(1, np.array([i]))[0]) for i in range(50)] == one_by_one[:50]
+    assert min(one_by_one) < 125 and ChunkTargets(4, 125, 0.1).many(1, sentences).tolist() != one_by_one
     monkeypatch.setattr(sample_map, "_BUILD_BLOCK", 7)  # documents per build step
     np.testing.assert_array_equal(build_sample_map(readers, 125, 0.1, 3), whole)
     assert not np.array_equal(build_sample_map(readers, 125, 0.1, 4), whole)  # the seed matters
 
 
-def file_mapped(array):
-    """Whether ``array``'s memory is a mapped file (a chain of views ending in an mmap)."""
-    while array is not None and not isinstance(array, mmap.mmap):
-        array = getattr(array, "base", None) if not isinstance(array, np.memmap) else array._mmap
-    return array is not None
-
-
-def test_map_and_index_are_memory_mapped_from_the_cache(shards, tmp_path):
+def test_map_and_index_are_read_from_the_cache_and_never_mapped(shards, tmp_path):
     data = tmp_path / "data"
     shutil.copytree(shards, data, ignore=shutil.ignore_patterns(".cache"))
     _, readers = open_dataset(data)
     first = open_sample_map(data, readers, 125, 0.1, 0)
     again = open_sample_map(data, readers, 125, 0.1, 0)
-    assert first.path == again.path and first.path.parent == data / ".cache"
-    assert file_mapped(again.array) and not again.array.flags.writeable
-    np.testing.assert_array_equal(again.array, build_sample_map(readers, 125, 0.1, 0))
-    # pickled as its path: a loader worker maps the same file
-    assert len(pickle.dumps(again)) < 1000 and file_mapped(pickle.loads(pickle.dumps(again)).array)
+    assert isinstance(again, FileArray) and first.path == again.path and first.path.parent == data / ".cache"
+    whole = build_sample_map(readers, 125, 0.1, 0)
+    np.testing.assert_array_equal(again[0:len(again)], whole)
+    assert again[len(again) - 1] == int(whole[-1])  # one element: a Python int
+    # the map file: an .npy header and 8 bytes per sample, nothing else
+    assert again.path.stat().st_size - again.offset == 8 * len(whole)
+    # pickled as its path: a loader worker reads the same file
+    assert len(pickle.dumps(again)) < 1000 and pickle.loads(pickle.dumps(again)).ints(0, 5) == whole[:5].tolist()
 
     offsets, bounds = open_sentence_index(data, readers)
-    assert file_mapped(offsets.array) and file_mapped(bounds.array)
-    np.testing.assert_array_equal(offsets.array, np.concatenate([r.sentence_offsets for r in readers]))
-    np.testing.assert_array_equal(bounds.array, np.concatenate([r.doc_bounds for r in readers]))
+    np.testing.assert_array_equal(offsets[0:len(offsets)], np.concatenate([r.sentence_offsets for r in readers]))
+    np.testing.assert_array_equal(bounds[0:len(bounds)], np.concatenate([r.doc_bounds for r in readers]))
 
 
 # -- one build per dataset, in separate processes --------------------------------------------------
@@ -153,8 +164,7 @@ elif mode == "stuck-write":
 _, readers = open_dataset(data)
 time.sleep(max(0.0, start - time.time()))
 mapped = sample_map.open_sample_map(data, readers, 125, 0.1, 5)
-print(hashlib.sha256(np.ascontiguousarray(mapped.array).tobytes()).hexdigest(), mapped.path,
-      type(mapped.array.base).__name__)
+print(hashlib.sha256(mapped[0:len(mapped)].tobytes()).hexdigest(), mapped.path, type(mapped).__name__)
 """
 
 
@@ -186,7 +196,7 @@ def test_concurrent_cold_opens_build_once_and_share_the_map(shards, tmp_path):
     assert {line[0] for line in lines} == {expected}
     (path,) = {line[1] for line in lines}
     assert path.startswith(str(data / ".cache") + "/")
-    assert {line[2] for line in lines} == {"memmap"}
+    assert {line[2] for line in lines} == {"FileArray"}
 
 
 @pytest.mark.parametrize("where", ["stuck-build", "stuck-write"])
