@@ -7,10 +7,10 @@
                                      folder, or hf:NAME[:CONFIG][@SPLIT]
     verify   DIR               exit 0 and "ok: N shards, T tokens", or 1 and one line per problem
     inspect  DIR [--decode K]  manifest summary, optionally the first K documents as text
-    bench    [--corpus-mb MB] [--workers N] [--vocab-size V] [--files N] [--json FILE]
-                               the build's figures (build vs bare tokenizers and datasets,
-                               bytes/token, worker memory) beside their goals; the loader's
-                               are python -m bert_ds.loader.bench
+    bench    [--corpus-mb MB] [--workers N] [--vocab-size V] [--files N] [--rounds K] [--json FILE]
+                               the build's figures (build vs bare tokenizers and datasets, the
+                               median of K alternating rounds; bytes/token, worker memory) beside
+                               their goals; the loader's are python -m bert_ds.loader.bench
 
 Bad input (a missing file, an empty corpus, conflicting options) prints one line
 ``error: ...`` to stderr and exits 2; argparse's own usage errors also exit 2. A build
@@ -135,8 +135,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         "bench", help="measure the pipeline against its goals",
         description="On the bundled sample repeated to --corpus-mb MB, with N worker processes: build "
         "throughput vs bare tokenizers and vs a datasets map + save_to_disk pipeline, bytes on disk per "
-        "token, and a build worker's peak RSS, each beside its goal. "
-        "About a minute at the defaults on 2 idle CPUs.",
+        "token, and a build worker's peak RSS, each beside its goal. Speed figures are medians over K rounds "
+        "that run every pipeline in turn. A few minutes at the defaults on 2 idle CPUs.",
     )
     n.add_argument("--corpus-mb", type=_positive_float, default=50.0, metavar="MB",
                    help="corpus size in MB (default 50)")
@@ -147,6 +147,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     n.add_argument("--files", type=_positive_int, default=None, metavar="N",
                    help="also build the same corpus cut into about N files of varied size (log-uniform, "
                         "largest ~50x smallest) and report build / bare tokenizers for that layout")
+    n.add_argument("--rounds", type=_positive_int, default=5, metavar="K",
+                   help="measure every pipeline K times, in turn (default 5); speed figures are medians of K")
     n.add_argument("--json", metavar="FILE", help="also write every measurement and figure to FILE")
     n.set_defaults(func=_bench)
 
@@ -221,7 +223,7 @@ def _bench(args: argparse.Namespace) -> int:
     from bert_ds.data_tools import bench
 
     workers = args.workers or len(os.sched_getaffinity(0))
-    return bench.main(args.corpus_mb, workers, args.vocab_size, args.json, args.files)
+    return bench.main(args.corpus_mb, workers, args.vocab_size, args.json, args.files, args.rounds)
 
 
 def main(argv: list[str] | None = None) -> int:

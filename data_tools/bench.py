@@ -1,7 +1,11 @@
 """``python -m bert_ds.data_tools bench``: the data pipeline's figures beside their goals.
 
 Everything is measured in one run, on one corpus, with the same number of worker
-processes (``--workers N``, default: the CPUs available), one measurement at a time:
+processes (``--workers N``, default: the CPUs available), one measurement at a time, in
+``--rounds K`` rounds (default 5): each round runs every pipeline once on each layout, in an
+order that turns from round to round, so that a change in the machine's load falls on every
+pipeline alike. A speed figure is the median over the rounds of the ratio measured within a
+round; its spread (min-max) is printed beside it.
 
 1. ``data_tools build`` throughput (MB/s of input, tokens/s) with ``--vocab`` given and
    ``--split-sentences`` (the corpus holds paragraphs), against bare ``tokenizers``
@@ -12,12 +16,10 @@ processes (``--workers N``, default: the CPUs available), one measurement at a t
    else: each process reads its own 1/N of the file's lines, encodes the non-blank
    ones and counts tokens. The build also reads and cleans in its main process, splits
    sentences, ships ids back and writes, hashes and verifies shards: that is the
-   overhead the ratio shows. Beside the clock, the CPU seconds of each side (its
-   processes together) are reported: on a machine shared with other work the clock
-   scatters, CPU per byte much less.
-   With ``--files N`` the same corpus is also cut at line ends into about N files of
-   log-uniform sizes (largest ~50x smallest; ~1.8-90 KB at 44 MB and 2,000 files) and
-   both sides run again on them (figure 5): the layout where per-file costs show.
+   overhead the ratio shows. Where it goes is printed beside it: CPU seconds per MB of the
+   build's main process (reading, cleaning, cutting chunks, writing and checking shards) and
+   of its workers (tokenizing, cutting sentences), against bare ``tokenizers``' processes
+   (on a machine shared with other work the clock scatters, CPU per byte much less).
 2. The same build against the ``datasets`` recipe: ``Dataset.from_text`` ->
    ``.map(BertTokenizerFast, batched=True, num_proc=N)`` -> ``save_to_disk`` with the
    same vocabulary, no special tokens, ids only (goal: ours >= 1.5x).
@@ -27,11 +29,14 @@ processes (``--workers N``, default: the CPUs available), one measurement at a t
    sample repeated, and WordPiece merges depend only on relative counts once every
    pair passes the minimum frequency, so more copies change no entry. The bundled
    sample has fewer distinct subwords than 30,522; the actual size is reported.
-4. Peak RSS of one build worker during figure 1 (goal < 2 GB per worker for a 1 GB
-   corpus). A worker holds at most 2 chunks of ``CHUNK_CHARS`` characters, whatever
-   the corpus size, so a smaller corpus measures the same peak; the corpus size is
-   reported beside it. With ``--workers 1`` the build tokenizes in its own process and
-   that process's peak (imports included) is reported.
+4. Peak RSS of one build worker (goal < 2 GB per worker for a 1 GB corpus). A worker holds
+   at most 2 chunks of ``CHUNK_CHARS`` characters, whatever the corpus size, so a smaller
+   corpus measures the same peak; the corpus size is reported beside it. With
+   ``--workers 1`` the build tokenizes in its own process and that process's peak (imports
+   included) is reported.
+5., 6. With ``--files N``: figures 1 and 2 again on the same corpus cut at line ends into about
+   N files of log-uniform sizes (largest ~50x smallest; ~1.8-90 KB at 44 MB and 2,000 files):
+   the layout where per-file costs show.
 
 The default corpus is the bundled WikiText-2 sample (``data_tools/sample``) repeated to
 ``--corpus-mb`` MB (decimal), written to a temporary folder that is removed at the end.
@@ -46,6 +51,7 @@ import json
 import multiprocessing
 import os
 import resource
+import shutil
 import sys
 import tempfile
 import time
@@ -228,27 +234,32 @@ def _run_build(inputs: list[str], output: str, vocab: str, workers: int) -> dict
 
     opts = BuildOptions(inputs=inputs, output=output, vocab=vocab, workers=workers, split_sentences=True,
                         progress=False)
-    t0, cpu0 = time.perf_counter(), _cpu_seconds()
+    t0, cpu0, main0 = time.perf_counter(), _cpu_seconds(), _cpu_seconds(children=False)
     result = build(opts)
-    seconds, cpu = time.perf_counter() - t0, _cpu_seconds() - cpu0
+    seconds, cpu, main_cpu = time.perf_counter() - t0, _cpu_seconds() - cpu0, _cpu_seconds(children=False) - main0
     # ru_maxrss is in KiB on Linux. RUSAGE_CHILDREN: the largest child waited for,
     # i.e. the pool's workers, which the build joins before it returns.
     own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     workers_peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
     m = result.manifest
     return {
-        "seconds": seconds, "cpu_seconds": cpu, "tokens": m.totals["tokens"], "input_bytes": m.stats["input_bytes"],
+        "seconds": seconds, "cpu_seconds": cpu, "main_cpu_seconds": main_cpu, "tokens": m.totals["tokens"],
+        "input_bytes": m.stats["input_bytes"],
         "bytes_on_disk": result.bytes_on_disk, "vocab_size": m.vocab_size, "token_dtype": m.token_dtype,
         "documents": m.totals["docs"], "sentences": m.totals["sentences"],
         "worker_peak_rss": workers_peak if workers > 1 else own, "main_peak_rss": own,
     }
 
 
-def _cpu_seconds() -> float:
-    """User + system CPU of this process and of the children it has waited for (a build's
-    workers, a pool's processes): on a shared machine a steadier measure than the clock."""
-    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+def _cpu_seconds(children: bool = True) -> float:
+    """User + system CPU of this process and (``children``) of the children it has waited for (a
+    build's workers, a pool's processes): on a shared machine a steadier measure than the clock."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    total = own.ru_utime + own.ru_stime
+    if children:
+        kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+        total += kids.ru_utime + kids.ru_stime
+    return total
 
 
 _bare_encode = None
@@ -325,11 +336,11 @@ def run_bare(inputs: list[str], tokenizer_json: str, workers: int) -> dict:
             "input_bytes": sum(os.path.getsize(p) for p in inputs)}
 
 
-def _datasets_child(conn, corpus: str, tokenizer_dir: str, work: str, workers: int) -> None:
-    _report(conn, _run_datasets, corpus, tokenizer_dir, work, workers)
+def _datasets_child(conn, inputs: list[str], tokenizer_dir: str, work: str, workers: int) -> None:
+    _report(conn, _run_datasets, inputs, tokenizer_dir, work, workers)
 
 
-def _run_datasets(corpus: str, tokenizer_dir: str, work: str, workers: int) -> dict:
+def _run_datasets(inputs: list[str], tokenizer_dir: str, work: str, workers: int) -> dict:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # num_proc processes of one thread, as ours
     import datasets
     from transformers import BertTokenizerFast
@@ -343,18 +354,23 @@ def _run_datasets(corpus: str, tokenizer_dir: str, work: str, workers: int) -> d
                    return_token_type_ids=False)
 
     t0 = time.perf_counter()
-    ds = datasets.Dataset.from_text(corpus, cache_dir=os.path.join(work, "cache"))
+    ds = datasets.Dataset.from_text(inputs, cache_dir=os.path.join(work, "cache"))
     ids = ds.map(encode, batched=True, num_proc=workers if workers > 1 else None, remove_columns=["text"])
     ids.save_to_disk(os.path.join(work, "saved"))
     seconds = time.perf_counter() - t0
-    return {"seconds": seconds, "input_bytes": os.path.getsize(corpus), "rows": len(ids)}
+    return {"seconds": seconds, "input_bytes": sum(os.path.getsize(p) for p in inputs), "rows": len(ids)}
 
 
 # -- the run ---------------------------------------------------------------------------------------
 
-def run(corpus_mb: float, workers: int, vocab_size: int, files: int | None = None,
+PIPELINES = ("build", "bare_tokenizers", "datasets")
+
+
+def run(corpus_mb: float, workers: int, vocab_size: int, files: int | None = None, rounds: int = 5,
         log=lambda msg: print(msg, file=sys.stderr, flush=True)) -> dict:
-    """All measurements; the dict that --json writes."""
+    """All measurements; the dict that --json writes. Each round runs the three pipelines on each
+    layout, one after the other, in an order that turns each round (drift in the machine's load
+    then falls on every pipeline alike); a figure is the median of its rounds' ratios."""
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="data_tools_bench_") as tmp:
         work = Path(tmp)
@@ -365,97 +381,124 @@ def run(corpus_mb: float, workers: int, vocab_size: int, files: int | None = Non
         vocab, vocab_mb, vocab_s = make_vocab(work, corpus, vocab_size)
         (work / "vocab.txt").write_bytes(vocab)
         log(f"bench: vocabulary trained in {vocab_s:.1f} s")
-
-        log(f"bench: 1. data_tools build, {workers} worker(s)")
-        shards = work / "shards"
-        b = _in_child(_build_child, [str(corpus)], str(shards), str(work / "vocab.txt"), workers)
-        log(f"bench: 1. bare tokenizers, {workers} process(es)")
-        tokenizer_json = (shards / "tokenizer.json").read_text(encoding="utf-8")
-        bare = run_bare([str(corpus)], tokenizer_json, workers)
-        log(f"bench: 2. datasets from_text -> map -> save_to_disk, num_proc {workers}")
-        hf = _in_child(_datasets_child, str(corpus), str(shards), str(work / "hf"), workers)
-        many = _many_files(work, corpus, files, tokenizer_json, workers, log) if files else None
+        layouts = {"one_file": [str(corpus)]}
+        if files:
+            layouts["many_files"] = [str(p) for p in split_corpus(corpus, work / "files", files)]
+        tokenizer = work / "tokenizer"  # the build's own tokenizer folder, for the other pipelines
+        measured = {name: {p: [] for p in PIPELINES} for name in layouts}
+        for k in range(rounds):
+            for name, inputs in layouts.items():
+                for pipeline in PIPELINES[k % 3:] + PIPELINES[: k % 3]:
+                    log(f"bench: round {k + 1}/{rounds}, {name.replace('_', ' ')} ({len(inputs):,}): {pipeline}")
+                    measured[name][pipeline].append(_measure(pipeline, inputs, work, tokenizer, workers))
+    sizes = [os.path.getsize(p) for p in layouts.get("many_files", [])]
     return {
         "corpus": {"source": f"{SAMPLE_DIR} ({', '.join(SAMPLE_FILES)}) repeated", "bytes": corpus_bytes,
                    "copies": round(copies, 3)},
         "workers": workers,
+        "rounds": rounds,
         "cpus": len(os.sched_getaffinity(0)),
         "load_average_before": [round(x, 2) for x in load_before],
         "load_average_after": [round(x, 2) for x in os.getloadavg()],
-        "vocab": {"requested": vocab_size, "size": b["vocab_size"], "token_dtype": b["token_dtype"],
+        "vocab": {"requested": vocab_size, "size": measured["one_file"]["build"][0]["vocab_size"],
+                  "token_dtype": measured["one_file"]["build"][0]["token_dtype"],
                   "trained_on_mb": round(vocab_mb, 3), "train_seconds": vocab_s},
-        "build": b,
-        "bare_tokenizers": bare,
-        "datasets": hf,
-        **({"many_files": many} if many else {}),
+        **({"files": {"count": len(sizes), "min_bytes": min(sizes), "max_bytes": max(sizes)}} if sizes else {}),
+        "layouts": measured,
     }
 
 
-def _many_files(work: Path, corpus: Path, files: int, tokenizer_json: str, workers: int, log) -> dict:
-    """Figure 1 again on the corpus cut into about ``files`` files of varied size."""
-    paths = split_corpus(corpus, work / "files", files)
-    sizes = [p.stat().st_size for p in paths]
-    inputs = [str(p) for p in paths]
-    log(f"bench: 1b. data_tools build on {len(paths):,} files of {min(sizes):,}-{max(sizes):,} bytes")
-    b = _in_child(_build_child, inputs, str(work / "files_shards"), str(work / "vocab.txt"), workers)
-    log(f"bench: 1b. bare tokenizers on the same files, {workers} process(es)")
-    bare = run_bare(inputs, tokenizer_json, workers)
-    return {"files": len(paths), "min_bytes": min(sizes), "max_bytes": max(sizes), "build": b,
-            "bare_tokenizers": bare}
+def _measure(pipeline: str, inputs: list[str], work: Path, tokenizer: Path, workers: int) -> dict:
+    """One run of one pipeline on ``inputs``, in a fresh folder removed afterwards."""
+    out = work / "out"
+    try:
+        if pipeline == "build":
+            result = _in_child(_build_child, inputs, str(out), str(work / "vocab.txt"), workers)
+            if not tokenizer.exists():
+                tokenizer.mkdir()
+                for f in out.iterdir():
+                    if f.is_file() and not f.name.startswith(("shard_", "manifest")):
+                        shutil.copy(f, tokenizer / f.name)
+            return result
+        if pipeline == "bare_tokenizers":
+            return run_bare(inputs, (tokenizer / "tokenizer.json").read_text(encoding="utf-8"), workers)
+        return _in_child(_datasets_child, inputs, str(tokenizer), str(out), workers)
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def _mbs(run: dict) -> float:
+    return run["input_bytes"] / run["seconds"] / MB
+
+
+def _ratios(m: dict, other: str) -> list[float]:
+    """Per round: build MB/s over ``other``'s MB/s in the same round."""
+    return [_mbs(b) / _mbs(o) for b, o in zip(m["build"], m[other], strict=True)]
+
+
+def _spread(values: list[float], fmt: str) -> str:
+    return f"median of {len(values)} rounds; {format(min(values), fmt)}-{format(max(values), fmt)}"
 
 
 def figures(r: dict) -> list[Figure]:
-    b, bare, hf = r["build"], r["bare_tokenizers"], r["datasets"]
-    n = r["workers"]
-    mbs = b["input_bytes"] / b["seconds"] / MB
-    bare_mbs = bare["input_bytes"] / bare["seconds"] / MB
-    hf_mbs = hf["input_bytes"] / hf["seconds"] / MB
-    ratio, speedup = mbs / bare_mbs, mbs / hf_mbs
+    one = r["layouts"]["one_file"]
+    b = one["build"][0]
     bpt = b["bytes_on_disk"] / b["tokens"]
-    rss = b["worker_peak_rss"]
+    rss = max(x["worker_peak_rss"] for x in one["build"])
     corpus = r["corpus"]["bytes"] / MB
     vocab = r["vocab"]
     vocab_note = "" if vocab["size"] == vocab["requested"] else \
         f" (asked {vocab['requested']:,}: the corpus has no more merges)"
-    return [
-        Figure("build / bare tokenizers", ratio, f"{ratio:.2f}", ">= 0.90", ratio >= 0.90,
-               f"build {mbs:.2f} MB/s, {b['tokens'] / b['seconds']:,.0f} tokens/s ({b['seconds']:.1f} s); "
-               f"bare tokenizers {bare_mbs:.2f} MB/s, {bare['tokens'] / bare['seconds']:,.0f} tokens/s "
-               f"({bare['seconds']:.1f} s); {n} process(es) each; {_cpu_note(b, bare)}"),
-        Figure("build / datasets map+save_to_disk", speedup, f"{speedup:.2f}x", ">= 1.5x", speedup >= 1.5,
-               f"datasets {hf_mbs:.2f} MB/s ({hf['seconds']:.1f} s, num_proc {n}) vs build {mbs:.2f} MB/s"),
+    figs = _speed_figures(one, "", r["workers"]) + [
         Figure("bytes on disk per token", bpt, f"{bpt:.3f}", "<= 2.2", bpt <= 2.2,
                f"{b['bytes_on_disk']:,} bytes for {b['tokens']:,} tokens, vocab {vocab['size']:,}{vocab_note}, "
                f"{b['token_dtype']}"),
         Figure("build worker peak RSS", rss / MB, f"{rss / MB:,.0f} MB", "< 2,000 MB", rss < 2e9,
                f"on a {corpus:.1f} MB corpus (goal stated for 1 GB; a worker's memory does not grow with it)"
-               + ("; --workers 1: the build process itself" if n == 1 else
+               + ("; --workers 1: the build process itself" if r["workers"] == 1 else
                   f"; build main process {b['main_peak_rss'] / MB:,.0f} MB")),
-    ] + ([_many_files_figure(r["many_files"], n)] if "many_files" in r else [])
+    ]
+    if "many_files" in r["layouts"]:
+        f = r["files"]
+        figs += _speed_figures(r["layouts"]["many_files"], f", {f['count']:,} files", r["workers"],
+                               f"{f['count']:,} files of {f['min_bytes']:,}-{f['max_bytes']:,} bytes: ")
+    return figs
 
 
-def _many_files_figure(m: dict, workers: int) -> Figure:
-    b, bare = m["build"], m["bare_tokenizers"]
-    mbs = b["input_bytes"] / b["seconds"] / MB
-    bare_mbs = bare["input_bytes"] / bare["seconds"] / MB
-    ratio = mbs / bare_mbs
-    return Figure(f"build / bare tokenizers, {m['files']:,} files", ratio, f"{ratio:.2f}", ">= 0.90", ratio >= 0.90,
-                  f"{m['files']:,} files of {m['min_bytes']:,}-{m['max_bytes']:,} bytes: build {mbs:.2f} MB/s "
-                  f"({b['seconds']:.1f} s), bare tokenizers {bare_mbs:.2f} MB/s ({bare['seconds']:.1f} s); "
-                  f"{workers} process(es) each; {_cpu_note(b, bare)}")
+def _speed_figures(m: dict, suffix: str, workers: int, prefix: str = "") -> list[Figure]:
+    """build / bare tokenizers and build / datasets on one layout, each the median over rounds."""
+    bare, hf = _ratios(m, "bare_tokenizers"), _ratios(m, "datasets")
+    ratio, speedup = float(np.median(bare)), float(np.median(hf))
+    med = {p: float(np.median([_mbs(x) for x in m[p]])) for p in PIPELINES}
+    return [
+        Figure(f"build / bare tokenizers{suffix}", ratio, f"{ratio:.2f}", ">= 0.90", ratio >= 0.90,
+               f"{prefix}{_spread(bare, '.2f')}: build {med['build']:.2f} MB/s, bare tokenizers "
+               f"{med['bare_tokenizers']:.2f} MB/s (medians); {workers} process(es) each; {_cpu_note(m)}"),
+        Figure(f"build / datasets map+save_to_disk{suffix}", speedup, f"{speedup:.2f}x", ">= 1.5x", speedup >= 1.5,
+               f"{prefix}{_spread(hf, '.2f')}: datasets {med['datasets']:.2f} MB/s (num_proc {workers}) vs build "
+               f"{med['build']:.2f} MB/s (medians)"),
+    ]
 
 
-def _cpu_note(b: dict, bare: dict) -> str:
-    """CPU seconds per input byte of bare over build: the ratio's ceiling when the machine is busy."""
-    per_byte = (bare["cpu_seconds"] / bare["input_bytes"]) / (b["cpu_seconds"] / b["input_bytes"])
-    return f"CPU: build {b['cpu_seconds']:.1f} s, bare {bare['cpu_seconds']:.1f} s (bare/build per byte {per_byte:.2f})"
+def _cpu_note(m: dict) -> str:
+    """Where the build's CPU goes beside bare tokenizers', per MB of input (medians over rounds):
+    its main process (reading, cleaning, cutting chunks, writing and checking shards) and its
+    workers (tokenizing, cutting sentences): what the ratio loses when the cores are busy."""
+    def per_mb(runs: list[dict], key: str) -> float:
+        return float(np.median([x[key] / (x["input_bytes"] / MB) for x in runs]))
+
+    main, total, bare = per_mb(m["build"], "main_cpu_seconds"), per_mb(m["build"], "cpu_seconds"), \
+        per_mb(m["bare_tokenizers"], "cpu_seconds")
+    return (f"CPU-s per MB: build {total:.3f} = main process {main:.3f} + workers {total - main:.3f}; "
+            f"bare tokenizers {bare:.3f} (bare/build {bare / total:.2f})")
 
 
 def format_report(r: dict, figs: list[Figure]) -> str:
     c = r["corpus"]
     lines = [
         f"corpus: {c['bytes'] / MB:.1f} MB = {c['copies']:g} copies of the bundled WikiText-2 sample; "
-        f"{r['workers']} worker(s) on {r['cpus']} CPU(s); load average {r['load_average_before'][0]:.2f} "
+        f"{r['workers']} worker(s) on {r['cpus']} CPU(s); {r['rounds']} round(s); load average "
+        f"{r['load_average_before'][0]:.2f} "
         f"before, {r['load_average_after'][0]:.2f} after",
         f"vocabulary: {r['vocab']['size']:,} entries (asked {r['vocab']['requested']:,}), trained on "
         f"{r['vocab']['trained_on_mb']:.1f} MB in {r['vocab']['train_seconds']:.1f} s",
@@ -470,8 +513,9 @@ def format_report(r: dict, figs: list[Figure]) -> str:
     return "\n".join(lines)
 
 
-def main(corpus_mb: float, workers: int, vocab_size: int, json_path: str | None, files: int | None = None) -> int:
-    r = run(corpus_mb, workers, vocab_size, files)
+def main(corpus_mb: float, workers: int, vocab_size: int, json_path: str | None, files: int | None = None,
+         rounds: int = 5) -> int:
+    r = run(corpus_mb, workers, vocab_size, files, rounds)
     figs = figures(r)
     r["figures"] = [f.to_dict() for f in figs]
     print(format_report(r, figs))
