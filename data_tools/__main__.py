@@ -224,14 +224,13 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from bert_ds.data_tools.partition import dataset_folders
+    from bert_ds.data_tools.partition import dataset_folders, part_folders
     from bert_ds.data_tools.verify import inspect_dataset, inspect_parts
 
-    folders = dataset_folders(args.directory)
-    if len(folders) == 1 and folders[0] == Path(args.directory):
+    if not part_folders(Path(args.directory)) or (Path(args.directory) / "manifest.json").is_file():
         inspect_dataset(args.directory, decode=args.decode, seq_len=args.seq_len)
     else:
-        inspect_parts(args.directory, folders, decode=args.decode, seq_len=args.seq_len)
+        inspect_parts(args.directory, dataset_folders(args.directory), decode=args.decode, seq_len=args.seq_len)
     return 0
 
 

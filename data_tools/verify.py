@@ -20,7 +20,7 @@ import numpy as np
 
 from bert_ds.base.errors import ShardError
 from bert_ds.data_tools.manifest import Manifest, check_shard, check_tokenizer, open_dataset
-from bert_ds.data_tools.partition import dataset_folders
+from bert_ds.data_tools.partition import dataset_folders, part_folders
 from bert_ds.data_tools.shard_format import ShardReader
 from bert_ds.data_tools.tokenizer import load_tokenizer
 
@@ -48,6 +48,9 @@ def verify_dataset(directory: str | os.PathLike) -> tuple[list[str], Manifest | 
 def verify_parts(path: str | os.PathLike) -> tuple[list[str], list[Manifest]]:
     """:func:`verify_dataset` of a dataset folder, or of every part of a parent (after checking
     they are all there, finished and of one build): the problems, and the manifests."""
+    if not part_folders(Path(path)):  # a dataset folder, or no dataset at all: its own first problem
+        problems, manifest = verify_dataset(path)
+        return problems, [manifest] if manifest is not None else []
     try:
         folders = dataset_folders(path)
     except ShardError as e:
