@@ -520,6 +520,14 @@ def _plan_key(sources: list[dict], vocab: bytes, normalization: Normalization, o
     }
     return hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()
 
+def _journaled(directory: Path, default: int) -> int:
+    """How many shards the journal on disk records (``default`` if it cannot be read)."""
+    try:
+        return len(json.loads((directory / JOURNAL_NAME).read_text(encoding="utf-8"))["shards"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return default
+
+
 def _write_json(path: Path, obj: object) -> None:
     atomic_write(path, json.dumps(obj))
 
@@ -812,6 +820,11 @@ def _write_shards(opts: BuildOptions, directory: Path, spec: TokenizerSpec, key:
             end = DocEnd(Cursor(len(opts.inputs), 0, None), reader.stats)
             shards.append(_finish_shard(writer, counts, end, journal, directory))
             writer = None
+    except BaseException:
+        # A stop between a shard's rename and its journal record would leave it under its
+        # final name with no record: only the shards the journal on disk records stay.
+        _remove_stale(directory, keep_shards=_journaled(directory, len(shards)))
+        raise
     finally:
         stream.close()  # closes the input being read on every path
         if writer is not None:
