@@ -37,6 +37,12 @@ Design choices:
   (and, where the folder's own record allows, before training a vocabulary). The
   journal is written before anything else, so a folder a build was killed in is
   always recognised as that build's.
+* Partitioned builds (``part`` of N > 1): the same build of one share of the inputs
+  (:mod:`bert_ds.data_tools.shares`) into ``DIR/part-0000I-of-0000N``
+  (:mod:`bert_ds.data_tools.partition`), with every rule above applying to that folder; the
+  parent's own rules and the one vocabulary all parts share are :mod:`bert_ds.data_tools.parent`'s.
+  A part's manifest records ``build["partition"]`` and lists as sources only what it read;
+  its plan key covers its share. An empty share is a dataset of no shards, not an error.
 * Errors: bad input raises :class:`UserError` (one line, exit 2); a failing write
   (disk full) becomes a UserError naming the folder, after the shard writer has
   removed its temporary files.

@@ -303,3 +303,24 @@ def test_user_errors_of_part(single, tmp_path, capsys, monkeypatch, args, env, m
     err = capsys.readouterr().err
     assert code == 2 and err.startswith(f"error: {message}") and err.count("\n") == 1, err
     assert not out.exists()
+
+
+def test_a_part_stopped_mid_build_resumes_from_its_journal(single, by_flag, tmp_path, monkeypatch, capsys):
+    from bert_ds.data_tools.shard_format import ShardWriter
+
+    parent = tmp_path / "parts"
+    real = ShardWriter._write
+
+    def write(self, f, data):
+        if "shard_00001.bin" in str(getattr(f, "name", "")):
+            raise OSError(28, "No space left on device")
+        return real(self, f, data)
+
+    monkeypatch.setattr(ShardWriter, "_write", write)
+    assert main(part_args(parent, 1, single / "vocab.txt")) == 2
+    assert "No space left on device" in capsys.readouterr().err
+    monkeypatch.undo()
+    assert [p.name for p in (parent / part_name(1, 3)).glob("shard_*.bin")] == ["shard_00000.bin"]
+    assert main(part_args(parent, 1, single / "vocab.txt", 3, "--workers", "2")) == 0
+    assert "(1 reused)" in capsys.readouterr().out
+    assert tree(parent / part_name(1, 3)) == tree(by_flag / part_name(1, 3))
