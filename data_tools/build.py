@@ -73,7 +73,9 @@ from bert_ds.base.atomic import atomic_write
 from bert_ds.base.errors import UserError
 from bert_ds.base.locking import LOCK_NAME, FolderLock
 from bert_ds.data_tools.manifest import MANIFEST_NAME, Manifest, created_by
-from bert_ds.data_tools.parent import ParentLock, check_parent, remove, shared_tokenizer
+from bert_ds.data_tools.parent import (
+    TOKENIZER_DIR, ParentLock, check_parent, has_tokenizer, remove, shared_tokenizer,
+)
 from bert_ds.data_tools.partition import Part
 from bert_ds.data_tools.shares import Share, share_of, share_sources
 from bert_ds.data_tools.shard_format import (
@@ -685,6 +687,8 @@ def _part_plan(opts: BuildOptions) -> _Plan:
     def tokenizer() -> tuple[bytes, Normalization]:
         if record is None and not removals:
             return _vocab(opts)
+        if record is not None and not removals and not opts.overwrite and has_tokenizer(output, record):
+            return load_vocabulary(str(output / TOKENIZER_DIR))  # renamed into place whole: no lock needed
         with ParentLock(output, part.label):
             remove(removals)
             if record is None:

@@ -99,6 +99,11 @@ def _check_record(folder: Path, record: dict) -> bool:
                     "train it anew, or choose another --output")
 
 
+def has_tokenizer(output: Path, record: dict) -> bool:
+    """Whether OUTPUT/tokenizer holds the vocabulary ``record`` describes (UserError for another)."""
+    return _check_record(output / TOKENIZER_DIR, record)
+
+
 def remove(paths: list[Path]) -> None:
     for p in paths:
         if p.is_dir():

@@ -247,15 +247,23 @@ def test_parent_refusals(single, by_flag, tmp_path, capsys):
 
 
 def test_a_vocabulary_trained_for_another_build_is_refused(tmp_path, capsys):
+    inputs = [write_blank(tmp_path / "a.txt", 200)]
     parent = tmp_path / "parts"
     (parent / "tokenizer").mkdir(parents=True)
     (parent / "tokenizer" / "trained_from.json").write_text(json.dumps({"train_vocab": 999}))
     before = tree(parent)
-    assert main(["build", "--input", *INPUTS, "--output", str(parent), "--train-vocab", "2048",
-                 "--part", "0/2", "--no-progress"]) == 2
+    args = ["build", "--input", *inputs, "--output", str(parent), "--train-vocab", "300", "--workers", "1",
+            "--part", "0/2", "--no-progress"]
+    assert main(args) == 2
     err = capsys.readouterr().err
     assert "a vocabulary trained for another build (other train vocab" in err and err.count("\n") == 1
     assert tree(parent) == before
+    assert main(args + ["--overwrite"]) == 0  # trained anew
+    assert capsys.readouterr().out.count("training a vocabulary") == 1
+    assert json.loads((parent / "tokenizer" / "trained_from.json").read_text())["train_vocab"] == 300
+    assert main(args[:-3] + ["--part", "1/2"]) == 0  # the other part uses it
+    assert "training" not in capsys.readouterr().out
+    assert len({(f / "vocab.txt").read_bytes() for f in dataset_folders(parent)}) == 1
 
 
 def test_verify_and_inspect_take_the_parent(by_flag, tmp_path, capsys):
