@@ -332,3 +332,24 @@ def test_a_part_stopped_mid_build_resumes_from_its_journal(single, by_flag, tmp_
     assert main(part_args(parent, 1, single / "vocab.txt", 3, "--workers", "2")) == 0
     assert "(1 reused)" in capsys.readouterr().out
     assert tree(parent / part_name(1, 3)) == tree(by_flag / part_name(1, 3))
+
+
+def test_a_part_waits_for_the_vocabulary_trainer_and_says_who_it_is(tmp_path):
+    import subprocess
+    import sys
+
+    from bert_ds.data_tools.parent import ParentLock
+    from tests.conftest import REPO, spawn
+
+    inputs = [write_blank(tmp_path / "a.txt", 200)]
+    parent = tmp_path / "parts"
+    with ParentLock(parent, "part 0/2"):
+        proc = spawn([sys.executable, "-m", "bert_ds.data_tools", "build", "--input", *inputs, "--output",
+                      str(parent), "--train-vocab", "300", "--workers", "1", "--part", "1/2"],
+                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+        lines = [proc.stdout.readline(), proc.stdout.readline()]
+    assert lines[0].startswith("part 1/2 (--part): 1 input(s)")
+    assert lines[1].startswith(f"part 1/2: waiting for {parent / '.parts.lock'}, held by part 0/2 (pid ")
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert out.startswith("part 1/2: training a vocabulary of 300 entries on all 1 input(s)")
