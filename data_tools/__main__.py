@@ -91,8 +91,8 @@ def _add_build(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--train-vocab", type=_positive_int, metavar="SIZE",
                    help="train a WordPiece vocabulary of SIZE entries on the inputs")
     b.add_argument("--workers", type=_positive_int, default=None,
-                   help="tokenizer processes (default: the CPUs available; 1 tokenizes in this process); "
-                   "the output is the same for any N")
+                   help="tokenizer processes (default: the CPUs available, shared among the build processes "
+                   "a launcher started on this host; 1 tokenizes in this process); the output is the same for any N")
     b.add_argument("--split-sentences", action="store_true",
                    help="split lines into sentences after . ! ? followed by whitespace and an uppercase "
                    "letter, digit or quote")
@@ -162,9 +162,12 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
 
 def _build(args: argparse.Namespace) -> int:
     from bert_ds.data_tools.build import BuildOptions, build
-    from bert_ds.data_tools.partition import resolve_part
+    from bert_ds.data_tools.partition import processes_per_host, resolve_part
 
     part = resolve_part(args.part)
+    if args.workers is None and part.partitioned and part.origin != "--part":
+        # N parts on one host share its CPUs (the output is the same for any worker count).
+        args.workers = max(1, len(os.sched_getaffinity(0)) // processes_per_host())
     opts = BuildOptions(
         inputs=args.input, output=args.output, vocab=args.vocab, train_vocab=args.train_vocab,
         split_sentences=args.split_sentences, lowercase=args.lowercase, part=part,

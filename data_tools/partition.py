@@ -118,6 +118,20 @@ def launcher_part(env: Mapping[str, str]) -> Part | None:
     return None
 
 
+# Processes per host, as each launcher says it: a part's default --workers is the host's CPUs shared among them.
+LOCAL_SIZE_VARS = ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_STEP_TASKS_PER_NODE")
+
+
+def processes_per_host(env: Mapping[str, str] | None = None) -> int:
+    """How many build processes a launcher started on this host (1 when none says)."""
+    env = os.environ if env is None else env
+    for name in LOCAL_SIZE_VARS:
+        m = re.match(r"\s*(\d+)", env.get(name, ""))  # srun writes e.g. "4(x2),3"
+        if m and int(m[1]) > 0:
+            return int(m[1])
+    return 1
+
+
 def resolve_part(flag: str | None, env: Mapping[str, str] | None = None) -> Part:
     """The part this process builds: ``--part`` (``flag``) wins, else the launcher's; a plain build else."""
     env = os.environ if env is None else env

@@ -5,7 +5,9 @@ import pytest
 
 from bert_ds.base.errors import ShardError, UserError
 from bert_ds.data_tools.manifest import Manifest
-from bert_ds.data_tools.partition import Part, dataset_folders, parse_part, part_name, resolve_part
+from bert_ds.data_tools.partition import (
+    Part, dataset_folders, parse_part, part_name, processes_per_host, resolve_part,
+)
 
 
 @pytest.mark.parametrize("env, want", [
@@ -88,3 +90,11 @@ def test_dataset_folders_refuses_a_mixed_parent(tmp_path):
     _part(tmp_path / "c", 0, 3)
     with pytest.raises(ShardError, match="holds parts of 2 and of 3 parts"):
         dataset_folders(tmp_path / "c")
+
+
+def test_processes_per_host():
+    assert processes_per_host({"LOCAL_WORLD_SIZE": "8"}) == 8
+    assert processes_per_host({"OMPI_COMM_WORLD_LOCAL_SIZE": "4"}) == 4
+    assert processes_per_host({"MPI_LOCALNRANKS": "2"}) == 2
+    assert processes_per_host({"SLURM_STEP_TASKS_PER_NODE": "4(x2),3"}) == 4
+    assert processes_per_host({}) == 1

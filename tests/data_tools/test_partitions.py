@@ -98,8 +98,9 @@ def test_torchrun_and_part_flags_build_the_same_parts_whose_union_is_the_single_
 
 def test_vocabulary_is_trained_once_for_all_parts_under_torchrun(single, tmp_path):
     parent = tmp_path / "parts"
+    # No --workers: 3 processes on this host share its CPUs (LOCAL_WORLD_SIZE).
     proc = run_cli("bert_ds.data_tools", "build", "--input", *INPUTS, "--output", str(parent), "--train-vocab",
-                   "2048", "--workers", "1", "--shard-tokens", SHARD_TOKENS, "--no-progress", nproc=3)
+                   "2048", "--shard-tokens", SHARD_TOKENS, "--no-progress", nproc=3)
     out = proc.stdout + proc.stderr
     assert out.count("training") == 1, out
     vocabs = {(parent / part_name(i, 3) / "vocab.txt").read_bytes() for i in range(3)}
