@@ -5,8 +5,12 @@
              [--workers N] [--split-sentences] [--[no-]lowercase] [--shard-tokens N]
              [--text-field NAME]     FILE: text (.gz), .jsonl(.gz), .parquet, a datasets
                                      folder, or hf:NAME[:CONFIG][@SPLIT]
-    verify   DIR               exit 0 and "ok: N shards, T tokens", or 1 and one line per problem
-    inspect  DIR [--decode K]  manifest summary, optionally the first K documents as text
+             [--part I/N]            build part I of N into DIR/part-0000I-of-0000N (a launcher's
+                                     rank and world size choose it when --part is not given)
+    verify   DIR               exit 0 and "ok: N shards, T tokens", or 1 and one line per problem;
+                               DIR may be a parent of parts: "ok: P parts, N shards, T tokens"
+    inspect  DIR [--decode K]  manifest summary, optionally the first K documents as text;
+                               of a parent of parts: the totals, then one line per part
     bench    [--corpus-mb MB] [--workers N] [--vocab-size V] [--files N] [--rounds K] [--json FILE]
                                the build's figures (build vs bare tokenizers and datasets, the
                                median of K alternating rounds; bytes/token, worker memory) beside
@@ -25,6 +29,7 @@ import contextlib
 import os
 import signal
 import sys
+from pathlib import Path
 
 from bert_ds.base.errors import guarded
 
@@ -86,8 +91,8 @@ def _add_build(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--train-vocab", type=_positive_int, metavar="SIZE",
                    help="train a WordPiece vocabulary of SIZE entries on the inputs")
     b.add_argument("--workers", type=_positive_int, default=None,
-                   help="tokenizer processes (default: the CPUs available; 1 tokenizes in this process); "
-                   "the output is the same for any N")
+                   help="tokenizer processes (default: the CPUs available, shared among the build processes "
+                   "a launcher started on this host; 1 tokenizes in this process); the output is the same for any N")
     b.add_argument("--split-sentences", action="store_true",
                    help="split lines into sentences after . ! ? followed by whitespace and an uppercase "
                    "letter, digit or quote")
@@ -104,6 +109,10 @@ def _add_build(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--shard-tokens", type=_positive_int, default=DEFAULT_SHARD_TOKENS, metavar="N",
                    help=f"close a shard at the first document end after N tokens (default {DEFAULT_SHARD_TOKENS:,})")
     b.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    b.add_argument("--part", metavar="I/N",
+                   help="build part I (0-based) of N into DIR/part-0000I-of-0000N; without it, a launcher's "
+                        "rank and world size choose the part (torchrun, deepspeed, mpirun, MPICH, srun); "
+                        "N = 1 is a plain build into DIR")
     b.set_defaults(func=_build)
 
 
@@ -155,12 +164,17 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
 
 def _build(args: argparse.Namespace) -> int:
     from bert_ds.data_tools.build import BuildOptions, build
+    from bert_ds.data_tools.partition import processes_per_host, resolve_part
 
+    part = resolve_part(args.part)
+    if args.workers is None and part.partitioned and part.origin != "--part":
+        # N parts on one host share its CPUs (the output is the same for any worker count).
+        args.workers = max(1, len(os.sched_getaffinity(0)) // processes_per_host())
     opts = BuildOptions(
         inputs=args.input, output=args.output, vocab=args.vocab, train_vocab=args.train_vocab,
-        split_sentences=args.split_sentences, lowercase=args.lowercase,
-        shard_tokens=args.shard_tokens, progress=args.progress, text_field=args.text_field, overwrite=args.overwrite,
-        documents=args.documents, join_wrapped=args.join_wrapped,
+        split_sentences=args.split_sentences, lowercase=args.lowercase, part=part,
+        shard_tokens=args.shard_tokens, progress=args.progress and part.index == 0, text_field=args.text_field,
+        overwrite=args.overwrite, documents=args.documents, join_wrapped=args.join_wrapped,
         **({"workers": args.workers} if args.workers is not None else {}),
     )
     with _stop_signals_raise():
@@ -201,21 +215,27 @@ def _stop_signals_raise():
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from bert_ds.data_tools.verify import verify_dataset
+    from bert_ds.data_tools.verify import verify_parts
 
-    problems, manifest = verify_dataset(args.directory)
+    problems, manifests = verify_parts(args.directory)
     for line in problems:
         print(f"error: {line}", file=sys.stderr)
     if problems:
         return 1
-    print(f"ok: {len(manifest.shards)} shards, {manifest.totals['tokens']} tokens")
+    shards, tokens = sum(len(m.shards) for m in manifests), sum(m.totals["tokens"] for m in manifests)
+    parts = f"{len(manifests)} parts, " if manifests[0].build.get("partition") else ""
+    print(f"ok: {parts}{shards} shards, {tokens} tokens")
     return 0
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from bert_ds.data_tools.verify import inspect_dataset
+    from bert_ds.data_tools.partition import dataset_folders, part_folders
+    from bert_ds.data_tools.verify import inspect_dataset, inspect_parts
 
-    inspect_dataset(args.directory, decode=args.decode, seq_len=args.seq_len)
+    if not part_folders(Path(args.directory)) or (Path(args.directory) / "manifest.json").is_file():
+        inspect_dataset(args.directory, decode=args.decode, seq_len=args.seq_len)
+    else:
+        inspect_parts(args.directory, dataset_folders(args.directory), decode=args.decode, seq_len=args.seq_len)
     return 0
 
 

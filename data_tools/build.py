@@ -37,6 +37,12 @@ Design choices:
   (and, where the folder's own record allows, before training a vocabulary). The
   journal is written before anything else, so a folder a build was killed in is
   always recognised as that build's.
+* Partitioned builds (``part`` of N > 1): the same build of one share of the inputs
+  (:mod:`bert_ds.data_tools.shares`) into ``DIR/part-0000I-of-0000N``
+  (:mod:`bert_ds.data_tools.partition`), with every rule above applying to that folder; the
+  parent's own rules and the one vocabulary all parts share are :mod:`bert_ds.data_tools.parent`'s.
+  A part's manifest records ``build["partition"]`` and lists as sources only what it read;
+  its plan key covers its share. An empty share is a dataset of no shards, not an error.
 * Errors: bad input raises :class:`UserError` (one line, exit 2); a failing write
   (disk full) becomes a UserError naming the folder, after the shard writer has
   removed its temporary files.
@@ -55,6 +61,7 @@ import sys
 import time
 from collections import deque
 from collections.abc import Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from itertools import chain
 from pathlib import Path
@@ -66,10 +73,15 @@ from bert_ds.base.atomic import atomic_write
 from bert_ds.base.errors import UserError
 from bert_ds.base.locking import LOCK_NAME, FolderLock
 from bert_ds.data_tools.manifest import MANIFEST_NAME, Manifest, created_by
+from bert_ds.data_tools.parent import (
+    TOKENIZER_DIR, ParentLock, check_parent, has_tokenizer, remove, shared_tokenizer,
+)
+from bert_ds.data_tools.partition import Part
+from bert_ds.data_tools.shares import Share, share_of, share_sources
 from bert_ds.data_tools.shard_format import (
     FORMAT_VERSION, MAX_SENTENCE_TOKENS, ShardError, ShardInfo, ShardReader, ShardWriter, token_dtype,
 )
-from bert_ds.data_tools.sources import RECORD_KINDS, check_inputs, input_kind, source_info
+from bert_ds.data_tools.sources import RECORD_KINDS, check_inputs, input_kind, input_size, source_info
 from bert_ds.data_tools.text import (
     DOCUMENT_MODES, HEADING_RE, PIECE_BYTES, SENTENCE_MARKS, SENTENCE_SPLIT_RE, CorpusReader, Cursor, DocEnd, ReadStats, mark_sentences,
     sentence_cuts, split_sentences,
@@ -110,6 +122,7 @@ class BuildOptions:
     documents: str = "blank"  # plain text: a blank line ends a document ("blank"), or the file's end ("file")
     join_wrapped: bool = False  # plain text: join a paragraph's lines, then cut it into sentences
     overwrite: bool = False  # replace whatever DIR holds (a dataset of other inputs, other files' neighbours)
+    part: Part = field(default_factory=Part)  # build this part of the inputs into DIR/part-I-of-N (partition.py)
 
     def __post_init__(self):
         if (self.vocab is None) == (self.train_vocab is None):
@@ -133,8 +146,10 @@ class BuildOptions:
         """Whether an input holds records (JSONL, Parquet, a datasets table)."""
         return any(input_kind(p) in RECORD_KINDS for p in self.inputs)
 
-    def reader(self, **resume) -> CorpusReader:
-        """A reader of the inputs, from the start or from ``start=``, ``stats=``."""
+    def reader(self, share: Share | None = None, **resume) -> CorpusReader:
+        """A reader of the inputs (or of ``share`` of them), from its start or from ``start=``, ``stats=``."""
+        if share is not None:
+            resume = {"start": share.start, "stop": share.stop, "origin": share.first_byte, **resume}
         return CorpusReader(self.inputs, piece_bytes=self.piece_bytes, text_field=self.text_field,
                             documents=self.documents, join_wrapped=self.join_wrapped, **resume)
 
@@ -159,12 +174,17 @@ class BuildResult:
     vocab_seconds: float
     shards_reused: int
     already_built: bool = False  # DIR held this very build, finished: nothing was written
+    label: str = ""  # "part I/N" of a partitioned build: each summary line starts with it
 
     @property
     def bytes_on_disk(self) -> int:
         return sum(s.bin_bytes + s.idx_bytes for s in self.manifest.shards)
 
     def summary(self) -> str:
+        text = self._summary()
+        return "\n".join(f"{self.label}: {line}" for line in text.split("\n")) if self.label else text
+
+    def _summary(self) -> str:
         if self.already_built:
             return (f"{self.directory} is already built from these inputs and options "
                     f"({len(self.manifest.shards)} shard(s), {self.manifest.totals['tokens']:,} tokens); nothing to do")
@@ -493,7 +513,8 @@ class _Workers:
 
 # -- resume journal ------------------------------------------------------------------------
 
-def _plan_key(sources: list[dict], vocab: bytes, normalization: Normalization, opts: BuildOptions) -> str:
+def _plan_key(sources: list[dict], vocab: bytes, normalization: Normalization, opts: BuildOptions,
+              extra: dict | None = None) -> str:
     plan = {
         "shard_format": FORMAT_VERSION, "created_by": created_by(), "sources": sources,
         "tokenizer": vocab_fingerprint(vocab), "normalizer": normalization.to_json(),
@@ -503,8 +524,17 @@ def _plan_key(sources: list[dict], vocab: bytes, normalization: Normalization, o
         **({"text_field": opts.text_field} if opts.has_records else {}),
         **({"documents": opts.documents} if opts.documents != "blank" else {}),
         **({"join_wrapped": True} if opts.join_wrapped else {}),
+        **(extra or {}),
     }
     return hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()
+
+def _journaled(directory: Path, default: int) -> int:
+    """How many shards the journal on disk records (``default`` if it cannot be read)."""
+    try:
+        return len(json.loads((directory / JOURNAL_NAME).read_text(encoding="utf-8"))["shards"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return default
+
 
 def _write_json(path: Path, obj: object) -> None:
     atomic_write(path, json.dumps(obj))
@@ -623,46 +653,110 @@ def _vocab(opts: BuildOptions) -> tuple[bytes, Normalization]:
     return vocab, given
 
 
+@dataclass
+class _Plan:
+    """What one build process makes: a plain build, or one part of a partitioned build."""
+
+    directory: Path
+    tokenizer: Callable[[], tuple[bytes, Normalization]]  # loads or trains it; may wait for another part
+    part: Part = field(default_factory=Part)
+    share: Share | None = None  # of a part: its share of the inputs
+    sizes: list[int] = field(default_factory=list)  # of a part: every input's size
+
+
 def build(opts: BuildOptions) -> BuildResult:
     """Run a build; UserError for bad input, for a folder it must not replace, and for write failures."""
     t0 = time.perf_counter()
-    directory = Path(opts.output)
     # The workers start first: their imports overlap hashing the inputs, loading the
     # vocabulary and installing the tokenizer (a build that ends early stops them unused).
     with _Workers(opts.workers) as workers:
-        return _build(opts, directory, workers, t0)
+        plan = _part_plan(opts) if opts.part.partitioned else _Plan(Path(opts.output), lambda: _vocab(opts))
+        return _build(opts, plan, workers, t0)
 
 
-def _build(opts: BuildOptions, directory: Path, workers: _Workers, t0: float) -> BuildResult:
+def _part_plan(opts: BuildOptions) -> _Plan:
+    """A part's plan: the parent checked (nothing written yet), its share cut, one line said."""
+    part, output = opts.part, Path(opts.output)
+    sizes = [input_size(p) for p in opts.inputs]
+    record = _vocab_record(opts, sizes) if opts.vocab is None else None
+    removals = check_parent(output, part.count, opts.overwrite, record)
+    share = share_of(opts.inputs, part.index, part.count, opts.documents, opts.piece_bytes, sizes)
+    print(f"{part.label} ({part.origin}): {len(share.sources())} input(s), {share.bytes / 1e6:.1f} MB of "
+          f"{share.total_bytes / 1e6:.1f} MB -> {part.folder(output)}", flush=True)
+
+    def tokenizer() -> tuple[bytes, Normalization]:
+        if record is None and not removals:
+            return _vocab(opts)
+        if record is not None and not removals and not opts.overwrite and has_tokenizer(output, record):
+            return load_vocabulary(str(output / TOKENIZER_DIR))  # renamed into place whole: no lock needed
+        with ParentLock(output, part.label):
+            remove(removals)
+            if record is None:
+                return _vocab(opts)
+            folder = shared_tokenizer(output, record, opts.overwrite, part.label, lambda: _vocab(opts))
+        return load_vocabulary(str(folder))
+
+    return _Plan(part.folder(output), tokenizer, part, share, sizes)
+
+
+def _vocab_record(opts: BuildOptions, sizes: list[int]) -> dict:
+    """What a vocabulary shared by the parts is trained from (parent.py's trained_from.json)."""
+    return {
+        "train_vocab": opts.train_vocab, "lowercase": True if opts.lowercase is None else opts.lowercase,
+        "inputs": [[p, n] for p, n in zip(opts.inputs, sizes, strict=True)],
+        "documents": opts.documents, "join_wrapped": opts.join_wrapped, "piece_bytes": opts.piece_bytes,
+        "text_field": opts.text_field if opts.has_records else None,
+    }
+
+
+def _build(opts: BuildOptions, plan: _Plan, workers: _Workers, t0: float) -> BuildResult:
+    directory = plan.directory
     try:
         # Everything that can fail on bad input comes before the first write to DIR,
         # so a failed build never spoils a dataset already there.
-        sources = [source_info(p) for p in opts.inputs]
+        sources = share_sources(opts.inputs, plan.share) if plan.share else [source_info(p) for p in opts.inputs]
         existing = _existing(directory, opts.overwrite)
         if existing.kind == "dataset" and existing.sources != sources and not opts.overwrite:
             _refuse_other(directory, existing)  # decided before a vocabulary is trained
-        vocab, normalization = _vocab(opts)
-        key = _plan_key(sources, vocab, normalization, opts)
+        vocab, normalization = plan.tokenizer()
+        key, partition = _keys(opts, plan, sources, vocab, normalization)
         with FolderLock(directory, "a data_tools build"):
             # Again under the lock, which decides: another build may have finished meanwhile.
             existing = _existing(directory, opts.overwrite)
             if existing.kind == "dataset" and existing.key == key:
                 manifest = Manifest.load(directory)
                 return BuildResult(directory, manifest, time.perf_counter() - t0, 0.0, len(manifest.shards),
-                                   already_built=True)
+                                   already_built=True, label=plan.part.label if partition else "")
             if existing.kind != "nothing" and existing.key != key and not opts.overwrite:
                 _refuse_other(directory, existing)
             manifest, records, t_vocab = _build_locked(opts, directory, workers, sources, (vocab, normalization),
-                                                       key, t0)
+                                                       key, t0, (plan.share, partition))
     except OSError as e:
         raise UserError(f"{directory}: build failed: {e}") from None
-    return BuildResult(directory, manifest, time.perf_counter() - t0, t_vocab, len(records))
+    return BuildResult(directory, manifest, time.perf_counter() - t0, t_vocab, len(records),
+                       label=plan.part.label if partition else "")
+
+
+def _keys(opts: BuildOptions, plan: _Plan, sources: list[dict], vocab: bytes,
+          normalization: Normalization) -> tuple[str, dict | None]:
+    """The plan key of this folder (its resume key), and a part's partition record.
+
+    A part's corpus_key is the same in every part: the whole input list by (path, size),
+    not by content, so no part reads the whole corpus to compute it."""
+    if not plan.part.partitioned:
+        return _plan_key(sources, vocab, normalization, opts), None
+    part = plan.part
+    whole = [{"path": p, "bytes": n} for p, n in zip(opts.inputs, plan.sizes, strict=True)]
+    corpus_key = _plan_key(whole, vocab, normalization, opts, {"parts": part.count})
+    key = _plan_key(sources, vocab, normalization, opts, {"partition": [part.index, part.count, corpus_key]})
+    return key, {"index": part.index, "count": part.count, "corpus_key": corpus_key}
 
 
 def _build_locked(opts: BuildOptions, directory: Path, workers: _Workers, sources: list[dict],
                   tokenizer: tuple[bytes, Normalization], key: str,
-                  t0: float) -> tuple[Manifest, list[dict], float]:
-    """The build proper, in a folder this process holds; returns (manifest, reused records, set-up seconds)."""
+                  t0: float, part: tuple[Share | None, dict | None]) -> tuple[Manifest, list[dict], float]:
+    """The build proper, in a folder this process holds; returns (manifest, reused records, set-up seconds).
+    ``part``: a part's share of the inputs and its partition record (None, None for a plain build)."""
     records = _resumable(directory, key)
     # From here on the folder is not a dataset until the new manifest lands; the
     # journal comes first, so a build killed at any later point is recognised.
@@ -672,22 +766,25 @@ def _build_locked(opts: BuildOptions, directory: Path, workers: _Workers, source
     spec = install_tokenizer(directory, *tokenizer)
     workers.start(directory, spec)
     t_vocab = time.perf_counter() - t0
-    manifest = _write_shards(opts, directory, spec, key, records, workers)
+    share, partition = part
+    manifest = _write_shards(opts, directory, spec, key, records, workers, share)
     manifest.sources = sources
     manifest.build["plan_key"] = key
+    if partition is not None:
+        manifest.build["partition"] = partition
     manifest.save(directory)
     (directory / JOURNAL_NAME).unlink(missing_ok=True)
     return manifest, records, t_vocab
 
 
 def _write_shards(opts: BuildOptions, directory: Path, spec: TokenizerSpec, key: str,
-                  records: list[dict], workers: _Workers) -> Manifest:
+                  records: list[dict], workers: _Workers, share: Share | None = None) -> Manifest:
     if records:
         last = records[-1]
-        reader = opts.reader(start=Cursor.from_list(last["cursor"]), stats=ReadStats(**last["read"]))
+        reader = opts.reader(share, start=Cursor.from_list(last["cursor"]), stats=ReadStats(**last["read"]))
         counts = Counts(**last["counts"])
     else:
-        reader = opts.reader()
+        reader = opts.reader(share)
         counts = Counts()
     shards = [ShardInfo(**r["info"]) for r in records]
     journal = {"key": key, "shards": list(records)}
@@ -733,6 +830,11 @@ def _write_shards(opts: BuildOptions, directory: Path, spec: TokenizerSpec, key:
             end = DocEnd(Cursor(len(opts.inputs), 0, None), reader.stats)
             shards.append(_finish_shard(writer, counts, end, journal, directory))
             writer = None
+    except BaseException:
+        # A stop between a shard's rename and its journal record would leave it under its
+        # final name with no record: only the shards the journal on disk records stay.
+        _remove_stale(directory, keep_shards=_journaled(directory, len(shards)))
+        raise
     finally:
         stream.close()  # closes the input being read on every path
         if writer is not None:
@@ -745,14 +847,15 @@ def _write_shards(opts: BuildOptions, directory: Path, spec: TokenizerSpec, key:
 
 def _check_documents(opts: BuildOptions, st: ReadStats, counts: Counts) -> dict[str, int]:
     """Every document read is written or skipped for a reason; returns the skips by reason.
-    A build that wrote no document is a user error (an empty corpus)."""
+    A build that wrote no document is a user error (an empty corpus), but for a part of a
+    partitioned build: its share may hold no document, and the corpus is judged whole where it is read."""
     skipped = {"empty": counts.skipped_empty}
     if opts.has_records:  # the record inputs' own reasons, counted by the reader
         skipped.update(missing_field=st.missing_field, not_string=st.not_string)
     if counts.documents_written + sum(skipped.values()) != st.documents:
         raise RuntimeError(f"bug: {st.documents} documents in, but {counts.documents_written} written "
                            f"+ {skipped} skipped")
-    if counts.documents_written == 0:
+    if counts.documents_written == 0 and not opts.part.partitioned:
         reasons = ", ".join(f"{n} {k.replace('_', ' ')}" for k, n in skipped.items() if n or k == "empty")
         raise UserError(
             f"empty corpus: no document written from {', '.join(opts.inputs)} "

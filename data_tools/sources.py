@@ -178,6 +178,16 @@ def input_size(path: str) -> int:
     return os.path.getsize(path)
 
 
+def parquet_rows(path: str) -> int:
+    import pyarrow.parquet as pq
+
+    return pq.ParquetFile(path).metadata.num_rows
+
+
+def table_rows(path: str) -> int:
+    return len(_hf_dataset(path))
+
+
 def source_info(path: str) -> dict:
     """The manifest's entry for an input: path as given, bytes, sha256 (see module doc)."""
     if input_kind(path) not in ("hf_disk", "hf_hub"):

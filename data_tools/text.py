@@ -68,13 +68,16 @@ from __future__ import annotations
 
 import gzip
 import io
+import os
 import re
 import zlib
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
 from bert_ds.base.errors import UserError
-from bert_ds.data_tools.sources import BLANK, MISSING, input_kind, input_size, open_records
+from bert_ds.data_tools.sources import (
+    BLANK, MISSING, input_kind, input_size, open_records, parquet_rows, table_rows,
+)
 
 PIECE_BYTES = 1 << 20
 DOCUMENT_MODES = ("blank", "file")  # what ends a plain-text document: a blank line (or a title), or the file's end
@@ -231,6 +234,91 @@ def _pieces(stream: io.BufferedIOBase, piece_bytes: int) -> Iterator[tuple[bytes
         cut_line = True
 
 
+def _clean_piece(data: bytes, at_file_start: bool, ends_line: bool) -> tuple[str, int, int, int]:
+    """A piece of a file as the reader takes it: (its stripped text, NUL bytes removed, 1 if
+    its line ended in CRLF else 0, U+FFFD characters introduced by decoding)."""
+    n_nul = n_crlf = 0
+    if at_file_start and data.startswith(_BOM):
+        data = data[len(_BOM):]
+    if ends_line and data.endswith(b"\n"):
+        data = data[:-1]
+        if data.endswith(b"\r"):
+            data = data[:-1]
+            n_crlf = 1
+    if b"\x00" in data:
+        n_nul = data.count(b"\x00")
+        data = data.replace(b"\x00", b"")
+    try:
+        return data.decode("utf-8").strip(), n_nul, n_crlf, 0
+    except UnicodeDecodeError:
+        text = data.decode("utf-8", errors="replace")
+        return text.strip(), n_nul, n_crlf, text.count(_REPLACEMENT) - data.count(_REPLACEMENT_BYTES)
+
+
+# -- where a part may start inside a file (see bert_ds.data_tools.shares) -----------------
+
+def _file_pieces(path: str, offset: int, piece_bytes: int) -> Iterator[tuple[int, str, bool]]:
+    """(start, stripped text, part of a cut line) of a plain file's pieces from ``offset``,
+    a line start, exactly as the reader cuts and cleans them."""
+    with open(path, "rb") as f:
+        f.seek(offset)
+        pos = offset
+        for data, ends_line, cut_line in _pieces(f, piece_bytes):
+            yield pos, _clean_piece(data, pos == 0, ends_line)[0], cut_line
+            pos += len(data)
+
+
+def file_mode(path: str, piece_bytes: int) -> str | None:
+    """The file's document mode as the reader decides it from its first non-blank line:
+    "heading" when that is a title, else "blank"; None for a file of blank lines only."""
+    for _, s, cut_line in _file_pieces(path, 0, piece_bytes):
+        if s or cut_line:
+            return "heading" if not cut_line and heading_level(s) == 1 else "blank"
+    return None
+
+
+def _line_start(path: str, offset: int) -> int:
+    """The first line start at or after ``offset`` (the file's size if none)."""
+    if offset == 0:
+        return 0
+    with open(path, "rb") as f:
+        f.seek(offset - 1)
+        pos = offset - 1
+        while block := f.read(1 << 20):
+            at = block.find(b"\n")
+            if at >= 0:
+                return pos + at + 1
+            pos += len(block)
+    return pos
+
+
+def document_start(path: str, offset: int, mode: str | None, piece_bytes: int) -> int:
+    """The first position at or after ``offset`` where the reader starts a document afresh,
+    by its own rules (the file's size if none): in heading mode the start of the next title
+    line; in blank mode just after the first blank line from the next line start on."""
+    pos = _line_start(path, offset)
+    if mode not in ("heading", "blank"):
+        return pos  # a file of blank lines: no document anywhere
+    for start, s, cut_line in _file_pieces(path, pos, piece_bytes):
+        if cut_line:
+            continue
+        if mode == "heading" and heading_level(s) == 1:
+            return start
+        if mode == "blank" and not s:
+            return _line_start(path, start + 1)
+    return os.path.getsize(path)
+
+
+def position_bytes(path: str, offset: int, size: int) -> int:
+    """On-disk bytes before a cursor offset: the offset itself, or a row's share of a table's bytes."""
+    kind = input_kind(path)
+    if kind == "parquet":
+        return size * offset // max(parquet_rows(path), 1)
+    if kind in ("hf_disk", "hf_hub"):
+        return size * offset // max(table_rows(path), 1)
+    return offset
+
+
 class CorpusReader:
     """Reads inputs in order as a stream of text lines and :class:`DocEnd` markers.
 
@@ -241,7 +329,8 @@ class CorpusReader:
 
     def __init__(self, paths: list[str], *, start: Cursor | None = None,
                  stats: ReadStats | None = None, piece_bytes: int = PIECE_BYTES,
-                 text_field: str = "text", documents: str = "blank", join_wrapped: bool = False):
+                 text_field: str = "text", documents: str = "blank", join_wrapped: bool = False,
+                 stop: Cursor | None = None, origin: int = 0):
         if piece_bytes < 64:
             raise ValueError("piece_bytes must be at least 64")
         if documents not in DOCUMENT_MODES:
@@ -250,6 +339,8 @@ class CorpusReader:
         self.join_wrapped = join_wrapped
         self.paths = list(paths)
         self.start = start or Cursor(0, 0, None)
+        self.stop = stop or Cursor(len(self.paths), 0, None)
+        self.origin = origin  # progress and total_bytes count from here (a part's first byte)
         self.stats = stats.snapshot() if stats is not None else ReadStats()
         self.piece_bytes = piece_bytes
         self.text_field = text_field
@@ -267,24 +358,30 @@ class CorpusReader:
 
     @property
     def total_bytes(self) -> int:
-        return sum(self._sizes)
+        """On-disk bytes up to ``stop`` (a row position counted in proportion), from ``origin``."""
+        end = sum(self._sizes[: self.stop.source])
+        if self.stop.offset:
+            end += position_bytes(self.paths[self.stop.source], self.stop.offset, self._sizes[self.stop.source])
+        return end - self.origin
 
     @property
     def progress(self) -> int:
         here = self._source.raw_pos if self._source is not None else 0
-        return self._done_bytes + here
+        return self._done_bytes + here - self.origin
 
     def __iter__(self) -> Iterator[str | DocEnd]:
-        for index in range(self.start.source, len(self.paths)):
+        last = min(self.stop.source + (1 if self.stop.offset else 0), len(self.paths))
+        for index in range(self.start.source, last):
             first = index == self.start.source
             offset = self.start.offset if first else 0
             mode = self.start.mode if first else None
+            stop_at = self.stop.offset if index == self.stop.source else float("inf")
             self._index = index
             try:
                 if self._kinds[index] == "text":
-                    yield from self._read_file(index, offset, mode)
+                    yield from self._read_file(index, offset, mode, stop_at)
                 else:
-                    yield from self._read_records(index, offset)
+                    yield from self._read_records(index, offset, stop_at)
             except (OSError, EOFError, zlib.error) as e:  # gzip.BadGzipFile is an OSError
                 raise UserError(f"{self.paths[index]}: cannot read: {e}") from None
             finally:
@@ -293,7 +390,7 @@ class CorpusReader:
                     self._source = None
             self._done_bytes += self._sizes[index]
 
-    def _read_file(self, index: int, offset: int, mode: str | None) -> Iterator[str | DocEnd]:
+    def _read_file(self, index: int, offset: int, mode: str | None, stop_at: float) -> Iterator[str | DocEnd]:
         st = self.stats
         src = self._source = _Source(self.paths[index], offset, self._sizes[index])
         pos = offset
@@ -303,27 +400,17 @@ class CorpusReader:
         paragraph = _Paragraph(self.piece_bytes) if self.join_wrapped else None
         for data, ends_line, cut_line in _pieces(src.stream, self.piece_bytes):
             line_start, pos = pos, pos + len(data)
+            if line_start >= stop_at:  # the next part's first document starts here
+                if paragraph is not None:
+                    yield from paragraph.flush()
+                if doc_open:
+                    yield DocEnd(Cursor(index, line_start, mode), st.snapshot())
+                return
             # Counts for this line are added after any DocEnd that precedes the line, so
             # a DocEnd's copy never includes a line that resuming from it reads again.
-            n_bytes, n_nul, n_crlf = len(data), 0, 0
-            if line_start == 0 and data.startswith(_BOM):
-                data = data[len(_BOM):]
-            if ends_line and data.endswith(b"\n"):
-                data = data[:-1]
-                if data.endswith(b"\r"):
-                    data = data[:-1]
-                    n_crlf = 1
-            if b"\x00" in data:
-                n_nul = data.count(b"\x00")
-                data = data.replace(b"\x00", b"")
-            try:
-                text = data.decode("utf-8")
-                n_bad = 0
-            except UnicodeDecodeError:
-                text = data.decode("utf-8", errors="replace")
-                n_bad = text.count(_REPLACEMENT) - data.count(_REPLACEMENT_BYTES)
-            s = text.strip()
-            data = text = b""  # only s is needed from here: one copy of the piece, not three
+            n_bytes = len(data)
+            s, n_nul, n_crlf, n_bad = _clean_piece(data, line_start == 0, ends_line)
+            data = b""  # only s is needed from here: one copy of the piece, not two
             level = heading_level(s) if not cut_line else 0
             if level and paragraph is not None:
                 yield from paragraph.flush()
@@ -362,10 +449,14 @@ class CorpusReader:
         if doc_open:
             yield DocEnd(Cursor(index + 1, 0, None), st.snapshot())
 
-    def _read_records(self, index: int, start: int) -> Iterator[str | DocEnd]:
+    def _read_records(self, index: int, start: int, stop_at: float) -> Iterator[str | DocEnd]:
         st = self.stats
         src = self._source = open_records(self.paths[index], self.text_field, start)
-        for pos, n_bytes, n_bad, value in src:
+        pos = start
+        for next_pos, n_bytes, n_bad, value in src:
+            if pos >= stop_at:  # this record is the next part's first
+                return
+            pos = next_pos
             st.bytes += n_bytes
             st.invalid_utf8 += n_bad
             if value is BLANK:

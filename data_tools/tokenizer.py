@@ -294,3 +294,11 @@ def load_tokenizer(directory: str | os.PathLike):
     if not path.is_file():
         raise UserError(f"{path}: missing (the dataset's tokenizer)")
     return Tokenizer.from_file(str(path))
+
+
+def write_tokenizer_folder(folder: str | os.PathLike, vocab: bytes, normalization: Normalization) -> None:
+    """The HF tokenizer files for ``vocab`` in a new folder (made here, synced; the caller renames it)."""
+    folder = Path(folder)
+    _write_hf_files(folder, vocab, normalization)
+    for name in HF_FILES:
+        fsync_path(folder / name)

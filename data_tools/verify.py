@@ -4,7 +4,9 @@
 manifest, the tokenizer fingerprint, each shard's header against its manifest entry,
 and each shard's full contents (checksums, max token id < vocab size). ``inspect``
 opens the dataset the way training does (:func:`bert_ds.data_tools.manifest.open_dataset`) and
-summarizes it, optionally decoding the first documents.
+summarizes it, optionally decoding the first documents. Both take a parent of parts too
+(:func:`bert_ds.data_tools.partition.dataset_folders`): ``verify`` checks that every part is there
+and finished, then verifies each; ``inspect`` prints the totals and one line per part.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import numpy as np
 
 from bert_ds.base.errors import ShardError
 from bert_ds.data_tools.manifest import Manifest, check_shard, check_tokenizer, open_dataset
+from bert_ds.data_tools.partition import dataset_folders, part_folders
 from bert_ds.data_tools.shard_format import ShardReader
 from bert_ds.data_tools.tokenizer import load_tokenizer
 
@@ -42,6 +45,25 @@ def verify_dataset(directory: str | os.PathLike) -> tuple[list[str], Manifest | 
     return problems, manifest
 
 
+def verify_parts(path: str | os.PathLike) -> tuple[list[str], list[Manifest]]:
+    """:func:`verify_dataset` of a dataset folder, or of every part of a parent (after checking
+    they are all there, finished and of one build): the problems, and the manifests."""
+    if not part_folders(Path(path)):  # a dataset folder, or no dataset at all: its own first problem
+        problems, manifest = verify_dataset(path)
+        return problems, [manifest] if manifest is not None else []
+    try:
+        folders = dataset_folders(path)
+    except ShardError as e:
+        return [str(e)], []
+    problems, manifests = [], []
+    for folder in folders:
+        found, manifest = verify_dataset(folder)
+        problems += found
+        if manifest is not None:
+            manifests.append(manifest)
+    return problems, manifests
+
+
 def _percentiles(values: np.ndarray, qs=(50, 90, 99)) -> str:
     if values.size == 0:
         return "n/a"
@@ -57,6 +79,31 @@ def short_documents_warning(tokens_per_doc: float, seq_len: int, build: dict) ->
                 "and/or --documents file.")
     return (f"warning: documents average {tokens_per_doc:.0f} tokens, fewer than a sequence of {seq_len}: "
             f"samples never cross a document, so most will be short.{hint}")
+
+
+def _decode(directory: Path, readers: list[ShardReader], decode: int, p) -> None:
+    tok = load_tokenizer(directory)
+    shown = 0
+    for r in readers:
+        for d in range(r.num_docs):
+            if shown == decode:
+                return
+            sents = r.document(d)
+            p(f"\n--- document {shown} ({r.prefix.name} #{d}: {len(sents)} sentences, "
+              f"{sum(len(s) for s in sents)} tokens)")
+            for s in sents:
+                p(tok.decode(s.tolist(), skip_special_tokens=False))
+            shown += 1
+
+
+def inspect_documents(directory: Path, decode: int, out: TextIO) -> None:
+    """Print the first ``decode`` documents of a dataset folder as text."""
+    _, readers = open_dataset(directory)
+    try:
+        _decode(directory, readers, decode, lambda line: print(line, file=out))
+    finally:
+        for r in readers:
+            r.close()
 
 
 def inspect_dataset(directory: str | os.PathLike, decode: int = 0, out: TextIO | None = None,
@@ -102,18 +149,38 @@ def inspect_dataset(directory: str | os.PathLike, decode: int = 0, out: TextIO |
         if m.totals["docs"] and tokens / m.totals["docs"] < seq_len:
             print(short_documents_warning(tokens / m.totals["docs"], seq_len, m.build), file=sys.stderr)
         if decode > 0:
-            tok = load_tokenizer(directory)
-            shown = 0
-            for r in readers:
-                for d in range(r.num_docs):
-                    if shown == decode:
-                        break
-                    sents = r.document(d)
-                    p(f"\n--- document {shown} ({r.prefix.name} #{d}: {len(sents)} sentences, "
-                      f"{sum(len(s) for s in sents)} tokens)")
-                    for s in sents:
-                        p(tok.decode(s.tolist(), skip_special_tokens=False))
-                    shown += 1
+            _decode(directory, readers, decode, p)
     finally:
         for r in readers:
             r.close()
+
+
+def inspect_parts(parent: str | os.PathLike, folders: list[Path], decode: int = 0, out: TextIO | None = None,
+                  seq_len: int = 128) -> None:
+    """Print the totals over the parts of a parent, then one line per part; with ``decode`` > 0
+    the first documents, from the first parts on."""
+    out = out or sys.stdout
+    manifests = [Manifest.load(f) for f in folders]
+    m0 = manifests[0]
+    docs = sum(m.totals["docs"] for m in manifests)
+    tokens = sum(m.totals["tokens"] for m in manifests)
+    print(f"dataset:     {parent}: {len(folders)} parts (corpus_key {m0.build['partition']['corpus_key'][:16]})",
+          file=out)
+    print(f"shards:      {sum(len(m.shards) for m in manifests)}", file=out)
+    print(f"documents:   {docs:,}   sentences: {sum(m.totals['sentences'] for m in manifests):,}   "
+          f"tokens: {tokens:,}", file=out)
+    print(f"vocab:       {m0.vocab_size:,} ({m0.token_dtype}), {'lowercase' if m0.lowercase else 'cased'}, "
+          f"tokenizer sha256 {m0.tokenizer_fingerprint[:16]}", file=out)
+    for folder, m in zip(folders, manifests, strict=True):
+        print(f"part {m.build['partition']['index']}: {folder.name}: {len(m.shards)} shards, "
+              f"{m.totals['docs']:,} documents, {m.totals['tokens']:,} tokens, {len(m.sources)} source(s)", file=out)
+    if docs and tokens / docs < seq_len:
+        print(short_documents_warning(tokens / docs, seq_len, m0.build), file=sys.stderr)
+    left = decode
+    for folder, m in zip(folders, manifests, strict=True):
+        if left <= 0:
+            break
+        if m.totals["docs"]:
+            print(f"\n=== {folder.name}", file=out)
+            inspect_documents(folder, min(left, m.totals["docs"]), out)
+            left -= m.totals["docs"]
