@@ -361,11 +361,14 @@ class FileArray:
     def __setstate__(self, state: dict) -> None:
         self.__init__(**state)
 
-    def __del__(self) -> None:
+    def close(self) -> None:
         fd = getattr(self, "_fd", None)
         if fd is not None:
             os.close(fd)
             self._fd = None
+
+    def __del__(self) -> None:
+        self.close()
 
 
 @contextmanager

@@ -44,11 +44,13 @@ from bert_ds.loader.workers import end_loader_workers_at_exit, loader_worker_ini
 from bert_ds.model.padding import IGNORE_INDEX, unpad
 from bert_ds.base.errors import ShardError
 from bert_ds.data_tools.manifest import Manifest, open_dataset
+from bert_ds.data_tools.partition import dataset_folders
 from bert_ds.data_tools.shard_format import FileArray, ShardInfo, ShardReader
 from bert_ds.loader.permutation import EpochPermutation
 from bert_ds.loader.sample_map import COUNT_BITS, COUNT_MASK, ChunkTargets, bases, open_sample_map, open_sentence_index
 
 Batch = dict[str, torch.Tensor | int]  # what collate returns: tensors, and max_seqlen as a host int
+OPEN_TOKEN_FILES = 256  # token files a process keeps open (see PretrainingDataset._token_file)
 _PERMUTATION_STREAM = 0x5EED  # keeps the shuffle generator apart from the per-sample ones
 
 
@@ -112,7 +114,7 @@ class PretrainingDataset(Dataset):
         self.path = paths[0]  # named in messages; the corpus's sample maps are cached here
         self.cfg = cfg
         self.seed = seed
-        self.folders = paths
+        self.folders = [f for p in paths for f in dataset_folders(p)]
         self.manifest, readers, self._shards = _open_corpus(self.folders)
         self.vocab_size = self.manifest.vocab_size
         self.special = SpecialTokens(**self.manifest.special_tokens)
@@ -130,7 +132,7 @@ class PretrainingDataset(Dataset):
         self.total_docs = sum(r.num_docs for r in readers)
         self._targets = ChunkTargets(seed, self.max_num_tokens, cfg.short_seq_prob)
         self.continuation = _continuation_table(self.folders[0], self.vocab_size) if cfg.whole_word_mask else None
-        self._token_files: list[FileArray | None] = [None] * len(self._shards)
+        self._token_files: dict[int, FileArray] = {}  # shard -> its open token file
         self._rng = _SampleRng()
         self._no_labels = np.full(cfg.max_seq_length, IGNORE_INDEX, dtype=np.int64)  # copied per sample
         self._perm = EpochPermutation(self.num_samples, seed, 0)
@@ -140,7 +142,7 @@ class PretrainingDataset(Dataset):
     # The thread-local generator cannot be pickled: each copy makes its own.
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        state["_token_files"] = [None] * len(self._shards)
+        state["_token_files"] = {}
         del state["_rng"]
         return state
 
@@ -256,9 +258,13 @@ class PretrainingDataset(Dataset):
         """A shard's token ids, read with ``pread`` (a sample reads a few hundred bytes at a random
         place: a memory map would keep every page a draw touched, and up to 15 neighbours the kernel
         maps with it, until the process's resident memory held the whole corpus). Opened when first
-        read: a corpus of many shards holds a file descriptor only for the shards it has drawn from."""
-        f = self._token_files[shard]
+        read, and at most ``OPEN_TOKEN_FILES`` at a time: a corpus of 30,000 shards (2T tokens) must
+        not need a file descriptor for each in every rank and loader worker (a common limit is 1,024
+        per process)."""
+        f = self._token_files.get(shard)
         if f is None:
+            if len(self._token_files) >= OPEN_TOKEN_FILES:  # the longest open goes (draws are uniform)
+                self._token_files.pop(next(iter(self._token_files))).close()
             folder, info = self._shards[shard]
             f = self._token_files[shard] = FileArray(folder / f"{info.name}.bin", self.manifest.token_dtype,
                                                      info.num_tokens)

@@ -14,6 +14,7 @@ from pathlib import Path
 from bert_ds.base.errors import BadStepsError
 from bert_ds.checkpoint import store as checkpoint
 from bert_ds.config import TrainConfig
+from bert_ds.data_tools.partition import dataset_folders
 from bert_ds.loader.pretraining import PretrainingLoader
 from bert_ds.train.step import RunState
 
@@ -33,7 +34,8 @@ class Checkpointer:
     def for_run(cls, cfg: TrainConfig, engine, loader: PretrainingLoader, rank: int,
                 saved_at: int | None) -> Checkpointer:
         return cls(Path(cfg.output) / "checkpoints", engine=engine, loader=loader,
-                   tokenizer_dir=Path(cfg.data.train[0]),  # every dataset of a run shares one tokenizer
+                   # every dataset of a run shares one tokenizer: the first folder's (a parent's first part's)
+                   tokenizer_dir=dataset_folders(cfg.data.train[0])[0],
                    keep_last=cfg.keep_last, save_every=cfg.save_every, recipe=cfg, rank=rank, saved_at=saved_at)
 
     def save(self, state: RunState, *, last: bool = False) -> Path | None:

@@ -203,13 +203,15 @@ def prepare(args: argparse.Namespace) -> tuple[TrainConfig, RunOptions] | None:
     """The run's validated config and options, checked without a process group so that bad
     input fails fast; None when the run in OUTPUT is finished already (said on rank 0)."""
     from bert_ds.data_tools.manifest import Manifest
+    from bert_ds.data_tools.partition import dataset_folders
 
     check_writable(args.output, "--output", folder=True)  # a file, a read-only place: before anything is read
-    vocab_size = Manifest.load(Path(args.data[0])).vocab_size
+    data = dataset_folders(args.data[0])[0]  # a dataset folder, or a parent's first part
+    vocab_size = Manifest.load(data).vocab_size
     found = checkpoint.find_latest(Path(args.output) / "checkpoints") if args.resume == "auto" else None
     init = hf_import.open_source(Path(args.init_from)) if args.init_from and found is None else None
     if init is not None:
-        hf_import.check_vocabulary(init, Path(args.data[0]))
+        hf_import.check_vocabulary(init, data)
     cfg = config_from_args(args, vocab_size, resuming.saved_model(found) if found else None, init)
     profile = StepRange.parse(args.profile_steps) if args.profile_steps is not None else None
     if profile is not None and profile.first > cfg.steps:

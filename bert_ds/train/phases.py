@@ -195,10 +195,11 @@ def main(argv: list[str] | None = None) -> int:
     def body() -> None:
         from bert_ds.base.errors import ShardError
         from bert_ds.data_tools.manifest import Manifest
+        from bert_ds.data_tools.partition import dataset_folders
 
         plan = PhasePlan.load(Path(args.config))
         try:
-            manifest = Manifest.load(plan.first_dataset())
+            manifest = Manifest.load(dataset_folders(plan.first_dataset())[0])
         except ShardError as e:
             if not plan.prepare:
                 raise

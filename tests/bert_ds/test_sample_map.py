@@ -220,3 +220,25 @@ def test_a_builder_killed_mid_way_neither_blocks_nor_corrupts_the_next_open(shar
     assert after.stderr.count("sample map built") == 1
     assert after.stdout.split()[0] == expected
     assert not list((data / ".cache").glob("*.tmp"))
+
+
+def test_a_drawing_process_keeps_few_token_files_open(shards, monkeypatch):
+    """A corpus of thousands of shards must not hold a descriptor per shard in every process:
+    token files open as they are drawn from, at most OPEN_TOKEN_FILES at a time, and the
+    samples do not depend on which are open."""
+    from bert_ds.config import DataConfig
+    from bert_ds.loader import pretraining
+
+    cfg = DataConfig(train=str(shards))
+    unbounded = pretraining.PretrainingDataset(shards, cfg, seed=4)
+    positions = range(0, len(unbounded), 3)
+    expected = [unbounded[p]["input_ids"].tolist() for p in positions]
+    assert len(unbounded._token_files) >= 3
+    monkeypatch.setattr(pretraining, "OPEN_TOKEN_FILES", 2)
+    bounded = pretraining.PretrainingDataset(shards, cfg, seed=4)
+    shards_drawn = set()
+    for p, want in zip(positions, expected, strict=True):
+        assert bounded[p]["input_ids"].tolist() == want
+        shards_drawn.add(bounded.chunk(bounded.permutation(0)(p))[0])
+        assert len(bounded._token_files) <= 2
+    assert len(shards_drawn) >= 3
