@@ -391,7 +391,7 @@ def run(corpus_mb: float, workers: int, vocab_size: int, files: int | None = Non
                 for pipeline in PIPELINES[k % 3:] + PIPELINES[: k % 3]:
                     log(f"bench: round {k + 1}/{rounds}, {name.replace('_', ' ')} ({len(inputs):,}): {pipeline}")
                     measured[name][pipeline].append(_measure(pipeline, inputs, work, tokenizer, workers))
-    sizes = [os.path.getsize(p) for p in layouts.get("many_files", [])]
+        sizes = [os.path.getsize(p) for p in layouts.get("many_files", [])]
     return {
         "corpus": {"source": f"{SAMPLE_DIR} ({', '.join(SAMPLE_FILES)}) repeated", "bytes": corpus_bytes,
                    "copies": round(copies, 3)},
