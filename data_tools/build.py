@@ -60,8 +60,7 @@ import signal
 import sys
 import time
 from collections import deque
-from collections.abc import Iterator
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from itertools import chain
 from pathlib import Path
