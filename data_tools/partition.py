@@ -186,8 +186,9 @@ def dataset_folders(path: str | os.PathLike) -> list[Path]:
                          f"{', '.join(p.name for i, p in found if i >= count)}")
     missing = [i for i in range(count) if i not in folders or not (folders[i] / MANIFEST_NAME).is_file()]
     if missing:
-        raise ShardError(f"{path}: {_numbers(missing)} of {count} are missing or unfinished (no "
-                         f"{MANIFEST_NAME}); rerun their builds")
+        are, their = ("is", "its build") if len(missing) == 1 else ("are", "their builds")
+        raise ShardError(f"{path}: {_numbers(missing)} of {count} {are} missing or unfinished (no "
+                         f"{MANIFEST_NAME}); rerun {their}")
     first: dict | None = None
     for i in range(count):
         manifest = Manifest.load(folders[i])

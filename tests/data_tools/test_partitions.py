@@ -213,7 +213,7 @@ def test_a_lost_part_is_rebuilt_alone(single, by_flag, tmp_path, capsys):
     before = tree(parent)
     shutil.rmtree(parent / part_name(1, 3))
     (parent / part_name(1, 3)).mkdir()  # as a node that died before its first shard leaves it
-    with pytest.raises(ShardError, match=r"parts: part 1 of 3 are missing or unfinished .*rerun their builds"):
+    with pytest.raises(ShardError, match=r"parts: part 1 of 3 is missing or unfinished .*rerun its build"):
         dataset_folders(parent)
     capsys.readouterr()
     for i in range(3):
@@ -289,7 +289,7 @@ def test_verify_and_inspect_take_the_parent(by_flag, tmp_path, capsys):
     assert str(shard) in err and err.startswith("error: ")
     shutil.rmtree(damaged / part_name(0, 3))
     assert main(["verify", str(damaged)]) == 1
-    assert "part 0 of 3 are missing or unfinished" in capsys.readouterr().err
+    assert "part 0 of 3 is missing or unfinished" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("args, env, message", [
