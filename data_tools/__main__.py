@@ -181,8 +181,9 @@ def _build(args: argparse.Namespace) -> int:
         try:
             result = build(opts)
         except _Interrupted as stop:
-            print(f"stopped by {stop.signal.name}: finished shards are kept in {opts.output}; rerun the same "
-                  "command to resume", file=sys.stderr, flush=True)
+            label = f"{opts.part.label}: " if opts.part.partitioned else ""
+            print(f"{label}stopped by {stop.signal.name}: finished shards are kept in {opts.part.folder(opts.output)}; "
+                  "rerun the same command to resume", file=sys.stderr, flush=True)
             return 128 + stop.signal
     print(result.summary())
     return 0

@@ -60,6 +60,8 @@ from pathlib import Path
 
 import numpy as np
 
+from bert_ds.data_tools.tokenizer import HF_FILES
+
 SAMPLE_DIR = Path(__file__).resolve().parent / "sample"
 SAMPLE_FILES = ("valid.txt", "test.txt")
 BERT_VOCAB_SIZE = 30522
@@ -416,9 +418,8 @@ def _measure(pipeline: str, inputs: list[str], work: Path, tokenizer: Path, work
             result = _in_child(_build_child, inputs, str(out), str(work / "vocab.txt"), workers)
             if not tokenizer.exists():
                 tokenizer.mkdir()
-                for f in out.iterdir():
-                    if f.is_file() and not f.name.startswith(("shard_", "manifest")):
-                        shutil.copy(f, tokenizer / f.name)
+                for name in HF_FILES:
+                    shutil.copy(out / name, tokenizer / name)
             return result
         if pipeline == "bare_tokenizers":
             return run_bare(inputs, (tokenizer / "tokenizer.json").read_text(encoding="utf-8"), workers)

@@ -308,7 +308,8 @@ class FileArray:
     """
 
     def __init__(self, path: str | os.PathLike, dtype: np.dtype | str, count: int, offset: int = 0):
-        self.path, self.dtype, self.count, self.offset = Path(path), np.dtype(dtype), int(count), int(offset)
+        # ``path`` kept as given: a loader opening token files by the thousand skips making Paths
+        self.path, self.dtype, self.count, self.offset = path, np.dtype(dtype), int(count), int(offset)
         self._itemsize = self.dtype.itemsize
         # memoryview's format of the dtype, where this machine's byte order is the file's
         self._native = _NATIVE_FORMATS.get(self.dtype.str) if sys.byteorder == "little" else None
@@ -322,38 +323,29 @@ class FileArray:
 
     def __getitem__(self, where: slice | int) -> np.ndarray | int:
         if isinstance(where, int):  # one element, as a Python int: no array is made
-            return self._item(where)
+            if not 0 <= where < self.count:
+                raise IndexError(f"{self.path}: element {where} outside [0, {self.count})")
+            return int.from_bytes(self._read(where, where + 1), "little", signed=self.dtype.kind == "i")
         lo = where.start or 0
-        hi = self.count if where.stop is None else min(where.stop, self.count)
-        n = max(0, hi - lo) * self._itemsize
-        data = os.pread(self._fd, n, self.offset + lo * self._itemsize)
-        if len(data) != n:
-            raise ShardError(f"{self.path}: truncated: {n} bytes at byte {self.offset + lo * self._itemsize} "
-                             f"could not be read (the file changed while open)")
-        return np.frombuffer(data, self.dtype)
+        hi = self.count if where.stop is None else where.stop
+        return np.frombuffer(self._read(lo, hi), self.dtype)
 
     def ints(self, lo: int, hi: int) -> list[int]:
         """Elements ``[lo, hi)`` as Python ints: for a few elements, a third of the cost of an
         array's ``tolist()`` (no array is made)."""
         if self._native is None:
             return self[lo:hi].tolist()
-        hi = min(hi, self.count)
-        n = max(0, hi - lo) * self._itemsize
-        data = os.pread(self._fd, n, self.offset + lo * self._itemsize)
-        if len(data) != n:
-            raise ShardError(f"{self.path}: truncated: {n} bytes at byte {self.offset + lo * self._itemsize} "
-                             f"could not be read (the file changed while open)")
-        return memoryview(data).cast(self._native).tolist()
+        return memoryview(self._read(lo, hi)).cast(self._native).tolist()
 
-    def _item(self, i: int) -> int:
-        if not 0 <= i < self.count:
-            raise IndexError(f"{self.path}: element {i} outside [0, {self.count})")
-        at = self.offset + i * self._itemsize
-        data = os.pread(self._fd, self._itemsize, at)
-        if len(data) != self._itemsize:
-            raise ShardError(f"{self.path}: truncated: element {i} at byte {at} could not be read "
+    def _read(self, lo: int, hi: int) -> bytes:
+        """The bytes of elements ``[lo, min(hi, count))``; ShardError if the file is shorter now."""
+        n = max(0, min(hi, self.count) - lo) * self._itemsize
+        at = self.offset + lo * self._itemsize
+        data = os.pread(self._fd, n, at)
+        if len(data) != n:
+            raise ShardError(f"{self.path}: truncated: {n} bytes at byte {at} could not be read "
                              "(the file changed while open)")
-        return int.from_bytes(data, "little", signed=self.dtype.kind == "i")
+        return data
 
     def __getstate__(self) -> dict:
         return {"path": self.path, "dtype": self.dtype, "count": self.count, "offset": self.offset}
@@ -439,7 +431,7 @@ class _IndexCheck:
 
 
 class ShardReader:
-    """Opens a shard cheaply (index checked in blocks and not kept, ``.bin`` memory-mapped).
+    """Opens a shard cheaply (index checked in blocks and not kept, ``.bin`` mapped when first read).
 
     Attributes: ``prefix`` (Path), ``dtype``, ``num_docs``, ``num_sentences``,
     ``num_tokens``, ``max_token_id``, ``tokens`` (:func:`map_tokens` of the ``.bin``,
@@ -459,7 +451,12 @@ class ShardReader:
                 self._parse_header(f.read(HEADER_SIZE), idx_size)
                 self._check_bin_size(os.stat(self.bin_path).st_size)
                 self._scan_body(f, block=_INDEX_BLOCK)
-        self.tokens = map_tokens(self.bin_path, self.num_tokens, self.dtype)
+
+    @functools.cached_property
+    def tokens(self) -> np.ndarray:
+        """The ``.bin`` memory-mapped, on first use: a mapping holds a file descriptor, and a corpus
+        of thousands of shards opened together would otherwise exceed the process's limit."""
+        return map_tokens(self.bin_path, self.num_tokens, self.dtype)
 
     def _fail(self, path: Path, what: str) -> ShardError:
         return ShardError(f"{path}: {what}")
@@ -617,7 +614,7 @@ class ShardReader:
     def close(self) -> None:
         """Release the memory map and the index read for the properties (views handed out keep
         them alive until dropped)."""
-        self.tokens = None
+        self.__dict__.pop("tokens", None)
         self.__dict__.pop("_index", None)
 
     def __enter__(self) -> ShardReader:

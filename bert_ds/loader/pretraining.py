@@ -28,6 +28,7 @@ Design choices:
 
 from __future__ import annotations
 
+import resource
 import threading
 from bisect import bisect_left, bisect_right
 from collections.abc import Iterator, Sequence
@@ -45,12 +46,12 @@ from bert_ds.model.padding import IGNORE_INDEX, unpad
 from bert_ds.base.errors import ShardError
 from bert_ds.data_tools.manifest import Manifest, open_dataset
 from bert_ds.data_tools.partition import dataset_folders
-from bert_ds.data_tools.shard_format import FileArray, ShardInfo, ShardReader
+from bert_ds.data_tools.shard_format import FileArray, ShardReader
 from bert_ds.loader.permutation import EpochPermutation
 from bert_ds.loader.sample_map import COUNT_BITS, COUNT_MASK, ChunkTargets, bases, open_sample_map, open_sentence_index
 
 Batch = dict[str, torch.Tensor | int]  # what collate returns: tensors, and max_seqlen as a host int
-OPEN_TOKEN_FILES = 256  # token files a process keeps open (see PretrainingDataset._token_file)
+OPEN_FILES_SHARE = 4  # a drawing process keeps at most 1/4 of its open-file limit in token files
 _PERMUTATION_STREAM = 0x5EED  # keeps the shuffle generator apart from the per-sample ones
 
 
@@ -116,6 +117,7 @@ class PretrainingDataset(Dataset):
         self.seed = seed
         self.folders = [f for p in paths for f in dataset_folders(p)]
         self.manifest, readers, self._shards = _open_corpus(self.folders)
+        self._token_dtype = np.dtype(self.manifest.token_dtype)
         self.vocab_size = self.manifest.vocab_size
         self.special = SpecialTokens(**self.manifest.special_tokens)
         reserve = 3 if cfg.pair_task != "none" else 2  # [CLS] A [SEP] (B [SEP])
@@ -133,6 +135,7 @@ class PretrainingDataset(Dataset):
         self._targets = ChunkTargets(seed, self.max_num_tokens, cfg.short_seq_prob)
         self.continuation = _continuation_table(self.folders[0], self.vocab_size) if cfg.whole_word_mask else None
         self._token_files: dict[int, FileArray] = {}  # shard -> its open token file
+        self.open_files = token_files_allowed()
         self._rng = _SampleRng()
         self._no_labels = np.full(cfg.max_seq_length, IGNORE_INDEX, dtype=np.int64)  # copied per sample
         self._perm = EpochPermutation(self.num_samples, seed, 0)
@@ -258,16 +261,16 @@ class PretrainingDataset(Dataset):
         """A shard's token ids, read with ``pread`` (a sample reads a few hundred bytes at a random
         place: a memory map would keep every page a draw touched, and up to 15 neighbours the kernel
         maps with it, until the process's resident memory held the whole corpus). Opened when first
-        read, and at most ``OPEN_TOKEN_FILES`` at a time: a corpus of 30,000 shards (2T tokens) must
-        not need a file descriptor for each in every rank and loader worker (a common limit is 1,024
-        per process)."""
+        read, and at most ``open_files`` at a time (:func:`token_files_allowed`): a corpus of 30,000
+        shards (2T tokens) must not need a descriptor for each in every rank and loader worker.
+        Beyond that a draw from a closed shard reopens its file (measured with 1,560 shards and 256
+        open: ~15% of a sample's CPU)."""
         f = self._token_files.get(shard)
         if f is None:
-            if len(self._token_files) >= OPEN_TOKEN_FILES:  # the longest open goes (draws are uniform)
+            if len(self._token_files) >= self.open_files:  # the longest open goes (draws are uniform)
                 self._token_files.pop(next(iter(self._token_files))).close()
-            folder, info = self._shards[shard]
-            f = self._token_files[shard] = FileArray(folder / f"{info.name}.bin", self.manifest.token_dtype,
-                                                     info.num_tokens)
+            path, count = self._shards[shard]
+            f = self._token_files[shard] = FileArray(path, self._token_dtype, count)
         return f
 
     def _sop_pair(self, rng, chunk: np.ndarray, cuts: list[int]):
@@ -336,9 +339,19 @@ class PretrainingDataset(Dataset):
         return candidates[np.isin(word_of, take)]
 
 
-def _open_corpus(folders: list[Path]) -> tuple[Manifest, list[ShardReader], list[tuple[Path, ShardInfo]]]:
+def token_files_allowed() -> int:
+    """Token files a drawing process keeps open: a quarter of its open-file limit (256 under the
+    common 1,024), at least 64; the rest is left to torch, the loader's pipes and the caller."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return 1 << 20 if soft == resource.RLIM_INFINITY else max(64, soft // OPEN_FILES_SHARE)
+
+
+def _open_corpus(folders: list[Path]) -> tuple[Manifest, list[ShardReader], list[tuple[str, int]]]:
     """Open every folder of a corpus with :func:`open_dataset`'s checks: (the first folder's
-    manifest, every shard's reader, every shard's (folder, entry)), shards in folder order."""
+    manifest, every shard's reader, every shard's token file and token count), shards in folder
+    order. The paths are strings made once: a process drawing from more shards than it keeps
+    open reopens a token file for most samples, and building a ``Path`` there costs more than
+    the open itself."""
     manifest, readers, shards = None, [], []
     for folder in folders:
         m, opened = open_dataset(folder)
@@ -348,7 +361,7 @@ def _open_corpus(folders: list[Path]) -> tuple[Manifest, list[ShardReader], list
             raise ShardError(f"{folder}: built with another tokenizer than {folders[0]}; the folders of one corpus "
                              "must share one (corpora of different tokenizers cannot be trained together)")
         readers += opened
-        shards += [(folder, info) for info in m.shards]
+        shards += [(str(folder / f"{info.name}.bin"), info.num_tokens) for info in m.shards]
     return manifest, readers, shards
 
 

@@ -222,23 +222,52 @@ def test_a_builder_killed_mid_way_neither_blocks_nor_corrupts_the_next_open(shar
     assert not list((data / ".cache").glob("*.tmp"))
 
 
-def test_a_drawing_process_keeps_few_token_files_open(shards, monkeypatch):
+def test_a_drawing_process_keeps_few_token_files_open(shards):
     """A corpus of thousands of shards must not hold a descriptor per shard in every process:
-    token files open as they are drawn from, at most OPEN_TOKEN_FILES at a time, and the
-    samples do not depend on which are open."""
+    token files open as they are drawn from, at most ``open_files`` at a time (a share of the
+    process's limit), and the samples do not depend on which are open."""
+    import resource
+
     from bert_ds.config import DataConfig
     from bert_ds.loader import pretraining
 
     cfg = DataConfig(train=str(shards))
     unbounded = pretraining.PretrainingDataset(shards, cfg, seed=4)
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    assert unbounded.open_files == max(64, soft // 4) and unbounded.open_files < soft
     positions = range(0, len(unbounded), 3)
     expected = [unbounded[p]["input_ids"].tolist() for p in positions]
     assert len(unbounded._token_files) >= 3
-    monkeypatch.setattr(pretraining, "OPEN_TOKEN_FILES", 2)
     bounded = pretraining.PretrainingDataset(shards, cfg, seed=4)
+    bounded.open_files = 2
     shards_drawn = set()
     for p, want in zip(positions, expected, strict=True):
         assert bounded[p]["input_ids"].tolist() == want
         shards_drawn.add(bounded.chunk(bounded.permutation(0)(p))[0])
         assert len(bounded._token_files) <= 2
     assert len(shards_drawn) >= 3
+
+
+def test_a_corpus_of_more_shards_than_the_open_file_limit_opens_and_draws(tmp_path):
+    """Opening checks every shard but holds no descriptor for any (the token files are mapped or
+    opened when read), so a corpus of over 300 shards opens, verifies and draws under a limit of 256."""
+    from bert_ds.data_tools.bench import write_synthetic
+
+    data = tmp_path / "many"
+    write_synthetic(data, 800_000, shard_tokens=2000)
+    script = (
+        "import resource, sys\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))\n"
+        "from bert_ds.config import DataConfig\n"
+        "from bert_ds.data_tools.verify import verify_dataset\n"
+        "from bert_ds.loader.pretraining import PretrainingDataset\n"
+        "problems, manifest = verify_dataset(sys.argv[1])\n"
+        "ds = PretrainingDataset(sys.argv[1], DataConfig(train=sys.argv[1]), seed=0)\n"
+        "drawn = {ds.chunk(ds.permutation(0)(p))[0] for p in range(len(ds)) if ds[p] is not None}\n"
+        "print(len(manifest.shards), problems, len(drawn), ds.open_files, len(ds._token_files))\n"
+    )
+    proc = run_command([sys.executable, "-c", script, str(data)], timeout=300, env=cli_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    shards, problems, drawn, allowed, held = proc.stdout.split(" ", 1)[0], *proc.stdout.split()[1:]
+    assert int(shards) > 256 and problems == "[]" and int(drawn) == int(shards)
+    assert int(allowed) == 64 and int(held) <= 64
