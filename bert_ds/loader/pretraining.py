@@ -264,7 +264,7 @@ class PretrainingDataset(Dataset):
         read, and at most ``open_files`` at a time (:func:`token_files_allowed`): a corpus of 30,000
         shards (2T tokens) must not need a descriptor for each in every rank and loader worker.
         Beyond that a draw from a closed shard reopens its file (measured with 1,560 shards and 256
-        open: ~15% of a sample's CPU)."""
+        open: ~24% of a sample's CPU, ``benchmarks/loader_cost.py``)."""
         f = self._token_files.get(shard)
         if f is None:
             if len(self._token_files) >= self.open_files:  # the longest open goes (draws are uniform)
