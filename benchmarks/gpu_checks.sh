@@ -45,6 +45,10 @@ set -u -o pipefail
 cd "$(dirname "$0")/.."
 python=${PYTHON:-python3}
 rehearse=0
+if [[ ${1:-} == -h || ${1:-} == --help ]]; then
+    echo "usage: gpu_checks.sh [--rehearse] [OUT_DIR]  (every GPU check, results in OUT_DIR; see its header)"
+    exit 0
+fi
 if [[ ${1:-} == --rehearse ]]; then
     rehearse=1
     shift

@@ -18,6 +18,10 @@
 # built here without compiled ops (DS_BUILD_OPS=0: pure Python, ops are JIT-built where used).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+case ${1:-} in
+    -h|--help) echo "usage: gpu_kit.sh [KIT_DIR]  (the wheels a lent GPU machine lacks, default .gpu-kit)"; exit 0 ;;
+    -*) echo "gpu_kit.sh: unknown option $1 (usage: gpu_kit.sh [KIT_DIR])" >&2; exit 2 ;;
+esac
 kit=${1:-.gpu-kit}
 python=${PYTHON:-python3}
 target_python=${KIT_PYTHON:-3.12}

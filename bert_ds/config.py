@@ -84,8 +84,8 @@ class OptimConfig:
     # paper: on every tensor (the LAMB paper). See bert_ds/optim/lamb.py.
     lamb_variant: Literal["nvidia", "paper"] = "nvidia"
     lr: float = 6e-3  # peak learning rate after warm-up (NVIDIA's LAMB phase 1; AdamW wants ~10x less)
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-6
+    betas: tuple[float, float] = (0.9, 0.999)  # decay rates of the first and second moments
+    eps: float = 1e-6  # added to the second moment's root (BERT's 1e-6; 1e-8 is the Adam paper's)
     weight_decay: float = 0.01  # not applied to biases and LayerNorm weights
     warmup_steps: int = 100  # linear warm-up from 0 to lr
     decay: Literal["linear", "poly", "constant"] = "linear"  # after warm-up, down to 0 at the last step
@@ -115,15 +115,15 @@ class OptimConfig:
 
 @dataclass
 class TrainConfig:
-    model: ModelConfig
-    data: DataConfig
-    optim: OptimConfig = field(default_factory=OptimConfig)
+    model: ModelConfig  # sizes, dropout, kernels (in a phase plan: a preset and field overrides)
+    data: DataConfig  # what is read and how samples are made
+    optim: OptimConfig = field(default_factory=OptimConfig)  # optimizer and learning-rate schedule
     output: str = "runs/train"  # metrics.jsonl, TensorBoard events, checkpoints/
     steps: int = 1000  # optimizer steps
     global_batch_size: int = 32  # sequences per optimizer step, all ranks together
     micro_batch_size: int = 32  # sequences per forward pass on one rank
     ds_config: str = "zero1_bf16.json"  # a file in ds_configs/ or a path
-    seed: int = 1234
+    seed: int = 1234  # weights, sample order, masks and dropout all follow from it
     log_every: int = 1  # metrics.jsonl gets every step; this paces the console line
     val_every: int = 0  # steps between validation passes; 0 = only at the end
     save_every: int = 0  # steps between checkpoints; 0 = only at the end
@@ -132,7 +132,7 @@ class TrainConfig:
     init_from: str | None = None  # weights a fresh run starts from: HF BERT folder, bert_ds checkpoint/run folder, .safetensors
     max_bad_steps: int = 10  # this many non-finite steps in a row stop the run (exit 3); 0 = never stop
     collective_timeout: float = 600.0  # seconds a rank waits on its peers before the job fails (exit 4)
-    tensorboard: bool = True
+    tensorboard: bool = True  # events in OUTPUT/tensorboard beside metrics.jsonl
     progress: bool = True  # a progress bar on rank 0
 
     def __post_init__(self) -> None:

@@ -62,6 +62,24 @@ def test_roots_leave_torch_out_unless_asked_and_evaluate_markers_for_the_target(
         resolution_roots(local, None, LINUX_311)
 
 
+def _item(name: str, *requires: str) -> dict:
+    return {"metadata": {"name": name, "requires_dist": list(requires)}}
+
+
+def test_without_torch_keeps_what_the_roots_reach_and_leaves_out_what_only_torch_needs():
+    items = [_item("accelerate", "torch>=2.0", "numpy", "pyyaml", 'pytest; extra == "test"'),
+             _item("torch", "nvidia-cublas-cu12; platform_system == 'Linux'", "sympy", "numpy", "filelock"),
+             _item("nvidia-cublas-cu12"), _item("sympy", "mpmath"), _item("mpmath"), _item("numpy"),
+             _item("pyyaml"), _item("filelock"), _item("pytest"),
+             _item("datasets", "filelock", 'fsspec[http]; python_version >= "3.8"'),
+             _item("fsspec", 'aiohttp; extra == "http"'), _item("aiohttp")]
+    kept, left_out = bundle.without_torch(items, ["accelerate>=1.1", "datasets"], LINUX_311.marker_environment())
+    assert sorted(i["metadata"]["name"] for i in kept) == ["accelerate", "aiohttp", "datasets", "filelock", "fsspec",
+                                                           "numpy", "pyyaml"]
+    # torch's own needs go with it; filelock stays (datasets needs it too); pytest is an extra nobody asked for
+    assert left_out == ["mpmath", "nvidia-cublas-cu12", "pytest", "sympy", "torch"]
+
+
 def test_torch_option_takes_a_requirement_a_wheel_or_a_folder(tmp_path):
     for name in ("torch-2.4.0-cp311-cp311-manylinux_2_28_x86_64.whl",
                  "torch-2.5.1-cp311-cp311-manylinux_2_28_x86_64.whl",

@@ -18,9 +18,10 @@ Design choices, and why:
 - torch is not bundled by default: a GPU container ships a torch built for its CUDA
   and driver, and a second one from PyPI would be gigabytes of CUDA libraries that
   shadow it. So torch is taken out of the requirements the resolution starts from,
-  and if some other package still pulls it in, that is an error naming the package,
-  never a silent download. ``--torch SPEC`` bundles one: a requirement
-  (``'torch==2.5.1+cu121'`` with ``--extra-index-url https://download.pytorch.org/whl/cu121``),
+  and where another package requires it too (accelerate does), the resolved set keeps
+  only what the roots reach without passing through torch: torch and the packages only
+  torch needs (its CUDA libraries) are neither downloaded nor bundled. ``--torch SPEC`` bundles one: a requirement
+  (``'torch==2.11.0+cu130'`` with ``--extra-index-url https://download.pytorch.org/whl/cu130``),
   a wheel file, or a folder of wheels (the newest torch there that fits the target).
 - Resolve first, then download: ``pip install --dry-run --report`` resolves the whole
   set for the target Python and platform from package metadata (no wheel is fetched
@@ -440,16 +441,30 @@ def _source_only_candidate(text: str, local: dict[str, LocalWheel], target: Targ
     return req
 
 
-def check_no_torch(items: list[dict]) -> None:
-    """With torch left out, nothing else may bring it (and gigabytes of CUDA wheels) back in."""
-    names = {canonicalize_name(item["metadata"]["name"]) for item in items}
-    if "torch" not in names:
-        return
-    pullers = [item["metadata"]["name"] for item in items
-               if any(canonicalize_name(Requirement(r).name) == "torch"
-                      for r in item["metadata"].get("requires_dist", []))]
-    raise BundleError(f"torch would be bundled because {', '.join(pullers) or 'a dependency'} requires it: "
-                      "bundle one on purpose with --torch SPEC")
+def without_torch(items: list[dict], roots: list[str], env: dict[str, str]) -> tuple[list[dict], list[str]]:
+    """The resolved items the roots need when torch is the node's own: what the roots reach
+    through the items' requirements (markers evaluated for the target, with the extras asked
+    for) without passing through torch. Returns the kept items and the names left out: torch
+    and what only torch needs (its CUDA libraries, triton, sympy ...)."""
+    by_name = {canonicalize_name(item["metadata"]["name"]): item for item in items}
+    extras: dict[str, set[str]] = {}  # kept package -> the extras asked of it
+    todo = [Requirement(r) for r in roots]
+    while todo:
+        req = todo.pop()
+        name = canonicalize_name(req.name)
+        if name == "torch" or name not in by_name:  # a local wheel's or the node's
+            continue
+        new = set(req.extras) | ({""} if name not in extras else set())
+        new -= extras.get(name, set())
+        if not new:
+            continue
+        extras.setdefault(name, set()).update(new)
+        for line in by_name[name]["metadata"].get("requires_dist", []):
+            dep = Requirement(line)
+            if dep.marker is None or any(dep.marker.evaluate({**env, "extra": e}) for e in new):
+                todo.append(dep)
+    kept = [item for name, item in by_name.items() if name in extras]
+    return kept, sorted(set(by_name) - set(extras))
 
 
 def download(pip: Pip, items: list[dict], target: Target, out_dir: Path) -> list[Path]:
@@ -546,7 +561,10 @@ def make_bundle(out_dir: Path, target: Target, torch_spec: str | None, extra_ind
                 wheel = build_source_only(pip, req, target, built)
                 local[wheel.name] = wheel
         if torch_req is None:
-            check_no_torch(items)
+            items, left_out = without_torch(items, roots, target.marker_environment())
+            if left_out:
+                log(f"left out torch and what only torch needs ({len(left_out)} packages: "
+                    f"{', '.join(left_out[:6])}{', ...' if len(left_out) > 6 else ''}): the node's own torch serves")
         items = [item for item in items if canonicalize_name(item["metadata"]["name"]) not in local]
         log(f"downloading {len(items)} wheels into {out_dir}")
         wheels = download(pip, items, target, out_dir)

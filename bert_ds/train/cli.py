@@ -75,7 +75,8 @@ class _Defaults:
                 setattr(self, f.name, f.default)
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line; docs/configuration.md is generated from it (``bert_ds.tools.config_reference``)."""
     p = argparse.ArgumentParser(prog="python -m bert_ds.train", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     d, o, t, m = _Defaults(DataConfig), _Defaults(OptimConfig), _Defaults(TrainConfig), _Defaults(ModelConfig)
@@ -141,7 +142,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-tensorboard", action="store_true", help="do not write TensorBoard events")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def model_from_args(args: argparse.Namespace, vocab_size: int, saved_model: dict[str, Any] | None,

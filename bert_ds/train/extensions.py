@@ -31,6 +31,7 @@ Design choices:
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import sys
@@ -72,7 +73,10 @@ def build() -> list[str]:
     return [] if op is None else [op.__name__]
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    argparse.ArgumentParser(prog="python -m bert_ds.train.extensions",
+                            description="Build DeepSpeed's JIT ops this machine's runs load (./run.sh setup does it), "
+                                        "into the environment's cache.").parse_args(argv)
     try:
         built = build()
     except UserError as e:

@@ -1,0 +1,235 @@
+"""The documentation describes the software as it is.
+
+- Every command in a ```bash block of README.md and docs/*.md names a module, script or
+  run.sh mode that answers --help, and every --flag it uses is in that help: a renamed flag
+  or module fails here. A planted wrong flag is caught.
+- The blocks marked ``<!-- docs-test: run -->`` run end to end on tiny data.
+- Every relative link resolves, anchors included.
+- docs/configuration.md is what ``bert_ds.tools.config_reference`` generates from the code.
+- The README stays a front page (at most ~250 lines), and no page tells history.
+"""
+
+from __future__ import annotations
+
+import functools
+import glob
+import re
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from bert_ds.tools import config_reference
+from bert_ds.train import cli as train_cli
+from tests import docs_commands as docs
+from tests.conftest import REPO, SAMPLE, cli_env, end, spawn
+
+README_MAX_LINES = 260  # the issue's "at most ~250"
+# Sentences about earlier versions belong in CHANGELOG.md, not in a page about the software.
+HISTORY = re.compile(r"\b(used to|no longer|earlier version|previous commit|since then|predates?|"
+                     r"before the change|it was \+|were measured before|this session)\b", re.IGNORECASE)
+
+
+@functools.cache
+def help_text(help_argv: tuple[str, ...]) -> tuple[int, str]:
+    """(exit status, output) of ``--help`` for a command's target; never run for one that does
+    not read its arguments (it would run, not answer)."""
+    if not docs.parses_its_arguments(help_argv):
+        return 1, "it does not read its command line (no ArgumentParser, no --help), so --help would run it"
+    cmd = [str(REPO / help_argv[0])] if help_argv[0].endswith(".sh") else [sys.executable, *help_argv]
+    proc = subprocess.run(cmd + ["--help"], capture_output=True, text=True, cwd=REPO, env=cli_env(), timeout=300)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def problems(found: list[tuple[docs.Command, docs.Target]]) -> list[str]:
+    """Why each documented command would fail: an unknown run.sh mode, a module or script
+    without --help, a flag its help does not list."""
+    out = []
+    modes = docs.run_sh_modes()
+    targets = {t.help_argv for _, t in found if t.help_argv != ("./run.sh",)}
+    with ThreadPoolExecutor(4) as pool:  # each --help imports torch: a few seconds apiece
+        list(pool.map(help_text, sorted(targets)))
+    for command, t in found:
+        if t.run_sh_mode is not None and t.run_sh_mode not in modes:
+            out.append(f"{command.where}: ./run.sh has no mode {t.run_sh_mode!r}")
+            continue
+        if t.help_argv == ("./run.sh",):
+            continue
+        status, text = help_text(t.help_argv)
+        if status != 0 or "usage" not in text.lower():
+            out.append(f"{command.where}: `{' '.join(t.help_argv)} --help` fails (exit {status}): {text[-300:]}")
+            continue
+        out += [f"{command.where}: {' '.join(t.help_argv)} has no flag {f}" for f in docs.missing_flags(t.flags, text)]
+    return out
+
+
+def test_every_documented_command_answers_help_and_takes_its_flags():
+    found = docs.documented_commands()
+    assert len(found) >= 40, f"only {len(found)} commands found in the docs: is the extraction broken?"
+    kinds = {t.help_argv for _, t in found}
+    assert {("-m", "bert_ds.train"), ("-m", "bert_ds.data_tools", "build"), ("-m", "bert_ds.checkpoint.export"),
+            ("-m", "bert_ds.tools.bench"), ("-m", "bert_ds.eval", "glue")} <= kinds
+    failures = problems(found)
+    assert not failures, "\n".join(failures)
+
+
+def _planted(text: str, old: str, new: str) -> list[str]:
+    """The problems of README.md with ``old`` replaced once, in a command, by ``new``."""
+    assert old in text
+    path = Path("README.md")
+    planted = []
+    for block in docs.blocks(path, text.replace(old, new, 1)):
+        for command in docs.commands(block):
+            t = docs.target(command.argv)
+            if t is not None and (new.split()[-1] in command.argv or any(new.split()[-1] in a for a in command.argv)):
+                planted.append((command, t))
+    assert planted, f"{new!r} did not land in a command"
+    return problems(planted)
+
+
+def test_a_planted_wrong_flag_module_or_mode_is_caught():
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    wrong_flag = _planted(text, "--output runs/", "--outptu runs/")
+    assert any("has no flag --outptu" in p for p in wrong_flag), wrong_flag
+    wrong_module = _planted(text, "-m bert_ds.data_tools build", "-m bert_ds.data_tool build")
+    assert any("--help` fails" in p for p in wrong_module), wrong_module
+
+
+def test_a_wrong_run_sh_mode_and_an_unreadable_command_are_caught():
+    block = docs.Block(Path("x.md"), 1, "NGPU=8 ./run.sh pretrian --steps 3\ntorchrun --nproc-per-node 8 train.py\n",
+                       runnable=False)
+    first, second = docs.commands(block)
+    assert problems([(first, docs.target(first.argv))]) == ["x.md:2: ./run.sh has no mode 'pretrian'"]
+    with pytest.raises(ValueError, match="torchrun without -m"):
+        docs.target(second.argv)
+
+
+def test_commands_are_read_as_a_shell_reads_them():
+    block = docs.Block(Path("x.md"), 1, "# a comment\nOMP_NUM_THREADS=1 python -m bert_ds.train --data d \\\n"
+                       "    --steps 3  # trailing\ncat > f <<'EOF'\npython -m nothing --x\nEOF\n"
+                       "srun -n 4 .venv/bin/python -m bert_ds.data_tools build --part 1/4 && python -m x.y\n",
+                       runnable=False)
+    got = [(c.where, docs.target(c.argv)) for c in docs.commands(block)]
+    assert [(w, t.help_argv, t.flags) for w, t in got] == [
+        ("x.md:3", ("-m", "bert_ds.train"), ["--data", "--steps"]),
+        ("x.md:8", ("-m", "bert_ds.data_tools", "build"), ["--part"]),
+        ("x.md:8", ("-m", "x.y"), []),
+    ]
+
+
+def test_every_relative_link_and_anchor_resolves():
+    broken = []
+    for path in docs.DOC_FILES + [REPO / "CHANGELOG.md"]:
+        for line, link in docs.links(path):
+            target, _, anchor = link.partition("#")
+            resolved = (path.parent / target).resolve() if target else path
+            if not resolved.exists():
+                broken.append(f"{path.name}:{line}: {link} (no such file)")
+            elif anchor and resolved.suffix == ".md" and anchor not in docs.anchors(resolved):
+                broken.append(f"{path.name}:{line}: {link} (no heading #{anchor} in {resolved.name})")
+    assert not broken, "\n".join(broken)
+
+
+def test_a_broken_link_is_caught(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("# Title here\n\n[ok](#title-here) [bad](#nowhere) [file](missing.md)\n")
+    assert docs.anchors(page) == {"title-here"}
+    assert [link for _, link in docs.links(page)] == ["#title-here", "#nowhere", "missing.md"]
+
+
+def test_github_heading_anchors():
+    assert docs.slug("Partitioned builds") == "partitioned-builds"
+    assert docs.slug("Two commands: `./run.sh` and `./run.sh test`") == "two-commands-runsh-and-runsh-test"
+    assert docs.slug("At corpus scale: 32.8B and 2T tokens") == "at-corpus-scale-328b-and-2t-tokens"
+
+
+def test_the_configuration_reference_is_generated_from_the_code():
+    page = REPO / "docs" / "configuration.md"
+    assert page.read_text(encoding="utf-8") == config_reference.page(), (
+        "docs/configuration.md differs from the code: run python -m bert_ds.tools.config_reference --write")
+
+
+def test_the_configuration_reference_explains_every_field_and_names_real_flags():
+    parser_flags = {o for a in train_cli.build_parser()._actions for o in a.option_strings}
+    for flag, field in config_reference.flag_fields().items():
+        assert flag in parser_flags, flag
+        section, _, name = field.rpartition(".")
+        cls = {cls_section: cls for cls, cls_section in config_reference.SECTIONS}[section]
+        assert name in {f.name for f in __import__("dataclasses").fields(cls)}, field
+    for cls, _ in config_reference.SECTIONS:
+        unexplained = [name for name, text in config_reference.field_comments(cls).items() if not text]
+        assert not unexplained, f"{cls.__name__} fields without a comment: {unexplained}"
+
+
+def test_the_readme_is_a_front_page_and_no_page_tells_history():
+    readme = (REPO / "README.md").read_text(encoding="utf-8").splitlines()
+    assert len(readme) <= README_MAX_LINES, f"README.md has {len(readme)} lines"
+    told = [f"{p.name}:{n}: {line.strip()}" for p in docs.DOC_FILES
+            for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1) if HISTORY.search(line)]
+    assert not told, "history belongs in CHANGELOG.md:\n" + "\n".join(told)
+
+
+# --- runnable blocks ------------------------------------------------------------------------------------
+
+# Appended to a runnable block's commands, so that a recipe written for a real corpus takes seconds
+# here (argparse keeps the last value of a repeated flag).
+TINY = {
+    ("-m", "bert_ds.train"): ["--steps", "2", "--global-batch-size", "4", "--micro-batch-size", "4", "--seq-len", "64",
+                              "--warmup-steps", "1", "--ds-config", "zero0_fp32.json", "--num-workers", "0",
+                              "--no-progress", "--no-tensorboard", "--val-samples", "8"],
+    ("-m", "bert_ds.data_tools", "build"): ["--workers", "1"],
+}
+
+
+def _workspace(root: Path) -> Path:
+    """What the recipes expect to find: text in domain/ and corpus/, a Hugging Face BERT in
+    bert-base-uncased/ (made here: nothing is downloaded)."""
+    import torch
+    import transformers
+
+    from bert_ds.data_tools.tokenizer import Normalization, install_tokenizer, train_vocab, vocab_entries
+
+    lines = (SAMPLE / "valid.txt").read_text(encoding="utf-8").splitlines(keepends=True)[:2400]
+    for folder in ("domain", "corpus"):
+        (root / folder).mkdir()
+        for i in range(2):
+            (root / folder / f"part{i}.txt").write_text("".join(lines[i * 1200:(i + 1) * 1200]), encoding="utf-8")
+    vocab = train_vocab(lambda: lines, 512, lowercase=True)
+    hf = root / "bert-base-uncased"
+    hf.mkdir()
+    install_tokenizer(hf, vocab, Normalization(lowercase=True))
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=len(vocab_entries(vocab)), hidden_size=32, num_hidden_layers=2,
+                                     num_attention_heads=2, intermediate_size=64, max_position_embeddings=128)
+    transformers.BertForPreTraining(config).save_pretrained(hf)
+    return root
+
+
+def _runnable():
+    return [pytest.param(b, id=f"{b.path.name}:{b.line}") for p in docs.DOC_FILES for b in docs.blocks(p) if b.runnable]
+
+
+@pytest.mark.parametrize("block", _runnable())
+def test_a_marked_recipe_runs_end_to_end_on_tiny_data(block, tmp_path):
+    root = _workspace(tmp_path)
+    for command in docs.commands(block):
+        argv = command.argv
+        t = docs.target(argv)
+        if argv[0] in docs.PYTHONS:
+            argv = [sys.executable, *argv[1:]]
+        elif argv[0] in docs.SCRIPTS:
+            argv = [str(Path(sys.executable).parent / argv[0]), *argv[1:]]
+        argv = [m for a in argv for m in (sorted(glob.glob(a, root_dir=root)) if set(a) & set("*?[") else [a]) or [a]]
+        argv += TINY.get(t.help_argv, []) if t else []
+        child = spawn(argv, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=root)
+        try:
+            out, _ = child.communicate(timeout=600)
+        finally:
+            end(child)
+        assert child.returncode == 0, f"{command.where}: {' '.join(command.argv)} exited {child.returncode}\n{out[-4000:]}"
+
+
+def test_some_recipe_is_marked_to_run():
+    assert len(_runnable()) >= 2
