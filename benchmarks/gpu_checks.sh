@@ -15,7 +15,7 @@
 #                    SDPA, varlen_attn, with its roofline
 #   bench            python -m bert_ds.tools.bench: (a) fused, (b) torch, (c) transformers  49 s
 #                    at BERT-Base seq 128 and 512, goals and projection
-#   profile          python -m bert_ds.tools.profile_step: one BERT-Base step of (a) under   25 s
+#   profile          python -m bert_ds.tools.profile_step: one BERT-Base step of (a) under  ~25 s
 #                    torch.profiler: busy and idle time, syncs, top kernels
 #   main_job         ./run.sh: the main job on the GPU (ZeRO-1 bf16, LAMB, export,          95 s
 #                    fill-mask), MAIN_STEPS steps
@@ -26,7 +26,8 @@
 #   summary          python -m bert_ds.tools.gpu_summary: SUMMARY.md, the run in one page     1 s
 #
 # The times are the first H100 run's (benchmarks/results/H100-2026-11-24, each a first build
-# or first start) plus the measured cost of what changed since; about 7 minutes in all, each
+# or first start); ~ marks a step that did not run there in its present form (profile ran by
+# hand, train_base in an older form: 37 s), estimated; about 7 minutes in all, each
 # step bounded by its budget below (a step past its budget is stopped and counted failed).
 #
 # Run it from the repository root with a Python that has torch (CUDA), transformers,

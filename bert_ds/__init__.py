@@ -14,8 +14,10 @@ allows:
   pretraining samples), :mod:`bert_ds.zero` (the one module that touches DeepSpeed's
   internals) and :mod:`bert_ds.optim` (LAMB and the schedule).
 - :mod:`bert_ds.checkpoint`: checkpoints, resume rules, export and import of weights.
+- :mod:`bert_ds.eval`: GLUE fine-tuning of exports.
 - :mod:`bert_ds.train`: the training command, its loop and the two-phase runner.
-- :mod:`bert_ds.tools`: commands around the system (bench, bundle, plot, demo).
+- :mod:`bert_ds.tools`: commands around the system (bench, bundle, plot, demo, parity,
+  the configuration reference of docs/).
 
 ``kernels/``, ``data_tools/`` and ``ds_configs/`` stay top-level folders of the repository
 and are installed only under ``bert_ds`` (``bert_ds/kernels`` etc. are links to them), so

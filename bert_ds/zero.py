@@ -26,7 +26,7 @@ What this module owns, and why each part needs something DeepSpeed does not publ
   which it makes with torch's default timeout (30 min) unless one is already there.
 
 Checked against DeepSpeed 0.19.8, the installed version; ``pyproject.toml`` allows
-``>=0.16,<0.20``. Every field, attribute and function this module uses is listed, with why,
+``>=0.19,<0.20``. Every field, attribute and function this module uses is listed, with why,
 in :data:`RELIED_ON`; ``tests/bert_ds/test_zero.py`` checks each on the installed DeepSpeed
 (tiny engines on one CPU rank, ZeRO-0/1/2, fp32 and bf16) and fails on a name this file uses
 that the table lacks. It is the one test to read on a DeepSpeed upgrade.

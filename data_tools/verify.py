@@ -72,9 +72,17 @@ def _percentiles(values: np.ndarray, qs=(50, 90, 99)) -> str:
     return ", ".join(parts + [f"max {int(values.max())}", f"mean {values.mean():.1f}"])
 
 
-def short_documents_warning(tokens_per_doc: float, seq_len: int, build: dict) -> str:
+def _plain_text(path: str) -> bool:
+    """A source read as lines of text, where --join-wrapped-lines and --documents apply (a
+    JSONL or Parquet record, or a datasets row, is a document already)."""
+    return path.endswith(".txt") or (path.endswith(".gz") and not path.endswith(".jsonl.gz"))
+
+
+
+def short_documents_warning(tokens_per_doc: float, seq_len: int, build: dict, sources: list[dict]) -> str:
     hint = ""
-    if build.get("documents", "blank") == "blank" or not build.get("join_wrapped"):
+    plain = any(_plain_text(str(s.get("path", ""))) for s in sources)
+    if plain and (build.get("documents", "blank") == "blank" or not build.get("join_wrapped")):
         hint = (" If the text is hard-wrapped or holds one document per file, rebuild with --join-wrapped-lines "
                 "and/or --documents file.")
     return (f"warning: documents average {tokens_per_doc:.0f} tokens, fewer than a sequence of {seq_len}: "
@@ -147,7 +155,7 @@ def inspect_dataset(directory: str | os.PathLike, decode: int = 0, out: TextIO |
             p(f"source:      {s.get('path')} ({s.get('bytes', 0):,} bytes, sha256 {str(s.get('sha256'))[:16]})")
         p("build:       " + ", ".join(f"{k}={v}" for k, v in m.build.items() if not k.endswith("_re")))
         if m.totals["docs"] and tokens / m.totals["docs"] < seq_len:
-            print(short_documents_warning(tokens / m.totals["docs"], seq_len, m.build), file=sys.stderr)
+            print(short_documents_warning(tokens / m.totals["docs"], seq_len, m.build, m.sources), file=sys.stderr)
         if decode > 0:
             _decode(directory, readers, decode, p)
     finally:
@@ -175,7 +183,7 @@ def inspect_parts(parent: str | os.PathLike, folders: list[Path], decode: int = 
         print(f"part {m.build['partition']['index']}: {folder.name}: {len(m.shards)} shards, "
               f"{m.totals['docs']:,} documents, {m.totals['tokens']:,} tokens, {len(m.sources)} source(s)", file=out)
     if docs and tokens / docs < seq_len:
-        print(short_documents_warning(tokens / docs, seq_len, m0.build), file=sys.stderr)
+        print(short_documents_warning(tokens / docs, seq_len, m0.build, m0.sources), file=sys.stderr)
     left = decode
     for folder, m in zip(folders, manifests, strict=True):
         if left <= 0:

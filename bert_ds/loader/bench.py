@@ -20,11 +20,10 @@ and the loader before its timer starts, one at a time:
    through :class:`PretrainingLoader` for ``--draw-seconds``; the process's RSS after
    that (goal at 1B tokens: <= 600 MB, and at most +50 MB per further billion tokens),
    and its private (anonymous) part; the peak RSS of the cached open is printed below the
-   table. The rest is file-backed: shared libraries, and the pages of the memory-mapped
-   sentence index and sample map that the draws touched (the kernel maps up to 16
-   neighbouring pages per fault), which is page cache shared by every process on the
-   machine that maps the same files, and which the kernel can drop at any time. Token ids
-   are read with ``pread``: the shards' pages are never mapped into the process.
+   table. The rest is file-backed: shared libraries, page cache shared by every process
+   that maps them. The sample map, the sentence index and the token ids are read with
+   ``pread`` (``FileArray``): no page of the dataset is mapped into the process, so the
+   figure does not grow with the corpus.
 4. Bytes per sample of the sample map on disk.
 
 The load average before and after is printed: the figures depend on what else runs.

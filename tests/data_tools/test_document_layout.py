@@ -2,6 +2,7 @@
 document per file (--documents file), beside BERT's one-sentence-per-line convention; and
 inspect's warning when documents are too short for the sequence length."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -109,3 +110,18 @@ def test_an_unknown_document_mode_is_refused(tmp_path):
     with pytest.raises(SystemExit):
         main(["build", "--input", str(SAMPLE), "--output", str(tmp_path / "o"), "--train-vocab", "100",
               "--documents", "page"])
+
+
+def test_short_records_are_warned_about_without_the_plain_text_options(tmp_path, capsys):
+    records = tmp_path / "short.jsonl"
+    records.write_text("".join(json.dumps({"text": f"A short record number {i}. It has two sentences."}) + "\n"
+                               for i in range(200)))
+    vocab = tmp_path / "vocab"
+    build(BuildOptions(inputs=[str(SAMPLE)], output=str(vocab), train_vocab=1024, progress=False, workers=1))
+    assert main(["build", "--input", str(records), "--output", str(tmp_path / "data"), "--vocab",
+                 str(vocab / "vocab.txt"), "--workers", "1", "--no-progress"]) == 0
+    capsys.readouterr()
+    assert main(["inspect", str(tmp_path / "data")]) == 0
+    err = capsys.readouterr().err
+    # a record is a document already: the text-layout options would change nothing
+    assert err.startswith("warning: documents average ") and "--join-wrapped-lines" not in err
