@@ -26,6 +26,7 @@
 #   ./run.sh export [CKPT] [OUT]  checkpoint folder -> Hugging Face directory
 #   ./run.sh bench [ARGS]    python -m bert_ds.tools.bench: training throughput of bert_ds vs transformers
 #   ./run.sh plot [RUN] [ARGS]  python -m bert_ds.tools.plot: loss/accuracy curves of a run as a PNG
+#   ./run.sh docs [ARGS]     docs/ as a static site in site/ (mkdocs build --strict; ARGS to mkdocs build)
 #
 # Environment (defaults in brackets):
 #   RUN_DIR    [runs/sample]        where shards, checkpoints, metrics and the export go
@@ -229,6 +230,7 @@ case "$mode" in
     export) setup_env; export_hf "$@" ;;
     bench) setup_env; export_accelerator; python_ -m bert_ds.tools.bench "$@" ;;
     plot) setup_env; python_ -m bert_ds.tools.plot "${1:-$RUN_DIR/train}" "${@:2}" ;;
+    docs) setup_env; python_ -m mkdocs build --strict "$@" && log "the site is in site/ (open site/index.html)" ;;
     main)
         setup_env
         prepare
@@ -236,5 +238,5 @@ case "$mode" in
         export_hf
         python_ -m bert_ds.tools.demo "$RUN_DIR" ;;
     -h|--help|help) sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//' ;;
-    *) echo "run.sh: unknown mode '$mode' (modes: main, test, test-lowest, setup, prepare, pretrain, multinode, export, bench, plot; see ./run.sh --help)" >&2; exit 2 ;;
+    *) echo "run.sh: unknown mode '$mode' (modes: main, test, test-lowest, setup, prepare, pretrain, multinode, export, bench, plot, docs; see ./run.sh --help)" >&2; exit 2 ;;
 esac

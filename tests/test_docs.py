@@ -171,6 +171,14 @@ def test_the_readme_is_a_front_page_and_no_page_tells_history():
     assert not told, "history belongs in CHANGELOG.md:\n" + "\n".join(told)
 
 
+def test_the_docs_build_as_a_site_with_strict_checks(tmp_path):
+    pytest.importorskip("mkdocs", reason="mkdocs is in the test extra; ./run.sh docs builds the site")
+    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(tmp_path / "site")],
+                          capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "site" / "configuration" / "index.html").is_file()
+
+
 # --- runnable blocks ------------------------------------------------------------------------------------
 
 # Appended to a runnable block's commands, so that a recipe written for a real corpus takes seconds
