@@ -22,6 +22,7 @@ from bert_ds.base.errors import ShardError
 from bert_ds.data_tools.manifest import Manifest, check_shard, check_tokenizer, open_dataset
 from bert_ds.data_tools.partition import dataset_folders, part_folders
 from bert_ds.data_tools.shard_format import ShardReader
+from bert_ds.data_tools.sources import input_kind
 from bert_ds.data_tools.tokenizer import load_tokenizer
 
 
@@ -72,16 +73,12 @@ def _percentiles(values: np.ndarray, qs=(50, 90, 99)) -> str:
     return ", ".join(parts + [f"max {int(values.max())}", f"mean {values.mean():.1f}"])
 
 
-def _plain_text(path: str) -> bool:
-    """A source read as lines of text, where --join-wrapped-lines and --documents apply (a
-    JSONL or Parquet record, or a datasets row, is a document already)."""
-    return path.endswith(".txt") or (path.endswith(".gz") and not path.endswith(".jsonl.gz"))
-
 
 
 def short_documents_warning(tokens_per_doc: float, seq_len: int, build: dict, sources: list[dict]) -> str:
     hint = ""
-    plain = any(_plain_text(str(s.get("path", ""))) for s in sources)
+    # --join-wrapped-lines and --documents shape plain text only: a record or a row is a document already
+    plain = any(input_kind(str(s.get("path", ""))) == "text" for s in sources)
     if plain and (build.get("documents", "blank") == "blank" or not build.get("join_wrapped")):
         hint = (" If the text is hard-wrapped or holds one document per file, rebuild with --join-wrapped-lines "
                 "and/or --documents file.")

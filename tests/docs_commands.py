@@ -108,16 +108,19 @@ def _after_python(argv: list[str]) -> Target | None:
     if len(argv) >= 3 and argv[1] == "-m":
         if argv[2] in ("torch.distributed.run", "torchrun"):
             return _module_at(argv, argv.index("-m", 3)) if "-m" in argv[3:] else None
-        return _module_at(argv, 1)
+        return _module(argv[2], argv[3:])
     if len(argv) >= 2 and re.fullmatch(r"(examples|benchmarks)/\w+\.py", argv[1]):
         return Target((argv[1],), _flags(argv[2:]))
     return None
 
 
 def _module_at(argv: list[str], i: int) -> Target:
-    """argv[i] is ``-m`` or ``--module``, argv[i + 1] the module; a subcommand follows for
-    the modules that have them."""
-    module, rest = argv[i + 1], argv[i + 2:]
+    """argv[i] is ``-m`` or ``--module``, argv[i + 1] the module."""
+    return _module(argv[i + 1], argv[i + 2:])
+
+
+def _module(module: str, rest: list[str]) -> Target:
+    """``module`` run with ``rest``; a subcommand comes first for the modules that have them."""
     if module in ("bert_ds.data_tools", "bert_ds.eval") and rest and not rest[0].startswith("-"):
         return Target(("-m", module, rest[0]), _flags(rest[1:]))
     return Target(("-m", module), _flags(rest))
@@ -139,7 +142,7 @@ def target(argv: list[str]) -> Target | None:
             raise ValueError(f"cannot read the command {shlex.join(argv)!r}")
         return found
     if head in SCRIPTS:
-        return _module_at(["-m", "-m", SCRIPTS[head], *argv[1:]], 1)
+        return _module(SCRIPTS[head], argv[1:])
     if head == "torchrun":
         if "-m" not in argv:
             raise ValueError(f"torchrun without -m MODULE: {shlex.join(argv)!r}")

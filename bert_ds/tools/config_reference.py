@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import functools
 import inspect
 import io
 import json
@@ -76,6 +77,7 @@ def field_comments(cls: type) -> dict[str, str]:
     return out
 
 
+@functools.cache
 def flag_fields() -> dict[str, str]:
     """flag -> the field it sets (``section.name``), read from build_parser's source."""
     tree = ast.parse(textwrap.dedent(inspect.getsource(cli.build_parser)))
@@ -141,11 +143,8 @@ def dataclass_section(cls: type, section: str) -> list[str]:
     comments = field_comments(cls)
     by_field = {v: k for k, v in flag_fields().items()}
     key = f"`{section}`" if section else "the top level"
-    lines = [f"## {cls.__name__}", "", f"{_cell(inspect.getdoc(cls).splitlines()[0]) if cls.__doc__ else ''}".strip(),
-             f"In a phase plan: {key}.", "",
+    lines = [f"## {cls.__name__}", "", f"In a phase plan: {key}.", "",
              "| field | type | default | flag | meaning |", "|---|---|---|---|---|"]
-    if not cls.__doc__ or cls.__doc__.startswith(cls.__name__ + "("):  # dataclass's generated signature
-        lines.pop(2)
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         if f.default is not dataclasses.MISSING:
