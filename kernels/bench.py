@@ -63,6 +63,7 @@ import torch
 import torch.nn.functional as F
 
 from bert_ds.kernels import _build, probes, speed
+from bert_ds.kernels.dispatch import OPS
 from bert_ds.kernels.attention import VARLEN_ATTN, varlen_attention, varlen_attention_ref
 from bert_ds.kernels.bias_gelu import bias_gelu, bias_gelu_ref
 from bert_ds.kernels.lamb import lamb_update, lamb_update_native
@@ -72,7 +73,6 @@ from bert_ds.kernels.layer_norm import layer_norm, layer_norm_ref
 MODELS = {"base": dict(hidden=768, intermediate=3072, heads=12, params=110_106_428),
           "large": dict(hidden=1024, intermediate=4096, heads=16, params=336_226_108)}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-OPS = ("layer_norm", "bias_gelu", "varlen_attention", "lamb_update")
 PASSES = ("forward", "forward+backward")
 HEAD_DIM = 64
 # The implementations the roofline table lists: ours, and attention's fastest alternatives.

@@ -35,11 +35,15 @@ Tensors = dict[str, torch.Tensor]
 def run_all() -> dict[str, str]:
     """Per op, "" if its kernels pass, else what failed (at most three findings)."""
     cuda = torch.device("cuda")
-    checks = {"layer_norm": lambda: check_layer_norm(layer_norm_fused, cuda),
-              "bias_gelu": lambda: check_bias_gelu(bias_gelu_fused, cuda),
-              "varlen_attention": lambda: check_varlen_attention(varlen_attention_fused, cuda),
-              "lamb_update": lambda: check_lamb_update(lamb_update_fused, cuda)}
-    return {op: verdict(check) for op, check in checks.items()}
+    return {op: verdict(lambda: check(impl, cuda)) for op, (check, impl) in fused_checks().items()}
+
+
+def fused_checks() -> dict[str, tuple[Callable[..., list[str]], Callable[..., object]]]:
+    """Each op of ``dispatch.OPS``: its check and its fused implementation."""
+    return {"layer_norm": (check_layer_norm, layer_norm_fused),
+            "bias_gelu": (check_bias_gelu, bias_gelu_fused),
+            "varlen_attention": (check_varlen_attention, varlen_attention_fused),
+            "lamb_update": (check_lamb_update, lamb_update_fused)}
 
 
 def verdict(check: Callable[[], list[str]]) -> str:

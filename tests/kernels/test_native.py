@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from bert_ds import kernels
-from bert_ds.kernels import attention, selfcheck
+from bert_ds.kernels import attention, dispatch, selfcheck
 from bert_ds.kernels.attention import VarlenAttnApi
 from bert_ds.kernels.layer_norm import layer_norm_native, layer_norm_ref
 
@@ -65,6 +65,12 @@ def test_the_native_ops_meet_the_rule_the_fused_kernels_are_held_to(device, chec
     # Every dtype, odd sizes, forward and every gradient: at most twice the error of the
     # reference in the input dtype, against the reference in fp32.
     assert selfcheck.verdict(lambda: check(native, torch.device(device))) == ""
+
+
+def test_every_op_has_a_fused_self_check():
+    # kernels=auto and kernels=cuda decide per op from these checks: an op without one would
+    # have no verdict (and the GPU test of the verdicts would fail only on a GPU)
+    assert tuple(selfcheck.fused_checks()) == dispatch.OPS
 
 
 def test_a_rule_that_can_fail():
