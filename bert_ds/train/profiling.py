@@ -6,8 +6,10 @@ into ``OUTPUT/profile/``:
 
 - ``rank{R}.md`` and ``rank{R}.json``: per step, the wall time, the time the device was busy
   (the union of its kernels and copies) and the difference, the *idle gaps* where the GPU
-  waited for the host; the host calls that wait for the device; the kernels (on a CPU: the
-  host ops) that take the most time;
+  waited for the host; the same split for each stage of the step (:func:`stage`: loading,
+  forward, backward, the update, ...), which says what the host was doing while the GPU
+  waited; the host calls that wait for the device; the kernels (on a CPU: the host ops)
+  that take the most time;
 - ``rank{R}.trace.json.gz``: the Chrome trace, for Perfetto or ``chrome://tracing``.
 
 :func:`summarize` is also the summary of ``python -m bert_ds.tools.profile_step`` (the bench
@@ -16,6 +18,7 @@ loop's variants, without the engine): the two are read side by side.
 
 from __future__ import annotations
 
+import bisect
 import json
 import re
 import time
@@ -25,7 +28,7 @@ from typing import Any
 
 import torch
 from torch.autograd import DeviceType
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 from bert_ds.base.atomic import atomic_write
 from bert_ds.base.errors import ConfigError
@@ -33,19 +36,65 @@ from bert_ds.base.errors import ConfigError
 # Host calls that block until the device has finished earlier work.
 BLOCKING = {"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy"}
 TOP = 25  # kernels (or host ops) listed
+STAGE = "step."  # the names of :func:`stage`'s ranges start with this
+OUTSIDE = "(outside the stages)"
+
+
+def stage(name: str) -> record_function:
+    """A stage of the training step (``with stage("backward"): ...``), for the profile's
+    per-stage split; outside a profile it costs a few microseconds."""
+    return record_function(STAGE + name)
+
+
+def merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of [start, end) intervals, as disjoint intervals in order."""
+    out: list[tuple[float, float]] = []
+    for start, stop in sorted(intervals):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], stop))
+        else:
+            out.append((start, stop))
+    return out
 
 
 def busy_us(intervals: list[tuple[float, float]]) -> float:
     """Length of the union of [start, end) intervals (microseconds)."""
-    total, end = 0.0, float("-inf")
-    for start, stop in sorted(intervals):
-        if start > end:
-            total += stop - start
-            end = stop
-        elif stop > end:
-            total += stop - end
-            end = stop
+    return sum(stop - start for start, stop in merged(intervals))
+
+
+def overlap_us(start: float, stop: float, union: list[tuple[float, float]]) -> float:
+    """How much of [start, stop) the disjoint, ordered intervals ``union`` cover."""
+    first = bisect.bisect_right(union, (start, float("inf"))) - 1  # the last interval starting at or before
+    total = 0.0
+    for a, b in union[max(first, 0):]:
+        if a >= stop:
+            break
+        total += max(0.0, min(b, stop) - max(a, start))
     return total
+
+
+def stage_split(stages: list[tuple[str, float, float]], intervals: list[tuple[float, float]],
+                steps: int, wall_us: float) -> list[dict[str, Any]]:
+    """Per stage name, ms per step: the host's time in it, and of that, the time the GPU was busy
+    and idle (None without GPU intervals): the idle part is the GPU waiting on that stage's host
+    work. The rest of the wall time (the loop's logging, checkpoints) is one more row."""
+    if not stages:
+        return []
+    union = merged(intervals)
+    totals: dict[str, list[float]] = {}
+    for name, start, stop in stages:
+        entry = totals.setdefault(name, [0.0, 0.0])
+        entry[0] += stop - start
+        entry[1] += overlap_us(start, stop, union)
+    host = sum(h for h, _ in totals.values())
+    busy = sum(b for _, b in totals.values())
+    totals[OUTSIDE] = [max(wall_us - host, 0.0), max(busy_us(intervals) - busy, 0.0)]
+    rows = []
+    for name, (host, busy) in sorted(totals.items(), key=lambda kv: -(kv[1][0] - kv[1][1])):
+        rows.append({"stage": name, "host_ms_per_step": host / steps / 1e3,
+                     "gpu_busy_ms_per_step": busy / steps / 1e3 if intervals else None,
+                     "gpu_idle_ms_per_step": (host - busy) / steps / 1e3 if intervals else None})
+    return rows
 
 
 def _is_annotation(event) -> bool:
@@ -54,25 +103,39 @@ def _is_annotation(event) -> bool:
     return bool(getattr(event, "is_user_annotation", False))
 
 
+def _is_stage(event) -> bool:
+    return event.name.startswith(STAGE)
+
+
+def _top_level(event) -> bool:
+    """A host op called by no other op (a stage's range does not count as a caller)."""
+    parent = event.cpu_parent
+    return parent is None or (_is_stage(parent) and parent.cpu_parent is None)
+
+
 def summarize(events, steps: int, wall_s: float, top: int = TOP) -> dict[str, Any]:
-    """The profile's figures per step: busy, idle, syncs and the top kernels (or host ops)."""
+    """The profile's figures per step: busy, idle, syncs, each stage's split and the top kernels (or host ops)."""
     kernels: dict[str, list[float]] = {}
     intervals: list[tuple[float, float]] = []
     syncs: dict[str, int] = {}
     host_ops: dict[str, float] = {}
     ranges: dict[str, float] = {}
+    stages: list[tuple[str, float, float]] = []
     for e in events:
         if e.device_type == DeviceType.CUDA and _is_annotation(e):  # a record_function's span on the GPU
-            ranges[e.name] = ranges.get(e.name, 0.0) + e.time_range.elapsed_us()
+            if not _is_stage(e):
+                ranges[e.name] = ranges.get(e.name, 0.0) + e.time_range.elapsed_us()
         elif e.device_type == DeviceType.CUDA:
             intervals.append((e.time_range.start, e.time_range.end))
             entry = kernels.setdefault(e.name, [0, 0.0])
             entry[0] += 1
             entry[1] += e.time_range.elapsed_us()
+        elif _is_stage(e):
+            stages.append((e.name.removeprefix(STAGE), e.time_range.start, e.time_range.end))
         else:
             if e.name in BLOCKING:
                 syncs[e.name] = syncs.get(e.name, 0) + 1
-            if not e.name.startswith("cuda") and e.cpu_parent is None:
+            if not e.name.startswith("cuda") and _top_level(e):
                 host_ops[e.name] = host_ops.get(e.name, 0.0) + e.time_range.elapsed_us()
     busy = busy_us(intervals)
     ranked = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:top]
@@ -86,6 +149,7 @@ def summarize(events, steps: int, wall_s: float, top: int = TOP) -> dict[str, An
         "blocking_calls_per_step": {k: v / steps for k, v in sorted(syncs.items())},
         "top_kernels": [{"name": name, "calls_per_step": n / steps, "ms_per_step": us / steps / 1e3,
                          "share_of_busy": us / busy if busy else None} for name, (n, us) in ranked],
+        "stages": stage_split(stages, intervals, steps, wall_us),
         "annotated_ranges": [{"name": name, "ms_per_step": us / steps / 1e3}
                              for name, us in sorted(ranges.items(), key=lambda kv: -kv[1])],
         "top_host_ops": [{"name": name, "ms_per_step": us / steps / 1e3}
@@ -102,6 +166,13 @@ def summary_lines(s: dict[str, Any], top: int = TOP) -> list[str]:
                                       or "none"),
              *(f"- GPU span of `{r['name']}`: {r['ms_per_step']:.2f} ms/step" for r in s["annotated_ranges"]),
              ""]
+    if s.get("stages"):  # what the host was doing while the GPU waited
+        def ms(value: float | None) -> str:
+            return "" if value is None else f"{value:.2f}"
+        lines += ["| stage of the step | host ms/step | GPU busy ms/step | GPU idle ms/step |", "|---|---:|---:|---:|"]
+        lines += [f"| {r['stage']} | {r['host_ms_per_step']:.2f} | {ms(r['gpu_busy_ms_per_step'])} | "
+                  f"{ms(r['gpu_idle_ms_per_step'])} |" for r in s["stages"]]
+        lines.append("")
     if s["top_kernels"]:
         lines += ["| kernel | calls/step | ms/step | share of busy |", "|---|---:|---:|---:|"]
         lines += [f"| `{k['name'][:90]}` | {k['calls_per_step']:g} | {k['ms_per_step']:.3f} | "

@@ -31,6 +31,7 @@ from bert_ds.base.errors import BadStepsError
 from bert_ds.loader.pretraining import Batch, PretrainingLoader, to_device
 from bert_ds.model.bert import pretraining_inputs
 from bert_ds.train.faults import Faults
+from bert_ds.train.profiling import stage
 from bert_ds.train.signals import StopRequest
 
 
@@ -163,38 +164,46 @@ class TrainStep:
         self.faults.before_step(self.rank, step)
         t0 = time.perf_counter()
         first_position = self.loader.consumed_samples
-        batches = self.loader.next_step()
+        with stage("data"):
+            batches = self.loader.next_step()
         data_s = time.perf_counter() - t0
         stats = self._forward_backward(batches, step)
-        grads = ([p.grad for p in self.engine.module.parameters()] if self.plain_optimizer else
-                 zero.partition_gradients(self.engine) if self.owns_gradients else None)
-        if grads is not None:  # the flag that decides a skip, and the norm, in the same all-reduce
-            stats[AT["grad_sq"]] = grad_square_sum(grads, self.device)
-            stats[AT["nonfinite_grad"]] = (~torch.isfinite(stats[AT["grad_sq"]])).double()
-        stats[AT["stop"]] = float(self.stop.requested)  # a host number assigned is a fill: no copy
-        sums = dict(zip(STATS, all_reduce(stats)))  # the step's one host sync, before the update
+        with stage("gradient_checks"):
+            grads = ([p.grad for p in self.engine.module.parameters()] if self.plain_optimizer else
+                     zero.partition_gradients(self.engine) if self.owns_gradients else None)
+            if grads is not None:  # the flag that decides a skip, and the norm, in the same all-reduce
+                stats[AT["grad_sq"]] = grad_square_sum(grads, self.device)
+                stats[AT["nonfinite_grad"]] = (~torch.isfinite(stats[AT["grad_sq"]])).double()
+            stats[AT["stop"]] = float(self.stop.requested)  # a host number assigned is a fill: no copy
+        with stage("all_reduce"):
+            sums = dict(zip(STATS, all_reduce(stats)))  # the step's one host sync, before the update
         lr = self.engine.get_lr()[0]  # this step's; the scheduler moves on inside engine.step()
         skip = sums["nonfinite_loss"] > 0 or sums["nonfinite_grad"] > 0
         grad_norm = None
         if grads is not None:  # ZeRO-0: every rank holds all the gradients, the sum counts them world times
             square = sums["grad_sq"] / (dist.get_world_size() if self.plain_optimizer else 1)
             grad_norm = math.sqrt(square) if math.isfinite(square) else math.inf  # inf, as DeepSpeed reports a skip
-        if self.owns_gradients and not skip:
-            clip_gradients(grads, grad_norm, self.grad_clip)
-        engine_skipped = self._update(skip)
+        with stage("update"):
+            if self.owns_gradients and not skip:
+                clip_gradients(grads, grad_norm, self.grad_clip)
+            engine_skipped = self._update(skip)
         outcome = account(state, sums, engine_skipped, fp16=self.fp16)
         return StepResult(outcome, lr, grad_norm, first_position, time.perf_counter() - t0, data_s)
 
     def _forward_backward(self, batches: list[Batch], step: int) -> torch.Tensor:
         stats = torch.zeros(len(STATS), dtype=torch.float64, device=self.device)
         for i, batch in enumerate(batches):
-            batch = to_device(batch, self.device, non_blocking=True)
-            out = forward(self.engine, batch)
-            loss = self.faults.loss(out.loss, self.rank, step)
-            self.engine.backward(loss)
-            stats += batch_stats(out, batch, loss)
+            with stage("forward"):
+                batch = to_device(batch, self.device, non_blocking=True)
+                out = forward(self.engine, batch)
+                loss = self.faults.loss(out.loss, self.rank, step)
+            with stage("backward"):
+                self.engine.backward(loss)
+            with stage("batch_stats"):
+                stats += batch_stats(out, batch, loss)
             if i + 1 < len(batches):
-                self.engine.step()  # inside the accumulation window DeepSpeed only counts micro-steps
+                with stage("micro_step"):
+                    self.engine.step()  # inside the accumulation window DeepSpeed only counts micro-steps
         return stats
 
     def _update(self, skip: bool) -> bool:

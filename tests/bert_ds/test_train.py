@@ -95,6 +95,10 @@ def test_two_ranks_under_a_launcher(sample_data, tmp_path, launcher):
         record = json.loads((out / "profile" / f"rank{rank}.json").read_text())
         assert record["steps"] == "4-5" and record["rank"] == rank and record["summary"]["steps"] == 2
         assert record["summary"]["top_host_ops"] and record["summary"]["wall_ms_per_step"] > 0
+        # the step's stages, each timed (the rest of the loop is one more row)
+        stages = {r["stage"]: r["host_ms_per_step"] for r in record["summary"]["stages"]}
+        assert {"data", "forward", "backward", "batch_stats", "gradient_checks", "all_reduce", "update"} <= set(stages)
+        assert all(ms > 0 for ms in stages.values()), stages
         assert (out / "profile" / f"rank{rank}.trace.json.gz").stat().st_size > 0
 
 

@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# BERT-Base through the engine path a user runs (python -m bert_ds.train: DeepSpeed ZeRO-1,
+# bf16, LAMB), in several forms side by side, each with its last steps profiled by stage:
+#
+#   benchmarks/engine_sweep.sh DATA OUT_DIR
+#       DATA: a dataset built with a 30,522-word vocabulary (BERT's decoder width), e.g. as
+#             benchmarks/gpu_checks.sh builds one for its train_base step
+#
+#   variant        what changes against base-mb256 (global batch 1,024 sequences of 128 in all)
+#   base-mb256     micro-batch 256, 4 accumulation steps, zero1_bf16.json, kernels=auto
+#   base-mb512     micro-batch 512, 2 accumulation steps: half the host work per token
+#   base-mb1024    micro-batch 1,024, no accumulation
+#   no-overlap     zero1_bf16.json with overlap_comm off (its side stream and events)
+#   torch-ops      kernels=torch: PyTorch's own ops in the same engine
+#
+# Each run: STEPS steps (default 30), the last 3 profiled (--profile-steps): OUT_DIR/<variant>/
+# holds its summary.json, metrics.jsonl and profile (rank0.md: busy and idle per stage of the
+# step); OUT_DIR/engine_sweep.md is the table of all of them. About 45 s a variant on an H200
+# after the fused kernels' first build. VARIANTS="name ..." runs only those; EXTRA_ARGS are
+# added to every run (a rehearsal on a CPU: "--preset tiny --micro-batch-size 8 ...").
+set -u -o pipefail
+cd "$(dirname "$0")/.."
+case ${1:-} in
+    -h|--help) echo "usage: engine_sweep.sh DATA OUT_DIR  (BERT-Base engine-path variants, profiled; see its header)"
+               exit 0 ;;
+esac
+if [[ $# -ne 2 || ${1:-} == -* ]]; then
+    echo "usage: engine_sweep.sh DATA OUT_DIR" >&2
+    exit 2
+fi
+data=$1 out=$2
+python=${PYTHON:-python3}
+steps=${STEPS:-30}
+mkdir -p "$out"
+scratch=$(mktemp -d)
+trap 'rm -rf "$scratch"' EXIT
+printf '{"zero_optimization": {"stage": 1, "overlap_comm": false, "contiguous_gradients": true, "reduce_bucket_size": 50000000},
+ "bf16": {"enabled": true}, "communication_data_type": "fp32", "wall_clock_breakdown": false}\n' \
+    > "$scratch/zero1_bf16_no_overlap.json"
+declare -A args=(
+    [base-mb256]="--micro-batch-size 256"
+    [base-mb512]="--micro-batch-size 512"
+    [base-mb1024]="--micro-batch-size 1024"
+    [no-overlap]="--micro-batch-size 256 --ds-config $scratch/zero1_bf16_no_overlap.json"
+    [torch-ops]="--micro-batch-size 256 --kernels torch"
+)
+failed=0
+for variant in ${VARIANTS:-base-mb256 base-mb512 base-mb1024 no-overlap torch-ops}; do
+    [[ -n ${args[$variant]:-} ]] || { echo "engine_sweep.sh: unknown variant $variant" >&2; exit 2; }
+    echo "== $variant: ${args[$variant]}"
+    run=$scratch/$variant
+    # shellcheck disable=SC2086  # the variant's arguments are a list of words
+    timeout --kill-after=10 "${BUDGET_S:-150}" "$python" -m bert_ds.train --data "$data" --output "$run" \
+        --preset base --seq-len 128 --global-batch-size 1024 --steps "$steps" --optimizer lamb --kernels auto \
+        --num-workers 4 --profile-steps "$((steps - 2))-$steps" --no-progress --no-tensorboard \
+        ${args[$variant]} ${EXTRA_ARGS:-} > "$scratch/$variant.log" 2>&1
+    rc=$?
+    mkdir -p "$out/$variant"
+    cp "$scratch/$variant.log" "$out/$variant/train.log"
+    for f in summary.json metrics.jsonl profile/rank0.md profile/rank0.json; do
+        [[ -f $run/$f ]] && cp "$run/$f" "$out/$variant/"
+    done
+    if [[ $rc -ne 0 ]]; then
+        echo "== $variant FAILED (exit $rc): $(tail -1 "$scratch/$variant.log")"
+        failed=$((failed + 1))
+    else
+        grep -E "real tokens/s|MFU" "$scratch/$variant.log"
+    fi
+done
+"$python" -m bert_ds.tools.engine_sweep "$out" | tee "$out/engine_sweep.md"
+exit "$failed"
