@@ -156,23 +156,12 @@ prepare() {
         --vocab "$DATA_DIR/train/vocab.txt" --split-sentences --workers 2
 }
 
-# bf16 on a CPU without bf16 instructions (AVX512-BF16 or AMX) is emulated, an order of magnitude
-# slower than fp32 (tiny-h128 on a 2-core AVX2 EPYC: 1,597 against 11,887 real tokens/s), so there
-# the same ZeRO stage runs in fp32. A --ds-config in ARGS comes later and wins.
-precision_args() {
-    PRECISION_ARGS=()
-    [[ "${DS_ACCELERATOR:-}" == cpu ]] || return 0
-    if ! grep -qE 'avx512_bf16|amx_bf16' /proc/cpuinfo 2>/dev/null; then
-        log "this CPU has no bf16 instructions: training in fp32 (zero1_fp32.json; --ds-config overrides)"
-        PRECISION_ARGS=(--ds-config zero1_fp32.json)
-    fi
-}
-
+# On a CPU without bf16 instructions python -m bert_ds.train picks fp32 itself (zero1_fp32.json;
+# a --ds-config in ARGS wins), and says so.
 train_args() {
-    precision_args
     TRAIN_ARGS=(--data "$DATA_DIR/train" --val-data "$DATA_DIR/heldout" --output "$RUN_DIR/train"
         --preset "$PRESET" --steps "$STEPS" --lr "${LR:-1e-2}" --warmup-steps "${WARMUP:-100}" --dropout "${DROPOUT:-0}"
-        "${PRECISION_ARGS[@]}" "$@")
+        "$@")
 }
 
 pretrain() {

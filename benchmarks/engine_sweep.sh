@@ -8,15 +8,16 @@
 #
 #   variant        what changes against base-mb256 (global batch 1,024 sequences of 128 in all)
 #   base-mb256     micro-batch 256, 4 accumulation steps, zero1_bf16.json, kernels=auto
-#   base-mb512     micro-batch 512, 2 accumulation steps: half the host work per token
+#   base-mb512     micro-batch 512, 2 accumulation steps (the recipe's): half the host work per token
 #   base-mb1024    micro-batch 1,024, no accumulation
-#   no-overlap     zero1_bf16.json with overlap_comm off (its side stream and events)
+#   overlap        zero1_bf16.json with overlap_comm on: DeepSpeed's per-parameter gradient
+#                  hooks on every micro-batch, a side stream and its events
 #   torch-ops      kernels=torch: PyTorch's own ops in the same engine
 #
 # Each run: STEPS steps (default 30), the last 3 profiled (--profile-steps): OUT_DIR/<variant>/
 # holds its summary.json, metrics.jsonl and profile (rank0.md: busy and idle per stage of the
-# step); OUT_DIR/engine_sweep.md is the table of all of them. About 45 s a variant on an H200
-# after the fused kernels' first build. VARIANTS="name ..." runs only those; EXTRA_ARGS are
+# step); OUT_DIR/engine_sweep.md is the table of all of them. About 38 s a variant at 30 steps
+# on an H200 (2026-11-26), after the fused kernels' first build. VARIANTS="name ..." runs only those; EXTRA_ARGS are
 # added to every run (a rehearsal on a CPU: "--preset tiny --micro-batch-size 8 ...").
 set -u -o pipefail
 cd "$(dirname "$0")/.."
@@ -34,18 +35,20 @@ steps=${STEPS:-30}
 mkdir -p "$out"
 scratch=$(mktemp -d)
 trap 'rm -rf "$scratch"' EXIT
-printf '{"zero_optimization": {"stage": 1, "overlap_comm": false, "contiguous_gradients": true, "reduce_bucket_size": 50000000},
- "bf16": {"enabled": true}, "communication_data_type": "fp32", "wall_clock_breakdown": false}\n' \
-    > "$scratch/zero1_bf16_no_overlap.json"
+"$python" -c 'import json, sys
+from bert_ds.config import resolve_ds_config_path
+config = json.loads(resolve_ds_config_path("zero1_bf16.json").read_text())
+config["zero_optimization"]["overlap_comm"] = True
+json.dump(config, sys.stdout)' > "$scratch/zero1_bf16_overlap.json" || exit 2
 declare -A args=(
     [base-mb256]="--micro-batch-size 256"
     [base-mb512]="--micro-batch-size 512"
     [base-mb1024]="--micro-batch-size 1024"
-    [no-overlap]="--micro-batch-size 256 --ds-config $scratch/zero1_bf16_no_overlap.json"
+    [overlap]="--micro-batch-size 256 --ds-config $scratch/zero1_bf16_overlap.json"
     [torch-ops]="--micro-batch-size 256 --kernels torch"
 )
 failed=0
-for variant in ${VARIANTS:-base-mb256 base-mb512 base-mb1024 no-overlap torch-ops}; do
+for variant in ${VARIANTS:-base-mb256 base-mb512 base-mb1024 overlap torch-ops}; do
     [[ -n ${args[$variant]:-} ]] || { echo "engine_sweep.sh: unknown variant $variant" >&2; exit 2; }
     echo "== $variant: ${args[$variant]}"
     run=$scratch/$variant

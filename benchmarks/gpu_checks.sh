@@ -4,38 +4,44 @@
 #   benchmarks/gpu_checks.sh [--rehearse] [OUT_DIR]
 #       OUT_DIR default: benchmarks/results/<gpu>-<yyyy-mm-dd> (rehearsal: <tmp>/rehearsal-<date>)
 #
-#   step             what                                                          H100, 2026-11-24
-#   kernels_build    python -m bert_ds.kernels.build --recheck: JIT build, self-check,      53 s
+#   step             what                                                          H200, 2026-11-26
+#   kernels_build    python -m bert_ds.kernels.build --recheck: JIT build, self-check,      55 s
 #                    kernels=auto's race (its verdicts)
-#   kernels_inspect  python -m bert_ds.kernels.inspect --summary: registers, spills,       17 s
+#   kernels_inspect  python -m bert_ds.kernels.inspect --summary: registers, spills,       18 s
 #                    CTAs per SM as that machine's nvcc builds them
-#   test_cuda_ops    pytest tests/kernels/test_cuda_ops.py: every fused op and gradient    20 s
+#   test_cuda_ops    pytest tests/kernels/test_cuda_ops.py: every fused op and gradient    22 s
 #                    against its reference
-#   kernels_bench    python -m bert_ds.kernels.bench: each op against eager, compile,      58 s
+#   kernels_bench    python -m bert_ds.kernels.bench: each op against eager, compile,      53 s
 #                    SDPA, varlen_attn, with its roofline
-#   bench            python -m bert_ds.tools.bench: (a) fused, (b) torch, (c) transformers  49 s
+#   bench            python -m bert_ds.tools.bench: (a) fused, (b) torch, (c) transformers  43 s
 #                    at BERT-Base seq 128 and 512, goals and projection
-#   profile          python -m bert_ds.tools.profile_step: one BERT-Base step of (a) under  ~25 s
+#   profile          python -m bert_ds.tools.profile_step: one BERT-Base step of (a) under  18 s
 #                    torch.profiler: busy and idle time, syncs, top kernels
-#   main_job         ./run.sh: the main job on the GPU (ZeRO-1 bf16, LAMB, export,          95 s
+#   main_job         ./run.sh: the main job on the GPU (ZeRO-1 bf16, LAMB, export,          77 s
 #                    fill-mask), MAIN_STEPS steps
-#   train_base       python -m bert_ds.train --preset base: the engine path a user runs     ~60 s
+#   train_base       python -m bert_ds.train --preset base: the engine path a user runs    ~50 s
 #                    (ZeRO-1, bf16, LAMB, kernels=auto), BERT's 30,522-word vocabulary,
-#                    the recipe's micro-batch of 256 at seq 128, 4 accumulation steps;
+#                    the recipe's micro-batch of 512 at seq 128, 2 accumulation steps;
 #                    its last 3 steps profiled (--profile-steps): where the engine's step goes
-#   summary          python -m bert_ds.tools.gpu_summary: SUMMARY.md, the run in one page     1 s
+#   engine_sweep     benchmarks/engine_sweep.sh: the engine path at micro-batch 256, 512,   ~170 s
+#                    1,024, with overlap_comm on, on PyTorch's ops; 20 steps each, each
+#                    step split by stage (GPU busy and idle while the host loads, runs
+#                    forward, backward, the update)
+#   summary          python -m bert_ds.tools.gpu_summary: SUMMARY.md, the run in one page     5 s
 #
-# The times are the first H100 run's (benchmarks/results/H100-2026-11-24, each a first build
-# or first start); ~ marks a step that did not run there in its present form (profile ran by
-# hand, train_base in an older form: 37 s), estimated; about 7 minutes in all, each
-# step bounded by its budget below (a step past its budget is stopped and counted failed).
+# The times are the H200 run's (benchmarks/results/H200-2026-11-26, each a first build or
+# first start); ~ marks a step that did not run there in its present form (engine_sweep ran
+# by hand: 5 variants of 30 steps in 190 s; train_base ran at micro-batch 256), estimated;
+# about 9 minutes in all, inside the device tool's 10 minutes a command (ONLY splits the
+# run over two calls), each step bounded by its budget below (a step past its budget is
+# stopped and counted failed).
 #
 # Run it from the repository root with a Python that has torch (CUDA), transformers,
 # tokenizers, safetensors and numpy. Wheels the machine lacks (DeepSpeed and its
 # requirements; benchmarks/gpu_kit.sh downloads them) are installed from $KIT (default
 # .gpu-kit) into a scratch target, without an index. Every step runs even if an earlier one
 # failed; the exit status is the number of steps that failed. ONLY="step ..." runs only those
-# steps (train_base needs main_job's data). BENCH_ARGS adds arguments to the model bench.
+# steps (train_base and engine_sweep need main_job's data). BENCH_ARGS adds arguments to the model bench.
 #
 # --rehearse runs every step on this CPU machine: the same script, steps, result files and
 # summary, at tiny shapes and a few steps (the fused ops refuse, as they do without a GPU;
@@ -143,14 +149,17 @@ if ((rehearse)); then
     base_steps=${BASE_STEPS:-3}
     base=(--preset tiny --seq-len 64 --micro-batch-size 8 --global-batch-size 16 --steps "$base_steps"
           --ds-config zero1_fp32.json --num-workers 0)
+    sweep=(STEPS=4 VARIANTS="base-mb256 overlap" EXTRA_ARGS="--preset tiny --seq-len 64 --micro-batch-size 8
+           --global-batch-size 16 --ds-config zero1_fp32.json --num-workers 0")
 else
     kbench=()
     bench=()
     profile=(--preset base --seq-len 128)
     main_steps=${MAIN_STEPS:-300}
     base_steps=${BASE_STEPS:-30}
-    base=(--preset base --seq-len 128 --micro-batch-size 256 --global-batch-size 1024 --steps "$base_steps"
+    base=(--preset base --seq-len 128 --micro-batch-size 512 --global-batch-size 1024 --steps "$base_steps"
           --ds-config zero1_bf16.json --num-workers 4)
+    sweep=(STEPS=20 BUDGET_S=80)
 fi
 if ((rehearse)); then  # no GPU to build for: the same sources and binding through nvcc and the host compiler
     step kernels_build 240 "$python" -m bert_ds.kernels.compile_check
@@ -189,6 +198,8 @@ else
     cp "$run_dir/base/metrics.jsonl" "$out/train_base_metrics.jsonl" 2>/dev/null || true
     cp "$run_dir/base/profile/rank0.json" "$out/train_base_profile.json" 2>/dev/null || true
     cp "$run_dir/base/profile/rank0.md" "$out/train_base_profile.md" 2>/dev/null || true
+    step engine_sweep 300 env "${sweep[@]}" PYTHON="$python" bash benchmarks/engine_sweep.sh "$run_dir/data30522" \
+        "$out/engine_sweep"
 fi
 step summary 60 "$python" -m bert_ds.tools.gpu_summary "$out"
 echo "== results in $out ($failed step(s) failed)"

@@ -50,6 +50,7 @@ Design choices:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import multiprocessing
@@ -86,7 +87,7 @@ from bert_ds.data_tools.text import (
     sentence_cuts, split_sentences,
 )
 from bert_ds.data_tools.tokenizer import (
-    Normalization, TokenizerSpec, holds_cased_tokens, install_tokenizer, load_vocabulary, train_vocab,
+    HF_FILES, Normalization, TokenizerSpec, holds_cased_tokens, install_tokenizer, load_vocabulary, train_vocab,
     vocab_fingerprint,
 )
 
@@ -94,6 +95,10 @@ DEFAULT_SHARD_TOKENS = 1 << 26  # ~64M tokens: 128 MiB of uint16 per shard
 CHUNK_CHARS = 1 << 18  # characters per tokenization task: ~60k tokens, ~10 MB of Encodings
 _MAX_PARTS = 4096  # documents per chunk, bounds chunks of many empty documents
 JOURNAL_NAME = "build.journal.json"
+class EmptyCorpus(UserError):
+    """The inputs held no document to write (every one empty, or without its text field)."""
+
+
 class WorkerDied(UserError):
     """A tokenizer process ended without its result (killed, out of memory)."""
 
@@ -710,6 +715,7 @@ def _vocab_record(opts: BuildOptions, sizes: list[int]) -> dict:
 
 def _build(opts: BuildOptions, plan: _Plan, workers: _Workers, t0: float) -> BuildResult:
     directory = plan.directory
+    existed = directory.exists()
     try:
         # Everything that can fail on bad input comes before the first write to DIR,
         # so a failed build never spoils a dataset already there.
@@ -728,12 +734,33 @@ def _build(opts: BuildOptions, plan: _Plan, workers: _Workers, t0: float) -> Bui
                                    already_built=True, label=plan.part.label if partition else "")
             if existing.kind != "nothing" and existing.key != key and not opts.overwrite:
                 _refuse_other(directory, existing)
-            manifest, records, t_vocab = _build_locked(opts, directory, workers, sources, (vocab, normalization),
-                                                       key, t0, (plan.share, partition))
+            try:
+                manifest, records, t_vocab = _build_locked(opts, directory, workers, sources,
+                                                           (vocab, normalization), key, t0, (plan.share, partition))
+            except EmptyCorpus:
+                if existing.kind == "nothing":  # the folder held nothing: leave it as it was
+                    _clear(directory)
+                raise
+    except EmptyCorpus:
+        if not existed:  # made by this build; the lock's file went with the lock
+            _remove_if_empty(directory)
+        raise
     except OSError as e:
         raise UserError(f"{directory}: build failed: {e}") from None
     return BuildResult(directory, manifest, time.perf_counter() - t0, t_vocab, len(records),
                        label=plan.part.label if partition else "")
+
+
+def _clear(directory: Path) -> None:
+    """Remove what a build wrote into a folder that held nothing: its journal, tokenizer files and shards."""
+    _remove_stale(directory, keep_shards=0)
+    for name in (JOURNAL_NAME, *HF_FILES):
+        (directory / name).unlink(missing_ok=True)
+
+
+def _remove_if_empty(directory: Path) -> None:
+    with contextlib.suppress(OSError):  # not empty, or gone: either way nothing of ours is left
+        directory.rmdir()
 
 
 def _keys(opts: BuildOptions, plan: _Plan, sources: list[dict], vocab: bytes,
@@ -856,7 +883,7 @@ def _check_documents(opts: BuildOptions, st: ReadStats, counts: Counts) -> dict[
                            f"+ {skipped} skipped")
     if counts.documents_written == 0 and not opts.part.partitioned:
         reasons = ", ".join(f"{n} {k.replace('_', ' ')}" for k, n in skipped.items() if n or k == "empty")
-        raise UserError(
+        raise EmptyCorpus(
             f"empty corpus: no document written from {', '.join(opts.inputs)} "
             f"({st.documents} documents in, {reasons})"
         )

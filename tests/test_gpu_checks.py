@@ -20,10 +20,11 @@ from tests.conftest import REPO
 SCRIPT = REPO / "benchmarks" / "gpu_checks.sh"
 KIT_SCRIPT = REPO / "benchmarks" / "gpu_kit.sh"
 STEPS = ("kernels_build", "kernels_inspect", "test_cuda_ops", "kernels_bench", "bench", "profile", "main_job",
-         "train_base", "summary")
+         "train_base", "engine_sweep", "summary")
 RESULT_FILES = ("steps.txt", "SUMMARY.md", "kernels_bench.json", "bench.json", "bench.md", "profile.json",
                 "profile.md", "train_base_summary.json", "train_base_metrics.jsonl", "train_base_profile.json",
-                "train_base_profile.md",
+                "train_base_profile.md", "engine_sweep/engine_sweep.md", "engine_sweep/base-mb256/rank0.json",
+                "engine_sweep/overlap/summary.json",
                 *(f"{step}.log" for step in STEPS))
 
 
@@ -91,7 +92,9 @@ def test_the_rehearsal_runs_every_step_and_writes_every_result(kit, tmp_path):
         json.loads((out / name).read_text())
     summary = (out / "SUMMARY.md").read_text()
     for section in ("## Steps", "## Fused kernels", "## Training throughput", "## One step, profiled",
-                    "## The engine path a user runs", "### Steps 1-3 profiled"):
+                    "## The engine path a user runs", "### Steps 1-3 profiled",
+                    "## The engine path, variant by variant", "### overlap: a profiled step by stage",
+                    "| stage of the step |"):
         assert section in summary
     assert "could not be summarized" not in summary and "is missing" not in summary
     assert "| train_base | ok |" in summary

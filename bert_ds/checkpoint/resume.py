@@ -138,6 +138,11 @@ def saved_model(ckpt: Path) -> dict[str, Any]:
     return _read_json(ckpt, "model_config.json")
 
 
+def saved_ds_config(ckpt: Path) -> str | None:
+    """The engine JSON a checkpoint was trained with (None where its recipe does not say)."""
+    return _read_json(ckpt, "train_config.json").get("ds_config")
+
+
 def changes(ckpt: Path, cfg: TrainConfig, world_size: int) -> list[dict[str, Any]]:
     """The differences between ``ckpt``'s recipe and ``cfg``: raises a ConfigError naming every
     refused one, returns the recorded ones as ``{"field", "saved", "requested"}``."""

@@ -50,6 +50,7 @@ _FLAG_FIELDS = {
     "--activation-checkpointing": "model.activation_checkpointing",
     "--dropout": "model.hidden_dropout",
     "--init-from": "init_from",
+    "--ds-config": "ds_config",
     "--no-tensorboard": "tensorboard",
     "--no-progress": "progress",
 }

@@ -18,7 +18,9 @@ Reads what the steps wrote (``steps.txt``, the logs, ``kernels_bench.json``, ``b
   PyTorch's ops and transformers, the goals, and the projected seed run;
 - one profiled step: wall, GPU-busy and idle time, launches, host syncs, top kernels;
 - the engine path a user runs (``train_base``): real tokens/s, MFU, step time, data wait,
-  and three of its steps profiled the same way (``--profile-steps``), engine included.
+  and three of its steps profiled the same way (``--profile-steps``), engine included;
+- the engine path's variants side by side (``engine_sweep/``, :mod:`bert_ds.tools.engine_sweep`):
+  micro-batch sizes, ``overlap_comm``, PyTorch's ops, each step split by stage.
 
 A file that a failed step did not write is named as missing: nothing here fails because
 a step did, so the page is written on every run.
@@ -217,11 +219,19 @@ def engine_path(results: Path) -> list[str]:
                     *_profiled(prof["summary"])]
 
 
+def sweep(results: Path) -> list[str]:
+    folder = results / "engine_sweep"
+    if not folder.is_dir():
+        return _missing("engine_sweep/")
+    from bert_ds.tools.engine_sweep import table
+    return ["", *table(folder)]
+
+
 def write_summary(results: Path) -> str:
     if not results.is_dir():
         raise UserError(f"{results} is not a folder of gpu_checks.sh results")
     lines = []
-    for section in (header, steps_table, kernels, throughput, profile, engine_path):
+    for section in (header, steps_table, kernels, throughput, profile, engine_path, sweep):
         try:
             lines += section(results)
         except (KeyError, TypeError, ValueError, IndexError) as error:  # a file of another shape: say so, go on

@@ -51,11 +51,16 @@ import os
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from bert_ds.base.errors import ConfigError
 from bert_ds.checkpoint import hf_import
 from bert_ds.checkpoint import resume as resuming
 from bert_ds.checkpoint import store as checkpoint
-from bert_ds.config import DataConfig, OptimConfig, TrainConfig, check_writable, deepspeed_config
+from bert_ds.config import (
+    BF16_CPU_FLAGS, CPU_FP32_DS_CONFIG, DataConfig, OptimConfig, TrainConfig, check_writable, deepspeed_config,
+    machine_ds_config,
+)
 from bert_ds.model.bert import PRESETS, ModelConfig, model_preset
 from bert_ds.train.faults import Faults
 from bert_ds.train.loop import RunOptions, batch_plan, run
@@ -115,7 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup-steps", type=int, default=o.warmup_steps, help="linear warm-up steps")
     p.add_argument("--decay", default=o.decay, choices=["linear", "poly", "constant"], help="decay after warm-up")
     p.add_argument("--grad-clip", type=float, default=o.grad_clip, help="global gradient-norm clip (0: off)")
-    p.add_argument("--ds-config", default=t.ds_config, help="engine JSON: a file in ds_configs/ or a path")
+    p.add_argument("--ds-config", default=None,
+                   help=f"engine JSON: a file in ds_configs/ or a path (default: {t.ds_config}, or "
+                        f"{CPU_FP32_DS_CONFIG} on a CPU without bf16 instructions; resuming, the checkpoint's)")
     p.add_argument("--seed", type=int, default=t.seed, help="seed of weights, samples, masks and dropout")
     p.add_argument("--val-every", type=int, default=t.val_every, help="steps between validation passes (0: at the end)")
     p.add_argument("--save-every", type=int, default=t.save_every, help="steps between checkpoints (0: at the end)")
@@ -169,8 +176,23 @@ def model_from_args(args: argparse.Namespace, vocab_size: int, saved_model: dict
     return model_preset(args.preset, **{**kept, **given})
 
 
+def ds_config_from_args(args: argparse.Namespace, saved: str | None, cuda: bool) -> str:
+    """--ds-config; without it, a resumed run's own (``saved``), else the machine's default
+    (:func:`bert_ds.config.machine_ds_config`), said in one line where it is not TrainConfig's."""
+    if args.ds_config is not None:
+        return args.ds_config
+    if saved is not None:
+        return saved
+    chosen = machine_ds_config(cuda)
+    if chosen != TrainConfig.ds_config and os.environ.get("RANK", "0") == "0":
+        print(f"[bert_ds] this CPU has no bf16 instructions ({' or '.join(BF16_CPU_FLAGS)}): training in fp32 "
+              f"({chosen}; --ds-config overrides)", flush=True)
+    return chosen
+
+
 def config_from_args(args: argparse.Namespace, vocab_size: int, saved_model: dict[str, Any] | None = None,
-                     init: hf_import.InitSource | None = None) -> TrainConfig:
+                     init: hf_import.InitSource | None = None, ds_config: str | None = None) -> TrainConfig:
+    """The run's config; ``ds_config`` where --ds-config is not given (TrainConfig's default if None)."""
     model = model_from_args(args, vocab_size, saved_model, init)
     data = DataConfig(train=args.data, weights=args.data_weights, val=args.val_data, held_out=args.held_out,
                       whole_word_mask=args.whole_word_mask, max_seq_length=args.seq_len, pair_task=args.pair_task,
@@ -179,7 +201,8 @@ def config_from_args(args: argparse.Namespace, vocab_size: int, saved_model: dic
                         warmup_steps=args.warmup_steps, decay=args.decay, grad_clip=args.grad_clip)
     return TrainConfig(model=model, data=data, optim=optim, output=args.output, steps=args.steps,
                        global_batch_size=args.global_batch_size, micro_batch_size=args.micro_batch_size,
-                       ds_config=args.ds_config, seed=args.seed, val_every=args.val_every,
+                       ds_config=args.ds_config or ds_config or TrainConfig.ds_config, seed=args.seed,
+                       val_every=args.val_every,
                        save_every=args.save_every, keep_last=args.keep_last, exit_after=args.exit_after,
                        init_from=args.init_from, max_bad_steps=args.max_bad_steps,
                        collective_timeout=args.collective_timeout,
@@ -217,7 +240,9 @@ def prepare(args: argparse.Namespace) -> tuple[TrainConfig, RunOptions] | None:
     init = hf_import.open_source(Path(args.init_from)) if args.init_from and found is None else None
     if init is not None:
         hf_import.check_vocabulary(init, data)
-    cfg = config_from_args(args, vocab_size, resuming.saved_model(found) if found else None, init)
+    ds_config = ds_config_from_args(args, resuming.saved_ds_config(found) if found else None,
+                                    torch.cuda.is_available())
+    cfg = config_from_args(args, vocab_size, resuming.saved_model(found) if found else None, init, ds_config)
     profile = StepRange.parse(args.profile_steps) if args.profile_steps is not None else None
     if profile is not None and profile.first > cfg.steps:
         raise ConfigError(f"--profile-steps {profile} starts after the run's last step (--steps {cfg.steps})")

@@ -2,8 +2,8 @@ import json
 
 import pytest
 
-from bert_ds.config import (BatchPlan, DataConfig, OptimConfig, TrainConfig, deepspeed_config, precision_of,
-                            step_owns_gradients)
+from bert_ds.config import (BatchPlan, DataConfig, OptimConfig, TrainConfig, cpu_runs_bf16, deepspeed_config,
+                            machine_ds_config, precision_of, step_owns_gradients)
 from bert_ds.base.errors import ConfigError
 from bert_ds.model.bert import model_preset
 
@@ -138,3 +138,45 @@ def test_a_norm_off_with_the_overflow_check_on_is_refused(tmp_path):
                                "bf16": {"enabled": True, "check_grad_overflow": True}}))
     with pytest.raises(ConfigError, match="compute_grad_norm false needs bf16.check_grad_overflow false"):
         deepspeed_config(_cfg(ds_config=str(own)), BatchPlan.resolve(32, 32, 1))
+
+
+# -- the engine JSON of a run that names none -------------------------------------------------
+
+def _cpuinfo(tmp_path, flags: str):
+    path = tmp_path / "cpuinfo"
+    path.write_text(f"processor\t: 0\nflags\t\t: fpu sse2 avx2 {flags}\n\nprocessor\t: 1\nflags\t\t: fpu {flags}\n")
+    return path
+
+
+@pytest.mark.parametrize("flags,cuda,expected", [
+    ("avx512f avx512_bf16", False, "zero1_bf16.json"),
+    ("amx_bf16 amx_tile", False, "zero1_bf16.json"),
+    ("avx512f avx512_vnni", False, "zero1_fp32.json"),  # no bf16 instructions: emulated bf16 is ~7x slower
+    ("", False, "zero1_fp32.json"),
+    ("", True, "zero1_bf16.json"),  # a GPU trains in bf16 whatever its host CPU
+])
+def test_the_machine_default_is_fp32_only_on_a_cpu_without_bf16(tmp_path, flags, cuda, expected):
+    assert machine_ds_config(cuda, _cpuinfo(tmp_path, flags)) == expected
+
+
+def test_unreadable_cpu_flags_keep_the_stated_default(tmp_path):
+    assert cpu_runs_bf16(tmp_path / "missing")
+    assert machine_ds_config(False, tmp_path / "missing") == TrainConfig.ds_config
+
+
+def test_a_given_ds_config_wins_then_the_checkpoints_then_the_machines(monkeypatch, capsys):
+    from bert_ds.train import cli
+
+    monkeypatch.setattr(cli, "machine_ds_config", lambda cuda: "zero1_fp32.json" if not cuda else "zero1_bf16.json")
+    given = cli.parse_args(["--data", "d", "--ds-config", "zero2_bf16.json"])
+    plain = cli.parse_args(["--data", "d"])
+    assert cli.ds_config_from_args(given, "zero1_bf16.json", cuda=False) == "zero2_bf16.json"
+    assert cli.ds_config_from_args(plain, "zero1_bf16.json", cuda=False) == "zero1_bf16.json"  # a resume keeps its own
+    assert capsys.readouterr().out == ""
+    assert cli.ds_config_from_args(plain, None, cuda=False) == "zero1_fp32.json"
+    assert "this CPU has no bf16 instructions" in capsys.readouterr().out  # said, in one line
+    assert cli.ds_config_from_args(plain, None, cuda=True) == "zero1_bf16.json"
+    assert capsys.readouterr().out == ""
+    # config_from_args puts it into the run's config; without one it is TrainConfig's default
+    assert cli.config_from_args(plain, 1000, ds_config="zero1_fp32.json").ds_config == "zero1_fp32.json"
+    assert cli.config_from_args(plain, 1000).ds_config == TrainConfig.ds_config

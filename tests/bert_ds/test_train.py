@@ -50,14 +50,17 @@ def test_single_process_trains_exports_and_loads_in_transformers(sample_data, tm
 
 
 def test_resume_continues_with_identical_losses(sample_data, tmp_path):
+    # Started in bf16 by name, resumed naming none: the resume keeps the checkpoint's engine config,
+    # not this machine's default (fp32 on a CPU without bf16 instructions, which a resume refuses).
     whole, split = tmp_path / "whole", tmp_path / "split"
-    _train(sample_data, whole, "--steps", "12")
-    _train(sample_data, split, "--steps", "12", "--exit-after", "5")
+    _train(sample_data, whole, "--steps", "12", "--ds-config", "zero1_bf16.json")
+    _train(sample_data, split, "--steps", "12", "--exit-after", "5", "--ds-config", "zero1_bf16.json")
     first_part, _ = _records(split)
     assert [r["step"] for r in first_part] == list(range(1, 6))
     assert (split / "checkpoints" / "step_00000005" / "COMPLETE").is_file()
     proc = _train(sample_data, split, "--steps", "12")
-    assert "resuming from" in proc.stderr
+    assert "resuming from" in proc.stderr and "ds_config" not in proc.stderr + proc.stdout
+    assert ", bf16, ZeRO-1," in proc.stderr + proc.stdout  # the starting line
     ref = [r["loss"] for r in _records(whole)[0]]
     got = [r["loss"] for r in _records(split)[0]]
     assert len(got) == 12

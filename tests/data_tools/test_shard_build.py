@@ -216,7 +216,29 @@ def test_r6_empty_corpus_is_a_one_line_error(sample, tmp_path, capsys):
     err = capsys.readouterr().err.strip().split("\n")
     assert rc == 2
     assert err == [f"error: empty corpus: no document written from {src} (2 documents in, 2 empty)"]
-    assert not (tmp_path / "o" / MANIFEST_NAME).exists()
+    assert not (tmp_path / "o").exists()  # R18: the folder exactly as before (here: none)
+    # an empty folder stays empty, and a later build of other inputs into either starts afresh
+    (tmp_path / "e").mkdir()
+    assert main(["build", "--input", str(src), "--output", str(tmp_path / "e"), "--vocab", str(out / "vocab.txt"),
+                 "--workers", "1", "--no-progress"]) == 2
+    assert list((tmp_path / "e").iterdir()) == []
+    capsys.readouterr()
+    good = tmp_path / "good.txt"
+    good.write_text("A sentence of text. Another one here.\n\nA second document.\n")
+    assert main(["build", "--input", str(good), "--output", str(tmp_path / "e"), "--vocab", str(out / "vocab.txt"),
+                 "--workers", "1", "--no-progress"]) == 0
+    assert (tmp_path / "e" / MANIFEST_NAME).is_file()
+
+
+def test_an_empty_corpus_leaves_a_dataset_already_there_untouched(sample, tmp_path, capsys):
+    out, _ = sample
+    src = tmp_path / "empty.txt"
+    src.write_text("\n\n")
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    assert main(["build", "--input", str(src), "--output", str(out), "--vocab", str(out / "vocab.txt"),
+                 "--workers", "1", "--no-progress"]) == 2
+    assert "already holds a finished dataset" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
 
 
 # -- R9 ------------------------------------------------------------------------------------
