@@ -14,6 +14,7 @@ runs, so the difference is a floor for the engine's host cost there.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -27,18 +28,20 @@ for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MA
 
 import torch  # noqa: E402
 
-from bert_ds.config import BatchPlan, DataConfig, OptimConfig  # noqa: E402
+from bert_ds.config import BatchPlan, DataConfig, OptimConfig, resolve_ds_config_path  # noqa: E402
 from bert_ds.loader.pretraining import PretrainingLoader, open_pretraining_data  # noqa: E402
 from bert_ds.model.bert import BertForPreTraining, model_preset, pretraining_inputs  # noqa: E402
 from bert_ds.optim.builders import bind_to_engine, build_optimizer, build_schedule, param_groups  # noqa: E402
 from bert_ds.optim.flat import FlatLamb  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[1] / "runs" / "sample" / "data" / "train"
-ZERO1 = {"stage": 1, "overlap_comm": True, "contiguous_gradients": True, "reduce_bucket_size": 50000000}
+# ZeRO-1 as the shipped configs set it (ds_configs/zero1_fp32.json), and with overlap_comm on
+ZERO1 = json.loads(resolve_ds_config_path("zero1_fp32.json").read_text())["zero_optimization"]
 CONFIGS = {
     "z0": {"zero_optimization": {"stage": 0}},
     "z1": {"zero_optimization": ZERO1},
     "z1-noncontiguous": {"zero_optimization": {**ZERO1, "contiguous_gradients": False}},
+    "z1-overlap": {"zero_optimization": {**ZERO1, "overlap_comm": True}},
     "z1-bf16": {"zero_optimization": ZERO1, "bf16": {"enabled": True}, "communication_data_type": "fp32"},
     "z1-bf16-noncontiguous": {"zero_optimization": {**ZERO1, "contiguous_gradients": False},
                               "bf16": {"enabled": True}, "communication_data_type": "fp32"},

@@ -32,7 +32,7 @@ running the ops, so they are handed to it here (:func:`dispatch.consult`) instea
 from bert_ds.kernels import choice, dispatch
 from bert_ds.kernels.attention import varlen_attention, varlen_attention_native, varlen_attention_ref
 from bert_ds.kernels.bias_gelu import bias_gelu, bias_gelu_native, bias_gelu_ref
-from bert_ds.kernels.choice import KernelSetting, UnknownKernelBackend, resolve_backend
+from bert_ds.kernels.choice import KernelSetting, UnknownKernelBackend, check_setting, resolve_backend
 from bert_ds.kernels.dispatch import Backend, KernelUnavailable
 from bert_ds.kernels.layer_norm import layer_norm, layer_norm_native, layer_norm_ref
 from bert_ds.kernels.speed import OpShapes
@@ -48,6 +48,7 @@ __all__ = [
     "bias_gelu",
     "bias_gelu_native",
     "bias_gelu_ref",
+    "check_setting",
     "layer_norm",
     "layer_norm_native",
     "layer_norm_ref",

@@ -93,12 +93,20 @@ def build_dir() -> Path:
 
 
 @functools.cache
+def no_cuda() -> str:
+    """Why this process can run no CUDA kernel at all ("" if it may): asked without touching a device."""
+    if torch.version.cuda is None:
+        return f"the installed torch ({torch.__version__}) is a CPU-only build"
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    return ""
+
+
 def load_extension() -> tuple[ModuleType | None, str]:
     """Returns ``(module, "")`` when the fused kernels can run, else ``(None, why not)``."""
-    if torch.version.cuda is None:
-        return None, f"the installed torch ({torch.__version__}) is a CPU-only build"
-    if not torch.cuda.is_available():
-        return None, "no CUDA device"
+    why = no_cuda()
+    if why:
+        return None, why
     module = _prebuilt()
     if module is not None:
         return module, ""

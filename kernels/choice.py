@@ -29,7 +29,7 @@ import torch
 
 from bert_ds.base.errors import UserError
 from bert_ds.kernels import layer_norm, selfcheck, speed
-from bert_ds.kernels._build import device_key, load_extension, recorded, verdict_path
+from bert_ds.kernels._build import device_key, load_extension, no_cuda, recorded, verdict_path
 from bert_ds.kernels.dispatch import OPS, Backend, KernelUnavailable
 from bert_ds.kernels.speed import Choice, OpShapes
 
@@ -45,6 +45,21 @@ class UnknownKernelBackend(UserError):
 
 # --------------------------------------------------------------------------- resolving a setting
 
+def check_setting(requested: str) -> None:
+    """What :func:`resolve_backend` would refuse without building or touching a device: an unknown
+    setting, or ``cuda`` where no CUDA kernel can run. A command checks this before it starts
+    anything, so such a mistake leaves nothing behind."""
+    if requested not in SETTINGS:
+        raise UnknownKernelBackend(f"kernels must be one of {', '.join(SETTINGS)}; got {requested!r}")
+    if requested == "cuda" and no_cuda():
+        raise KernelUnavailable(_unavailable(no_cuda()))
+
+
+def _unavailable(reason: str) -> str:
+    return (f"kernels=cuda was requested but the fused CUDA kernels cannot load: {reason}; "
+            "use kernels=torch (or auto) to run the native PyTorch ops")
+
+
 def resolve_backend(requested: str, shapes: OpShapes | None = None) -> Backend:
     """Maps a ``kernels`` setting ("auto" | "cuda" | "torch") to the backend the ops run.
 
@@ -56,10 +71,7 @@ def resolve_backend(requested: str, shapes: OpShapes | None = None) -> Backend:
     if requested == "cuda":
         extension, reason = load_extension()
         if extension is None:
-            raise KernelUnavailable(
-                f"kernels=cuda was requested but the fused CUDA kernels cannot load: {reason}; "
-                "use kernels=torch (or auto) to run the native PyTorch ops"
-            )
+            raise KernelUnavailable(_unavailable(reason))
         failed = {op: why for op, why in op_verdicts().items() if why}
         if failed:
             raise KernelUnavailable(

@@ -53,6 +53,7 @@ from typing import Any
 
 import torch
 
+from bert_ds import kernels
 from bert_ds.base.errors import ConfigError
 from bert_ds.checkpoint import hf_import
 from bert_ds.checkpoint import resume as resuming
@@ -176,18 +177,19 @@ def model_from_args(args: argparse.Namespace, vocab_size: int, saved_model: dict
     return model_preset(args.preset, **{**kept, **given})
 
 
-def ds_config_from_args(args: argparse.Namespace, saved: str | None, cuda: bool) -> str:
+def ds_config_from_args(args: argparse.Namespace, saved: str | None, cuda: bool) -> tuple[str, str]:
     """--ds-config; without it, a resumed run's own (``saved``), else the machine's default
-    (:func:`bert_ds.config.machine_ds_config`), said in one line where it is not TrainConfig's."""
+    (:func:`bert_ds.config.machine_ds_config`). With it, the line that says so where the
+    machine's default is not TrainConfig's ("" otherwise)."""
     if args.ds_config is not None:
-        return args.ds_config
+        return args.ds_config, ""
     if saved is not None:
-        return saved
+        return saved, ""
     chosen = machine_ds_config(cuda)
-    if chosen != TrainConfig.ds_config and os.environ.get("RANK", "0") == "0":
-        print(f"[bert_ds] this CPU has no bf16 instructions ({' or '.join(BF16_CPU_FLAGS)}): training in fp32 "
-              f"({chosen}; --ds-config overrides)", flush=True)
-    return chosen
+    if chosen == TrainConfig.ds_config:
+        return chosen, ""
+    return chosen, (f"[bert_ds] this CPU has no bf16 instructions ({' or '.join(BF16_CPU_FLAGS)}): training in "
+                    f"fp32 ({chosen}; --ds-config overrides)")
 
 
 def config_from_args(args: argparse.Namespace, vocab_size: int, saved_model: dict[str, Any] | None = None,
@@ -240,9 +242,10 @@ def prepare(args: argparse.Namespace) -> tuple[TrainConfig, RunOptions] | None:
     init = hf_import.open_source(Path(args.init_from)) if args.init_from and found is None else None
     if init is not None:
         hf_import.check_vocabulary(init, data)
-    ds_config = ds_config_from_args(args, resuming.saved_ds_config(found) if found else None,
-                                    torch.cuda.is_available())
+    ds_config, note = ds_config_from_args(args, resuming.saved_ds_config(found) if found else None,
+                                          torch.cuda.is_available())
     cfg = config_from_args(args, vocab_size, resuming.saved_model(found) if found else None, init, ds_config)
+    kernels.check_setting(cfg.model.kernels)  # kernels=cuda on a machine without CUDA: before the folder is made
     profile = StepRange.parse(args.profile_steps) if args.profile_steps is not None else None
     if profile is not None and profile.first > cfg.steps:
         raise ConfigError(f"--profile-steps {profile} starts after the run's last step (--steps {cfg.steps})")
@@ -256,6 +259,8 @@ def prepare(args: argparse.Namespace) -> tuple[TrainConfig, RunOptions] | None:
             return None
     plan = batch_plan(cfg, world, found)  # before any rank waits on another
     deepspeed_config(cfg, plan)  # an engine JSON that DeepSpeed would refuse after start-up fails here
+    if note and os.environ.get("RANK", "0") == "0":  # said once the command is accepted
+        print(note, flush=True)
     return cfg, options
 
 

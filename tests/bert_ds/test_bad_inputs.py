@@ -242,6 +242,9 @@ def test_r18_cli_refuses_bad_inputs_before_writing_anything(sample_data, tmp_pat
     weights.write_bytes(b"\x00" * 7)
     assert _one_line_refusal(sample_data, out, "--init-from", str(weights)).startswith(
         f"error: {weights}: not a readable safetensors file (Error while deserializing header: ")
+    if not torch.cuda.is_available():  # the fused kernels asked for where no CUDA kernel can run
+        assert _one_line_refusal(sample_data, out, "--kernels", "cuda").startswith(
+            "error: kernels=cuda was requested but the fused CUDA kernels cannot load: ")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["engine.json", "model.safetensors"]  # no run folder
 
 

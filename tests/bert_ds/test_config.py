@@ -164,19 +164,17 @@ def test_unreadable_cpu_flags_keep_the_stated_default(tmp_path):
     assert machine_ds_config(False, tmp_path / "missing") == TrainConfig.ds_config
 
 
-def test_a_given_ds_config_wins_then_the_checkpoints_then_the_machines(monkeypatch, capsys):
+def test_a_given_ds_config_wins_then_the_checkpoints_then_the_machines(monkeypatch):
     from bert_ds.train import cli
 
     monkeypatch.setattr(cli, "machine_ds_config", lambda cuda: "zero1_fp32.json" if not cuda else "zero1_bf16.json")
     given = cli.parse_args(["--data", "d", "--ds-config", "zero2_bf16.json"])
     plain = cli.parse_args(["--data", "d"])
-    assert cli.ds_config_from_args(given, "zero1_bf16.json", cuda=False) == "zero2_bf16.json"
-    assert cli.ds_config_from_args(plain, "zero1_bf16.json", cuda=False) == "zero1_bf16.json"  # a resume keeps its own
-    assert capsys.readouterr().out == ""
-    assert cli.ds_config_from_args(plain, None, cuda=False) == "zero1_fp32.json"
-    assert "this CPU has no bf16 instructions" in capsys.readouterr().out  # said, in one line
-    assert cli.ds_config_from_args(plain, None, cuda=True) == "zero1_bf16.json"
-    assert capsys.readouterr().out == ""
+    assert cli.ds_config_from_args(given, "zero1_bf16.json", cuda=False) == ("zero2_bf16.json", "")
+    assert cli.ds_config_from_args(plain, "zero1_bf16.json", cuda=False) == ("zero1_bf16.json", "")  # a resume's own
+    chosen, note = cli.ds_config_from_args(plain, None, cuda=False)
+    assert chosen == "zero1_fp32.json" and "this CPU has no bf16 instructions" in note and "\n" not in note
+    assert cli.ds_config_from_args(plain, None, cuda=True) == ("zero1_bf16.json", "")
     # config_from_args puts it into the run's config; without one it is TrainConfig's default
     assert cli.config_from_args(plain, 1000, ds_config="zero1_fp32.json").ds_config == "zero1_fp32.json"
     assert cli.config_from_args(plain, 1000).ds_config == TrainConfig.ds_config
