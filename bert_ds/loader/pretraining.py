@@ -358,8 +358,7 @@ def _open_corpus(folders: list[Path]) -> tuple[Manifest, list[ShardReader], list
         if manifest is None:
             manifest = m
         elif m.tokenizer_fingerprint != manifest.tokenizer_fingerprint:
-            raise ShardError(f"{folder}: built with another tokenizer than {folders[0]}; the folders of one corpus "
-                             "must share one (corpora of different tokenizers cannot be trained together)")
+            raise ShardError(_another_tokenizer(folder, folders[0], "corpus"))
         readers += opened
         shards += [(str(folder / f"{info.name}.bin"), info.num_tokens) for info in m.shards]
     return manifest, readers, shards
@@ -412,7 +411,7 @@ class BlendedDataset(Dataset):
         first = datasets[0]
         for ds in datasets[1:]:
             if ds.manifest.tokenizer_fingerprint != first.manifest.tokenizer_fingerprint:
-                raise ShardError(f"{ds.path}: built with another tokenizer than {first.path}; blended datasets must share one")
+                raise ShardError(_another_tokenizer(ds.path, first.path, "blend"))
         w = np.asarray(weights, dtype=np.float64) / float(np.sum(weights))
         raw = w * self.BLOCK
         counts = np.floor(raw).astype(np.int64)
@@ -466,8 +465,38 @@ def open_pretraining_data(cfg: DataConfig, seed: int) -> tuple[Dataset, Pretrain
     else:
         return stream, None
     if val.manifest.tokenizer_fingerprint != first.manifest.tokenizer_fingerprint:
-        raise ShardError(f"{val.path}: built with another tokenizer than {first.path}")
+        raise ShardError(_another_tokenizer(val.path, first.path, "held-out"))
     return stream, val
+
+
+_SHARE_ONE = {"corpus": "; the folders of one corpus must share one (corpora of different tokenizers cannot be "
+                        "trained together)",
+              "blend": "; blended datasets must share one", "held-out": ""}
+
+
+def _another_tokenizer(path: Path, first: Path, role: str) -> str:
+    return f"{path}: built with another tokenizer than {first}{_SHARE_ONE[role]}"
+
+
+def check_tokenizers(cfg: DataConfig) -> None:
+    """:func:`open_pretraining_data`'s tokenizer checks from the manifests alone (no shard
+    opened, no sample map built), so that a command refuses such data before it starts."""
+    def fingerprint(folder: Path) -> str:
+        return Manifest.load(folder).tokenizer_fingerprint
+
+    entries = [Path(p) for p in ([cfg.train] if isinstance(cfg.train, (str, Path)) else cfg.train)]
+    folders = [dataset_folders(p) for p in entries]
+    first = fingerprint(folders[0][0])
+    if cfg.weights is None:
+        for folder in (f for group in folders for f in group):
+            if fingerprint(folder) != first:
+                raise ShardError(_another_tokenizer(folder, folders[0][0], "corpus"))
+    else:
+        for entry, group in zip(entries[1:], folders[1:], strict=True):
+            if fingerprint(group[0]) != first:
+                raise ShardError(_another_tokenizer(entry, entries[0], "blend"))
+    if cfg.val is not None and fingerprint(dataset_folders(cfg.val)[0]) != first:
+        raise ShardError(_another_tokenizer(Path(cfg.val), entries[0], "held-out"))
 
 
 def collate(samples: list[dict[str, np.ndarray | int]], pad_id: int) -> Batch:

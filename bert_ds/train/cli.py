@@ -234,6 +234,7 @@ def prepare(args: argparse.Namespace) -> tuple[TrainConfig, RunOptions] | None:
     input fails fast; None when the run in OUTPUT is finished already (said on rank 0)."""
     from bert_ds.data_tools.manifest import Manifest
     from bert_ds.data_tools.partition import dataset_folders
+    from bert_ds.loader.pretraining import check_tokenizers
 
     check_writable(args.output, "--output", folder=True)  # a file, a read-only place: before anything is read
     data = dataset_folders(args.data[0])[0]  # a dataset folder, or a parent's first part
@@ -246,6 +247,7 @@ def prepare(args: argparse.Namespace) -> tuple[TrainConfig, RunOptions] | None:
                                           torch.cuda.is_available())
     cfg = config_from_args(args, vocab_size, resuming.saved_model(found) if found else None, init, ds_config)
     kernels.check_setting(cfg.model.kernels)  # kernels=cuda on a machine without CUDA: before the folder is made
+    check_tokenizers(cfg.data)  # --data/--val-data folders of different tokenizers, likewise
     profile = StepRange.parse(args.profile_steps) if args.profile_steps is not None else None
     if profile is not None and profile.first > cfg.steps:
         raise ConfigError(f"--profile-steps {profile} starts after the run's last step (--steps {cfg.steps})")

@@ -7,7 +7,7 @@ import torch
 from bert_ds.base.errors import ShardError
 from bert_ds.config import BatchPlan, DataConfig
 from bert_ds.data_tools.manifest import open_dataset
-from bert_ds.loader.pretraining import IGNORE_INDEX, PretrainingDataset, PretrainingLoader, collate
+from bert_ds.loader.pretraining import IGNORE_INDEX, PretrainingDataset, PretrainingLoader, check_tokenizers, collate
 
 
 @pytest.fixture(scope="module")
@@ -234,6 +234,22 @@ def test_folders_of_other_tokenizers_are_refused_as_one_corpus(sample_data, tmp_
             "--train-vocab", "1024", "--split-sentences", "--workers", "1")
     with pytest.raises(ShardError, match=f"^{other}: built with another tokenizer than {sample_data['train']}"):
         PretrainingDataset([sample_data["train"], other], DataConfig(train=[str(sample_data["train"])]), seed=1)
+    # the same refusals from the manifests alone, as the train command makes them before it starts
+    train = str(sample_data["train"])
+    cases = [(DataConfig(train=[train, str(other)]), "; the folders of one corpus must share one"),
+             (DataConfig(train=[train, str(other)], weights=[1.0, 1.0]), "; blended datasets must share one"),
+             (DataConfig(train=[train], val=str(other)), "")]
+    for cfg, tail in cases:
+        with pytest.raises(ShardError) as refused:
+            check_tokenizers(cfg)
+        assert str(refused.value).startswith(f"{other}: built with another tokenizer than {train}{tail}")
+    check_tokenizers(DataConfig(train=[train, train], val=str(sample_data["heldout"])))  # one tokenizer: no error
+    out = tmp_path / "run"
+    proc = run_cli("bert_ds.train", "--data", train, str(other), "--output", str(out), "--steps", "1", check=False)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        f"error: {other}: built with another tokenizer than {train}; the folders of one corpus must share one "
+        "(corpora of different tokenizers cannot be trained together)"]
+    assert not out.exists()  # refused before the run's folder is made
 
 
 def test_sample_map_cache_is_rebuilt_when_a_shard_changes(sample_data, tmp_path):
