@@ -16,6 +16,7 @@ off (so that the float32 truth is float32).
 """
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 
 import torch
@@ -35,7 +36,7 @@ Tensors = dict[str, torch.Tensor]
 def run_all() -> dict[str, str]:
     """Per op, "" if its kernels pass, else what failed (at most three findings)."""
     cuda = torch.device("cuda")
-    return {op: verdict(lambda: check(impl, cuda)) for op, (check, impl) in fused_checks().items()}
+    return {op: verdict(functools.partial(check, impl, cuda)) for op, (check, impl) in fused_checks().items()}
 
 
 def fused_checks() -> dict[str, tuple[Callable[..., list[str]], Callable[..., object]]]:
