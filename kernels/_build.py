@@ -92,7 +92,6 @@ def build_dir() -> Path:
     return cache_dir() / "kernels" / f"{EXTENSION_NAME}-{source_hash()}"
 
 
-@functools.cache
 def no_cuda() -> str:
     """Why this process can run no CUDA kernel at all ("" if it may): asked without touching a device."""
     if torch.version.cuda is None:
@@ -102,6 +101,7 @@ def no_cuda() -> str:
     return ""
 
 
+@functools.cache
 def load_extension() -> tuple[ModuleType | None, str]:
     """Returns ``(module, "")`` when the fused kernels can run, else ``(None, why not)``."""
     why = no_cuda()
