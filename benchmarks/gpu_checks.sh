@@ -36,21 +36,32 @@
 # run over two calls), each step bounded by its budget below (a step past its budget is
 # stopped and counted failed).
 #
-# Run it from the repository root with a Python that has torch (CUDA), transformers,
-# tokenizers, safetensors and numpy. Wheels the machine lacks (DeepSpeed and its
-# requirements; benchmarks/gpu_kit.sh downloads them) are installed from $KIT (default
-# .gpu-kit) into a scratch target, without an index. Every step runs even if an earlier one
-# failed; the exit status is the number of steps that failed. ONLY="step ..." runs only those
+# It runs with $PYTHON, else the project's environment ($VENV, default .venv, as run.sh
+# makes it), else python3; that Python must have torch (CUDA), transformers, tokenizers,
+# safetensors and numpy, and without torch the script stops at once, saying so. Wheels the
+# machine lacks (DeepSpeed and its requirements; benchmarks/gpu_kit.sh downloads them) are
+# installed from $KIT (default .gpu-kit) into a scratch target, without an index. Every step
+# runs even if an earlier one failed; the exit status is the number of steps that failed.
+# ONLY="step ..." runs only those
 # steps (train_base and engine_sweep need main_job's data). BENCH_ARGS adds arguments to the model bench.
 #
 # --rehearse runs every step on this CPU machine: the same script, steps, result files and
 # summary, at tiny shapes and a few steps (the fused ops refuse, as they do without a GPU;
-# the kit's wheels are checked to install for Python 3.12 into a scratch target). The test
+# the kernel steps compile lamb.cu alone, the smallest source; the kit's wheels are checked
+# to install for Python 3.12 into a scratch target). The test
 # suite runs it (tests/test_gpu_checks.py), so that a broken step, flag or writer is found
 # here and not in a GPU session.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
-python=${PYTHON:-python3}
+# The project's environment, as run.sh finds it ($VENV, default .venv), else python3; PYTHON wins.
+venv=${VENV:-.venv}
+if [[ -n ${PYTHON:-} ]]; then
+    python=$PYTHON
+elif [[ -x $venv/bin/python ]]; then
+    python=$venv/bin/python
+else
+    python=python3
+fi
 rehearse=0
 if [[ ${1:-} == -h || ${1:-} == --help ]]; then
     echo "usage: gpu_checks.sh [--rehearse] [OUT_DIR]  (every GPU check, results in OUT_DIR; see its header)"
@@ -64,6 +75,11 @@ if [[ ${1:-} == -* ]]; then
     echo "gpu_checks.sh: unknown option $1 (usage: gpu_checks.sh [--rehearse] [OUT_DIR])" >&2
     exit 2
 fi
+if ! "$python" -c 'import torch' >/dev/null 2>&1; then
+    echo "gpu_checks.sh: torch does not import in $python; run ./run.sh setup (it makes $venv), or set PYTHON to a Python with torch" >&2
+    exit 2
+fi
+echo "== python: $python"
 if ((rehearse)); then
     gpu=rehearsal
     export DS_ACCELERATOR=cpu
@@ -161,12 +177,13 @@ else
           --ds-config zero1_bf16.json --num-workers 4)
     sweep=(STEPS=20 BUDGET_S=80)
 fi
-if ((rehearse)); then  # no GPU to build for: the same sources and binding through nvcc and the host compiler
-    step kernels_build 240 "$python" -m bert_ds.kernels.compile_check
+if ((rehearse)); then  # no GPU to build for: the smallest source through nvcc (the suite compiles every one)
+    step kernels_build 240 "$python" -m bert_ds.kernels.compile_check --sources lamb.cu
+    step kernels_inspect 120 "$python" -m bert_ds.kernels.inspect --summary --sources lamb.cu
 else
     step kernels_build 240 "$python" -m bert_ds.kernels.build --recheck
+    step kernels_inspect 120 "$python" -m bert_ds.kernels.inspect --summary
 fi
-step kernels_inspect 120 "$python" -m bert_ds.kernels.inspect --summary
 step test_cuda_ops 240 "$python" -m pytest -q -rs -p no:cacheprovider tests/kernels/test_cuda_ops.py
 step kernels_bench 240 "$python" -m bert_ds.kernels.bench --json "$out/kernels_bench.json" "${kbench[@]}"
 # shellcheck disable=SC2086  # BENCH_ARGS is a list of words

@@ -17,7 +17,10 @@ kernel that is not used run) is PyTorch's own varlen FlashAttention-2,
 device of compute capability 8.0 or newer, float16/bfloat16, a head dim it has
 kernels for, no dropout. Anything else (CPU, float32, attention dropout) runs the
 reference's padded SDPA. The function is looked up, never inferred from the torch
-version: it appeared in torch 2.10, and its first form took no ``scale``.
+version: it appeared in torch 2.10, and its first form took no ``scale``. Importing it
+costs about 2.5 s (its module pulls in torch's compiler stack), so a process without
+CUDA looks it up only when asked (:func:`varlen_attn_api`): every CPU start of a
+``bert_ds`` command would pay it for nothing.
 
 The fused path (``kernels/csrc/attention.cu``, FlashAttention-2 style) takes float16
 and bfloat16, head_dim 32 or 64, no dropout; it never forms the (S, S) scores, saves
@@ -67,7 +70,18 @@ def find_varlen_attn() -> VarlenAttnApi | None:
     return None
 
 
-VARLEN_ATTN = find_varlen_attn()
+_UNRESOLVED = object()
+# Resolved at import where CUDA is there, so that a compiled forward finds it resolved and never
+# traces the import; elsewhere on the first call of varlen_attn_api().
+_varlen_attn: object = find_varlen_attn() if torch.cuda.is_available() else _UNRESOLVED
+
+
+def varlen_attn_api() -> VarlenAttnApi | None:
+    """torch's varlen_attn (:func:`find_varlen_attn`), looked up once."""
+    global _varlen_attn
+    if _varlen_attn is _UNRESOLVED:
+        _varlen_attn = find_varlen_attn()
+    return _varlen_attn
 
 
 def cuda_capability(device: torch.device) -> tuple[int, int] | None:
@@ -123,7 +137,7 @@ def varlen_attention_native(
     """:func:`varlen_attention_ref`'s result by the fastest PyTorch op that takes the inputs."""
     if takes_varlen_attn(q, k, v, cu_seqlens, dropout_p, softmax_scale):
         scale = {} if softmax_scale is None else {"scale": softmax_scale}
-        return VARLEN_ATTN.fn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **scale)
+        return varlen_attn_api().fn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **scale)
     return varlen_attention_ref(q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale)
 
 
@@ -133,7 +147,10 @@ def takes_varlen_attn(q, k, v, cu_seqlens, dropout_p, softmax_scale) -> bool:
     Decided from dtypes, shapes, strides and the device only, never from tensor
     values, so that the model's forward compiles without graph breaks.
     """
-    api, head_dim = VARLEN_ATTN, q.shape[-1]
+    capability = cuda_capability(q.device)  # first: off CUDA, the API is never looked up
+    if capability is None or capability < (8, 0):
+        return False
+    api, head_dim = varlen_attn_api(), q.shape[-1]
     if api is None or dropout_p > 0.0 or (softmax_scale is not None and not api.takes_scale):
         return False
     if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype or v.dtype != q.dtype:
@@ -143,9 +160,6 @@ def takes_varlen_attn(q, k, v, cu_seqlens, dropout_p, softmax_scale) -> bool:
     if cu_seqlens.dtype != torch.int32 or any(t.stride(-1) != 1 for t in (q, k, v)):
         return False
     if any(t.device != q.device for t in (k, v, cu_seqlens)):
-        return False
-    capability = cuda_capability(q.device)
-    if capability is None or capability < (8, 0):
         return False
     return head_dim <= VARLEN_LARGE_HEAD_DIM or capability in VARLEN_LARGE_HEAD_DIM_DEVICES
 

@@ -64,7 +64,7 @@ import torch.nn.functional as F
 
 from bert_ds.kernels import _build, probes, speed
 from bert_ds.kernels.dispatch import OPS
-from bert_ds.kernels.attention import VARLEN_ATTN, varlen_attention, varlen_attention_ref
+from bert_ds.kernels.attention import varlen_attention, varlen_attention_ref, varlen_attn_api
 from bert_ds.kernels.bias_gelu import bias_gelu, bias_gelu_ref
 from bert_ds.kernels.lamb import lamb_update, lamb_update_native
 from bert_ds.kernels.layer_norm import layer_norm, layer_norm_ref
@@ -284,9 +284,10 @@ def _nested_flash(offsets: torch.Tensor, lengths: list[int]) -> Callable:
 
 def _varlen_attn(cu_seqlens: torch.Tensor, max_seqlen: int) -> Callable:
     def run(q, k, v):
-        if VARLEN_ATTN is None:
+        api = varlen_attn_api()
+        if api is None:
             raise RuntimeError(f"torch {torch.__version__} has no varlen_attn")
-        return VARLEN_ATTN.fn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
+        return api.fn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
     return run
 
 

@@ -1,7 +1,7 @@
 """Compile checks of the fused kernels that need no GPU: the CI check that a kernel
 change still builds, and a user's check of the build before renting a GPU.
 
-    python -m bert_ds.kernels.compile_check [--verbose]
+    python -m bert_ds.kernels.compile_check [--verbose] [--sources lamb.cu,bindings.cpp]
     python -m bert_ds.kernels.compile_check --with-torch [--index-url URL]
 
 Without options (fast, no download; part of the test suite):
@@ -49,6 +49,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -202,29 +203,42 @@ def compile_bindings(out_dir: Path, source: Path = CSRC / "bindings.cpp") -> Res
 
 # --------------------------------------------------------------------------- the default check
 
-def check_sources(verbose: bool) -> int:
+def source_paths(names: str | None) -> list[Path]:
+    """``names`` ("lamb.cu,attention.cu"; None: every source) as paths in csrc/; a name that is not
+    there is a UserError."""
+    if not names:
+        return sorted(CSRC.glob("*.cu")) + [CSRC / "bindings.cpp"]
+    paths = [CSRC / name.strip() for name in names.split(",") if name.strip()]
+    missing = [p.name for p in paths if not p.is_file()]
+    if missing:
+        raise UserError(f"not in {CSRC}: {', '.join(missing)}")
+    return paths
+
+
+def check_sources(verbose: bool, sources: list[Path] | None = None) -> int:
+    """Compiles ``sources`` (default: every .cu for both architectures, and the binding); one
+    line each. The nvcc runs are independent and single-threaded: one per core."""
     nvcc = find_nvcc()
     if nvcc is None:
         print("compile_check: nvcc not found (PATH, CUDA_HOME, CUDA_PATH); skipping the CUDA compile check")
         return 0
-    sources = sorted(CSRC.glob("*.cu"))
-    if not sources:
-        print(f"compile_check: no .cu files in {CSRC}", file=sys.stderr)
-        return 1
+    sources = sources or source_paths(None)
+    kernels = [s for s in sources if s.suffix == ".cu"]
     version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout.strip().splitlines()
     print(f"compile_check: {nvcc} ({version[-1] if version else 'unknown version'})")
-    results = []
     with tempfile.TemporaryDirectory(prefix="bds-compile-check-") as tmp:
-        for source in sources:
-            for arch, std in TARGETS:
-                results.append(compile_one(nvcc, source, arch, std, Path(tmp)))
-                _print_result(results[-1], f"sm_{arch} {std}", verbose)
-        blocker = host_compile_blocker()
-        if blocker:
-            print(f"  {'bindings.cpp':16s} skipped: {blocker}")
-        else:
-            results.append(compile_bindings(Path(tmp)))
-            _print_result(results[-1], results[-1].arch, verbose)
+        jobs = [(source, arch, std) for source in kernels for arch, std in TARGETS]
+        with ThreadPoolExecutor(max_workers=max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
+            results = list(pool.map(lambda job: compile_one(nvcc, *job, Path(tmp)), jobs))
+        for result, (_, arch, std) in zip(results, jobs):
+            _print_result(result, f"sm_{arch} {std}", verbose)
+        if any(s.name == "bindings.cpp" for s in sources):
+            blocker = host_compile_blocker()
+            if blocker:
+                print(f"  {'bindings.cpp':16s} skipped: {blocker}")
+            else:
+                results.append(compile_bindings(Path(tmp)))
+                _print_result(results[-1], results[-1].arch, verbose)
     passed = sum(result.ok for result in results)
     print(f"compile_check: {passed} of {len(results)} compiled")
     return 0 if passed == len(results) else 1
@@ -429,9 +443,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--index-url", default=PYPI,
                         help=f"where --with-torch gets torch (default {PYPI}: its Linux x86_64 torch is the CUDA "
                              "build; https://download.pytorch.org/whl/cuXYZ for another CUDA)")
+    parser.add_argument("--sources", default=None,
+                        help="comma-separated files of kernels/csrc to compile (default: every .cu and bindings.cpp)")
     args = parser.parse_args(argv)
     if not args.with_torch:
-        return check_sources(args.verbose)
+        return guarded(lambda: check_sources(args.verbose, source_paths(args.sources)))
     return guarded(lambda: with_torch(args.index_url))
 
 

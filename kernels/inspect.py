@@ -42,7 +42,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bert_ds.kernels.compile_check import CSRC, TARGETS, find_nvcc, nvcc_flags
+from bert_ds.base.errors import UserError
+from bert_ds.kernels.compile_check import CSRC, TARGETS, find_nvcc, nvcc_flags, source_paths
 
 
 # --------------------------------------------------------------------------- occupancy
@@ -342,12 +343,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--summary", action="store_true",
                         help="one row per kernel and both architectures, dtype instantiations folded")
     args = parser.parse_args(argv)
-    sources = None
-    if args.sources:
-        sources = [CSRC / name.strip() for name in args.sources.split(",") if name.strip()]
-        missing = [s.name for s in sources if not s.is_file()]
-        if missing:
-            parser.error(f"not in {CSRC}: {', '.join(missing)}")
+    try:
+        sources = [s for s in source_paths(args.sources) if s.suffix == ".cu"]
+    except UserError as error:
+        parser.error(str(error))
+    if not sources:
+        parser.error("--sources names no .cu file")
     if find_nvcc() is None:
         print("bert_ds.kernels.inspect: nvcc not found (PATH, CUDA_HOME, CUDA_PATH); nothing to inspect")
         return 0

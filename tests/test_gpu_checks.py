@@ -41,6 +41,35 @@ def test_without_a_gpu_the_script_refuses_in_one_line(tmp_path):
     assert not out.exists()
 
 
+def _without_python(**extra: str) -> dict[str, str]:
+    return {k: v for k, v in _env(**extra).items() if k != "PYTHON"}
+
+
+def test_without_python_set_the_projects_environment_is_used(tmp_path):
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
+    (venv / "bin" / "python").chmod(0o755)
+    proc = subprocess.run(["bash", str(SCRIPT), "--rehearse", str(tmp_path / "out")], capture_output=True, text=True,
+                          timeout=120, env=_without_python(VENV=str(venv), ONLY="none"))
+    assert proc.returncode == 0, proc.stderr
+    assert f"== python: {venv}/bin/python" in proc.stdout.splitlines()
+
+
+def test_a_python_without_torch_stops_at_once_saying_what_to_do(tmp_path):
+    shims = tmp_path / "bin"
+    shims.mkdir()
+    (shims / "python3").write_text("#!/bin/sh\necho 'No module named torch' >&2; exit 1\n")
+    (shims / "python3").chmod(0o755)
+    out = tmp_path / "out"
+    proc = subprocess.run(["bash", str(SCRIPT), "--rehearse", str(out)], capture_output=True, text=True, timeout=60,
+                          env=_without_python(VENV=str(tmp_path / "no-venv"), PATH=f"{shims}:/usr/bin:/bin"))
+    assert proc.returncode == 2 and not out.exists()
+    assert proc.stderr.strip().splitlines() == [
+        f"gpu_checks.sh: torch does not import in python3; run ./run.sh setup (it makes {tmp_path}/no-venv), "
+        "or set PYTHON to a Python with torch"]
+
+
 def test_an_unknown_option_is_refused_in_one_line(tmp_path):
     proc = subprocess.run(["bash", str(SCRIPT), "--rehears", str(tmp_path)], capture_output=True, text=True,
                           timeout=60, env=_env())

@@ -5,6 +5,8 @@ varlen_attn raises on a CPU, so its dispatch is tested with the detection and th
 device's compute capability substituted: the decision code is the real one.
 """
 
+import os
+import subprocess
 import sys
 import types
 
@@ -170,7 +172,7 @@ class FakeVarlenAttn:
 def on_a_gpu(monkeypatch):
     """torch's varlen_attn (a fake) on a device of compute capability 9.0, whatever the tensors' device."""
     fake = FakeVarlenAttn()
-    monkeypatch.setattr(attention, "VARLEN_ATTN", VarlenAttnApi(fake, takes_scale=True))
+    monkeypatch.setattr(attention, "varlen_attn_api", lambda: VarlenAttnApi(fake, takes_scale=True))
     monkeypatch.setattr(attention, "cuda_capability", lambda device: (9, 0))
     return fake
 
@@ -221,7 +223,7 @@ def test_varlen_attn_runs_on_the_devices_flash_attention_2_supports(monkeypatch,
 
 
 def test_without_varlen_attn_everything_goes_to_sdpa(monkeypatch, on_a_gpu):
-    monkeypatch.setattr(attention, "VARLEN_ATTN", None)
+    monkeypatch.setattr(attention, "varlen_attn_api", lambda: None)
     q, k, v, cu_seqlens = _varlen_inputs([3, 5], num_heads=2, head_dim=64, dtype=torch.bfloat16)
     assert torch.equal(kernels.varlen_attention_native(q, k, v, cu_seqlens, 5),
                        kernels.varlen_attention_ref(q, k, v, cu_seqlens, 5))
@@ -229,7 +231,7 @@ def test_without_varlen_attn_everything_goes_to_sdpa(monkeypatch, on_a_gpu):
 
 
 def test_a_varlen_attn_without_scale_takes_only_the_default_scale(monkeypatch, on_a_gpu):
-    monkeypatch.setattr(attention, "VARLEN_ATTN", VarlenAttnApi(on_a_gpu, takes_scale=False))
+    monkeypatch.setattr(attention, "varlen_attn_api", lambda: VarlenAttnApi(on_a_gpu, takes_scale=False))
     assert _declined(softmax_scale=0.3)
     assert not _declined(softmax_scale=None)
 
@@ -253,3 +255,13 @@ def test_varlen_attn_is_looked_up_in_each_known_location(monkeypatch):
     assert attention.find_varlen_attn() == VarlenAttnApi(first_release_form, takes_scale=False)
     monkeypatch.setattr(attention, "VARLEN_ATTN_LOCATIONS", (("no_such_torch_module", "varlen_attn"),))
     assert attention.find_varlen_attn() is None
+
+
+def test_a_process_without_cuda_starts_without_importing_varlen_attn():
+    """Its module pulls in torch's compiler stack (about 2.5 s a start): a CPU process never needs it."""
+    code = ("import sys, bert_ds.train.cli, bert_ds.kernels.attention as a; "
+            "assert 'torch.nn.attention.varlen' not in sys.modules; "
+            "assert a.varlen_attn_api() == a.find_varlen_attn(); assert 'torch.nn.attention.varlen' in sys.modules")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert proc.returncode == 0, proc.stderr[-2000:]
