@@ -4,17 +4,21 @@ Each op lives in ``kernels/<op>.py`` as ``<op>_ref()`` (the reference, plain
 PyTorch: the definition tests compare against), ``<op>_native()`` (the fastest
 PyTorch-native op for the inputs), ``<op>_fused()`` over the autograd Function of the
 fused CUDA kernels, and ``<op>(..., backend=...)`` (the public op, which runs one of
-them). The backend is resolved once with :func:`resolve_backend` from a
-``kernels: auto | cuda | torch`` setting; ``auto`` picks per op the fastest correct
-candidate on the device (``speed.py``).
+them). The backend is resolved once per model with :func:`resolve_backend` from a
+``kernels: auto | cuda | torch`` setting and the model's shapes; ``auto`` races per op the
+correct candidates on the device at those shapes (the fused kernel, the native op, the
+reference under ``torch.compile``, apex's LayerNorm, torch's ``varlen_attn`` and SDPA's
+backends for attention: ``speed.py``) and resolves to an :class:`OpPlan` naming the winners,
+which the model hands to every op call.
 
 - ``csrc/<op>.cu``: torch-free CUDA with ``extern "C"`` launchers (``csrc/launchers.h``);
   ``csrc/bindings.cpp``: the torch module ``bert_ds_kernels`` over them.
 - ``_build.py``: the one loader (in-process -> prebuilt -> JIT build -> None with the
   reason) and the per-device record of the verdicts.
-- ``dispatch.py``: per op call, the implementation the resolved backend names.
+- ``dispatch.py``: per op call, the implementation the resolved backend names; :class:`OpPlan`.
 - ``choice.py``: :func:`resolve_backend` and the per-device verdicts it rests on: self-check
   (``selfcheck.py``) and speed (``speed.py``).
+- ``compiled.py``: an op's reference under ``torch.compile``, one of the candidates.
 - ``python -m bert_ds.kernels.build``: build, self-check and time ahead of time.
 - ``python -m bert_ds.kernels.compile_check``: every ``.cu`` with nvcc for sm_80 and sm_90, and
   the binding with the host compiler against torch's headers (CI, no GPU needed);
@@ -24,25 +28,27 @@ candidate on the device (``speed.py``).
 - ``python -m bert_ds.kernels.bench``: the kernels against PyTorch at BERT shapes, with a
   roofline line per op (GPU).
 
-The imports point one way, ``_build`` <- ``dispatch`` <- the ops <- ``selfcheck``, ``speed``
-<- ``choice`` (``tests/test_layers.py`` checks it): the dispatch consults the verdicts made by
-running the ops, so they are handed to it here (:func:`dispatch.consult`) instead of imported.
+The imports point one way, ``_build`` <- ``dispatch``, ``compiled`` <- the ops <- ``selfcheck``
+<- ``speed`` <- ``choice`` (``tests/test_layers.py`` checks it): the dispatch consults the
+self-check's verdicts made by running the ops, so they are handed to it here
+(:func:`dispatch.consult`) instead of imported; the race's reach it inside the plan.
 """
 
 from bert_ds.kernels import choice, dispatch
 from bert_ds.kernels.attention import varlen_attention, varlen_attention_native, varlen_attention_ref
 from bert_ds.kernels.bias_gelu import bias_gelu, bias_gelu_native, bias_gelu_ref
 from bert_ds.kernels.choice import KernelSetting, UnknownKernelBackend, check_setting, resolve_backend
-from bert_ds.kernels.dispatch import Backend, KernelUnavailable
+from bert_ds.kernels.dispatch import Backend, KernelUnavailable, OpPlan
 from bert_ds.kernels.layer_norm import layer_norm, layer_norm_native, layer_norm_ref
 from bert_ds.kernels.speed import OpShapes
 
-dispatch.consult(choice.op_verdicts, choice.op_choices)
+dispatch.consult(choice.op_verdicts)
 
 __all__ = [
     "Backend",
     "KernelSetting",
     "KernelUnavailable",
+    "OpPlan",
     "OpShapes",
     "UnknownKernelBackend",
     "bias_gelu",

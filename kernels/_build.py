@@ -269,9 +269,11 @@ def verdict_path() -> Path:
     return build_dir() / f"verdicts-{device or 'unnamed'}.json"
 
 
-def recorded(section: str, compute: Callable[[], Any]) -> Any:
+def recorded(section: str, compute: Callable[[], Any], holds: Callable[[Any], bool] | None = None) -> Any:
     """The recorded ``section`` of this device's verdicts, computed and recorded the first time.
 
+    ``holds(recorded)``: whether a recorded section still answers (e.g. it was made with the
+    candidates there are now); one that does not is computed and recorded again.
     Concurrent processes (ranks) wait for the first one's result instead of repeating
     the work; a read-only cache computes it in every process and records nothing.
     """
@@ -285,7 +287,7 @@ def recorded(section: str, compute: Callable[[], Any]) -> Any:
     with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         record = _read_record(path)
-        if section not in record:
+        if section not in record or (holds is not None and not holds(record[section])):
             record[section] = compute()
             atomic_write(path, json.dumps(record, indent=1))
         return record[section]

@@ -26,8 +26,23 @@ The fused path (``kernels/csrc/attention.cu``, FlashAttention-2 style) takes flo
 and bfloat16, head_dim 32 or 64, no dropout; it never forms the (S, S) scores, saves
 the per-row logsumexp for the backward and recomputes the probabilities there. Like
 the reference it trusts ``max_seqlen`` to bound every sequence (it sizes the grid).
+
+``kernels=auto`` races these too (:data:`IMPLEMENTATIONS`), each with this op's signature,
+so that what it costs to bring the tokens to a backend's layout and back is inside what
+is timed:
+
+- ``varlen_attn``: torch's varlen FlashAttention-2 alone (an error where it cannot take the
+  inputs, instead of the native op's fallback);
+- ``sdpa_efficient``, ``sdpa_cudnn``: the reference's padding around SDPA restricted to the
+  memory-efficient or the cuDNN backend (:func:`padded_sdpa`);
+- ``sdpa_flash``: SDPA's flash backend on a nested (jagged) batch, which needs no padding
+  (:func:`nested_sdpa`; flash takes no key-padding mask);
+- ``compiled``: the reference under ``torch.compile`` (``kernels/compiled.py``).
+
+They decline attention dropout: the race timed and checked them without it (:func:`_unsupported`).
 """
 
+import functools
 import importlib
 import inspect
 import math
@@ -36,7 +51,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from bert_ds.kernels.compiled import CompiledReference
 from bert_ds.kernels.dispatch import Backend, Impl, choose, fused_extension
 
 FUSED_DTYPES = (torch.float16, torch.bfloat16)
@@ -48,6 +65,11 @@ VARLEN_ATTN_LOCATIONS = (("torch.nn.attention.varlen", "varlen_attn"), ("torch.n
 VARLEN_MAX_HEAD_DIM = 256
 VARLEN_LARGE_HEAD_DIM = 192
 VARLEN_LARGE_HEAD_DIM_DEVICES = ((8, 0), (9, 0))
+# What the SDPA candidates take beyond the reference (PyTorch's sdp_utils): flash and cuDNN
+# half precision only; every fused backend a head dim in multiples of 8, at most these.
+SDPA_DTYPES = {"sdpa_flash": (torch.float16, torch.bfloat16), "sdpa_cudnn": (torch.float16, torch.bfloat16),
+               "sdpa_efficient": (torch.float32, torch.float16, torch.bfloat16)}
+SDPA_MAX_HEAD_DIM = {"sdpa_flash": 256, "sdpa_cudnn": 128, "sdpa_efficient": 256}
 
 
 @dataclass(frozen=True)
@@ -103,6 +125,23 @@ def varlen_attention_ref(
     ``dropout_p`` is applied as given (pass 0.0 in eval); ``softmax_scale``
     defaults to 1/sqrt(hd).
     """
+    return padded_sdpa(q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale)
+
+
+def padded_sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    *,
+    backend: SDPBackend | None = None,
+) -> torch.Tensor:
+    """:func:`varlen_attention_ref`'s arguments and result, through a padded batch: the tokens
+    scattered into (B, nh, Smax, hd), SDPA with a key-padding mask (on ``backend`` alone when
+    given, else on the one SDPA picks), the real rows gathered back."""
     total, num_heads, head_dim = q.shape
     batch = cu_seqlens.numel() - 1
     starts = cu_seqlens.long()
@@ -117,12 +156,43 @@ def varlen_attention_ref(
     key_is_real = torch.zeros(batch * max_seqlen, dtype=torch.bool, device=q.device)
     key_is_real[slot] = True
     attn_mask = key_is_real.view(batch, 1, 1, max_seqlen)  # broadcast over heads and queries
-    out = F.scaled_dot_product_attention(
-        to_padded(q), to_padded(k), to_padded(v),
-        attn_mask=attn_mask, dropout_p=dropout_p, scale=softmax_scale,
-    )  # (B, nh, Smax, hd)
+
+    def attend() -> torch.Tensor:
+        return F.scaled_dot_product_attention(
+            to_padded(q), to_padded(k), to_padded(v),
+            attn_mask=attn_mask, dropout_p=dropout_p, scale=softmax_scale,
+        )  # (B, nh, Smax, hd)
+
+    if backend is None:
+        out = attend()
+    else:
+        with sdpa_kernel([backend]):
+            out = attend()
     out = out.transpose(1, 2).reshape(batch * max_seqlen, num_heads, head_dim)  # (B*Smax, nh, hd)
     return out[slot]  # (T, nh, hd)
+
+
+def nested_sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    *,
+    backend: SDPBackend,
+) -> torch.Tensor:
+    """:func:`varlen_attention_ref`'s arguments and result, through SDPA's ``backend`` on a
+    nested (jagged) batch, which holds the tokens as they are: no padding, no mask."""
+    offsets = cu_seqlens.long()
+    # The bounds are given, so that SDPA does not read them back from the device: max_seqlen
+    # bounds every sequence and none is empty (this op's contract, module docstring).
+    nested = [torch.nested.nested_tensor_from_jagged(t, offsets, min_seqlen=1, max_seqlen=max_seqlen)
+              .transpose(1, 2) for t in (q, k, v)]  # (T, nh, hd) -> jagged (B, j, nh, hd) -> (B, nh, j, hd)
+    with sdpa_kernel([backend]):
+        out = F.scaled_dot_product_attention(*nested, dropout_p=dropout_p, scale=softmax_scale)  # (B, nh, j, hd)
+    return out.transpose(1, 2).values()  # (T, nh, hd)
 
 
 def varlen_attention_native(
@@ -136,32 +206,63 @@ def varlen_attention_native(
 ) -> torch.Tensor:
     """:func:`varlen_attention_ref`'s result by the fastest PyTorch op that takes the inputs."""
     if takes_varlen_attn(q, k, v, cu_seqlens, dropout_p, softmax_scale):
-        scale = {} if softmax_scale is None else {"scale": softmax_scale}
-        return varlen_attn_api().fn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **scale)
+        return _varlen_attn(q, k, v, cu_seqlens, max_seqlen, softmax_scale)
     return varlen_attention_ref(q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale)
 
 
+def varlen_attention_varlen_attn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+) -> torch.Tensor:
+    """:func:`varlen_attention_ref` by torch's varlen_attn, or a ``ValueError`` saying why it cannot."""
+    problem = varlen_attn_problem(q, k, v, cu_seqlens, dropout_p, softmax_scale)
+    if problem:
+        raise ValueError(f"varlen_attn cannot take these inputs: {problem}")
+    return _varlen_attn(q, k, v, cu_seqlens, max_seqlen, softmax_scale)
+
+
+def _varlen_attn(q, k, v, cu_seqlens, max_seqlen, softmax_scale) -> torch.Tensor:
+    scale = {} if softmax_scale is None else {"scale": softmax_scale}
+    return varlen_attn_api().fn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **scale)
+
+
 def takes_varlen_attn(q, k, v, cu_seqlens, dropout_p, softmax_scale) -> bool:
-    """Whether torch's varlen_attn runs these inputs, forward and backward.
+    """Whether torch's varlen_attn runs these inputs, forward and backward (:func:`varlen_attn_problem`)."""
+    return not varlen_attn_problem(q, k, v, cu_seqlens, dropout_p, softmax_scale)
+
+
+def varlen_attn_problem(q, k, v, cu_seqlens, dropout_p, softmax_scale) -> str:
+    """Why torch's varlen_attn cannot run these inputs, forward and backward ("" if it can).
 
     Decided from dtypes, shapes, strides and the device only, never from tensor
     values, so that the model's forward compiles without graph breaks.
     """
     capability = cuda_capability(q.device)  # first: off CUDA, the API is never looked up
     if capability is None or capability < (8, 0):
-        return False
+        return "its inputs are not on a CUDA device of compute capability 8.0 or newer"
     api, head_dim = varlen_attn_api(), q.shape[-1]
-    if api is None or dropout_p > 0.0 or (softmax_scale is not None and not api.takes_scale):
-        return False
+    if api is None:
+        return f"torch {torch.__version__} has no varlen_attn"
+    if dropout_p > 0.0:
+        return f"attention dropout (dropout_p={dropout_p})"
+    if softmax_scale is not None and not api.takes_scale:
+        return "a softmax_scale (this torch's varlen_attn takes none)"
     if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype or v.dtype != q.dtype:
-        return False
+        return f"{q.dtype}/{k.dtype}/{v.dtype} inputs (it takes float16 or bfloat16, all alike)"
     if q.dim() != 3 or head_dim % 8 != 0 or head_dim > VARLEN_MAX_HEAD_DIM:
-        return False
+        return f"head_dim {head_dim} (it takes multiples of 8 up to {VARLEN_MAX_HEAD_DIM})"
     if cu_seqlens.dtype != torch.int32 or any(t.stride(-1) != 1 for t in (q, k, v)):
-        return False
+        return "int64 cu_seqlens or a strided last dimension"
     if any(t.device != q.device for t in (k, v, cu_seqlens)):
-        return False
-    return head_dim <= VARLEN_LARGE_HEAD_DIM or capability in VARLEN_LARGE_HEAD_DIM_DEVICES
+        return "its inputs are not all on one device"
+    if head_dim > VARLEN_LARGE_HEAD_DIM and capability not in VARLEN_LARGE_HEAD_DIM_DEVICES:
+        return f"head_dim {head_dim} on compute capability {capability} (above {VARLEN_LARGE_HEAD_DIM}: sm80, sm90)"
+    return ""
 
 
 def varlen_attention_fused(
@@ -180,8 +281,19 @@ def varlen_attention_fused(
     return FusedVarlenAttention.apply(q, k, v, cu_seqlens, max_seqlen, scale)
 
 
+# Every size is dynamic: the token count, the batch (cu_seqlens' length) and max_seqlen all
+# change from batch to batch (kernels/compiled.py).
+varlen_attention_compiled = CompiledReference(varlen_attention_ref, dynamic=True)
+
 IMPLEMENTATIONS: dict[Impl, Callable[..., torch.Tensor]] = {
-    "native": varlen_attention_native, "fused": varlen_attention_fused}
+    "native": varlen_attention_native,
+    "fused": varlen_attention_fused,
+    "compiled": varlen_attention_compiled,
+    "varlen_attn": varlen_attention_varlen_attn,
+    "sdpa_flash": functools.partial(nested_sdpa, backend=SDPBackend.FLASH_ATTENTION),
+    "sdpa_efficient": functools.partial(padded_sdpa, backend=SDPBackend.EFFICIENT_ATTENTION),
+    "sdpa_cudnn": functools.partial(padded_sdpa, backend=SDPBackend.CUDNN_ATTENTION),
+}
 
 
 def varlen_attention(
@@ -196,21 +308,31 @@ def varlen_attention(
     backend: Backend,
 ) -> torch.Tensor:
     """:func:`varlen_attention_ref` on the resolved ``backend``."""
-    impl = choose("varlen_attention", backend, lambda name: _unsupported(q, k, v, cu_seqlens, dropout_p))
+    impl = choose("varlen_attention", backend,
+                  lambda name: _unsupported(name, q, k, v, cu_seqlens, dropout_p, softmax_scale))
     return IMPLEMENTATIONS[impl](q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale)
 
 
-def _unsupported(q, k, v, cu_seqlens, dropout_p) -> str:
-    """Why the fused kernel (the only non-native candidate) cannot take these inputs ("" if it can)."""
+def _unsupported(impl: Impl, q, k, v, cu_seqlens, dropout_p, softmax_scale) -> str:
+    """Why candidate ``impl`` cannot take these inputs ("" if it can)."""
     if dropout_p > 0.0:
         return f"attention dropout (dropout_p={dropout_p}) is not supported; set attention_dropout=0"
-    if q.dtype not in FUSED_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
-        return f"{q.dtype}/{k.dtype}/{v.dtype} inputs (it takes float16 or bfloat16, all alike)"
-    if q.dim() != 3 or q.shape[-1] not in FUSED_HEAD_DIMS:
-        return f"head_dim {q.shape[-1]} (it takes {' or '.join(map(str, FUSED_HEAD_DIMS))})"
-    if cu_seqlens.dtype != torch.int32:
+    if impl == "varlen_attn":
+        return varlen_attn_problem(q, k, v, cu_seqlens, dropout_p, softmax_scale)
+    if impl == "fused":
+        dtypes, head_dims = FUSED_DTYPES, FUSED_HEAD_DIMS
+    elif impl in SDPA_DTYPES:
+        dtypes, head_dims = SDPA_DTYPES[impl], range(8, SDPA_MAX_HEAD_DIM[impl] + 1, 8)
+    else:  # "compiled": the reference, which takes any input
+        dtypes, head_dims = (q.dtype,), (q.shape[-1],)
+    if q.dtype not in dtypes or k.dtype != q.dtype or v.dtype != q.dtype:
+        return f"{q.dtype}/{k.dtype}/{v.dtype} inputs (it takes {' or '.join(map(str, dtypes))}, all alike)"
+    if q.dim() != 3 or q.shape[-1] not in head_dims:
+        allowed = ' or '.join(map(str, head_dims)) if impl == "fused" else f"multiples of 8 up to {head_dims[-1]}"
+        return f"head_dim {q.shape[-1]} (it takes {allowed})"
+    if impl == "fused" and cu_seqlens.dtype != torch.int32:
         return f"{cu_seqlens.dtype} cu_seqlens (it takes int32)"
-    if not all(t.is_cuda for t in (q, k, v, cu_seqlens)):
+    if not all(t.is_cuda for t in (q, k, v, cu_seqlens)):  # every candidate but the native op was raced on CUDA
         return "its inputs are not all on a CUDA device"
     return ""
 

@@ -15,6 +15,9 @@ The native path (:func:`bias_gelu_native`) is ``F.gelu(x + bias)`` in the input
 dtype: PyTorch's GELU already computes in fp32 for half inputs, so the reference's
 fp32 copies only cost memory traffic; the sum is rounded to the input dtype once.
 A bias of another dtype than ``x`` takes the reference (its sum would promote).
+
+``kernels=auto`` also races the reference under ``torch.compile`` (:data:`bias_gelu_compiled`,
+``kernels/compiled.py``), which Inductor fuses into one kernel each way.
 """
 
 from collections.abc import Callable
@@ -23,6 +26,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from bert_ds.kernels.compiled import CompiledReference
 from bert_ds.kernels.dispatch import Backend, Impl, choose, fused_extension
 
 Approximate = Literal["none", "tanh"]
@@ -46,7 +50,10 @@ def bias_gelu_fused(x: torch.Tensor, bias: torch.Tensor, approximate: Approximat
     return FusedBiasGelu.apply(x, bias, approximate)
 
 
-IMPLEMENTATIONS: dict[Impl, Callable[..., torch.Tensor]] = {"native": bias_gelu_native, "fused": bias_gelu_fused}
+bias_gelu_compiled = CompiledReference(bias_gelu_ref, rows=(0,))  # x: (T, I), T the batch's token count
+
+IMPLEMENTATIONS: dict[Impl, Callable[..., torch.Tensor]] = {
+    "native": bias_gelu_native, "fused": bias_gelu_fused, "compiled": bias_gelu_compiled}
 
 
 def bias_gelu(
@@ -59,12 +66,14 @@ def bias_gelu(
     """:func:`bias_gelu_ref` on the resolved ``backend``."""
     if approximate not in ("none", "tanh"):
         raise ValueError(f"approximate must be 'none' or 'tanh', got {approximate!r}")
-    impl = choose("bias_gelu", backend, lambda name: _unsupported(x, bias))
+    impl = choose("bias_gelu", backend, lambda name: _unsupported(name, x, bias))
     return IMPLEMENTATIONS[impl](x, bias, approximate)
 
 
-def _unsupported(x, bias) -> str:
-    """Why the fused kernel (the only non-native candidate) cannot take these inputs ("" if it can)."""
+def _unsupported(impl: Impl, x, bias) -> str:
+    """Why candidate ``impl`` ("fused" or "compiled") cannot take these inputs ("" if it can)."""
+    if impl == "compiled":  # the reference, which takes any input; raced on a CUDA device
+        return "" if x.is_cuda and bias.is_cuda else "its inputs are not all on a CUDA device"
     if x.dtype not in FUSED_DTYPES:
         return f"{x.dtype} input (it takes {', '.join(map(str, FUSED_DTYPES))})"
     if bias.dtype not in (x.dtype, torch.float32):

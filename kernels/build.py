@@ -4,10 +4,11 @@
 
 Runs the loader of ``kernels/_build.py`` now rather than at the first model
 construction: the JIT build into ``~/.cache/bert-ds/kernels/<hash>`` (a later process
-only loads it), the self-check on this GPU and the race of each op's candidates (what
-``kernels=auto`` will run; at a BERT-Base's shapes unless a model raced first on this
-device), whose verdicts it prints with the timings. ``--recheck`` runs the self-check
-and the race again. ``--install
+only loads it), the self-check on this GPU and the race of each op's candidates at a
+BERT-Base's shapes at seq 128 (what ``kernels=auto`` will run for such a model; a model
+of other shapes or another sequence length races its own when it is built), whose
+verdicts it prints with the margins and timings. ``--recheck`` runs the self-check and
+the race again. ``--install
 DIR`` also copies the built module into DIR (e.g. site-packages), where the loader's
 "prebuilt" step finds it in processes that have no compiler or no cache: useful for
 images. A prebuilt module is used only with the sources and torch it was built for.

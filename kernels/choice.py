@@ -2,20 +2,25 @@
 
 - self-check: the first time a build meets a device, :func:`op_verdicts` runs every
   op against its ``<op>_ref`` (``kernels/selfcheck.py``: every dtype, a few shapes,
-  forward and backward). An op that failed is refused by :func:`bert_ds.kernels.dispatch.choose`:
-  an error under ``kernels=cuda``, never run under ``kernels=auto``.
+  forward and backward). An op that failed is refused by :func:`bert_ds.kernels.dispatch.choose`
+  under ``kernels=cuda``, and its fused kernel is no candidate under ``kernels=auto``.
 - speed: the first time ``kernels=auto`` meets a device with a model's shapes,
-  :func:`op_choices` times each op's correct candidates (fused, native, apex's LayerNorm)
-  at those shapes and the training's sequence length and records the winner with the
+  :func:`op_choices` checks and times each op's candidates (fused, native, compiled,
+  apex's LayerNorm, torch's ``varlen_attn`` and the SDPA backends for attention) at those
+  shapes and the training's sequence length, and records the winners, their margins and the
   timings under the shapes (``kernels/speed.py``).
 - :func:`resolve_backend`: a ``kernels: auto | cuda | torch`` setting to the backend the ops
-  run (``kernels/dispatch.py`` says what each runs).
+  run (``kernels/dispatch.py`` says what each runs). ``auto`` resolves to an
+  :class:`~bert_ds.kernels.dispatch.OpPlan`, the winners at the model's shapes, which the
+  model hands to every op call: each model runs what won at its own shapes, so phase 2 of
+  BERT's recipe (seq 512), built in phase 1's process, runs phase 2's winners.
 
 Both verdicts are recorded beside the build (:func:`bert_ds.kernels._build.recorded`), so
-a later process, or another rank, only reads them. They are made by running the ops, so
-this module sits above the ops, which sit above the dispatch: the dispatch consults the
-verdicts through :func:`bert_ds.kernels.dispatch.consult`, which the package's
-``__init__`` calls with :func:`op_verdicts` and :func:`op_choices`.
+a later process, or another rank, only reads them; a race recorded with other candidates
+than there are now is run again. They are made by running the ops, so this module sits
+above the ops, which sit above the dispatch: the dispatch reads the self-check's verdicts
+through :func:`bert_ds.kernels.dispatch.consult`, which the package's ``__init__`` calls
+with :func:`op_verdicts`, and the race's inside the plan.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import torch
 from bert_ds.base.errors import UserError
 from bert_ds.kernels import layer_norm, selfcheck, speed
 from bert_ds.kernels._build import device_key, load_extension, no_cuda, recorded, verdict_path
-from bert_ds.kernels.dispatch import OPS, Backend, KernelUnavailable
+from bert_ds.kernels.dispatch import OPS, Backend, KernelUnavailable, OpPlan
 from bert_ds.kernels.speed import Choice, OpShapes
 
 KernelSetting = Literal["auto", "cuda", "torch"]  # what a config may ask for
@@ -63,8 +68,9 @@ def _unavailable(reason: str) -> str:
 def resolve_backend(requested: str, shapes: OpShapes | None = None) -> Backend:
     """Maps a ``kernels`` setting ("auto" | "cuda" | "torch") to the backend the ops run.
 
-    ``shapes``: the model's, at which ``auto`` times the candidates the first time it
-    meets a device (a BERT-Base's when None).
+    ``shapes``: the model's (a BERT-Base's at seq 128 when None). ``auto`` returns the
+    :class:`~bert_ds.kernels.dispatch.OpPlan` of the winners at these shapes, raced the first
+    time it meets them on this device; one plan per shapes and process.
     """
     if requested == "torch":
         return "torch"
@@ -82,12 +88,12 @@ def resolve_backend(requested: str, shapes: OpShapes | None = None) -> Backend:
             )
         return "cuda"
     if requested == "auto":
-        return _auto_backend(shapes)
+        return _auto_backend(shapes or OpShapes())
     raise UnknownKernelBackend(f"kernels must be one of {', '.join(SETTINGS)}; got {requested!r}")
 
 
 @functools.cache
-def _auto_backend(shapes: OpShapes | None) -> Backend:
+def _auto_backend(shapes: OpShapes) -> Backend:
     extension, reason = load_extension()
     apex_on_a_gpu = layer_norm.APEX_LAYER_NORM is not None and torch.cuda.is_available()
     if extension is None and not apex_on_a_gpu:  # nothing to choose from but the native ops
@@ -99,14 +105,20 @@ def _auto_backend(shapes: OpShapes | None) -> Backend:
         if why:
             _log_once(logging.WARNING, f"kernels=auto: {op} never runs its fused kernel here: "
                                        f"it failed the self-check ({why})")
-    for op, choice in op_choices(shapes).items():
-        _log_once(logging.INFO, f"kernels=auto: {op} {choice.describe()}")
-    return "prefer_cuda"
+    choices = op_choices(shapes)
+    for op, winner in choices.items():
+        _log_once(logging.INFO, f"kernels=auto at seq {shapes.max_seqlen}: {op} {winner.describe()}")
+    return plan_of(choices, shapes)
+
+
+def plan_of(choices: dict[str, Choice], shapes: OpShapes) -> OpPlan:
+    """The winners of a race at ``shapes``, as the plan a model hands to its ops."""
+    return OpPlan(tuple((op, choices[op].runs) for op in OPS if op in choices), shapes.key)
 
 
 @functools.cache
 def _log_once(level: int, message: str) -> None:
-    # Once per process, whatever the number of models (the choice is the device's, not the model's).
+    # Once per process and message: the models built at one set of shapes share one plan.
     logger.log(level, message)
 
 
@@ -140,25 +152,17 @@ def race_device() -> torch.device:
 race_timer: speed.Timer | None = None
 
 
-_choices: dict[str, Choice] | None = None  # this process's, once decided
-
-
 def op_choices(shapes: OpShapes | None = None) -> dict[str, Choice]:
-    """Per op, the implementation ``kernels=auto`` runs on this device, with the timings behind it.
+    """Per op, the implementation ``kernels=auto`` runs at ``shapes`` on this device, with the
+    timings behind it.
 
     Raced at ``shapes`` (a BERT-Base's at seq 128 when None) the first time ``kernels=auto``
     meets these shapes on this device under this :func:`~bert_ds.kernels._build.device_key`,
-    and recorded under the shapes: a later process with the same shapes reads it, one with
-    other shapes races them. The first call in a process decides for the process (one
-    training process builds one model; ``python -m bert_ds.kernels.build --recheck`` races again).
+    and recorded under the shapes with the candidates' names: a later process with the same
+    shapes reads it, one with other shapes (another model, the next phase's sequence length)
+    races them, and a record made with other candidates is raced again
+    (``python -m bert_ds.kernels.build --recheck`` races again in any case).
     """
-    global _choices
-    if _choices is None:
-        _choices = _decide_choices(shapes)
-    return _choices
-
-
-def _decide_choices(shapes: OpShapes | None) -> dict[str, Choice]:
     fused = _fused_problems()  # before the record's lock: the self-check takes it too
     shapes = shapes or OpShapes()
 
@@ -168,9 +172,14 @@ def _decide_choices(shapes: OpShapes | None) -> dict[str, Choice]:
         logger.info("kernels=auto: timing each op's candidates on %s at %s", device_key()["device"],
                     shapes.describe())
         choices = speed.race(shapes, device, timed, excluded, race_timer or speed.best_seconds_per_call)
-        return {"shapes": dataclasses.asdict(shapes), "ops": {op: c.to_json() for op, c in choices.items()}}
+        return {"shapes": dataclasses.asdict(shapes), "candidates": speed.candidate_names(),
+                "ops": {op: c.to_json() for op, c in choices.items()}}
 
-    return {op: Choice.from_json(c) for op, c in recorded(f"choices {shapes.key}", run_race)["ops"].items()}
+    def same_candidates(section: dict[str, Any]) -> bool:
+        return section.get("candidates") == speed.candidate_names()
+
+    section = recorded(f"choices {shapes.key}", run_race, holds=same_candidates)
+    return {op: Choice.from_json(c) for op, c in section["ops"].items()}
 
 
 def _fused_problems() -> dict[str, str]:

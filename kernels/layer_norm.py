@@ -21,9 +21,11 @@ Elsewhere the reference runs: a CPU's half-precision backward sums the weight
 gradients in the input dtype, and inputs of mixed dtypes (float32 weights under
 autocast) are not what ``F.layer_norm`` takes.
 
-Where NVIDIA apex is installed, its fused LayerNorm (``fused_layer_norm_affine``)
-is a third candidate under ``kernels=auto``: it runs if it passes the same
-self-check and is the fastest on the device (``kernels/choice.py``).
+Two more candidates under ``kernels=auto`` (``kernels/choice.py``), each run only where it
+is correct and the fastest on the device at the model's shapes: the reference under
+``torch.compile`` (:data:`layer_norm_compiled`, ``kernels/compiled.py``) and, where NVIDIA
+apex is installed and passes the same self-check, its fused LayerNorm
+(``fused_layer_norm_affine``).
 """
 
 import importlib
@@ -32,6 +34,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from bert_ds.kernels.compiled import CompiledReference
 from bert_ds.kernels.dispatch import Backend, Impl, choose, fused_extension
 
 FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -102,8 +105,11 @@ def layer_norm_apex(
     return APEX_LAYER_NORM(summed, weight, bias, summed.shape[-1:], eps)
 
 
+# x and residual: (T, H), T the batch's token count
+layer_norm_compiled = CompiledReference(layer_norm_ref, rows=(0, 4))
+
 IMPLEMENTATIONS: dict[Impl, Callable[..., torch.Tensor]] = {
-    "native": layer_norm_native, "fused": layer_norm_fused, "apex": layer_norm_apex}
+    "native": layer_norm_native, "fused": layer_norm_fused, "compiled": layer_norm_compiled, "apex": layer_norm_apex}
 
 
 def _mixed_dtypes(x, weight, bias, residual) -> bool:
@@ -125,7 +131,10 @@ def layer_norm(
 
 
 def _unsupported(impl: Impl, x, weight, bias, residual) -> str:
-    """Why candidate ``impl`` ("fused" or "apex") cannot take these inputs ("" if it can)."""
+    """Why candidate ``impl`` ("fused", "compiled" or "apex") cannot take these inputs ("" if it can)."""
+    on_cuda = all(t.is_cuda for t in (x, weight, bias, residual) if t is not None)
+    if impl == "compiled":  # the reference, which takes any input; raced on a CUDA device
+        return "" if on_cuda else "its inputs are not all on a CUDA device"
     if impl == "apex" and _mixed_dtypes(x, weight, bias, residual):
         return f"mixed dtypes ({x.dtype} input; apex's LayerNorm takes one dtype)"
     if x.dtype not in FUSED_DTYPES:
@@ -134,7 +143,7 @@ def _unsupported(impl: Impl, x, weight, bias, residual) -> str:
         return f"{weight.dtype}/{bias.dtype} weight/bias for {x.dtype} input (they must be {x.dtype} or float32)"
     if residual is not None and residual.dtype not in (x.dtype, torch.float32):
         return f"a {residual.dtype} residual for {x.dtype} input (it must be {x.dtype} or float32)"
-    if not all(t.is_cuda for t in (x, weight, bias, residual) if t is not None):
+    if not on_cuda:
         return "its inputs are not all on a CUDA device"
     return ""
 

@@ -1,7 +1,9 @@
 """The fused kernels against their references on this device: the verdicts behind
 ``kernels=cuda`` refusing to start and ``kernels=auto`` choosing per op (see
 ``kernels/choice.py``, which runs this once per build and device). The same checks
-take any implementation of an op (apex's LayerNorm is held to them too) and device.
+take any implementation of an op (apex's LayerNorm is held to them too) and device;
+:func:`compare` is the rule alone, which the race of ``kernels=auto`` applies to each
+candidate at the model's shapes before it times it (``kernels/speed.py``).
 
 Each check runs the op's implementation, forward and backward, on seeded random
 inputs (never zeros) in every dtype it takes and a few shapes, covering the fast and
@@ -49,7 +51,7 @@ def fused_checks() -> dict[str, tuple[Callable[..., list[str]], Callable[..., ob
 
 def verdict(check: Callable[[], list[str]]) -> str:
     """"" if ``check`` finds nothing, else its first three findings; a check that raises fails."""
-    with _clean_context():
+    with clean_context():
         try:
             problems = check()
         except Exception as error:  # a kernel that raises is a failed kernel; say how
@@ -59,7 +61,7 @@ def verdict(check: Callable[[], list[str]]) -> str:
 
 
 @contextlib.contextmanager
-def _clean_context() -> Iterator[None]:
+def clean_context() -> Iterator[None]:
     """Whatever the caller had on (no_grad, inference_mode, autocast, TF32), the check runs without."""
     saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
@@ -91,8 +93,10 @@ def _forward_backward(fn: Callable[..., torch.Tensor], leaves: Tensors, grad_out
     return {"out": out.detach(), **{f"d{name}": t.grad for name, t in leaves.items()}}
 
 
-def _compare(case: str, fn_fused, fn_ref, leaves: Tensors, grad_out: torch.Tensor, dtype: torch.dtype) -> list[str]:
-    ours = _forward_backward(fn_fused, leaves, grad_out)
+def compare(case: str, fn, fn_ref, leaves: Tensors, grad_out: torch.Tensor, dtype: torch.dtype) -> list[str]:
+    """``fn(**leaves)`` and every gradient against ``fn_ref``'s by the rule of the module docstring:
+    one finding per output or gradient that breaks it."""
+    ours = _forward_backward(fn, leaves, grad_out)
     same_dtype = _forward_backward(fn_ref, leaves, grad_out)
     truth = _forward_backward(fn_ref, {name: t.float() for name, t in leaves.items()}, grad_out.float())
     problems = []
@@ -128,7 +132,7 @@ def check_layer_norm(impl: Callable[..., torch.Tensor], device: torch.device,
                       "bias": rand(hidden, dtype=weight_dtype, scale=0.5)}
             if residual:
                 leaves["residual"] = rand(rows, hidden, dtype=dtype)
-            problems += _compare(
+            problems += compare(
                 f"{dtype} ({rows}, {hidden}){' +residual' if residual else ''}",
                 lambda x, weight, bias, residual=None: impl(x, weight, bias, 1e-12, residual),
                 lambda x, weight, bias, residual=None: layer_norm_ref(x, weight, bias, 1e-12, residual),
@@ -143,7 +147,7 @@ def check_bias_gelu(impl: Callable[..., torch.Tensor], device: torch.device) -> 
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         for rows, cols, approximate in ((64, 3072, "none"), (9, 1031, "tanh"), (40, 256, "tanh")):
             leaves = {"x": rand(rows, cols, dtype=dtype, scale=2.0), "bias": rand(cols, dtype=dtype)}
-            problems += _compare(
+            problems += compare(
                 f"{dtype} ({rows}, {cols}) {approximate}",
                 lambda x, bias, approximate=approximate: impl(x, bias, approximate),
                 lambda x, bias, approximate=approximate: bias_gelu_ref(x, bias, approximate),
@@ -162,7 +166,7 @@ def check_varlen_attention(impl: Callable[..., torch.Tensor], device: torch.devi
             offsets = torch.tensor([0, *lengths], device=device).cumsum(0).to(torch.int32)
             rest = (offsets, max_seqlen, 0.0, head_dim ** -0.5)  # cu_seqlens, max_seqlen, dropout_p, softmax_scale
             leaves = {name: rand(total, heads, head_dim, dtype=dtype) for name in ("q", "k", "v")}
-            problems += _compare(
+            problems += compare(
                 f"{dtype} lengths {lengths} heads {heads} head_dim {head_dim}",
                 lambda q, k, v, rest=rest: impl(q, k, v, *rest),
                 lambda q, k, v, rest=rest: varlen_attention_ref(q, k, v, *rest),

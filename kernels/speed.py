@@ -1,43 +1,58 @@
 """Which implementation of each op ``kernels=auto`` runs on a device: the fastest correct one.
 
-Candidates per op, in this order:
+Candidates per op (:data:`IMPLEMENTATIONS`, native first):
 
 - ``native``: the PyTorch-native op (``<op>_native``), always;
 - ``fused``: our fused kernel, where the extension loads and the op passed its self-check;
+- ``compiled`` (LayerNorm, bias + GELU, attention): the op's reference under
+  ``torch.compile`` (``kernels/compiled.py``); not LAMB's update, whose callback between its
+  passes and in-place updates would split the compiled graph;
 - ``apex`` (LayerNorm only): apex's fused LayerNorm, where apex is installed and it passes
-  the same self-check.
+  the same self-check;
+- attention only: ``varlen_attn`` (torch's varlen FlashAttention-2 where this torch has it and
+  it takes the inputs), ``sdpa_flash`` (on a nested batch), ``sdpa_efficient`` and
+  ``sdpa_cudnn`` (on a padded batch), with the padding and its removal inside what is timed
+  (``kernels/attention.py``).
 
-Each candidate is timed forward + backward on seeded inputs at the model's shapes and the
-training's sequence length (:class:`OpShapes`), on as many tokens as a training micro-batch
-holds (32,768 by default, a BERT-Base micro-batch of 256 x 128), so that launch costs do not
-decide; on a GPU by CUDA events around back-to-back calls. The fastest wins. A tie goes to
-``native``: a fused kernel is used only when it is faster, so ``kernels=auto`` is never
-slower than the native path. A candidate that raises at these shapes is excluded, with the
-reason.
+Every candidate but the native op is first held to the self-check's rule at the race's own
+inputs (:func:`bert_ds.kernels.selfcheck.compare`: output and every gradient against the
+reference); one that is wrong there, or raises (a backend that refuses the shapes, a
+``torch.compile`` that fails), is excluded with the reason. Each correct candidate is then
+timed forward + backward on seeded inputs at the model's shapes and the training's sequence
+length (:class:`OpShapes`), on as many tokens as a training micro-batch holds (32,768 by
+default, a BERT-Base micro-batch of 256 x 128), so that launch costs do not decide; on a GPU
+by CUDA events around back-to-back calls. The fastest wins, and :class:`Choice` says by how
+much over the runner-up. A tie goes to ``native``: another candidate is used only when it is
+faster than every other, so ``kernels=auto`` is never slower than the native path.
 
 The race runs once per device and shapes, and is recorded beside the self-check verdicts
 under its shapes (``kernels/choice.py``): a tiny model's verdict never decides for a
-BERT-Base. It takes some tens of milliseconds per candidate and happens when the model is
-built, before any training step, so no run's figures include it. The device and the clock
-are parameters, so that the choice is tested on a CPU with stand-ins.
+BERT-Base, nor phase 1's (seq 128) for phase 2 (seq 512). It takes some tens of milliseconds
+per candidate, plus the compile of each ``compiled`` candidate the first time a process
+races (not measured on a GPU), and happens when the model is built, before any training
+step, so no run's figures include it. The device and the clock are parameters, so that the
+choice is tested on a CPU with stand-ins.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from bert_ds.kernels import attention, lamb, probes
+from bert_ds.kernels import attention, lamb, probes, selfcheck
 from bert_ds.kernels.bias_gelu import IMPLEMENTATIONS as BIAS_GELU
+from bert_ds.kernels.bias_gelu import bias_gelu_ref
 from bert_ds.kernels.dispatch import OPS
 from bert_ds.kernels.layer_norm import IMPLEMENTATIONS as LAYER_NORM
+from bert_ds.kernels.layer_norm import layer_norm_ref
 
-# Per op, its implementations by name ("native", "fused", "apex"), all with its reference's signature.
+# Per op, its implementations by name (dispatch.Impl), native first, all with its reference's signature.
 IMPLEMENTATIONS = {"layer_norm": LAYER_NORM, "bias_gelu": BIAS_GELU, "varlen_attention": attention.IMPLEMENTATIONS,
                    "lamb_update": lamb.IMPLEMENTATIONS}
 LAYER_NORM_EPS = 1e-12  # BERT's
@@ -98,17 +113,36 @@ class OpShapes:
 class Choice:
     """The race's verdict for one op."""
 
-    runs: str  # the winner: "native", "fused" or "apex"
+    runs: str  # the winner, one of the op's IMPLEMENTATIONS
     ms: dict[str, float]  # per timed candidate, ms per call (forward + backward; for LAMB's update one step)
-    excluded: dict[str, str]  # per candidate not timed (or that raised), why
+    excluded: dict[str, str]  # per candidate not timed (not one here, wrong, or raised), why
+
+    @property
+    def runner_up(self) -> str | None:
+        """The fastest of the others timed (None when the winner ran alone)."""
+        others = {name: ms for name, ms in self.ms.items() if name != self.runs}
+        return min(others, key=others.__getitem__) if others else None
+
+    @property
+    def margin(self) -> float | None:
+        """How many times faster the winner ran than the runner-up (1.0: a tie, which native wins)."""
+        if self.runner_up is None:
+            return None
+        return self.ms[self.runner_up] / self.ms[self.runs] if self.ms[self.runs] > 0 else math.inf
 
     def describe(self) -> str:
+        if self.runner_up is None:
+            lead = "the only candidate timed"
+        elif self.margin > 1.0:
+            lead = f"{self.margin:.2f}x faster than {self.runner_up}"
+        else:
+            lead = f"as fast as {self.runner_up}"
         timed = ", ".join(f"{name} {ms:.3f} ms" for name, ms in self.ms.items())
         left_out = "".join(f"; {name} not a candidate: {why}" for name, why in self.excluded.items())
-        return f"runs {self.runs} ({timed} per call){left_out}"
+        return f"runs {self.runs} ({lead}; {timed} per call){left_out}"
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return {**dataclasses.asdict(self), "runner_up": self.runner_up, "margin": self.margin}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Choice:
@@ -139,10 +173,11 @@ def best_seconds_per_call(run: Callable[[], Any], device: torch.device) -> float
 
 def candidates(fused_problems: Mapping[str, str], apex_problem: str,
                ) -> tuple[dict[str, dict[str, Callable[..., torch.Tensor]]], dict[str, dict[str, str]]]:
-    """Per op, the implementations to time (native first) and those left out, with why.
+    """Per op, the implementations to race (native first) and those left out before the race, with why.
 
     ``fused_problems``: per op, why its fused kernel cannot run ("" if it can);
-    ``apex_problem``: why apex's LayerNorm cannot ("" if it can).
+    ``apex_problem``: why apex's LayerNorm cannot ("" if it can). The other candidates say
+    for themselves at the race whether they can (they raise where they cannot).
     """
     timed: dict[str, dict[str, Callable[..., torch.Tensor]]] = {}
     excluded: dict[str, dict[str, str]] = {}
@@ -151,27 +186,38 @@ def candidates(fused_problems: Mapping[str, str], apex_problem: str,
         if op == "layer_norm":
             problems["apex"] = apex_problem
         timed[op] = {"native": IMPLEMENTATIONS[op]["native"]}
-        timed[op].update((name, IMPLEMENTATIONS[op][name]) for name, why in problems.items() if not why)
+        timed[op].update((name, fn) for name, fn in IMPLEMENTATIONS[op].items() if not problems.get(name, ""))
         excluded[op] = {name: why for name, why in problems.items() if why}
     return timed, excluded
 
 
+def candidate_names() -> dict[str, list[str]]:
+    """Per op, the names of its candidates: a race recorded with other candidates is run again."""
+    return {op: list(IMPLEMENTATIONS[op]) for op in OPS}
+
+
 def race(shapes: OpShapes, device: torch.device, timed: Mapping[str, Mapping[str, Callable[..., torch.Tensor]]],
          excluded: Mapping[str, Mapping[str, str]], timer: Timer = best_seconds_per_call) -> dict[str, Choice]:
-    """Times every candidate of every op at ``shapes`` on ``device``; per op, the fastest wins."""
+    """Checks, then times, every candidate of every op at ``shapes`` on ``device``; per op, the
+    fastest correct one wins."""
     choices = {}
     with torch.inference_mode(False), torch.enable_grad(), torch.autocast(device.type, enabled=False):
         for op, implementations in timed.items():
-            run = _case(op, shapes, device)
+            case = _case(op, shapes, device)
             ms, left_out = {}, dict(excluded.get(op, {}))
             for name, fn in implementations.items():
                 try:
-                    ms[name] = timer(functools.partial(run, fn), device) * 1e3
+                    # native is what every other falls back to: there is nothing to exclude it for
+                    wrong = [] if name == "native" else case.check(fn)
+                    if wrong:
+                        left_out[name] = f"wrong at these shapes: {'; '.join(wrong[:3])}"
+                        continue
+                    ms[name] = timer(functools.partial(case.run, fn), device) * 1e3
                 except Exception as error:  # a candidate that cannot run these shapes is not one
                     left_out[name] = f"raised {type(error).__name__}: {_first_line(error)}"
             if "native" not in ms:
                 raise RuntimeError(f"the native {op} failed at {shapes.describe()}: {left_out.get('native')}")
-            # min() keeps the first of equals, and native comes first: a tie is not a reason to use a kernel.
+            # min() keeps the first of equals, and native comes first: a tie is not a reason to leave it.
             choices[op] = Choice(min(ms, key=ms.__getitem__), ms, left_out)
     return choices
 
@@ -181,17 +227,43 @@ def _first_line(error: Exception) -> str:
     return lines[0] if lines else ""
 
 
-def _forward_backward(call, leaves: dict[str, torch.Tensor], grad: torch.Tensor) -> Callable[[Callable], None]:
-    """Runs a candidate forward (``call(fn, leaves)``) and backward, for the autograd ops."""
-    def run(fn) -> None:
-        out = call(fn, leaves)
-        torch.autograd.grad(out, list(leaves.values()), grad)
-    return run
+@dataclass
+class _AutogradCase:
+    """One of the model's ops at the race's inputs: ``call(fn, leaves)`` runs candidate ``fn`` forward."""
+
+    call: Callable[[Callable, dict[str, torch.Tensor]], torch.Tensor]
+    leaves: dict[str, torch.Tensor]  # the inputs that take gradients
+    grad: torch.Tensor  # the upstream gradient
+    reference: Callable[..., torch.Tensor]
+    dtype: torch.dtype
+
+    def run(self, fn: Callable) -> None:
+        """One call of ``fn``, forward and backward: what is timed."""
+        torch.autograd.grad(self.call(fn, self.leaves), list(self.leaves.values()), self.grad)
+
+    def check(self, fn: Callable) -> list[str]:
+        """What ``fn`` gets wrong here, output and gradients, against the reference (the self-check's rule)."""
+        with selfcheck.clean_context():
+            return selfcheck.compare(str(self.dtype), lambda **t: self.call(fn, t),
+                                     lambda **t: self.call(self.reference, t), self.leaves, self.grad, self.dtype)
 
 
-def _case(op: str, shapes: OpShapes, device: torch.device) -> Callable[[Callable], None]:
-    """``run(fn)``: one call of candidate ``fn`` on the op's inputs at ``shapes`` (forward and
-    backward for the model's ops, one in-place step for LAMB's update)."""
+@dataclass
+class _LambCase:
+    """LAMB's update at the race's flat tensor; held to the self-check's LAMB case on the device."""
+
+    run: Callable[[Callable], None]
+    device: torch.device
+
+    def check(self, fn: Callable) -> list[str]:
+        with selfcheck.clean_context():
+            return selfcheck.check_lamb_update(fn, self.device)
+
+
+def _case(op: str, shapes: OpShapes, device: torch.device) -> _AutogradCase | _LambCase:
+    """The op's inputs at ``shapes``: ``run(fn)`` is one call of candidate ``fn`` (forward and
+    backward for the model's ops, one in-place step for LAMB's update), ``check(fn)`` what it
+    gets wrong."""
     generator = torch.Generator(device=device).manual_seed(0)
     dtype = getattr(torch, shapes.dtype)
     lengths = shapes.lengths()
@@ -204,19 +276,20 @@ def _case(op: str, shapes: OpShapes, device: torch.device) -> Callable[[Callable
     if op == "layer_norm":
         leaves = {"x": rand(tokens, shapes.hidden), "residual": rand(tokens, shapes.hidden),
                   "weight": rand(shapes.hidden, shift=1.0), "bias": rand(shapes.hidden)}
-        return _forward_backward(lambda fn, t: fn(t["x"], t["weight"], t["bias"], LAYER_NORM_EPS, t["residual"]),
-                                 leaves, rand(tokens, shapes.hidden).detach())
+        return _AutogradCase(lambda fn, t: fn(t["x"], t["weight"], t["bias"], LAYER_NORM_EPS, t["residual"]),
+                             leaves, rand(tokens, shapes.hidden).detach(), layer_norm_ref, dtype)
     if op == "bias_gelu":
         leaves = {"x": rand(tokens, shapes.intermediate), "bias": rand(shapes.intermediate)}
-        return _forward_backward(lambda fn, t: fn(t["x"], t["bias"], shapes.approximate),
-                                 leaves, rand(tokens, shapes.intermediate).detach())
+        return _AutogradCase(lambda fn, t: fn(t["x"], t["bias"], shapes.approximate),
+                             leaves, rand(tokens, shapes.intermediate).detach(), bias_gelu_ref, dtype)
     if op == "varlen_attention":
         cu_seqlens = torch.tensor([0, *lengths], device=device).cumsum(0).to(torch.int32)
         leaves = {name: rand(tokens, shapes.num_heads, shapes.head_dim) for name in ("q", "k", "v")}
-        return _forward_backward(lambda fn, t: fn(t["q"], t["k"], t["v"], cu_seqlens, shapes.max_seqlen),
-                                 leaves, rand(tokens, shapes.num_heads, shapes.head_dim).detach())
+        return _AutogradCase(lambda fn, t: fn(t["q"], t["k"], t["v"], cu_seqlens, shapes.max_seqlen),
+                             leaves, rand(tokens, shapes.num_heads, shapes.head_dim).detach(),
+                             attention.varlen_attention_ref, dtype)
     if op == "lamb_update":
-        return _lamb_case(shapes, device, generator)
+        return _LambCase(_lamb_case(shapes, device, generator), device)
     raise ValueError(f"no timing case for op {op!r}")
 
 

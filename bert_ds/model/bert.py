@@ -33,8 +33,10 @@ Design choices, and why:
   normalises each sublayer's input instead and adds a final
   ``bert.encoder.LayerNorm``: stabler at depth or with high learning rates, but
   ``transformers.BertForPreTraining`` has no such layout, so it cannot be exported.
-- **Kernels are resolved once**, at construction, from ``ModelConfig.kernels``; the
-  ops in :mod:`kernels` receive the resolved backend name on every call.
+- **Kernels are resolved once**, at construction, from ``ModelConfig.kernels`` and the
+  model's shapes at the training's sequence length; the ops in :mod:`kernels` receive the
+  resolved backend on every call (under ``kernels=auto`` the plan of the winners at these
+  shapes, so a phase-2 model at seq 512 runs its own, not phase 1's).
 """
 
 import dataclasses
@@ -425,10 +427,11 @@ class BertForPreTraining(nn.Module):
         (default: ``max_position_embeddings``)."""
         super().__init__()
         self.config = config
-        self.backend = resolve_backend(config.kernels, OpShapes(  # kernels=auto times candidates at these
+        self.op_shapes = OpShapes(  # kernels=auto races its candidates at these (and the optimizer's LAMB)
             hidden=config.hidden_size, intermediate=config.intermediate_size, num_heads=config.num_heads,
             max_seqlen=train_seq_len or config.max_position_embeddings,
-            approximate=_GELU_APPROXIMATE[config.hidden_act]))
+            approximate=_GELU_APPROXIMATE[config.hidden_act])
+        self.backend = resolve_backend(config.kernels, self.op_shapes)
         self.bert = BertModel(config, self.backend)
         self.cls = BertPreTrainingHeads(config, self.backend, self.bert.embeddings.word_embeddings.weight)
         self._init_weights()

@@ -19,7 +19,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from bert_ds import zero
 from bert_ds.config import OptimConfig
-from bert_ds.kernels import KernelSetting
+from bert_ds.kernels import KernelSetting, OpShapes
 from bert_ds.optim.lamb import Lamb
 
 
@@ -32,11 +32,14 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, kernels: KernelSetting = "auto") -> torch.optim.Optimizer:
-    """``kernels``: the model's setting, which LAMB's update of ZeRO's flat partitions follows too."""
+def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, kernels: KernelSetting = "auto",
+                    shapes: OpShapes | None = None) -> torch.optim.Optimizer:
+    """``kernels`` and ``shapes``: the model's setting and shapes (``BertForPreTraining.op_shapes``),
+    which LAMB's update of ZeRO's flat partitions follows too."""
     groups = param_groups(model, cfg.weight_decay)
     if cfg.name == "lamb":
-        return Lamb(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, variant=cfg.lamb_variant, kernels=kernels)
+        return Lamb(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, variant=cfg.lamb_variant, kernels=kernels,
+                    shapes=shapes)
     # DeepSpeed hands ZeRO partitions to the optimizer as flat fp32 tensors on the
     # device; the foreach implementation is the fast one for them on every backend.
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, foreach=True)

@@ -60,7 +60,7 @@ from collections.abc import Iterable, Sequence
 import torch
 import torch.distributed as dist
 
-from bert_ds.kernels import Backend, KernelSetting, resolve_backend
+from bert_ds.kernels import Backend, KernelSetting, OpShapes, resolve_backend
 from bert_ds.kernels.lamb import ChunkScales, Chunks, LambScalars, lamb_update
 
 
@@ -240,10 +240,11 @@ class Lamb(torch.optim.Optimizer):
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-6, weight_decay: float = 0.0, variant: LambVariant = "nvidia",
-                 kernels: KernelSetting = "auto"):
+                 kernels: KernelSetting = "auto", shapes: OpShapes | None = None):
         _check_hyperparameters(lr, betas, eps, weight_decay, variant)
         self.variant = variant
         self.kernels = kernels  # the flat tensors' update: fused where it runs and is faster (auto), or not
+        self.shapes = shapes  # the model's (BertForPreTraining.op_shapes): auto reads the race the model ran
         self._resolved: Backend | None = None
         self._given: set[int] = set()               # ids of tensors stepped with one ratio each
         self._layouts: dict[int, _FlatLayout] = {}  # id of a bound flat tensor -> its layout
@@ -329,10 +330,10 @@ class Lamb(torch.optim.Optimizer):
                     backend=self._backend(flat))
 
     def _backend(self, flat: torch.Tensor) -> Backend:
-        """The kernels setting, resolved at the first step of a flat tensor (in a training
-        process the model resolved it first, and this reads the same verdicts)."""
+        """The kernels setting, resolved at the first step of a flat tensor at the model's shapes
+        (in a training process the model resolved them first, and this is the same plan)."""
         if self._resolved is None:
-            self._resolved = resolve_backend(self.kernels)
+            self._resolved = resolve_backend(self.kernels, self.shapes)
         return self._resolved
 
     def _state(self, p: torch.Tensor) -> dict:

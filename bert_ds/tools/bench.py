@@ -83,7 +83,7 @@ from bert_ds.model.flops import datasheet_peak_tflops, training_flops
 from bert_ds.model.bert import PRESETS, BertForPreTraining, ModelConfig, model_preset, pretraining_inputs
 from bert_ds.model.padding import IGNORE_INDEX
 from bert_ds.tools.projection import ANCHOR, anchor_mfu, hours_minutes, project
-from bert_ds.kernels import KernelUnavailable, probes
+from bert_ds.kernels import KernelUnavailable, OpPlan, probes
 
 BERT_VOCAB_SIZE = 30522  # bert-base-uncased: the vocabulary of the published models
 FULL_LENGTH_PROB = 0.9  # BERT's short_seq_prob = 0.1
@@ -265,12 +265,14 @@ def build_variant(v: Variant, cfg: ModelConfig, weights: dict[str, torch.Tensor]
     from bert_ds.optim.builders import param_groups
     from bert_ds.optim.flat import FlatLamb
 
-    kernels = "auto"
+    kernels, shapes = "auto", None
     if v.family == "bert_ds":
         kernels = v.kernels if v.kernels != "fused" else "cuda" if device.type == "cuda" else "auto"
         model = BertForPreTraining(dataclasses.replace(cfg, kernels=kernels), train_seq_len=seq_len)
         model.load_state_dict(weights)
-        loss_fn, ran = bert_ds_loss, {"cuda": "fused (all ops)", "torch": "torch"}.get(model.backend, model.backend)
+        shapes, loss_fn = model.op_shapes, bert_ds_loss
+        ran = (model.backend.describe() if isinstance(model.backend, OpPlan)
+               else {"cuda": "fused (all ops)", "torch": "torch"}[model.backend])
         if v.kernels == "fused" and device.type != "cuda":
             ran = "torch (no CUDA device)"
     else:
@@ -288,7 +290,7 @@ def build_variant(v: Variant, cfg: ModelConfig, weights: dict[str, torch.Tensor]
     model = model.to(device).train()
     groups = param_groups(model, weight_decay=0.01)
     # LAMB over flat groups as ZeRO-1 lays them out: the update a training run makes (fused on a GPU)
-    optimizer = (FlatLamb(groups, lr=lr, kernels=kernels) if v.optimizer == "lamb" else
+    optimizer = (FlatLamb(groups, lr=lr, kernels=kernels, shapes=shapes) if v.optimizer == "lamb" else
                  torch.optim.AdamW(groups, lr=lr, fused=True))
     return model, loss_fn, optimizer, ran
 

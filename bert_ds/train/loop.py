@@ -161,7 +161,7 @@ def _build_engine(cfg: TrainConfig, ds_cfg: dict[str, Any], device: torch.device
     import deepspeed
 
     model = BertForPreTraining(cfg.model, train_seq_len=cfg.data.max_seq_length).to(device)
-    optimizer = build_optimizer(model, cfg.optim, kernels=cfg.model.kernels)
+    optimizer = build_optimizer(model, cfg.optim, kernels=cfg.model.kernels, shapes=model.op_shapes)
     engine, _, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer, config=ds_cfg,
         lr_scheduler=lambda opt: build_schedule(opt, cfg.optim, cfg.steps),

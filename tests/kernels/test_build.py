@@ -118,8 +118,8 @@ def test_the_selfcheck_rule_passes_the_reference_and_catches_a_wrong_kernel():
     def wrong(x, bias):
         return bias_gelu_ref(x, bias, "none") * 1.05
 
-    assert selfcheck._compare("case", reference, reference, leaves, grad, torch.bfloat16) == []
-    problems = selfcheck._compare("case", wrong, reference, leaves, grad, torch.bfloat16)
+    assert selfcheck.compare("case", reference, reference, leaves, grad, torch.bfloat16) == []
+    problems = selfcheck.compare("case", wrong, reference, leaves, grad, torch.bfloat16)
     assert problems and problems[0].startswith("case out: error")
 
 

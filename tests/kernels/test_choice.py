@@ -2,13 +2,16 @@
 
 The loader believes it runs on a CUDA device with the extension loaded; the race runs
 on the CPU with a fake clock. The native candidates are the real ``<op>_native``, the
-fused ones stand-ins (the real fused kernels need a GPU); both are wrapped to charge
-the fake clock a set cost per call, and the choice, the record and the dispatch that
-follows are the real code.
+others stand-ins (the real fused kernels and SDPA backends need a GPU, and
+``torch.compile`` takes a minute on a CPU): the native op, counting its calls. Both are
+wrapped to charge the fake clock a set cost per call, and the checks, the choice, the
+plan, the record and the dispatch that follows are the real code. The real candidates
+are tested at the end, where a CPU can run them.
 """
 
-import importlib
 import dataclasses
+import functools
+import importlib
 import json
 import logging
 import sys
@@ -16,18 +19,26 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend
 
 from bert_ds import kernels
 from bert_ds.kernels import _build, attention, choice, dispatch, selfcheck, speed
 from bert_ds.kernels.choice import resolve_backend
+from bert_ds.kernels.compiled import CompiledReference
+from bert_ds.kernels.dispatch import OpPlan
+from bert_ds.model import bert
 
 # The modules, which kernels' own names for the public ops hide.
 layer_norm = importlib.import_module("bert_ds.kernels.layer_norm")
 bias_gelu = importlib.import_module("bert_ds.kernels.bias_gelu")
 
 SHAPES = speed.OpShapes(hidden=16, intermediate=64, num_heads=2, max_seqlen=8, tokens=16, dtype="float32")
+PHASE_2 = dataclasses.replace(SHAPES, max_seqlen=16)  # the same model at phase 2's longer sequences
 RECORDED = f"choices {SHAPES.key}"
 MS = 1e-3  # the fake clock counts seconds
+# The candidates the fixture stands in for (apex aside: it is no candidate unless a test installs it).
+STOOD_IN = {op: [name for name in impls if name not in ("native", "apex")] for op, impls in speed.IMPLEMENTATIONS.items()}
+TIMED_PER_RACE = sum(1 + len(names) for names in STOOD_IN.values())
 
 
 class FakeClock:
@@ -43,25 +54,28 @@ class FakeClock:
         run()
         return self.now - start
 
-    def charging(self, cost: float, fn):
+    def charging(self, cost, fn):
+        """``fn``, charging ``cost`` ms per call; a callable cost is given the call's arguments."""
         def charged(*args, **kwargs):
-            self.now += cost
+            self.now += (cost(*args) if callable(cost) else cost) * MS
             return fn(*args, **kwargs)
         return charged
 
 
-def _stand_in_fused(op: str, native, calls: list[str]):
-    """A CPU stand-in for ``op``'s fused kernel: the native op, counting its calls."""
-    def fused(*args, **kwargs):
-        calls.append(op)
+def _stand_in(op: str, name: str, native, calls: list[tuple[str, str]]):
+    """A CPU stand-in for candidate ``name`` of ``op``: the native op, counting its calls."""
+    def stand_in(*args, **kwargs):
+        calls.append((op, name))
         return native(*args, **kwargs)
-    return fused
+    return stand_in
 
 
 @pytest.fixture
 def auto(monkeypatch, tmp_path):
     """A fake CUDA device ("Fake H100") whose extension loads and passes its self-check; the race
-    on the CPU with a fake clock. ``auto.costs(op, native=..., fused=...)`` sets what each call costs."""
+    on the CPU with a fake clock. ``auto.costs(op, native=..., fused=..., ...)`` sets what each
+    call costs (ms, or a function of the call's arguments); by default native 2, fused 1 and
+    every other candidate 3."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(torch.version, "cuda", "13.0")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -74,37 +88,49 @@ def auto(monkeypatch, tmp_path):
     monkeypatch.setattr(choice, "race_timer", clock.timer)
     monkeypatch.setattr(layer_norm, "APEX_LAYER_NORM", None)
     monkeypatch.setattr(_build, "_jit_build", lambda: (None, "tests build nothing"))
-    monkeypatch.setattr(choice, "_choices", None)
+    # A model races on 64 tokens here: a micro-batch's 32,768, each candidate checked in three
+    # dtypes' worth of references, would take a CPU a minute per model.
+    monkeypatch.setattr(bert, "OpShapes", functools.partial(speed.OpShapes, tokens=64))
 
     class Auto:
-        fused_calls: list[str] = []
+        calls: list[tuple[str, str]] = []  # (op, candidate) of every call of a stand-in
         natives = {op: impls["native"] for op, impls in speed.IMPLEMENTATIONS.items()}
+        real = {op: dict(impls) for op, impls in speed.IMPLEMENTATIONS.items()}  # before any stand-in
 
         @staticmethod
-        def costs(op: str, **per_impl: float) -> None:
+        def costs(op: str, **per_impl) -> None:
             for name, cost in per_impl.items():
                 native = Auto.natives[op]
-                fn = native if name == "native" else _stand_in_fused(op, native, Auto.fused_calls)
-                monkeypatch.setitem(speed.IMPLEMENTATIONS[op], name, clock.charging(cost * MS, fn))
+                fn = native if name == "native" else _stand_in(op, name, native, Auto.calls)
+                monkeypatch.setitem(speed.IMPLEMENTATIONS[op], name, clock.charging(cost, fn))
 
         @staticmethod
         def new_process() -> None:
             for cached in (_build.load_extension, choice.op_verdicts, _build.source_hash, choice._auto_backend,
                            choice._log_once, dispatch._log_fallback):
                 cached.cache_clear()
-            choice._choices = None
+
+        @staticmethod
+        def fused_calls() -> list[str]:
+            return [op for op, name in Auto.calls if name == "fused"]
 
     Auto.clock = clock
     Auto.new_process()
     for op in speed.OPS:
-        Auto.costs(op, native=2.0, fused=1.0)
+        Auto.costs(op, native=2.0, **{name: 1.0 if name == "fused" else 3.0 for name in STOOD_IN[op]})
     yield Auto
     Auto.new_process()
     sys.modules.pop(_build.EXTENSION_NAME, None)
 
 
-def _runs() -> dict[str, str]:
-    return {op: winner.runs for op, winner in choice.op_choices().items()}
+def _runs(shapes=SHAPES) -> dict[str, str]:
+    return {op: winner.runs for op, winner in choice.op_choices(shapes).items()}
+
+
+def _takes_anything(monkeypatch) -> None:
+    """The CPU tensors of these tests pass for CUDA ones: every candidate takes them."""
+    for module in (layer_norm, bias_gelu, attention):
+        monkeypatch.setattr(module, "_unsupported", lambda impl, *inputs: "")
 
 
 # --------------------------------------------------------------------------- the race
@@ -112,34 +138,60 @@ def _runs() -> dict[str, str]:
 def test_a_fused_kernel_slower_than_native_is_not_used(auto):
     auto.costs("bias_gelu", native=2.0, fused=3.0)
     auto.costs("varlen_attention", native=1.0, fused=1.0)  # a tie is no reason to run a kernel
-    assert resolve_backend("auto", SHAPES) == "prefer_cuda"
-    choices = choice.op_choices()
-    assert _runs() == {"layer_norm": "fused", "bias_gelu": "native", "varlen_attention": "native",
-                       "lamb_update": "fused"}
-    assert choices["bias_gelu"].ms == pytest.approx({"native": 2.0, "fused": 3.0})
-    assert len(auto.clock.timed) == 2 * len(speed.OPS) and set(auto.clock.timed) == {torch.device("cpu")}
+    plan = resolve_backend("auto", SHAPES)
+    assert plan == OpPlan((("layer_norm", "fused"), ("bias_gelu", "native"), ("varlen_attention", "native"),
+                           ("lamb_update", "fused")), SHAPES.key)
+    choices = choice.op_choices(SHAPES)
+    assert choices["bias_gelu"].ms == pytest.approx({"native": 2.0, "fused": 3.0, "compiled": 3.0})
+    assert len(auto.clock.timed) == TIMED_PER_RACE and set(auto.clock.timed) == {torch.device("cpu")}
+
+
+def test_every_candidate_is_timed_and_the_fastest_wins(auto):
+    auto.costs("varlen_attention", native=2.0, fused=1.5, compiled=1.8, varlen_attn=1.4, sdpa_flash=1.3,
+               sdpa_efficient=1.2, sdpa_cudnn=0.9)
+    auto.costs("layer_norm", compiled=0.5)
+    auto.costs("bias_gelu", native=1.5, fused=2.0, compiled=2.0)
+    resolve_backend("auto", SHAPES)
+    winner = choice.op_choices(SHAPES)["varlen_attention"]
+    assert winner.runs == "sdpa_cudnn" and list(winner.ms) == list(speed.IMPLEMENTATIONS["varlen_attention"])
+    assert winner.ms == pytest.approx({"native": 2.0, "fused": 1.5, "compiled": 1.8, "varlen_attn": 1.4,
+                                       "sdpa_flash": 1.3, "sdpa_efficient": 1.2, "sdpa_cudnn": 0.9})
+    assert _runs()["layer_norm"] == "compiled" and _runs()["bias_gelu"] == "native"
+
+
+def test_the_record_says_what_won_and_by_how_much(auto):
+    auto.costs("varlen_attention", fused=2.5, sdpa_efficient=1.25, sdpa_cudnn=1.5)
+    resolve_backend("auto", SHAPES)
+    section = json.loads(_build.verdict_path().read_text())[RECORDED]
+    attention_record = section["ops"]["varlen_attention"]
+    assert attention_record["runs"] == "sdpa_efficient" and attention_record["runner_up"] == "sdpa_cudnn"
+    assert attention_record["margin"] == pytest.approx(1.2)
+    assert section["candidates"] == speed.candidate_names()
+    assert choice.op_choices(SHAPES)["varlen_attention"].describe().startswith(
+        "runs sdpa_efficient (1.20x faster than sdpa_cudnn; native 2.000 ms, fused 2.500 ms, ")
+    assert choice.op_choices(SHAPES)["lamb_update"].describe() == (
+        "runs fused (2.00x faster than native; native 2.000 ms, fused 1.000 ms per call)")
 
 
 def test_the_public_ops_run_the_winner(auto, monkeypatch):
     auto.costs("bias_gelu", native=2.0, fused=3.0)
-    resolve_backend("auto", SHAPES)
-    monkeypatch.setattr(layer_norm, "_unsupported", lambda impl, *inputs: "")  # CPU tensors, as if on the GPU
-    monkeypatch.setattr(bias_gelu, "_unsupported", lambda *inputs: "")
-    auto.fused_calls.clear()
+    plan = resolve_backend("auto", SHAPES)
+    _takes_anything(monkeypatch)
+    auto.calls.clear()
     x, bias = torch.randn(3, 16), torch.randn(16)
-    kernels.layer_norm(x, torch.ones(16), bias, 1e-12, x, backend="prefer_cuda")
-    out = kernels.bias_gelu(x, bias, "none", backend="prefer_cuda")
-    assert auto.fused_calls == ["layer_norm"]
+    kernels.layer_norm(x, torch.ones(16), bias, 1e-12, x, backend=plan)
+    out = kernels.bias_gelu(x, bias, "none", backend=plan)
+    assert auto.calls == [("layer_norm", "fused")]
     assert torch.equal(out, kernels.bias_gelu_native(x, bias, "none"))
 
 
 def test_inputs_the_winner_cannot_take_run_the_native_op(auto, caplog):
-    resolve_backend("auto", SHAPES)
-    auto.fused_calls.clear()
+    plan = resolve_backend("auto", SHAPES)
+    auto.calls.clear()
     x, bias = torch.randn(3, 16), torch.randn(16)  # CPU tensors: the fused kernels decline them
     with caplog.at_level(logging.WARNING, logger="bert_ds.kernels.dispatch"):
-        out = kernels.layer_norm(x, torch.ones(16), bias, 1e-12, backend="prefer_cuda")
-    assert not auto.fused_calls and torch.equal(out, kernels.layer_norm_native(x, torch.ones(16), bias, 1e-12))
+        out = kernels.layer_norm(x, torch.ones(16), bias, 1e-12, backend=plan)
+    assert not auto.calls and torch.equal(out, kernels.layer_norm_native(x, torch.ones(16), bias, 1e-12))
     assert "layer_norm runs the native op where fused cannot: its inputs are not all on a CUDA device" in caplog.text
 
 
@@ -147,8 +199,8 @@ def test_a_fused_kernel_that_failed_its_self_check_is_not_a_candidate(auto, monk
     monkeypatch.setattr(selfcheck, "run_all", lambda: {"layer_norm": "out: error 9 > 2 x 0 + 0", "bias_gelu": "",
                                                        "varlen_attention": "", "lamb_update": ""})
     resolve_backend("auto", SHAPES)
-    winner = choice.op_choices()["layer_norm"]
-    assert winner.runs == "native" and set(winner.ms) == {"native"}  # never timed, though the faster
+    winner = choice.op_choices(SHAPES)["layer_norm"]
+    assert winner.runs == "native" and set(winner.ms) == {"native", "compiled"}  # fused never timed, though faster
     assert winner.excluded == {"fused": "failed the self-check: out: error 9 > 2 x 0 + 0",
                                "apex": "apex is not installed"}
 
@@ -158,8 +210,18 @@ def test_a_candidate_that_raises_at_the_model_s_shapes_is_not_a_candidate(auto, 
         raise RuntimeError("no kernel for this head dim\nmore detail")
     monkeypatch.setitem(attention.IMPLEMENTATIONS, "fused", broken)
     resolve_backend("auto", SHAPES)
-    winner = choice.op_choices()["varlen_attention"]
+    winner = choice.op_choices(SHAPES)["varlen_attention"]
     assert winner.runs == "native" and winner.excluded["fused"] == "raised RuntimeError: no kernel for this head dim"
+
+
+def test_a_candidate_that_is_wrong_at_the_model_s_shapes_is_not_a_candidate(auto, monkeypatch):
+    # The fastest, and off by 5%: the check at the race's own inputs leaves it out before timing.
+    wrong = auto.clock.charging(0.1, lambda *args: layer_norm.layer_norm_ref(*args) * 1.05)
+    monkeypatch.setitem(layer_norm.IMPLEMENTATIONS, "compiled", wrong)
+    resolve_backend("auto", SHAPES)
+    winner = choice.op_choices(SHAPES)["layer_norm"]
+    assert winner.runs == "fused" and "compiled" not in winner.ms
+    assert winner.excluded["compiled"].startswith("wrong at these shapes: torch.float32 out: error ")
 
 
 def test_the_race_times_forward_and_backward_at_the_model_s_shapes(auto, monkeypatch):
@@ -172,6 +234,82 @@ def test_the_race_times_forward_and_backward_at_the_model_s_shapes(auto, monkeyp
     monkeypatch.setitem(layer_norm.IMPLEMENTATIONS, "native", native)
     resolve_backend("auto", SHAPES)
     assert seen and set(seen) == {((sum(SHAPES.lengths()), 16), torch.float32, True)}
+
+
+# --------------------------------------------------------------------------- one plan per model's shapes
+
+def _attention_costs(fused_at_8: float, efficient_at_8: float, fused_at_16: float, efficient_at_16: float):
+    """Attention's costs by the call's max_seqlen (its fifth argument): one set per phase."""
+    return {"fused": lambda *args: fused_at_8 if args[4] == 8 else fused_at_16,
+            "sdpa_efficient": lambda *args: efficient_at_8 if args[4] == 8 else efficient_at_16}
+
+
+def _model(train_seq_len: int):
+    from bert_ds.model.bert import BertForPreTraining, ModelConfig
+
+    config = ModelConfig(vocab_size=50, hidden_size=16, num_layers=1, num_heads=2, intermediate_size=64,
+                         max_position_embeddings=16, kernels="auto")
+    return BertForPreTraining(config, train_seq_len=train_seq_len)
+
+
+def test_each_phase_s_model_runs_the_winners_at_its_own_sequence_length(auto, monkeypatch):
+    # Phase 1 (seq 8): the fused kernel the fastest; phase 2 (seq 16): memory-efficient SDPA.
+    auto.costs("varlen_attention", **_attention_costs(fused_at_8=1.0, efficient_at_8=3.0,
+                                                       fused_at_16=4.0, efficient_at_16=1.5))
+    phase_1, phase_2 = _model(8), _model(16)  # one process, as bert_ds.train.phases builds them
+    assert phase_1.backend.winner("varlen_attention") == "fused"
+    assert phase_2.backend.winner("varlen_attention") == "sdpa_efficient"
+    assert phase_1.backend.shapes != phase_2.backend.shapes
+
+    _takes_anything(monkeypatch)
+    hidden, cu_seqlens = torch.randn(12, 16), torch.tensor([0, 5, 12], dtype=torch.int32)
+    for model, ran in ((phase_1, "fused"), (phase_2, "sdpa_efficient"), (phase_1, "fused")):
+        auto.calls.clear()
+        model.bert.encoder.layer[0].attention.self(hidden, cu_seqlens, 7)
+        assert auto.calls == [("varlen_attention", ran)]
+
+    record = json.loads(_build.verdict_path().read_text())
+    for model, ran in ((phase_1, "fused"), (phase_2, "sdpa_efficient")):
+        section = record[f"choices {model.op_shapes.key}"]
+        assert section["ops"]["varlen_attention"]["runs"] == ran
+        assert section["shapes"]["max_seqlen"] == model.op_shapes.max_seqlen
+
+
+def test_a_plan_read_back_from_the_record_dispatches_the_same(auto, monkeypatch):
+    auto.costs("varlen_attention", **_attention_costs(fused_at_8=1.0, efficient_at_8=3.0,
+                                                       fused_at_16=4.0, efficient_at_16=1.5))
+    raced = {shapes: resolve_backend("auto", shapes) for shapes in (SHAPES, PHASE_2)}
+    timed = len(auto.clock.timed)
+
+    auto.new_process()
+    read = {shapes: resolve_backend("auto", shapes) for shapes in (SHAPES, PHASE_2)}
+    assert len(auto.clock.timed) == timed  # read, not raced
+    assert read == raced and read[SHAPES] != read[PHASE_2]
+    _takes_anything(monkeypatch)
+    q = torch.randn(12, 2, 8)
+    for shapes, ran in ((SHAPES, "fused"), (PHASE_2, "sdpa_efficient")):
+        auto.calls.clear()
+        kernels.varlen_attention(q, q, q, torch.tensor([0, 5, 12], dtype=torch.int32), 7, backend=read[shapes])
+        assert auto.calls == [("varlen_attention", ran)]
+
+
+def test_a_plan_is_a_constant_to_torch_compile():
+    from torch._dynamo.testing import CompileCounter
+
+    def run(x, bias, plan):
+        return kernels.bias_gelu(x, bias, "tanh", backend=plan)
+    counter = CompileCounter()
+    compiled = torch.compile(run, fullgraph=True, backend=counter)  # fullgraph: a break would be an error
+    plan = OpPlan((("bias_gelu", "native"),), "shapes")
+    x, bias = torch.randn(4, 8), torch.randn(8)
+    assert torch.allclose(compiled(x, bias, plan), kernels.bias_gelu_native(x, bias, "tanh"))
+    compiled(torch.randn(4, 8), bias, plan)
+    assert counter.frame_count == 1
+
+
+def test_a_plan_names_only_the_ops_it_raced():
+    with pytest.raises(ValueError, match="lamb_update was not raced"):
+        OpPlan((("bias_gelu", "native"),), "shapes").winner("lamb_update")
 
 
 # --------------------------------------------------------------------------- kernels=cuda and torch
@@ -193,17 +331,18 @@ def test_torch_runs_native_and_races_nothing(auto):
 # --------------------------------------------------------------------------- the record
 
 def test_the_verdict_is_recorded_under_its_shapes_and_a_later_process_reads_it(auto):
-    resolve_backend("auto", SHAPES)
-    first = choice.op_choices()
+    plan = resolve_backend("auto", SHAPES)
+    first = choice.op_choices(SHAPES)
     record = json.loads(_build.verdict_path().read_text())
     assert record["key"]["device"] == "Fake H100" and record[RECORDED]["shapes"]["hidden"] == 16
     assert set(record) == {"key", "selfcheck", RECORDED}
     timed = len(auto.clock.timed)
 
     auto.new_process()
-    assert resolve_backend("auto", SHAPES) == "prefer_cuda"  # the same shapes: the record holds
+    assert resolve_backend("auto", SHAPES) == plan  # the same shapes: the record holds
     assert len(auto.clock.timed) == timed
-    assert {op: c.to_json() for op, c in choice.op_choices().items()} == {op: c.to_json() for op, c in first.items()}
+    assert {op: c.to_json() for op, c in choice.op_choices(SHAPES).items()} == {
+        op: c.to_json() for op, c in first.items()}
 
 
 def test_a_model_of_other_shapes_races_its_own(auto):
@@ -211,11 +350,22 @@ def test_a_model_of_other_shapes_races_its_own(auto):
     resolve_backend("auto", SHAPES)
     timed = len(auto.clock.timed)
     auto.new_process()
-    other = dataclasses.replace(SHAPES, max_seqlen=16)
+    other = dataclasses.replace(SHAPES, hidden=32)
     resolve_backend("auto", other)
     assert len(auto.clock.timed) > timed
     assert set(json.loads(_build.verdict_path().read_text())) == {"key", "selfcheck", RECORDED,
                                                                   f"choices {other.key}"}
+
+
+def test_a_race_recorded_with_other_candidates_is_raced_again(auto):
+    # A record made before a candidate joined (same kernel sources, older bert_ds) never names it.
+    resolve_backend("auto", SHAPES)
+    path = _build.verdict_path()
+    record = json.loads(path.read_text())
+    record[RECORDED]["candidates"]["varlen_attention"] = ["native", "fused"]
+    path.write_text(json.dumps(record))
+    assert _raced_again(auto)
+    assert json.loads(path.read_text())[RECORDED]["candidates"] == speed.candidate_names()
 
 
 def test_the_race_runs_on_a_training_micro_batch_of_tokens():
@@ -283,11 +433,11 @@ def _apex_stand_in(x, weight, bias, normalized_shape, eps):
 def test_apex_layer_norm_joins_the_candidates_and_wins_when_fastest(auto, monkeypatch):
     monkeypatch.setattr(layer_norm, "APEX_LAYER_NORM", _apex_stand_in)
     auto.costs("layer_norm", native=2.0, fused=1.0)
-    monkeypatch.setitem(layer_norm.IMPLEMENTATIONS, "apex", auto.clock.charging(0.5 * MS, layer_norm.layer_norm_apex))
-    assert resolve_backend("auto", SHAPES) == "prefer_cuda"
-    winner = choice.op_choices()["layer_norm"]
-    assert winner.runs == "apex" and winner.ms == pytest.approx({"native": 2.0, "fused": 1.0, "apex": 0.5})
-    assert "apex" not in choice.op_choices()["bias_gelu"].ms
+    monkeypatch.setitem(layer_norm.IMPLEMENTATIONS, "apex", auto.clock.charging(0.5, layer_norm.layer_norm_apex))
+    assert resolve_backend("auto", SHAPES).winner("layer_norm") == "apex"
+    winner = choice.op_choices(SHAPES)["layer_norm"]
+    assert winner.ms == pytest.approx({"native": 2.0, "fused": 1.0, "compiled": 3.0, "apex": 0.5})
+    assert "apex" not in choice.op_choices(SHAPES)["bias_gelu"].ms
 
 
 def test_a_wrong_apex_fails_its_self_check_and_is_not_a_candidate(auto, monkeypatch):
@@ -295,7 +445,7 @@ def test_a_wrong_apex_fails_its_self_check_and_is_not_a_candidate(auto, monkeypa
         return _apex_stand_in(x, weight, bias, normalized_shape, eps) * 1.05
     monkeypatch.setattr(layer_norm, "APEX_LAYER_NORM", wrong)
     resolve_backend("auto", SHAPES)
-    winner = choice.op_choices()["layer_norm"]
+    winner = choice.op_choices(SHAPES)["layer_norm"]
     assert winner.runs == "fused" and "apex" not in winner.ms
     assert winner.excluded["apex"].startswith("failed the self-check: torch.float32 (96, 768) +residual out: error")
 
@@ -303,11 +453,11 @@ def test_a_wrong_apex_fails_its_self_check_and_is_not_a_candidate(auto, monkeypa
 def test_apex_alone_makes_auto_time_layer_norm(auto, monkeypatch):
     monkeypatch.setattr(_build, "_prebuilt", lambda: None)  # and the fixture's JIT build builds nothing
     monkeypatch.setattr(layer_norm, "APEX_LAYER_NORM", _apex_stand_in)
-    monkeypatch.setitem(layer_norm.IMPLEMENTATIONS, "apex", auto.clock.charging(0.5 * MS, layer_norm.layer_norm_apex))
-    assert resolve_backend("auto", SHAPES) == "prefer_cuda"
+    monkeypatch.setitem(layer_norm.IMPLEMENTATIONS, "apex", auto.clock.charging(0.5, layer_norm.layer_norm_apex))
+    assert isinstance(resolve_backend("auto", SHAPES), OpPlan)
     assert _runs() == {"layer_norm": "apex", "bias_gelu": "native", "varlen_attention": "native",
                        "lamb_update": "native"}
-    excluded = choice.op_choices()["bias_gelu"].excluded
+    excluded = choice.op_choices(SHAPES)["bias_gelu"].excluded
     assert excluded["fused"] == "the fused CUDA kernels cannot load: tests build nothing"
 
 
@@ -320,22 +470,28 @@ def test_apex_takes_only_inputs_of_one_dtype():
 
 # --------------------------------------------------------------------------- the log
 
-def test_the_choice_is_logged_once_with_both_timings(auto, caplog):
+def test_the_choice_is_logged_once_per_shapes_with_its_margin_and_timings(auto, caplog):
     auto.costs("bias_gelu", native=2.0, fused=3.0)
     with caplog.at_level(logging.INFO, logger="bert_ds.kernels"):
-        for shapes in (SHAPES, SHAPES, speed.OpShapes()):  # models of one size, then of another
+        for shapes in (SHAPES, SHAPES, PHASE_2):  # two models of one size, then phase 2's
             resolve_backend("auto", shapes)
     logged = [r.getMessage() for r in caplog.records if r.name == "bert_ds.kernels.choice"]
     choices = [m for m in logged if " runs " in m]  # beside them: the self-check's and the race's lines
-    assert sorted(choices) == [
-        "kernels=auto: bias_gelu runs native (native 2.000 ms, fused 3.000 ms per call)",
-        "kernels=auto: lamb_update runs fused (native 2.000 ms, fused 1.000 ms per call)",
-        "kernels=auto: layer_norm runs fused (native 2.000 ms, fused 1.000 ms per call); "
-        "apex not a candidate: apex is not installed",
-        "kernels=auto: varlen_attention runs fused (native 2.000 ms, fused 1.000 ms per call)",
+    assert sorted(m for m in choices if "at seq 8:" in m) == [
+        "kernels=auto at seq 8: bias_gelu runs native (1.50x faster than fused; native 2.000 ms, fused 3.000 ms, "
+        "compiled 3.000 ms per call)",
+        "kernels=auto at seq 8: lamb_update runs fused (2.00x faster than native; native 2.000 ms, fused 1.000 ms "
+        "per call)",
+        "kernels=auto at seq 8: layer_norm runs fused (2.00x faster than native; native 2.000 ms, fused 1.000 ms, "
+        "compiled 3.000 ms per call); apex not a candidate: apex is not installed",
+        "kernels=auto at seq 8: varlen_attention runs fused (2.00x faster than native; native 2.000 ms, "
+        "fused 1.000 ms, compiled 3.000 ms, varlen_attn 3.000 ms, sdpa_flash 3.000 ms, sdpa_efficient 3.000 ms, "
+        "sdpa_cudnn 3.000 ms per call)",
     ]
+    assert len(choices) == 2 * len(speed.OPS) and sum("at seq 16:" in m for m in choices) == len(speed.OPS)
     races = [r.getMessage() for r in caplog.records if "timing each op's candidates" in r.getMessage()]
-    assert races == [f"kernels=auto: timing each op's candidates on Fake H100 at {SHAPES.describe()}"]
+    assert races == [f"kernels=auto: timing each op's candidates on Fake H100 at {shapes.describe()}"
+                     for shapes in (SHAPES, PHASE_2)]
 
 
 def test_the_model_has_its_own_shapes_timed(auto):
@@ -343,12 +499,120 @@ def test_the_model_has_its_own_shapes_timed(auto):
 
     config = ModelConfig(vocab_size=50, hidden_size=24, num_layers=1, num_heads=3, intermediate_size=40,
                          max_position_embeddings=12, hidden_act="gelu_tanh", kernels="auto")
-    assert BertForPreTraining(config).backend == "prefer_cuda"
+    model = BertForPreTraining(config)
+    assert isinstance(model.backend, OpPlan) and model.backend.shapes == model.op_shapes.key
     record = json.loads(_build.verdict_path().read_text())
     shapes = next(v for k, v in record.items() if k.startswith("choices "))["shapes"]
     assert (shapes["hidden"], shapes["intermediate"], shapes["num_heads"], shapes["max_seqlen"],
             shapes["approximate"]) == (24, 40, 3, 12, "tanh")
-    auto.new_process()  # the trainer passes its sequence length: the race runs at it
-    BertForPreTraining(config, train_seq_len=6)
+    BertForPreTraining(config, train_seq_len=6)  # the trainer passes its sequence length: the race runs at it
     record = json.loads(_build.verdict_path().read_text())
     assert sorted(v["shapes"]["max_seqlen"] for k, v in record.items() if k.startswith("choices ")) == [6, 12]
+
+
+def test_the_optimizer_follows_the_model_s_plan(auto):
+    from bert_ds.optim.lamb import Lamb
+
+    model = _model(8)
+    timed = len(auto.clock.timed)
+    lamb = Lamb([torch.zeros(4, requires_grad=True)], kernels="auto", shapes=model.op_shapes)
+    assert lamb._backend(torch.zeros(4)) is model.backend and len(auto.clock.timed) == timed
+
+
+# --------------------------------------------------------------------------- the candidates themselves
+
+def _varlen_inputs(lengths, num_heads=2, head_dim=8, dtype=torch.float32):
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(sum(lengths), num_heads, head_dim, generator=generator, dtype=dtype) for _ in range(3))
+    return q, k, v, torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
+
+
+def _forward_backward(fn, q, k, v, cu_seqlens, max_seqlen, softmax_scale=None):
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out = fn(*leaves, cu_seqlens, max_seqlen, 0.0, softmax_scale)
+    out.backward(torch.ones_like(out) + torch.arange(out.numel()).view(out.shape) % 3)
+    return [out.detach(), *(t.grad for t in leaves)]
+
+
+@pytest.mark.parametrize("lengths", [[5, 1, 17, 2], [9, 9], [1]])
+@pytest.mark.parametrize("softmax_scale", [None, 0.3])
+@pytest.mark.parametrize("layout", ["padded", "nested"])
+def test_sdpa_around_a_padded_or_nested_batch_is_the_reference(lengths, softmax_scale, layout):
+    # On the math backend, which every CPU has: the padding and its removal (or the nested
+    # layout) are what is tested; the backends themselves are PyTorch's.
+    wrapper = attention.padded_sdpa if layout == "padded" else attention.nested_sdpa
+    q, k, v, cu_seqlens = _varlen_inputs(lengths)
+
+    def math(*args):
+        return wrapper(*args, backend=SDPBackend.MATH)
+    ours = _forward_backward(math, q, k, v, cu_seqlens, max(lengths), softmax_scale)
+    reference = _forward_backward(attention.varlen_attention_ref, q, k, v, cu_seqlens, max(lengths), softmax_scale)
+    for name, got, want in zip(("out", "dq", "dk", "dv"), ours, reference):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_the_real_candidates_a_cpu_cannot_run_are_excluded_with_the_reason(auto, monkeypatch):
+    # The SDPA backends restricted to one each, and varlen_attn, as they are (not stood in).
+    for name in ("varlen_attn", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn"):
+        monkeypatch.setitem(attention.IMPLEMENTATIONS, name, auto.real["varlen_attention"][name])
+    resolve_backend("auto", SHAPES)
+    winner = choice.op_choices(SHAPES)["varlen_attention"]
+    assert set(winner.ms) == {"native", "fused", "compiled"}
+    assert winner.excluded["varlen_attn"] == ("raised ValueError: varlen_attn cannot take these inputs: its inputs "
+                                              "are not on a CUDA device of compute capability 8.0 or newer")
+    for name in ("sdpa_flash", "sdpa_efficient", "sdpa_cudnn"):
+        assert winner.excluded[name].startswith("raised RuntimeError: No viable backend for scaled_dot_product")
+
+
+def test_a_compiled_reference_compiles_once_for_every_token_count():
+    from torch._dynamo.testing import CompileCounter
+
+    counter = CompileCounter()  # counts what is compiled and runs it as it is: no Inductor on a CPU in tests
+    compiled = CompiledReference(layer_norm.layer_norm_ref, rows=(0, 4), backend=counter)
+    weight, bias = torch.randn(16), torch.randn(16)
+    for tokens in (5, 7, 12):
+        x, residual = torch.randn(tokens, 16), torch.randn(tokens, 16)
+        torch.testing.assert_close(compiled(x, weight, bias, 1e-12, residual),
+                                   layer_norm.layer_norm_ref(x, weight, bias, 1e-12, residual))
+    assert counter.frame_count == 1
+
+
+def test_compiled_attention_compiles_once_for_every_batch():
+    from torch._dynamo.testing import CompileCounter
+
+    counter = CompileCounter()
+    compiled = CompiledReference(attention.varlen_attention_ref, dynamic=True, backend=counter)
+    for lengths in ([5, 1, 8], [2, 7], [4, 4, 3, 6]):
+        q, k, v, cu_seqlens = _varlen_inputs(lengths)
+        torch.testing.assert_close(compiled(q, k, v, cu_seqlens, max(lengths)),
+                                   attention.varlen_attention_ref(q, k, v, cu_seqlens, max(lengths)))
+    assert counter.frame_count == 1
+
+
+def test_the_op_s_candidates_are_compiled_where_torch_compile_makes_sense():
+    assert {op: "compiled" in impls for op, impls in speed.IMPLEMENTATIONS.items()} == {
+        "layer_norm": True, "bias_gelu": True, "varlen_attention": True, "lamb_update": False}
+    assert isinstance(attention.IMPLEMENTATIONS["compiled"], CompiledReference)
+
+
+@pytest.mark.parametrize("impl, inputs, reason", [
+    ("sdpa_flash", {"dtype": torch.float32}, "torch.float32/torch.float32/torch.float32 inputs"),
+    ("sdpa_cudnn", {"head_dim": 256}, "head_dim 256 (it takes multiples of 8 up to 128)"),
+    ("sdpa_efficient", {"head_dim": 12}, "head_dim 12 (it takes multiples of 8 up to 256)"),
+    ("sdpa_efficient", {"dropout_p": 0.1}, "attention dropout"),
+    ("compiled", {"dropout_p": 0.1}, "attention dropout"),
+    ("sdpa_efficient", {}, "its inputs are not all on a CUDA device"),
+    ("compiled", {}, "its inputs are not all on a CUDA device"),
+    ("varlen_attn", {}, "its inputs are not on a CUDA device of compute capability 8.0 or newer"),
+])
+def test_each_candidate_says_which_inputs_it_cannot_take(impl, inputs, reason):
+    dtype, head_dim = inputs.get("dtype", torch.bfloat16), inputs.get("head_dim", 64)
+    q, k, v, cu_seqlens = _varlen_inputs([3, 5], head_dim=head_dim, dtype=dtype)
+    assert reason in attention._unsupported(impl, q, k, v, cu_seqlens, inputs.get("dropout_p", 0.0), None)
+
+
+def test_the_other_ops_compiled_candidates_decline_only_host_tensors():
+    x = torch.randn(2, 8, dtype=torch.bfloat16)
+    assert layer_norm._unsupported("compiled", x, torch.ones(8), torch.zeros(8), None) == (
+        "its inputs are not all on a CUDA device")
+    assert bias_gelu._unsupported("compiled", x, torch.zeros(8)) == "its inputs are not all on a CUDA device"
