@@ -206,7 +206,7 @@ def varlen_attention_native(
 ) -> torch.Tensor:
     """:func:`varlen_attention_ref`'s result by the fastest PyTorch op that takes the inputs."""
     if takes_varlen_attn(q, k, v, cu_seqlens, dropout_p, softmax_scale):
-        return _varlen_attn(q, k, v, cu_seqlens, max_seqlen, softmax_scale)
+        return _call_varlen_attn(q, k, v, cu_seqlens, max_seqlen, softmax_scale)
     return varlen_attention_ref(q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale)
 
 
@@ -223,10 +223,10 @@ def varlen_attention_varlen_attn(
     problem = varlen_attn_problem(q, k, v, cu_seqlens, dropout_p, softmax_scale)
     if problem:
         raise ValueError(f"varlen_attn cannot take these inputs: {problem}")
-    return _varlen_attn(q, k, v, cu_seqlens, max_seqlen, softmax_scale)
+    return _call_varlen_attn(q, k, v, cu_seqlens, max_seqlen, softmax_scale)
 
 
-def _varlen_attn(q, k, v, cu_seqlens, max_seqlen, softmax_scale) -> torch.Tensor:
+def _call_varlen_attn(q, k, v, cu_seqlens, max_seqlen, softmax_scale) -> torch.Tensor:
     scale = {} if softmax_scale is None else {"scale": softmax_scale}
     return varlen_attn_api().fn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **scale)
 

@@ -67,7 +67,7 @@ def _check(label, fused, same_dtype, truth, dtype):
 def test_every_op_passed_its_self_check():
     assert choice.op_verdicts() == {op: "" for op in dispatch.OPS}
     assert kernels.resolve_backend("cuda") == "cuda"
-    assert kernels.resolve_backend("auto") == "prefer_cuda"
+    assert isinstance(kernels.resolve_backend("auto"), kernels.OpPlan)
 
 
 # --------------------------------------------------------------------------- layer norm
@@ -213,8 +213,9 @@ def test_varlen_attention_refuses_dropout():
         kernels.varlen_attention(q, k, v, cu_seqlens, 8, dropout_p=0.1, backend="cuda")
     with pytest.raises(ValueError, match="no dropout"):
         _build.load_extension()[0].varlen_attention_fwd(q, k, v, cu_seqlens, 8, 0.1, 0.125)
-    # auto: the reference runs instead (it does dropout), with a warning
-    out = kernels.varlen_attention(q, k, v, cu_seqlens, 8, dropout_p=0.1, backend="prefer_cuda")
+    # auto: the native op runs instead (it does dropout), with a warning
+    plan = kernels.OpPlan((("varlen_attention", "fused"),), "a plan whose attention is fused")
+    out = kernels.varlen_attention(q, k, v, cu_seqlens, 8, dropout_p=0.1, backend=plan)
     assert out.shape == q.shape
 
 

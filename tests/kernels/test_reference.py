@@ -17,7 +17,8 @@ from bert_ds import kernels
 from bert_ds.kernels import choice, dispatch
 from bert_ds.kernels._build import load_extension
 from bert_ds.kernels.choice import UnknownKernelBackend, resolve_backend
-from bert_ds.kernels.dispatch import KernelUnavailable
+from bert_ds.kernels.dispatch import KernelUnavailable, OpPlan
+from bert_ds.kernels.speed import OpShapes
 from bert_ds.base.errors import UserError
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -258,10 +259,11 @@ def test_cuda_branch_of_ops_is_never_a_silent_fallback():
         kernels.varlen_attention(q, k, v, cu_seqlens, 2, backend="cuda")
 
 
-def test_ops_reject_unresolved_backend_names():
+@pytest.mark.parametrize("backend", ["auto", "prefer_cuda"])  # a setting, and the name auto once resolved to
+def test_ops_reject_unresolved_backend_names(backend):
     x, weight, bias = _rand(2, 8, seed=1), _rand(8, seed=2), _rand(8, seed=3)
     with pytest.raises(ValueError, match="resolve_backend"):
-        kernels.layer_norm(x, weight, bias, 1e-5, backend="auto")
+        kernels.layer_norm(x, weight, bias, 1e-5, backend=backend)
 
 
 def test_bias_gelu_rejects_unknown_approximation():
@@ -285,7 +287,6 @@ def fake_extension(monkeypatch, caplog):
     monkeypatch.setattr(choice, "op_choices", lambda shapes=None: choices)
     monkeypatch.setattr(choice, "verdict_path", lambda: "/cache/verdicts-fake-h100.json")
     monkeypatch.setattr(dispatch, "_verdicts", lambda: verdicts)
-    monkeypatch.setattr(dispatch, "_choices", lambda: choices)
     for cached in (choice._auto_backend, choice._log_once, dispatch._log_fallback):
         cached.cache_clear()
     caplog.set_level(logging.INFO, logger="bert_ds.kernels")
@@ -300,12 +301,14 @@ def test_cuda_refuses_to_start_when_an_op_failed_its_self_check(fake_extension):
 
 
 def test_auto_runs_each_op_s_recorded_winner_and_never_a_failed_kernel(fake_extension):
-    assert resolve_backend("auto") == "prefer_cuda"
+    plan = resolve_backend("auto")
+    assert plan == OpPlan((("layer_norm", "native"), ("bias_gelu", "fused"), ("varlen_attention", "native")),
+                          OpShapes().key)
     warnings = [r.getMessage() for r in fake_extension.records if r.levelno == logging.WARNING]
     assert any("layer_norm never runs its fused kernel" in m for m in warnings)
-    assert dispatch.choose("layer_norm", "prefer_cuda", _takes_anything) == "native"
-    assert dispatch.choose("bias_gelu", "prefer_cuda", _takes_anything) == "fused"
-    assert dispatch.choose("varlen_attention", "prefer_cuda", _takes_anything) == "native"
+    assert dispatch.choose("layer_norm", plan, _takes_anything) == "native"
+    assert dispatch.choose("bias_gelu", plan, _takes_anything) == "fused"
+    assert dispatch.choose("varlen_attention", plan, _takes_anything) == "native"
     with pytest.raises(KernelUnavailable, match="layer_norm cannot run fused"):
         dispatch.choose("layer_norm", "cuda", _takes_anything)
     assert dispatch.choose("varlen_attention", "cuda", _takes_anything) == "fused"
@@ -319,8 +322,9 @@ def test_inputs_a_kernel_cannot_take_are_an_error_under_cuda_and_a_logged_fallba
     problem = "torch.float64 input"
     with pytest.raises(KernelUnavailable, match=problem):
         dispatch.choose("bias_gelu", "cuda", lambda impl: problem)
+    plan = resolve_backend("auto")
     for _ in range(3):
-        assert dispatch.choose("bias_gelu", "prefer_cuda", lambda impl: problem) == "native"
+        assert dispatch.choose("bias_gelu", plan, lambda impl: problem) == "native"
     fallbacks = [r for r in fake_extension.records if problem in r.getMessage()]
     assert len(fallbacks) == 1 and fallbacks[0].levelno == logging.WARNING
 
@@ -329,5 +333,5 @@ def test_fused_attention_declines_dropout_and_host_tensors():
     from bert_ds.kernels import attention
 
     q, k, v, cu_seqlens = _varlen_inputs([3], num_heads=1, head_dim=64, dtype=torch.bfloat16)
-    assert "dropout" in attention._unsupported(q, k, v, cu_seqlens, 0.1)
-    assert "CUDA device" in attention._unsupported(q, k, v, cu_seqlens, 0.0)
+    assert "dropout" in attention._unsupported("fused", q, k, v, cu_seqlens, 0.1, None)
+    assert "CUDA device" in attention._unsupported("fused", q, k, v, cu_seqlens, 0.0, None)
