@@ -314,26 +314,37 @@ def varlen_attention(
 
 
 def _unsupported(impl: Impl, q, k, v, cu_seqlens, dropout_p, softmax_scale) -> str:
-    """Why candidate ``impl`` cannot take these inputs ("" if it can)."""
+    """Why candidate ``impl`` cannot take these inputs ("" if it can).
+
+    Every candidate declines attention dropout (the race timed and checked each without it)
+    and, varlen_attn aside (its own rules), inputs off a CUDA device, where the race ran.
+    """
     if dropout_p > 0.0:
         return f"attention dropout (dropout_p={dropout_p}) is not supported; set attention_dropout=0"
     if impl == "varlen_attn":
         return varlen_attn_problem(q, k, v, cu_seqlens, dropout_p, softmax_scale)
-    if impl == "fused":
-        dtypes, head_dims = FUSED_DTYPES, FUSED_HEAD_DIMS
-    elif impl in SDPA_DTYPES:
-        dtypes, head_dims = SDPA_DTYPES[impl], range(8, SDPA_MAX_HEAD_DIM[impl] + 1, 8)
-    else:  # "compiled": the reference, which takes any input
-        dtypes, head_dims = (q.dtype,), (q.shape[-1],)
+    problem = "" if impl == "compiled" else _layout_problem(impl, q, k, v, cu_seqlens)  # compiled: any input
+    if problem:
+        return problem
+    if not all(t.is_cuda for t in (q, k, v, cu_seqlens)):
+        return "its inputs are not all on a CUDA device"
+    return ""
+
+
+def _layout_problem(impl: Impl, q, k, v, cu_seqlens) -> str:
+    """What of the dtypes, the head dim and cu_seqlens the fused kernel or an SDPA backend cannot take."""
+    dtypes = FUSED_DTYPES if impl == "fused" else SDPA_DTYPES[impl]
     if q.dtype not in dtypes or k.dtype != q.dtype or v.dtype != q.dtype:
         return f"{q.dtype}/{k.dtype}/{v.dtype} inputs (it takes {' or '.join(map(str, dtypes))}, all alike)"
-    if q.dim() != 3 or q.shape[-1] not in head_dims:
-        allowed = ' or '.join(map(str, head_dims)) if impl == "fused" else f"multiples of 8 up to {head_dims[-1]}"
-        return f"head_dim {q.shape[-1]} (it takes {allowed})"
-    if impl == "fused" and cu_seqlens.dtype != torch.int32:
+    head_dim = q.shape[-1]
+    if impl != "fused":
+        if q.dim() != 3 or head_dim % 8 or head_dim > SDPA_MAX_HEAD_DIM[impl]:
+            return f"head_dim {head_dim} (it takes multiples of 8 up to {SDPA_MAX_HEAD_DIM[impl]})"
+        return ""
+    if q.dim() != 3 or head_dim not in FUSED_HEAD_DIMS:
+        return f"head_dim {head_dim} (it takes {' or '.join(map(str, FUSED_HEAD_DIMS))})"
+    if cu_seqlens.dtype != torch.int32:
         return f"{cu_seqlens.dtype} cu_seqlens (it takes int32)"
-    if not all(t.is_cuda for t in (q, k, v, cu_seqlens)):  # every candidate but the native op was raced on CUDA
-        return "its inputs are not all on a CUDA device"
     return ""
 
 

@@ -95,12 +95,14 @@ def resolve_backend(requested: str, shapes: OpShapes | None = None) -> Backend:
 @functools.cache
 def _auto_backend(shapes: OpShapes) -> Backend:
     extension, reason = load_extension()
-    apex_on_a_gpu = layer_norm.APEX_LAYER_NORM is not None and torch.cuda.is_available()
-    if extension is None and not apex_on_a_gpu:  # nothing to choose from but the native ops
-        # A GPU without the kernels is a slower run than the user may have intended.
-        log = logger.warning if torch.cuda.is_available() else logger.info
-        log("kernels=auto: running the native PyTorch ops (%s)", reason)
+    if not torch.cuda.is_available():  # no device to race on: the native ops are the only candidates
+        logger.info("kernels=auto: running the native PyTorch ops (%s)", reason)
         return "torch"
+    if extension is None:
+        # A GPU without the kernels may be a slower run than the user intended; the other
+        # candidates (torch.compile, SDPA's backends, apex) still race.
+        _log_once(logging.WARNING, f"kernels=auto: the fused CUDA kernels cannot load ({reason}); "
+                                   "racing the other candidates without them")
     for op, why in sorted(op_verdicts().items()):
         if why:
             _log_once(logging.WARNING, f"kernels=auto: {op} never runs its fused kernel here: "

@@ -13,16 +13,14 @@ Resolved backends, and what each op runs under them (:func:`choose`):
 - ``"cuda"`` (from ``kernels=cuda``): the fused kernel for every op, or an error
   that says why not (the extension does not load, an op failed its self-check, an
   op cannot take these inputs, e.g. float32 attention or attention dropout).
-- an :class:`OpPlan` (from ``kernels=auto`` on a CUDA device with a candidate to the
-  native ops): per op, the implementation that won the race at the model's shapes
+- an :class:`OpPlan` (from ``kernels=auto`` on a CUDA device): per op, the implementation that won the race at the model's shapes
   (``kernels/choice.py``, ``kernels/speed.py``): the fused kernel, the native op, the
   reference under ``torch.compile``, apex's LayerNorm, torch's ``varlen_attn`` or one SDPA
   backend. The plan travels with the model, not with the process: two models built at
   different shapes (the two phases of BERT's recipe) each run their own winners. Inputs the
   winner cannot take run the native op, with one warning per op, winner and reason.
 
-``kernels=auto`` with no candidate (no CUDA device, no extension and no apex)
-resolves to ``"torch"`` and logs why.
+``kernels=auto`` without a CUDA device to race on resolves to ``"torch"`` and logs why.
 
 The ops import this module, and the self-check's verdicts are made by running the ops: so
 they are handed in (:func:`consult`, called by the package's ``__init__``) rather than

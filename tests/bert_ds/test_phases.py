@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors import safe_open
 
 from bert_ds.checkpoint import store as checkpoint
@@ -48,6 +49,25 @@ def test_phase_overrides_merge_into_the_base():
     assert one.optim.decay == two.optim.decay == "poly"  # from the base, kept by both
     assert one.data.train == two.data.train and two.data.max_seq_length == 512
     assert Path(two.output) == Path(plan.output) / "phase2"
+
+
+def test_each_phase_builds_its_model_at_its_own_sequence_length(monkeypatch):
+    # kernels=auto races at the shapes the model is built with: phase 2's at seq 512, not phase 1's.
+    from bert_ds.train import loop
+
+    class Built(Exception):
+        pass
+
+    seq_lens = []
+
+    def model(config, train_seq_len=None):
+        seq_lens.append(train_seq_len)
+        raise Built
+    monkeypatch.setattr(loop, "BertForPreTraining", model)
+    for cfg in PhasePlan.load(RECIPES / "bert_base_two_phase.json").train_configs(vocab_size=30522):
+        with pytest.raises(Built):
+            loop._build_engine(cfg, {}, torch.device("cpu"))
+    assert seq_lens == [128, 512]
 
 
 @pytest.mark.parametrize("edit,message", [

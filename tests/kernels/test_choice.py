@@ -450,15 +450,19 @@ def test_a_wrong_apex_fails_its_self_check_and_is_not_a_candidate(auto, monkeypa
     assert winner.excluded["apex"].startswith("failed the self-check: torch.float32 (96, 768) +residual out: error")
 
 
-def test_apex_alone_makes_auto_time_layer_norm(auto, monkeypatch):
+def test_without_the_extension_a_gpu_races_the_other_candidates(auto, monkeypatch, caplog):
     monkeypatch.setattr(_build, "_prebuilt", lambda: None)  # and the fixture's JIT build builds nothing
     monkeypatch.setattr(layer_norm, "APEX_LAYER_NORM", _apex_stand_in)
     monkeypatch.setitem(layer_norm.IMPLEMENTATIONS, "apex", auto.clock.charging(0.5, layer_norm.layer_norm_apex))
-    assert isinstance(resolve_backend("auto", SHAPES), OpPlan)
-    assert _runs() == {"layer_norm": "apex", "bias_gelu": "native", "varlen_attention": "native",
-                       "lamb_update": "native"}
+    auto.costs("bias_gelu", compiled=1.5)
+    auto.costs("varlen_attention", sdpa_cudnn=1.0)
+    with caplog.at_level(logging.WARNING, logger="bert_ds.kernels.choice"):
+        plan = resolve_backend("auto", SHAPES)
+    assert plan.runs == (("layer_norm", "apex"), ("bias_gelu", "compiled"), ("varlen_attention", "sdpa_cudnn"),
+                         ("lamb_update", "native"))
     excluded = choice.op_choices(SHAPES)["bias_gelu"].excluded
     assert excluded["fused"] == "the fused CUDA kernels cannot load: tests build nothing"
+    assert "the fused CUDA kernels cannot load (tests build nothing); racing the other candidates" in caplog.text
 
 
 def test_apex_takes_only_inputs_of_one_dtype():
