@@ -273,8 +273,8 @@ def test_bias_gelu_rejects_unknown_approximation():
 
 @pytest.fixture
 def fake_extension(monkeypatch, caplog):
-    """A loaded extension whose layer_norm failed its self-check and whose bias_gelu won the
-    race on this device (as resolve_backend and the dispatch see them)."""
+    """A CUDA device with a loaded extension whose layer_norm failed its self-check and whose
+    bias_gelu won the race (as resolve_backend and the dispatch see them)."""
     from bert_ds.kernels.speed import Choice
 
     verdicts = {"layer_norm": "y: error 1 > 2 x 0 + 0", "bias_gelu": "", "varlen_attention": ""}
@@ -283,6 +283,7 @@ def fake_extension(monkeypatch, caplog):
                "varlen_attention": Choice("native", {"native": 1.0, "fused": 1.5}, {})}
     for module in (choice, dispatch):
         monkeypatch.setattr(module, "load_extension", lambda: (object(), ""))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(choice, "op_verdicts", lambda: verdicts)
     monkeypatch.setattr(choice, "op_choices", lambda shapes=None: choices)
     monkeypatch.setattr(choice, "verdict_path", lambda: "/cache/verdicts-fake-h100.json")
