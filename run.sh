@@ -5,7 +5,8 @@
 #                            vocabulary, build token shards, pretrain a small BERT (MLM + NSP)
 #                            through DeepSpeed (ZeRO-1, bf16; fp32 on a CPU without bf16), export a Hugging Face directory,
 #                            load it back and run a fill-mask example.
-#   ./run.sh test [ARGS]     the test suite (pytest ARGS)
+#   ./run.sh test [ARGS]     the test suite (pytest ARGS), on TEST_WORKERS processes (default: one per
+#                            core, at most one per 3 GiB free and 8; -n 0 in ARGS runs it in one)
 #   ./run.sh test-lowest [ARGS]  the suite's torch- and transformers-facing tests under the lowest
 #                            supported torch and transformers (pyproject.toml's lower bounds), in
 #                            a second environment, $LOWEST_VENV (CI's second pass)
@@ -97,6 +98,21 @@ setup_env() {
 }
 
 python_() { "$VENV/bin/python" "$@"; }
+
+# The suite's worker processes (pytest-xdist): one per core, at most one per 3 GiB of free
+# memory (a worker's training runs hold up to ~2 GiB) and at most 8; TEST_WORKERS overrides,
+# and a -n in ARGS wins over both.
+test_workers() {
+    if [[ -n "${TEST_WORKERS:-}" ]]; then echo "$TEST_WORKERS"; return; fi
+    local cores mem_gib n
+    cores=$(nproc 2>/dev/null || echo 1)
+    mem_gib=$(awk '/^MemAvailable:/ {print int($2 / 1048576)}' /proc/meminfo 2>/dev/null || echo 3)
+    n=$cores
+    (( mem_gib / 3 < n )) && n=$(( mem_gib / 3 ))
+    (( n > 8 )) && n=8
+    (( n < 1 )) && n=1
+    echo "$n"
+}
 
 # The tests that touch torch's and transformers' APIs: the model and its graph, the kernels'
 # native and emulated paths, export, init-from, LAMB and ZeRO, and training runs through
@@ -208,11 +224,11 @@ case "$mode" in
     test)
         setup_env
         export_accelerator
-        python_ -m pytest "$@" ;;
+        python_ -m pytest -n "$(test_workers)" --dist worksteal "$@" ;;
     test-lowest)
         setup_lowest_env
         VENV=$(dirname "$(dirname "$LOWEST_PYTHON")") export_accelerator
-        "$LOWEST_PYTHON" -m pytest "${LOWEST_TESTS[@]}" "$@" ;;
+        "$LOWEST_PYTHON" -m pytest -n "$(test_workers)" --dist worksteal "${LOWEST_TESTS[@]}" "$@" ;;
     prepare) setup_env; prepare ;;
     pretrain) setup_env; pretrain "$@" ;;
     multinode) setup_env; multinode "$@" ;;

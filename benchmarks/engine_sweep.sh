@@ -13,6 +13,9 @@
 #   overlap        zero1_bf16.json with overlap_comm on: DeepSpeed's per-parameter gradient
 #                  hooks on every micro-batch, a side stream and its events
 #   torch-ops      kernels=torch: PyTorch's own ops in the same engine
+#   bf16-accum     zero1_bf16.json without data_types.grad_accum_dtype: gradients summed over
+#                  the micro-batches in bf16 by DeepSpeedZeroOptimizer (the step checking them
+#                  itself), against the shipped fp32 sums of BF16_Optimizer: what fp32 costs
 #
 # Each run: STEPS steps (default 30), the last 3 profiled (--profile-steps): OUT_DIR/<variant>/
 # holds its summary.json, metrics.jsonl and profile (rank0.md: busy and idle per stage of the
@@ -38,17 +41,21 @@ trap 'rm -rf "$scratch"' EXIT
 "$python" -c 'import json, sys
 from bert_ds.config import resolve_ds_config_path
 config = json.loads(resolve_ds_config_path("zero1_bf16.json").read_text())
-config["zero_optimization"]["overlap_comm"] = True
-json.dump(config, sys.stdout)' > "$scratch/zero1_bf16_overlap.json" || exit 2
+overlap = json.loads(json.dumps(config))
+overlap["zero_optimization"]["overlap_comm"] = True
+json.dump(overlap, open(sys.argv[1] + "/zero1_bf16_overlap.json", "w"))
+config.pop("data_types", None)
+json.dump(config, open(sys.argv[1] + "/zero1_bf16_accum16.json", "w"))' "$scratch" || exit 2
 declare -A args=(
     [base-mb256]="--micro-batch-size 256"
     [base-mb512]="--micro-batch-size 512"
     [base-mb1024]="--micro-batch-size 1024"
     [overlap]="--micro-batch-size 256 --ds-config $scratch/zero1_bf16_overlap.json"
     [torch-ops]="--micro-batch-size 256 --kernels torch"
+    [bf16-accum]="--micro-batch-size 256 --ds-config $scratch/zero1_bf16_accum16.json"
 )
 failed=0
-for variant in ${VARIANTS:-base-mb256 base-mb512 base-mb1024 overlap torch-ops}; do
+for variant in ${VARIANTS:-base-mb256 base-mb512 base-mb1024 overlap torch-ops bf16-accum}; do
     [[ -n ${args[$variant]:-} ]] || { echo "engine_sweep.sh: unknown variant $variant" >&2; exit 2; }
     echo "== $variant: ${args[$variant]}"
     run=$scratch/$variant

@@ -23,8 +23,8 @@ STEPS = ("kernels_build", "kernels_inspect", "test_cuda_ops", "kernels_bench", "
          "train_base", "engine_sweep", "summary")
 RESULT_FILES = ("steps.txt", "SUMMARY.md", "kernels_bench.json", "bench.json", "bench.md", "profile.json",
                 "profile.md", "train_base_summary.json", "train_base_metrics.jsonl", "train_base_profile.json",
-                "train_base_profile.md", "engine_sweep/engine_sweep.md", "engine_sweep/base-mb256/rank0.json",
-                "engine_sweep/overlap/summary.json",
+                "train_base_profile.md", "engine_sweep/engine_sweep.md", "engine_sweep/bf16-accum/rank0.json",
+                "engine_sweep/bf16-accum/summary.json",
                 *(f"{step}.log" for step in STEPS))
 
 
@@ -122,7 +122,7 @@ def test_the_rehearsal_runs_every_step_and_writes_every_result(kit, tmp_path):
     summary = (out / "SUMMARY.md").read_text()
     for section in ("## Steps", "## Fused kernels", "## Training throughput", "## One step, profiled",
                     "## The engine path a user runs", "### Steps 1-3 profiled",
-                    "## The engine path, variant by variant", "### overlap: a profiled step by stage",
+                    "## The engine path, variant by variant", "### bf16-accum: a profiled step by stage",
                     "| stage of the step |"):
         assert section in summary
     assert "could not be summarized" not in summary and "is missing" not in summary
