@@ -80,29 +80,69 @@
 namespace bds {
 namespace {
 
-constexpr int kWarps = 4;
-constexpr int kThreads = kWarps * 32;
-constexpr int kFwdBlockM = 128;  // queries per forward CTA: 4 warps x 32
-constexpr int kFwdWarpTiles = 2;  // m16 tiles per warp in the forward
-constexpr int kBwdBlockM = 32;    // queries per backward query tile
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.69314718055994531f;
+constexpr int kDefaultDynamicSmem = 48 * 1024;  // what a launch may ask for without cudaFuncSetAttribute
 
 // The tile sizes the header derives, per head dim.
+constexpr int kFwdWarps = 4;
+constexpr int kFwdThreads = kFwdWarps * 32;
+constexpr int kFwdBlockM = 128;   // queries per forward CTA: 4 warps x 32
+constexpr int kFwdWarpTiles = 2;  // m16 tiles per warp in the forward
 template <int HD> constexpr int kFwdBlockN = HD == 32 ? 128 : 64;  // keys per forward key tile
-template <int HD> constexpr int kBwdWarpTiles = HD == 32 ? 2 : 1;  // m16 key tiles per warp in the backward
-template <int HD> constexpr int kBwdBlockN = kWarps * 16 * kBwdWarpTiles<HD>;  // keys per backward CTA
+
+template <int HD> struct BwdTiles;
+template <> struct BwdTiles<64> {
+  static constexpr int kWarps = 8;      // warps per CTA
+  static constexpr int kWarpTiles = 1;  // m16 key tiles per warp: 16 keys
+  static constexpr int kBlockM = 64;    // queries per query tile
+  static constexpr int kMinBlocks = 1;  // __launch_bounds__: up to 255 registers at 256 threads
+};
+template <> struct BwdTiles<32> {
+  static constexpr int kWarps = 4;
+  static constexpr int kWarpTiles = 2;  // 32 keys
+  static constexpr int kBlockM = 32;
+  static constexpr int kMinBlocks = 2;  // 255 registers at 2 x 128 threads
+};
+template <int HD> constexpr int kBwdThreads = BwdTiles<HD>::kWarps * 32;
+template <int HD> constexpr int kBwdBlockN = BwdTiles<HD>::kWarps * 16 * BwdTiles<HD>::kWarpTiles;  // keys per CTA
+
+// Byte offsets of the shared buffers in a kernel's dynamic shared memory; every buffer
+// starts 16-byte aligned (cp.async and ldmatrix move 16-byte rows). Tiles are row-major
+// with rows of HD + 8 elements (the bank-group padding).
+template <typename T, int HD>
+struct FwdSmem {
+  static constexpr int kTile = kFwdBlockN<HD> * (HD + 8);  // elements of a K or a V tile
+  static constexpr int kStage = 2 * kTile;                 // elements of a stage: K, then V
+  static constexpr int kBytes = 2 * kStage * (int)sizeof(T);
+};
+
+template <typename T, int HD>
+struct BwdSmem {
+  static constexpr int kBlockM = BwdTiles<HD>::kBlockM, kBlockN = kBwdBlockN<HD>;
+  static constexpr int kKVTile = kBlockN * (HD + 8);  // elements of K or V
+  static constexpr int kQTile = kBlockM * (HD + 8);   // elements of a Q or a dO tile
+  static constexpr int kK = 0;
+  static constexpr int kV = kK + kKVTile * (int)sizeof(T);
+  static constexpr int kStages = kV + kKVTile * (int)sizeof(T);            // stage s: Q, then dO
+  static constexpr int kDS = kStages + 2 * 2 * kQTile * (int)sizeof(T);    // dS^T: (keys, kBlockM + 8)
+  static constexpr int kLse = kDS + kBlockN * (kBlockM + 8) * (int)sizeof(T);  // [2][kBlockM] floats
+  static constexpr int kDsum = kLse + 2 * kBlockM * (int)sizeof(float);        // [2][kBlockM] floats
+  static constexpr int kBytes = kDsum + 2 * kBlockM * (int)sizeof(float);
+  static_assert(kV % 16 == 0 && kStages % 16 == 0 && kDS % 16 == 0 && kLse % 16 == 0, "16-byte aligned buffers");
+};
 
 // Issues the copies of rows [0, valid) of a (ROWS, HD) slice, `row_stride` elements
-// apart, into a padded shared tile; rows from `valid` on are zero-filled.
-template <typename T, int HD, int ROWS>
+// apart, into a padded shared tile; rows from `valid` on are zero-filled. THREADS: the
+// CTA's, each issuing the same number of copies.
+template <typename T, int HD, int ROWS, int THREADS>
 __device__ __forceinline__ void copy_tile_async(T* tile, const T* src, int64_t row_stride, int valid) {
   constexpr int kChunks = HD / 8;  // 16-byte chunks per row
   constexpr int kStride = HD + 8;
-  static_assert(ROWS * kChunks % kThreads == 0, "every thread issues the same number of copies");
+  static_assert(ROWS * kChunks % THREADS == 0, "every thread issues the same number of copies");
 #pragma unroll
-  for (int i = 0; i < ROWS * kChunks / kThreads; ++i) {
-    const int c = i * kThreads + threadIdx.x;
+  for (int i = 0; i < ROWS * kChunks / THREADS; ++i) {
+    const int c = i * THREADS + threadIdx.x;
     const int r = c / kChunks, chunk = c % kChunks;
     const bool real = r < valid;  // a zero-filled row still names a real address (row 0)
     cp_async_16(tile + r * kStride + chunk * 8, src + (real ? r : 0) * row_stride + chunk * 8, real);
@@ -257,17 +297,19 @@ __device__ __forceinline__ void online_softmax(float (&s)[MT][NT][4], float (&ac
 }
 
 template <typename T, int HD>
-__global__ void __launch_bounds__(kThreads, 2)
+__global__ void __launch_bounds__(kFwdThreads, 2)
 attention_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                      const int* __restrict__ cu_seqlens, T* __restrict__ out, float* __restrict__ lse,
                      int num_heads, int64_t total, float scale_log2) {
   constexpr int kBlockN = kFwdBlockN<HD>;
   constexpr int MT = kFwdWarpTiles;
   constexpr int kStride = HD + 8;
-  constexpr int kTile = kBlockN * kStride;  // elements of a K or a V tile
-  static_assert(kFwdBlockM * kStride <= 2 * kTile, "Q must fit in a (K, V) stage");
-  static_assert(2 * 2 * kTile * sizeof(T) <= 48 * 1024, "static shared memory over 48 KB");
-  __shared__ __align__(16) T stages[2][2 * kTile];  // stage s: K at [s][0], V at [s][kTile]; Q first in [1]
+  using Smem = FwdSmem<T, HD>;
+  constexpr int kTile = Smem::kTile;
+  static_assert(kFwdBlockM * kStride <= Smem::kStage, "Q must fit in a (K, V) stage");
+  declare_dynamic_smem<Smem::kBytes>();
+  extern __shared__ __align__(16) unsigned char smem[];
+  T* const stages = reinterpret_cast<T*>(smem);  // stage s at s * kStage: K, then V; Q first in stage 1
 
   const int head = blockIdx.z;
   const int start = cu_seqlens[blockIdx.y];
@@ -280,18 +322,19 @@ attention_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* 
   const int64_t row_stride = (int64_t)num_heads * HD;
   const int64_t base = (int64_t)start * row_stride + (int64_t)head * HD;  // element (start, head, 0)
   auto copy_kv = [&](T* stage, int n0) {
-    copy_tile_async<T, HD, kBlockN>(stage, k + base + n0 * row_stride, row_stride, len - n0);
-    copy_tile_async<T, HD, kBlockN>(stage + kTile, v + base + n0 * row_stride, row_stride, len - n0);
+    copy_tile_async<T, HD, kBlockN, kFwdThreads>(stage, k + base + n0 * row_stride, row_stride, len - n0);
+    copy_tile_async<T, HD, kBlockN, kFwdThreads>(stage + kTile, v + base + n0 * row_stride, row_stride, len - n0);
     cp_async_commit();
   };
 
-  copy_tile_async<T, HD, kFwdBlockM>(stages[1], q + base + m0 * row_stride, row_stride, len - m0);
+  T* const q_stage = stages + Smem::kStage;
+  copy_tile_async<T, HD, kFwdBlockM, kFwdThreads>(q_stage, q + base + m0 * row_stride, row_stride, len - m0);
   cp_async_commit();
-  copy_kv(stages[0], 0);
+  copy_kv(stages, 0);
   cp_async_wait<1>();  // this thread's Q copies have landed (K, V of tile 0 may still fly)
   __syncthreads();     // barrier: every thread's Q copies have landed
   uint32_t qa[MT][HD / 16][4];  // this warp's 32 query rows, the A operands of S = Q K^T
-  load_a_strips(qa, stages[1], kStride, warp * 16 * MT, lane);
+  load_a_strips(qa, q_stage, kStride, warp * 16 * MT, lane);
 
   float acc[MT][HD / 8][4] = {};  // O, unnormalised: n8 tile dt covers head dims 8 dt .. 8 dt + 7
   float row_max[MT][2], row_sum[MT][2];  // rows g, g + 8 of each strip; the max in log2 units
@@ -306,8 +349,8 @@ attention_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* 
     // Barrier: every thread's copies of tile j have landed, and every warp is done with
     // the other stage (tile j - 1, or Q before tile 1), which the prefetch below refills.
     __syncthreads();
-    if (n0 + kBlockN < len) copy_kv(stages[(j + 1) % 2], n0 + kBlockN);
-    const T* sK = stages[j % 2];
+    if (n0 + kBlockN < len) copy_kv(stages + ((j + 1) % 2) * Smem::kStage, n0 + kBlockN);
+    const T* sK = stages + (j % 2) * Smem::kStage;
     const T* sV = sK + kTile;
 
     float s[MT][kBlockN / 8][4] = {};  // S for 32 queries x kBlockN keys
@@ -354,11 +397,13 @@ attention_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* 
 // ---------------------------------------------------------------- backward
 
 // dsum[head][token] = sum over d of dout * out; one warp per (token, head) row.
+constexpr int kDsumWarps = 4;
+
 template <typename T, int HD>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kDsumWarps * 32)
 attention_dsum_kernel(const T* __restrict__ dout, const T* __restrict__ out, float* __restrict__ dsum,
                       int num_heads, int64_t total) {
-  const int64_t row = (int64_t)blockIdx.x * kWarps + threadIdx.x / 32;  // token * num_heads + head
+  const int64_t row = (int64_t)blockIdx.x * kDsumWarps + threadIdx.x / 32;  // token * num_heads + head
   const int lane = threadIdx.x % 32;
   if (row >= total * num_heads) return;
   float sum = 0.f;
@@ -383,32 +428,35 @@ __device__ __forceinline__ QueryRowStats fetch_row_stats(const float* lse, const
   return {lse[at0 + m0 + i] * kLog2e, dsum[at0 + m0 + i]};
 }
 
-template <typename T, int HD>
-__global__ void __launch_bounds__(kThreads, 2)
+template <typename T, int HD, bool kOneTile>
+__global__ void __launch_bounds__(kBwdThreads<HD>, BwdTiles<HD>::kMinBlocks)
 attention_bwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                      const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ dsum,
-                     const int* __restrict__ cu_seqlens, float* __restrict__ dq_accum, T* __restrict__ dk,
-                     T* __restrict__ dv, int num_heads, int64_t total, float scale, float scale_log2) {
-  constexpr int MT = kBwdWarpTiles<HD>;
+                     const int* __restrict__ cu_seqlens, float* __restrict__ dq_accum, T* __restrict__ dq,
+                     T* __restrict__ dk, T* __restrict__ dv, int num_heads, int64_t total, float scale,
+                     float scale_log2) {
+  using Tiles = BwdTiles<HD>;
+  using Smem = BwdSmem<T, HD>;
+  constexpr int kWarps = Tiles::kWarps, kThreads = kBwdThreads<HD>;
+  constexpr int MT = Tiles::kWarpTiles;
   constexpr int kBlockN = kBwdBlockN<HD>;
-  constexpr int kBlockM = kBwdBlockM;
+  constexpr int kBlockM = Tiles::kBlockM;
   constexpr int kStride = HD + 8;          // Q, K, V, dO tiles: (rows, head dim)
   constexpr int kSStride = kBlockM + 8;    // dS^T tile: (keys, queries)
-  constexpr int kQTile = kBlockM * kStride;
+  constexpr int kQTile = Smem::kQTile;
   // dQ = dS K: warp w takes query strip w % kDqStrips and the (w / kDqStrips)-th of
   // kWarps / kDqStrips column groups of the head dim.
   constexpr int kDqStrips = kBlockM / 16;
   constexpr int kDqCols = HD * kDqStrips / kWarps;
   static_assert(kWarps % kDqStrips == 0 && kDqCols % 16 == 0, "dQ work must split evenly over the warps");
-  __shared__ __align__(16) T sK[kBlockN * kStride];
-  __shared__ __align__(16) T sV[kBlockN * kStride];
-  __shared__ __align__(16) T stages[2][2 * kQTile];  // stage s: Q at [s][0], dO at [s][kQTile]
-  __shared__ __align__(16) T sdS[kBlockN * kSStride];
-  __shared__ float sLse[2][kBlockM];   // per stage; log2 units, +inf past the sequence end
-  __shared__ float sDsum[2][kBlockM];
-  static_assert(sizeof(sK) + sizeof(sV) + sizeof(stages) + sizeof(sdS) + sizeof(sLse) + sizeof(sDsum) <=
-                    48 * 1024,
-                "static shared memory over 48 KB");
+  declare_dynamic_smem<Smem::kBytes>();
+  extern __shared__ __align__(16) unsigned char smem[];
+  T* const sK = reinterpret_cast<T*>(smem + Smem::kK);
+  T* const sV = reinterpret_cast<T*>(smem + Smem::kV);
+  T* const stages = reinterpret_cast<T*>(smem + Smem::kStages);  // stage s at s * 2 kQTile: Q, then dO
+  T* const sdS = reinterpret_cast<T*>(smem + Smem::kDS);
+  float* const sLse = reinterpret_cast<float*>(smem + Smem::kLse);    // per stage; log2 units, +inf past the end
+  float* const sDsum = reinterpret_cast<float*>(smem + Smem::kDsum);  // per stage
 
   const int head = blockIdx.z;
   const int start = cu_seqlens[blockIdx.y];
@@ -422,19 +470,20 @@ attention_bwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* 
   const int64_t base = (int64_t)start * row_stride + (int64_t)head * HD;
   const int64_t stats_at = (int64_t)head * total + start;  // (head, start) in lse and dsum
   auto copy_q_do = [&](int stage, int m0) {
-    copy_tile_async<T, HD, kBlockM>(stages[stage], q + base + m0 * row_stride, row_stride, len - m0);
-    copy_tile_async<T, HD, kBlockM>(stages[stage] + kQTile, dout + base + m0 * row_stride, row_stride, len - m0);
+    T* const sQ = stages + stage * 2 * kQTile;
+    copy_tile_async<T, HD, kBlockM, kThreads>(sQ, q + base + m0 * row_stride, row_stride, len - m0);
+    copy_tile_async<T, HD, kBlockM, kThreads>(sQ + kQTile, dout + base + m0 * row_stride, row_stride, len - m0);
     cp_async_commit();
   };
   auto store_stats = [&](int stage, QueryRowStats stats) {
     if (threadIdx.x < kBlockM) {
-      st_shared(&sLse[stage][threadIdx.x], stats.lse_log2);
-      st_shared(&sDsum[stage][threadIdx.x], stats.dsum);
+      st_shared(&sLse[stage * kBlockM + threadIdx.x], stats.lse_log2);
+      st_shared(&sDsum[stage * kBlockM + threadIdx.x], stats.dsum);
     }
   };
 
-  copy_tile_async<T, HD, kBlockN>(sK, k + base + n0 * row_stride, row_stride, len - n0);
-  copy_tile_async<T, HD, kBlockN>(sV, v + base + n0 * row_stride, row_stride, len - n0);
+  copy_tile_async<T, HD, kBlockN, kThreads>(sK, k + base + n0 * row_stride, row_stride, len - n0);
+  copy_tile_async<T, HD, kBlockN, kThreads>(sV, v + base + n0 * row_stride, row_stride, len - n0);
   cp_async_commit();
   copy_q_do(0, 0);
   store_stats(0, fetch_row_stats<kBlockM>(lse, dsum, stats_at, 0, len));
@@ -445,13 +494,18 @@ attention_bwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* 
   uint32_t ka[MT][HD / 16][4], va[MT][HD / 16][4];
   load_a_strips(ka, sK, kStride, key0, lane);
   load_a_strips(va, sV, kStride, key0, lane);
+  // A warp whose keys all lie past the sequence end has P = 0 everywhere: it skips the
+  // products and leaves its dS^T rows unwritten, and dQ's k loop stops before them.
+  const int keys_here = len - n0 < kBlockN ? len - n0 : kBlockN;
+  const bool has_keys = key0 < keys_here;
+  const int dq_key_steps = (keys_here + 15) / 16;
   // Keys past the sequence end get P = 0. Not needed for the result (their dK, dV are
   // never stored and their zero K rows cancel their dS in dQ), but it keeps P^T honest.
   bool key_real[MT][2];
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
-    key_real[mt][0] = n0 + key0 + mt * 16 + g < len;
-    key_real[mt][1] = n0 + key0 + mt * 16 + g + 8 < len;
+    key_real[mt][0] = key0 + mt * 16 + g < keys_here;
+    key_real[mt][1] = key0 + mt * 16 + g + 8 < keys_here;
   }
   float dk_acc[MT][HD / 8][4] = {};
   float dv_acc[MT][HD / 8][4] = {};
@@ -469,81 +523,92 @@ attention_bwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* 
       copy_q_do(next, m0 + kBlockM);
       next_stats = fetch_row_stats<kBlockM>(lse, dsum, stats_at, m0 + kBlockM, len);  // lands during the math
     }
-    const T* sQ = stages[cur];
+    const T* sQ = stages + cur * 2 * kQTile;
     const T* sdO = sQ + kQTile;
+    const float* lse_cur = sLse + cur * kBlockM;
+    const float* dsum_cur = sDsum + cur * kBlockM;
 
-    // P^T = exp2(scale_log2 * K Q^T - lse_log2): 16 MT keys x kBlockM queries.
-    float p[MT][kBlockM / 8][4] = {};
-    mma_abt(p, ka, sQ, kStride, lane);
-#pragma unroll
-    for (int nt = 0; nt < kBlockM / 8; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float lse_q = ld_shared(&sLse[cur][nt * 8 + 2 * t + (e & 1)]);
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-          p[mt][nt][e] = key_real[mt][e / 2] ? exp2f(p[mt][nt][e] * scale_log2 - lse_q) : 0.f;
-      }
-    }
-
-    // dV += P^T dO: k runs over the tile's queries.
-    mma_pb(dv_acc, p, sdO, kStride, lane);
-
-    // dP^T = V dO^T: 16 MT keys x kBlockM queries, k runs over the head dim.
-    float dpt[MT][kBlockM / 8][4] = {};
-    mma_abt(dpt, va, sdO, kStride, lane);
-
-    // dS^T = P^T * (dP^T - D), in place of P^T (softmax_scale comes at the end).
-#pragma unroll
-    for (int nt = 0; nt < kBlockM / 8; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float d = ld_shared(&sDsum[cur][nt * 8 + 2 * t + (e & 1)]);
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) p[mt][nt][e] *= dpt[mt][nt][e] - d;
-      }
-    }
-
-    // dK += dS^T Q: k runs over the tile's queries.
-    mma_pb(dk_acc, p, sQ, kStride, lane);
-
-    // dS^T to shared memory, rows = this warp's keys: dQ needs all the tile's keys of a query.
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
+    if (has_keys) {
+      // P^T = exp2(scale_log2 * K Q^T - lse_log2): 16 MT keys x kBlockM queries.
+      float p[MT][kBlockM / 8][4] = {};
+      mma_abt(p, ka, sQ, kStride, lane);
 #pragma unroll
       for (int nt = 0; nt < kBlockM / 8; ++nt) {
 #pragma unroll
-        for (int i = 0; i < 2; ++i)
-          st_shared(reinterpret_cast<uint32_t*>(sdS + (key0 + mt * 16 + g + 8 * i) * kSStride + nt * 8 + 2 * t),
-                    pack2<T>(p[mt][nt][2 * i], p[mt][nt][2 * i + 1]));
+        for (int e = 0; e < 4; ++e) {
+          const float lse_q = ld_shared(&lse_cur[nt * 8 + 2 * t + (e & 1)]);
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt)
+            p[mt][nt][e] = key_real[mt][e / 2] ? exp2f(p[mt][nt][e] * scale_log2 - lse_q) : 0.f;
+        }
+      }
+
+      // dV += P^T dO: k runs over the tile's queries.
+      mma_pb(dv_acc, p, sdO, kStride, lane);
+
+      // dP^T = V dO^T: 16 MT keys x kBlockM queries, k runs over the head dim.
+      float dpt[MT][kBlockM / 8][4] = {};
+      mma_abt(dpt, va, sdO, kStride, lane);
+
+      // dS^T = P^T * (dP^T - D), in place of P^T (softmax_scale comes at the end).
+#pragma unroll
+      for (int nt = 0; nt < kBlockM / 8; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float d = ld_shared(&dsum_cur[nt * 8 + 2 * t + (e & 1)]);
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) p[mt][nt][e] *= dpt[mt][nt][e] - d;
+        }
+      }
+
+      // dK += dS^T Q: k runs over the tile's queries.
+      mma_pb(dk_acc, p, sQ, kStride, lane);
+
+      // dS^T to shared memory, rows = this warp's keys: dQ needs all the tile's keys of a query.
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int nt = 0; nt < kBlockM / 8; ++nt) {
+#pragma unroll
+          for (int i = 0; i < 2; ++i)
+            st_shared(reinterpret_cast<uint32_t*>(sdS + (key0 + mt * 16 + g + 8 * i) * kSStride + nt * 8 + 2 * t),
+                      pack2<T>(p[mt][nt][2 * i], p[mt][nt][2 * i + 1]));
+        }
       }
     }
     if (more) store_stats(next, next_stats);
     __syncthreads();  // barrier: every warp's dS^T rows are written
 
     // dQ = dS K for this warp's 16 queries and kDqCols head dims: A = dS read transposed
-    // from dS^T, B = K (rows = keys = k); k runs over the tile's keys.
-    float dq[1][kDqCols / 8][4] = {};
-#pragma unroll
-    for (int kj = 0; kj < kBlockN / 16; ++kj) {
+    // from dS^T, B = K (rows = keys = k); k runs over the tile's keys that hold a real one.
+    float dq_acc[1][kDqCols / 8][4] = {};
+    for (int kj = 0; kj < dq_key_steps; ++kj) {
       uint32_t da[1][4];
       ldmatrix_x4_trans(da[0], a_cols(sdS, kSStride, dq_strip * 16, kj * 16, lane));
-      mma_ab_step<T>(dq, da, sK + dq_col0, kStride, kj * 16, lane);
+      mma_ab_step<T>(dq_acc, da, sK + dq_col0, kStride, kj * 16, lane);
     }
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       const int row = m0 + dq_strip * 16 + g + 8 * i;
       if (row < len) {
-        float* dst = dq_accum + base + row * row_stride + dq_col0 + 2 * t;
+        const int64_t at = base + row * row_stride + dq_col0 + 2 * t;
 #pragma unroll
         for (int dt = 0; dt < kDqCols / 8; ++dt) {
-          atomicAdd(dst + dt * 8, dq[0][dt][2 * i] * scale);
-          atomicAdd(dst + dt * 8 + 1, dq[0][dt][2 * i + 1] * scale);
+          if constexpr (kOneTile) {
+            // The only key tile of the sequence: this is the whole of dQ, stored once.
+            *reinterpret_cast<uint32_t*>(dq + at + dt * 8) =
+                pack2<T>(dq_acc[0][dt][2 * i] * scale, dq_acc[0][dt][2 * i + 1] * scale);
+          } else {
+            // Every key tile of the sequence adds to these rows.
+            atomicAdd(dq_accum + at + dt * 8, dq_acc[0][dt][2 * i] * scale);
+            atomicAdd(dq_accum + at + dt * 8 + 1, dq_acc[0][dt][2 * i + 1] * scale);
+          }
         }
       }
     }
   }
 
+  if (!has_keys) return;
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
@@ -588,6 +653,37 @@ bool valid_sizes(int batch, int64_t total, int num_heads, int max_seqlen) {
   return batch >= 0 && batch <= 65535 && total >= 0 && num_heads > 0 && num_heads <= 65535 && max_seqlen >= 0;
 }
 
+// Lets `kernel` be launched with `bytes` of dynamic shared memory: above the default 48 KB
+// a kernel must opt in (once per device would do; FlashAttention sets it at every launch too,
+// which keeps a process that drives several devices right at the cost of a host call).
+template <typename Kernel>
+cudaError_t allow_dynamic_smem(Kernel* kernel, int bytes) {
+  if (bytes <= kDefaultDynamicSmem) return cudaSuccess;
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+}
+
+// Whether the backward of sequences up to max_seqlen long needs more than one key tile, and
+// so adds dQ up in fp32 with atomics.
+bool bwd_accumulates(int head_dim, int max_seqlen) {
+  return max_seqlen > (head_dim == 32 ? kBwdBlockN<32> : kBwdBlockN<64>);
+}
+
+template <typename T, int HD, bool kOneTile>
+cudaError_t launch_bwd(const void* q, const void* k, const void* v, const void* dout, const float* lse,
+                       const float* dsum, const int* cu_seqlens, float* dq_accum, void* dq, void* dk, void* dv,
+                       int batch, int64_t total, int num_heads, int max_seqlen, float softmax_scale,
+                       cudaStream_t stream) {
+  constexpr int kBytes = BwdSmem<T, HD>::kBytes;
+  cudaError_t err = allow_dynamic_smem(attention_bwd_kernel<T, HD, kOneTile>, kBytes);
+  if (err != cudaSuccess) return err;
+  const dim3 grid(kOneTile ? 1 : (max_seqlen + kBwdBlockN<HD> - 1) / kBwdBlockN<HD>, batch, num_heads);
+  attention_bwd_kernel<T, HD, kOneTile><<<grid, kBwdThreads<HD>, kBytes, stream>>>(
+      static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v), static_cast<const T*>(dout),
+      lse, dsum, cu_seqlens, dq_accum, static_cast<T*>(dq), static_cast<T*>(dk), static_cast<T*>(dv), num_heads,
+      total, softmax_scale, softmax_scale * kLog2e);
+  return cudaGetLastError();
+}
+
 }  // namespace
 }  // namespace bds
 
@@ -602,8 +698,11 @@ extern "C" cudaError_t bds_varlen_attention_fwd(const void* q, const void* k, co
     using T = decltype(t);
     constexpr int HD = decltype(hd)::value;
     if (batch == 0 || total == 0 || max_seqlen == 0) return cudaSuccess;
+    constexpr int kBytes = FwdSmem<T, HD>::kBytes;
+    const cudaError_t err = allow_dynamic_smem(attention_fwd_kernel<T, HD>, kBytes);
+    if (err != cudaSuccess) return err;
     const dim3 grid((max_seqlen + kFwdBlockM - 1) / kFwdBlockM, batch, num_heads);
-    attention_fwd_kernel<T, HD><<<grid, kThreads, 0, stream>>>(
+    attention_fwd_kernel<T, HD><<<grid, kFwdThreads, kBytes, stream>>>(
         static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v), cu_seqlens,
         static_cast<T*>(out), lse, num_heads, total, softmax_scale * kLog2e);
     return cudaGetLastError();
@@ -621,25 +720,32 @@ extern "C" cudaError_t bds_varlen_attention_bwd(const void* dout, const void* q,
     using T = decltype(t);
     constexpr int HD = decltype(hd)::value;
     if (batch == 0 || total == 0 || max_seqlen == 0) return cudaSuccess;
+    const bool accumulates = bwd_accumulates(HD, max_seqlen);
+    if (accumulates && dq_accum == nullptr) return cudaErrorInvalidValue;
     const int64_t elements = total * num_heads * HD;
-    cudaError_t err = cudaMemsetAsync(dq_accum, 0, elements * sizeof(float), stream);
-    if (err != cudaSuccess) return err;
+    cudaError_t err;
+    if (accumulates && (err = cudaMemsetAsync(dq_accum, 0, elements * sizeof(float), stream)) != cudaSuccess)
+      return err;
 
     const int64_t rows = total * num_heads;
-    attention_dsum_kernel<T, HD><<<(unsigned)((rows + kWarps - 1) / kWarps), kThreads, 0, stream>>>(
+    attention_dsum_kernel<T, HD><<<(unsigned)((rows + kDsumWarps - 1) / kDsumWarps), kDsumWarps * 32, 0, stream>>>(
         static_cast<const T*>(dout), static_cast<const T*>(out), dsum, num_heads, total);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
 
-    const dim3 grid((max_seqlen + kBwdBlockN<HD> - 1) / kBwdBlockN<HD>, batch, num_heads);
-    attention_bwd_kernel<T, HD><<<grid, kThreads, 0, stream>>>(
-        static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v),
-        static_cast<const T*>(dout), lse, dsum, cu_seqlens, dq_accum, static_cast<T*>(dk),
-        static_cast<T*>(dv), num_heads, total, softmax_scale, softmax_scale * kLog2e);
-    if ((err = cudaGetLastError()) != cudaSuccess) return err;
+    if (!accumulates)  // one key tile per sequence: dQ is written by the kernel, no sum, no conversion
+      return launch_bwd<T, HD, true>(q, k, v, dout, lse, dsum, cu_seqlens, nullptr, dq, dk, dv, batch, total,
+                                     num_heads, max_seqlen, softmax_scale, stream);
+    if ((err = launch_bwd<T, HD, false>(q, k, v, dout, lse, dsum, cu_seqlens, dq_accum, dq, dk, dv, batch, total,
+                                        num_heads, max_seqlen, softmax_scale, stream)) != cudaSuccess)
+      return err;
 
     const int64_t wanted = (elements + 255) / 256, cap = 16LL * device_sm_count();
     convert_kernel<T><<<(unsigned)(wanted < cap ? wanted : cap), 256, 0, stream>>>(dq_accum, static_cast<T*>(dq),
                                                                                    elements);
     return cudaGetLastError();
   });
+}
+
+extern "C" int bds_varlen_attention_bwd_accumulates(int head_dim, int max_seqlen) {
+  return bwd_accumulates(head_dim, max_seqlen) ? 1 : 0;
 }

@@ -66,6 +66,7 @@ class Emulated:
             "bds_bias_gelu_bwd": [P, P, P, P, P, P, I, L, I, I, I, I, P],
             "bds_varlen_attention_fwd": [P, P, P, P, P, P, I, L, I, I, I, F, I, P],
             "bds_varlen_attention_bwd": [P, P, P, P, P, P, P, P, P, P, P, P, I, L, I, I, I, F, I, P],
+            "bds_varlen_attention_bwd_accumulates": [I, I],
             "bds_lamb_moments": [P, P, P, P, P, P, P, L, F, F, F, F, F, P],
             "bds_lamb_apply": [P, P, P, P, P, P, F, L, F, F, F, F, F, P],
         }
@@ -154,7 +155,8 @@ class Emulated:
         dout, q, k, v, out, lse = map(self._guarded, (dout, q, k, v, out, lse))
         total, heads, head_dim = q.shape
         dq, dk, dv = (self._empty(*q.shape, dtype=q.dtype) for _ in range(3))
-        dq_accum = self._empty(total, heads, head_dim, dtype=torch.float32)
+        accumulates = self.lib.bds_varlen_attention_bwd_accumulates(head_dim, max_seqlen)
+        dq_accum = self._empty(total, heads, head_dim, dtype=torch.float32) if accumulates else None
         dsum = self._empty(heads, total, dtype=torch.float32)
         self._call("bds_varlen_attention_bwd", dout, q, k, v, out, lse, cu_seqlens, dq, dk, dv, dq_accum, dsum,
                    cu_seqlens.numel() - 1, total, heads, head_dim, max_seqlen, softmax_scale, CODES[q.dtype], None)
