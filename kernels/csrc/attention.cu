@@ -6,21 +6,28 @@
 // cu_seqlens[b] .. cu_seqlens[b+1]. A token's head vector is head_dim contiguous
 // elements, the next token's is num_heads * head_dim further on.
 //
-// A CTA is 4 warps. Shared tiles are row-major, padded to head_dim + 8 elements per row
-// so that the eight 16-byte rows an ldmatrix reads fall in eight different bank groups.
-// Tiles stream in with cp.async into two stages: the copy of tile j + 1 is issued right
-// after the barrier that opens tile j, so it lands while tile j is computed. Rows past
-// the sequence end are zero-filled by the copy itself: they must be finite, since they
-// meet P = 0 in a product and 0 * NaN is NaN. Every shared access goes through
-// ldmatrix, cp_async_16, ld_shared or st_shared (common.cuh), which the CPU emulation
-// checks for reads of copies in flight and for cross-warp races.
+// Shared memory is dynamic (`extern __shared__`, sized at launch from FwdSmem / BwdSmem
+// below): above 48 KB a kernel must opt in with cudaFuncSetAttribute, and an A100 gives a
+// CTA at most 163 KB (an H100 227 KB). Each kernel declares its bytes
+// (declare_dynamic_smem), which kernels/inspect.py reads from the PTX for its occupancy
+// figures and the CPU emulation checks against the launch. Shared tiles are row-major,
+// padded to head_dim + 8 elements per row so that the eight 16-byte rows an ldmatrix
+// reads fall in eight different bank groups. Tiles stream in with cp.async into two
+// stages: the copy of tile j + 1 is issued right after the barrier that opens tile j, so
+// it lands while tile j is computed. Rows past the sequence end are zero-filled by the
+// copy itself: they must be finite, since they meet P = 0 in a product and 0 * NaN is
+// NaN. Every shared access goes through ldmatrix, cp_async_16, ld_shared or st_shared
+// (common.cuh), which the CPU emulation checks for reads of copies in flight, cross-warp
+// races and accesses past the launch's bytes.
 //
-// Register budget: __launch_bounds__(128, 2), so ptxas may use up to 255 registers per
-// thread and 2 CTAs (8 warps) fit an SM's 64K registers on A100 and H100 alike. Per
-// thread, a warp's m16 x n8 fp32 accumulator tile costs 4 registers and a 16 x 16 A
-// operand 4. Static shared memory stays within 48 KB per CTA.
+// Register budget: ptxas may use up to 255 registers per thread, and an SM's 64K hold 8
+// warps at that: 2 CTAs of 4 warps (__launch_bounds__(128, 2)) or 1 of 8 (256, 1), on
+// A100 and H100 alike. Per thread, a warp's m16 x n8 fp32 accumulator tile costs 4
+// registers and a 16 x 16 A operand 4. Occupancy (kernels/inspect.py's calculator, which
+// tests/kernels/test_static.py checks): registers decide for every kernel below, at 8
+// warps per SM.
 //
-// Forward (grid: query tiles x sequences x heads). A CTA takes 128 queries, a warp 32 of
+// Forward (grid: query tiles x sequences x heads; 4 warps). A CTA takes 128 queries, a warp 32 of
 // them (two m16 tiles), so each K or V fragment a warp ldmatrix's feeds two mma rows:
 // twice the reuse of 16 rows per warp, and every K/V tile is read from L2 once per 128
 // queries. Live state per thread: O is 2 x HD/8 x 4 = HD floats, Q's A operands
@@ -31,10 +38,10 @@
 //   hd 32: 32 + 16 + kBlockN; 128 keys give 176. Taken: a key costs half the mma work of
 //          hd 64 while the per-tile costs (barrier, row max shuffles, O rescale) do not
 //          shrink, so the larger tile halves their share. kBlockN = 128.
-// Shared memory: two stages of (K, V), 2 x kBlockN x (HD + 8) elements each: 18 KB
-// (hd 64) / 20 KB (hd 32), 36 / 40 KB in all. Q (128 x (HD + 8): 18 / 10 KB) is copied
-// into stage 1, which the first prefetch (tile 1) overwrites only once every warp holds
-// Q in registers. Per key tile:
+// Shared memory: two stages of (K, V), 2 x kBlockN x (HD + 8) elements each: 36,864 B
+// (hd 64) / 40,960 B (hd 32) in all, under 48 KB, so 2 CTAs per SM leave room. Q (128 x
+// (HD + 8): 18 / 10 KB) is copied into stage 1, which the first prefetch (tile 1)
+// overwrites only once every warp holds Q in registers. Per key tile:
 //   S = Q K^T (fp32), masked past the sequence end; running row max m and row sum l
 //   (online softmax in base 2, scale folded into log2(e) * softmax_scale); O is
 //   rescaled by exp2(m_old - m_new) and O += P V, where P's accumulator registers are
@@ -43,31 +50,62 @@
 // Barriers: one before Q is read (it was copied by all threads), then one per key tile.
 //
 // Backward (grid: key tiles x sequences x heads). Preprocessing: D = rowsum(dO * O).
-// A CTA keeps kBlockN keys, a warp 16 MT of them (MT m16 tiles): their K and V as A
+// A CTA keeps kBlockN = 128 keys, a warp 16 MT of them (MT m16 tiles): their K and V as A
 // operands (2 x MT x HD/16 x 4 registers) and dK, dV accumulators (2 x MT x HD/8 x 4
-// floats) stay in registers while the CTA walks the query tiles of kBlockM = 32 queries,
+// floats) stay in registers while the CTA walks the query tiles of kBlockM queries,
 // double-buffered (Q, dO with cp.async; lse and D, which are not 16-byte aligned in
 // global memory, through registers). Each warp computes, for its keys and the tile's
 // queries,
 //   P^T = exp(scale K Q^T - lse)          (recomputed from the saved lse)
 //   dV += P^T dO,   dP^T = V dO^T,   dS^T = P^T * (dP^T - D),   dK += dS^T Q
 // then dS^T goes to shared memory so that the warps can form dQ = dS K over all the
-// tile's keys (warp w: query m-tile w % 2, half of the head dims), added in fp32 with
-// atomics to a dq accumulator (several key tiles contribute to every query row) and
-// converted to the output dtype at the end. softmax_scale is applied to dK and dQ once,
-// at the end. Each Q or dO fragment a warp loads feeds its MT key tiles, and a larger
-// kBlockN means fewer CTAs adding to each dQ row. The resident state is 3 x MT x HD / 2
-// registers (K, V operands + dK, dV) plus P^T and dP^T, MT x kBlockM:
-//   hd 64: MT = 2 would be 192 + 64 before dQ, indices and addresses: over budget.
-//          MT = 1 (kBlockN = 64): 96 + 32.
-//   hd 32: MT = 2 (kBlockN = 128): 96 + 64.
-// The query tile kBlockM is what shared memory allows beside K, V (kBlockN x (HD + 8)
-// each), two stages of (Q, dO) (kBlockM x (HD + 8) each), dS^T (kBlockN x (kBlockM + 8))
-// and lse, D: at hd 64, kBlockM = 64 would need 64 KB; kBlockM = 32 needs 41.5 KB (hd 64)
-// and 40.5 KB (hd 32). kBlockM = 32 also keeps P^T and dP^T small enough for MT = 2.
+// tile's keys (warp w: query m-tile w % (kBlockM / 16), a slice of the head dims).
+// softmax_scale is applied to dK and dQ once, at the end. A warp whose 16 MT keys all lie
+// past the sequence end skips the products (P = 0) and dQ's k loop stops before its rows.
+// The resident state is 3 x MT x HD / 2 registers (K, V operands + dK, dV) plus P^T and
+// dP^T, 2 x MT x kBlockM / 2:
+//   hd 64: 8 warps x 16 keys (MT = 1), kBlockM = 64: 96 + 64 = 160 before dQ, indices and
+//          addresses; ptxas gives 230 registers, no spills, at __launch_bounds__(256, 1).
+//          MT = 2 would hold 192 (K, V + dK, dV) before P^T and dP^T: over budget at any
+//          query tile, so each Q or dO fragment a warp loads still feeds 2 mma per warp.
+//          The gains are per CTA: the key tile doubles (was 4 warps x 16) and the query
+//          tile doubles (was 32), so a barrier pair opens 64 x 128 = 8,192 scores instead
+//          of 2,048 (4x fewer barriers per flop), each Q, dO tile comes from L2 once per
+//          128 keys instead of 64, and dQ takes S / 128 atomic adds per element instead of
+//          S / 64. FlashAttention-2 runs its hd-64 backward with 8 warps too, on 128 x 128
+//          tiles where a block may take 144 KB (A100, H100) and on 64 x 128 below
+//          (Dao-AILab/flash-attention, csrc/flash_attn/src/flash_bwd_launch_template.h),
+//          keeping K, V and dK, dV in shared memory and loading both operands of every
+//          product from there; here they live in registers, which leaves room for P^T and
+//          dP^T of 64 queries, not 128. Per query tile and warp: 128 mma and 64
+//          ldmatrix.x4 for P^T, dV, dP^T, dK, and 32 mma and 24 ldmatrix.x4 for dQ (16
+//          queries x 32 head dims over 128 keys): 1.8 mma per ldmatrix, the ratio of the
+//          4-warp kernel (80 / 44).
+//   hd 32: 4 warps x 32 keys (MT = 2), kBlockM = 32: 96 + 64; 216 registers at
+//          __launch_bounds__(128, 2); each B fragment feeds 4 mma.
+// Shared memory: K, V (kBlockN x (HD + 8) each), two stages of (Q, dO) (kBlockM x (HD + 8)
+// each), dS^T (kBlockN x (kBlockM + 8)) and per stage lse, D (kBlockM floats each):
+//   hd 64: 36,864 + 36,864 + 18,432 + 1,024 = 93,184 B, over 48 KB (opted in). With the
+//          runtime's 1 KB per CTA, one CTA fits an A100's 164 KB per SM (two would need
+//          188,416 B of its 167,936), two an H100's 228 KB; registers allow one of 8 warps
+//          on both: 8 warps per SM, as before, but in one CTA, so no other CTA's math
+//          hides a CTA's first loads (K, V and query tile 0) as the second 4-warp CTA did.
+//   hd 32: 20,480 + 10,240 + 10,240 + 512 = 41,472 B: 2 CTAs per SM on both.
 // Barriers: one before K and V are read, then two per query tile: one opens the tile
 // (its copies visible; the other stage and dS^T free again), one publishes dS^T to the
 // warps that read it for dQ. dS must cross warps, so two is the least.
+//
+// Two paths, chosen by the launcher from max_seqlen (bds_varlen_attention_bwd_accumulates):
+// - one tile (max_seqlen <= 128: BERT's phase 1): one CTA per (sequence, head) holds all of
+//   the sequence's keys, so its dQ rows get their only contribution from it: dQ is scaled,
+//   converted and stored by the kernel, with no atomics, no fp32 workspace to zero first
+//   and no conversion kernel after (at 16,384 tokens x 12 heads x 64 that workspace is 50
+//   MB of fp32 written by the memset, read and written again by every key tile's atomics,
+//   and read by the conversion);
+// - general (longer sequences): several key tiles add to every dQ row, in fp32 with
+//   atomics to the dq_accum workspace, converted to the output dtype at the end.
+// Both are one kernel template (kOneTile): only dQ's store differs, so both compute the
+// same bits (tests/kernels/test_cuda_emulated.py checks it).
 //
 // Not supported: dropout (the binding refuses dropout_p > 0), causal masks, head dims
 // other than 32 and 64.
