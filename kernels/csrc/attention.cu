@@ -24,13 +24,13 @@
 // warps at that: 2 CTAs of 4 warps (__launch_bounds__(128, 2)) or 1 of 8 (256, 1), on
 // A100 and H100 alike. Per thread, a warp's m16 x n8 fp32 accumulator tile costs 4
 // registers and a 16 x 16 A operand 4. Occupancy (kernels/inspect.py's calculator, which
-// tests/kernels/test_static.py checks): registers decide for every kernel below, at 8
-// warps per SM.
+// tests/kernels/test_static.py checks): registers decide for the forward and the backward,
+// at 8 warps per SM.
 //
-// Forward (grid: query tiles x sequences x heads; 4 warps). A CTA takes 128 queries, a warp 32 of
-// them (two m16 tiles), so each K or V fragment a warp ldmatrix's feeds two mma rows:
-// twice the reuse of 16 rows per warp, and every K/V tile is read from L2 once per 128
-// queries. Live state per thread: O is 2 x HD/8 x 4 = HD floats, Q's A operands
+// Forward (grid: query tiles x sequences x heads; 4 warps). A CTA takes 128 queries, a
+// warp 32 of them (two m16 tiles), so each K or V fragment a warp ldmatrix's feeds two
+// mma rows: twice the reuse of 16 rows per warp, and every K/V tile is read from L2 once
+// per 128 queries. Live state per thread: O is 2 x HD/8 x 4 = HD floats, Q's A operands
 // 2 x HD/16 x 4 = HD/2 registers (held for the whole pass), and S (then P, in place) 2 x
 // kBlockN/8 x 4 = kBlockN floats. The key tile kBlockN is the largest that fits:
 //   hd 64: 64 + 32 + kBlockN; 128 keys would be 224 before indices, softmax state and
