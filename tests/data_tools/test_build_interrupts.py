@@ -131,10 +131,10 @@ def test_a_child_forked_by_a_killed_holder_does_not_keep_the_lock(tmp_path):
     holder = subprocess.Popen([sys.executable, "-c", "import os, sys, time; from bert_ds.base.locking import FolderLock\n"
                                f"FolderLock({str(out)!r}, 'a trainer').__enter__()\n"
                                "child = os.fork()\n"
-                               "if child == 0:\n    print('child runs', flush=True); time.sleep(60); os._exit(0)\n"
-                               "print(child, flush=True); time.sleep(60)"],
+                               "if child == 0:\n    os.write(1, b'child runs\\n'); time.sleep(60); os._exit(0)\n"
+                               "os.write(1, f'{child}\\n'.encode()); time.sleep(60)"],
                               cwd=REPO, env=cli_env(), stdout=subprocess.PIPE, text=True)
-    # Both lines, in either order: the child has run (its at-fork handler runs before its first
+    # Both lines, in either order, each one write (two processes share the pipe): the child has run (its at-fork handler runs before its first
     # line), so what is tested is its state once it runs, whatever the scheduler's order.
     lines = {holder.stdout.readline().strip() for _ in range(2)}
     assert "child runs" in lines, lines
