@@ -192,6 +192,16 @@ ATTENTION_DESIGN = {
 
 
 @needs_nvcc
+def test_every_source_compiles_for_both_archs(compiled):
+    """Every kernels/csrc/*.cu, for sm_80 and sm_90, with compile_check's flags (every warning an
+    error): the compile these figures come from fails the fixture otherwise; each gives kernels."""
+    kernels, _ = compiled
+    sources = sorted(p.name for p in kinspect.CSRC.glob("*.cu"))
+    found = {(k.source, k.arch) for k in kernels}
+    assert sources and {(s, a) for s in sources for a in kinspect.DEVICES} <= found, sorted(found)
+
+
+@needs_nvcc
 def test_no_kernel_spills(compiled):
     kernels, _ = compiled
     spilling = [f"{k.source} {k.name} sm_{k.arch}: {k.spill_stores} B spill stores, {k.spill_loads} B spill loads, "
