@@ -20,13 +20,15 @@ from pathlib import Path
 
 import pytest
 
+from bert_ds.train.extensions import use_environment_cache
+
 REPO = Path(__file__).resolve().parent.parent
 SAMPLE = REPO / "data_tools" / "sample"
 
 # DeepSpeed's communication op, built by set-up into the environment's cache: the test
-# processes that start DeepSpeed themselves (probes, workers, this one) load it from there as
-# the entry points do, instead of rebuilding it (~60 s of CPU) into torch's per-user default.
-os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
+# processes that start DeepSpeed themselves (probes, workers, this one) load it from there,
+# with the same ninja, as the entry points do, instead of rebuilding it (~100 s of CPU).
+use_environment_cache()
 
 
 def cli_env() -> dict[str, str]:

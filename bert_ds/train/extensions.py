@@ -21,7 +21,9 @@ Design choices:
   ``<environment>/torch_extensions`` (``sys.prefix``), set before DeepSpeed builds anything.
   torch's default, ``~/.cache/torch_extensions``, is shared by every environment of a user,
   and its ``build.ninja`` names the DeepSpeed sources by absolute path, so two environments
-  rebuilt the op on alternate starts. A ``TORCH_EXTENSIONS_DIR`` the user set is kept.
+  rebuilt the op on alternate starts. A ``TORCH_EXTENSIONS_DIR`` the user set is kept. The
+  environment's ninja comes first on PATH for the same reason: a system ninja of another
+  version reads the build log as out of date.
 - Its build locks are watched by :mod:`bert_ds.base.build_locks`: a stale one (left by a
   killed start) is removed, a live one is waited on with a bound and a message. The wait is
   ours and comes before DeepSpeed starts: a process that DeepSpeed sends to ``FileBaton.wait``
@@ -34,6 +36,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import shutil
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -51,9 +54,22 @@ def cache_root() -> Path:
 
 
 def use_environment_cache() -> Path:
-    """Point torch's extension builds at :func:`cache_root` (read when a build starts)."""
+    """Point torch's extension builds at :func:`cache_root` (read when a build starts), built
+    by the environment's own ninja (:func:`use_environment_ninja`)."""
     os.environ[CACHE_ENV] = str(cache_root())
+    use_environment_ninja()
     return cache_root()
+
+
+def use_environment_ninja() -> None:
+    """Put the environment's ninja (the ``ninja`` wheel beside this interpreter) first on PATH,
+    where torch looks for it. Two ninja versions (the wheel's 1.13, a system 1.11) each read the
+    other's build log as out of date, so processes that found different ones, an activated
+    environment and a plain ``.venv/bin/python``, rebuilt the op (~100 s of CPU) on alternate starts."""
+    bin_dir = Path(sys.executable).parent
+    ninja = bin_dir / "ninja"
+    if ninja.is_file() and shutil.which("ninja") != str(ninja):
+        os.environ["PATH"] = os.pathsep.join([str(bin_dir), os.environ.get("PATH", "")])
 
 
 @contextlib.contextmanager

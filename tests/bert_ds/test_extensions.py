@@ -80,6 +80,26 @@ def test_r14_the_build_cache_belongs_to_the_environment_unless_the_user_chose_on
     assert extensions.use_environment_cache() == tmp_path
 
 
+def test_r14_the_build_runs_the_environments_ninja_before_another_on_path(tmp_path, monkeypatch):
+    """A ninja of another version earlier on PATH (a system one) would read the build log as
+    out of date and rebuild the op; the interpreter's own (the ninja wheel) comes first."""
+    env_bin, other = tmp_path / "venv" / "bin", tmp_path / "usr" / "bin"
+    for folder in (env_bin, other):
+        folder.mkdir(parents=True)
+        (folder / "ninja").write_text("#!/bin/sh\n")
+        (folder / "ninja").chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(env_bin / "python"))
+    monkeypatch.setenv("PATH", str(other))
+    extensions.use_environment_ninja()
+    assert shutil.which("ninja") == str(env_bin / "ninja")
+    extensions.use_environment_ninja()  # once is enough: PATH does not grow
+    assert os.environ["PATH"] == os.pathsep.join([str(env_bin), str(other)])
+    (env_bin / "ninja").unlink()  # an environment without the wheel leaves PATH as it is
+    monkeypatch.setenv("PATH", str(other))
+    extensions.use_environment_ninja()
+    assert os.environ["PATH"] == str(other)
+
+
 @pytest.mark.parametrize("value", ["0", "-5", "soon", "inf", "nan"])
 def test_r14_a_bad_lock_timeout_is_one_line(monkeypatch, value):
     monkeypatch.setenv(build_locks.LOCK_TIMEOUT_ENV, value)
