@@ -39,6 +39,9 @@ from bert_ds.kernels.attention import varlen_attention, varlen_attention_native,
 from bert_ds.kernels.bias_gelu import bias_gelu, bias_gelu_native, bias_gelu_ref
 from bert_ds.kernels.choice import KernelSetting, UnknownKernelBackend, check_setting, resolve_backend
 from bert_ds.kernels.dispatch import Backend, KernelUnavailable, OpPlan
+from bert_ds.kernels.dropout_layer_norm import (
+    dropout_add_layer_norm, dropout_add_layer_norm_native, dropout_add_layer_norm_ref,
+)
 from bert_ds.kernels.layer_norm import layer_norm, layer_norm_native, layer_norm_ref
 from bert_ds.kernels.speed import OpShapes
 
@@ -55,6 +58,9 @@ __all__ = [
     "bias_gelu_native",
     "bias_gelu_ref",
     "check_setting",
+    "dropout_add_layer_norm",
+    "dropout_add_layer_norm_native",
+    "dropout_add_layer_norm_ref",
     "layer_norm",
     "layer_norm_native",
     "layer_norm_ref",

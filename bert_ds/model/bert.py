@@ -51,7 +51,10 @@ from torch.utils.checkpoint import checkpoint
 
 from bert_ds.base.errors import ConfigError, require
 from bert_ds.model.padding import Unpadded, gather_tokens, unpad
-from bert_ds.kernels import Backend, KernelSetting, OpShapes, bias_gelu, layer_norm, resolve_backend, varlen_attention
+from bert_ds.kernels import (
+    Backend, KernelSetting, OpPlan, OpShapes, bias_gelu, dropout_add_layer_norm, layer_norm, resolve_backend,
+    varlen_attention,
+)
 
 # --------------------------------------------------------------------------- config
 
@@ -215,9 +218,13 @@ class BertSublayerOutput(nn.Module):
     """Projection back to H, dropout, and the residual connection of a sublayer.
 
     Serves as both ``attention.output`` and ``output`` (HF's BertSelfOutput and
-    BertOutput, which have the same parameters). Post-LN: ``LN(dropout(dense(x)) + residual)``.
-    Pre-LN: ``residual + dropout(dense(x))``; this module's ``LayerNorm`` is then
-    applied by the caller to the sublayer's input.
+    BertOutput, which have the same parameters). Post-LN: ``LN(dropout(dense(x)) + residual)``,
+    everything after the GEMM in one op (:func:`~bert_ds.kernels.dropout_add_layer_norm`), which
+    also takes the dense bias where it runs fused: the kernel adds it, and sums its gradient in its
+    own backward. Where the op runs natively the GEMM adds the bias, as ``nn.Linear`` does: addmm
+    rounds differently from a GEMM then an add (fp32, CPU, a 256-wide input), and ``kernels=torch``
+    computes what it always has. Pre-LN: ``residual + dropout(dense(x))``; this module's
+    ``LayerNorm`` is then applied by the caller to the sublayer's input.
     """
 
     def __init__(self, in_features: int, config: ModelConfig, backend: Backend) -> None:
@@ -226,13 +233,22 @@ class BertSublayerOutput(nn.Module):
         self.LayerNorm = LayerNorm(config.hidden_size, config.layer_norm_eps, backend)
         self.dropout = nn.Dropout(config.hidden_dropout)
         self.pre_layernorm = config.pre_layernorm
+        self.backend = backend
+        self.bias_in_gemm = (backend.winner("dropout_add_layer_norm") == "native" if isinstance(backend, OpPlan)
+                             else backend == "torch")
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """x: (T, in_features), residual: (T, H) -> (T, H)."""
-        y = self.dropout(self.dense(x))
         if self.pre_layernorm:
-            return residual + y
-        return self.LayerNorm(y, residual=residual)
+            return residual + self.dropout(self.dense(x))
+        ln = self.LayerNorm
+        dropout_p = self.dropout.p if self.training else 0.0
+        if self.bias_in_gemm:
+            projected, bias = self.dense(x), None
+        else:
+            projected, bias = F.linear(x, self.dense.weight), self.dense.bias
+        return dropout_add_layer_norm(projected, bias, residual, ln.weight, ln.bias, ln.eps, dropout_p,
+                                      backend=self.backend)
 
 
 class BertAttention(nn.Module):
@@ -430,7 +446,7 @@ class BertForPreTraining(nn.Module):
         self.op_shapes = OpShapes(  # kernels=auto races its candidates at these (and the optimizer's LAMB)
             hidden=config.hidden_size, intermediate=config.intermediate_size, num_heads=config.num_heads,
             max_seqlen=train_seq_len or config.max_position_embeddings,
-            approximate=_GELU_APPROXIMATE[config.hidden_act])
+            approximate=_GELU_APPROXIMATE[config.hidden_act], hidden_dropout=config.hidden_dropout)
         self.backend = resolve_backend(config.kernels, self.op_shapes)
         self.bert = BertModel(config, self.backend)
         self.cls = BertPreTrainingHeads(config, self.backend, self.bert.embeddings.word_embeddings.weight)
