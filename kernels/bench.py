@@ -1,8 +1,8 @@
 """Speed of the fused kernels against PyTorch, at BERT-Base and BERT-Large shapes.
 
-    python -m bert_ds.kernels.bench [--ops layer_norm,bias_gelu,varlen_attention,lamb_update] [--dtype bf16]
-                                    [--models base,large] [--tokens 16384] [--lamb-elements N] [--reps 30]
-                                    [--no-compile] [--device cuda|cpu] [--json FILE]
+    python -m bert_ds.kernels.bench [--ops layer_norm,dropout_add_layer_norm,bias_gelu,varlen_attention,lamb_update]
+                                    [--dtype bf16] [--models base,large] [--tokens 16384] [--lamb-elements N]
+                                    [--reps 30] [--no-compile] [--device cuda|cpu] [--json FILE]
 
 Prints a markdown table; ``--json FILE`` also writes every figure with the device,
 driver, torch, CUDA and git commit. On a machine without a CUDA device it says so in
@@ -25,18 +25,19 @@ Design choices, and why:
   768/3072/12 heads (Base) and 1024/4096/16 heads (Large); attention at S=128 with
   every sequence full, and at S=512 with lengths like the pretraining loader's (90%
   full, the rest uniform), where padding costs the padded backends.
-- **Work per call, one definition per op** (``layer_norm_work``, ``bias_gelu_work``,
-  ``attention_work``): the FLOPs and the bytes the op must move (each input read once,
+- **Work per call, one definition per op** (``layer_norm_work``, ``dropout_add_layer_norm_work``,
+  ``bias_gelu_work``, ``attention_work``): the FLOPs and the bytes the op must move (each input read once,
   each output written once; workspaces and re-reads are an implementation's own cost),
   the same for every implementation, so a slower one shows a lower figure. Attention
   FLOPs are the useful ones (4 * nh * hd * sum of L^2 forward, 2.5x that backward);
-  padded work is not counted.
+  padded work is not counted. ``dropout_add_layer_norm`` runs at p = 0.1 (BERT's), against its
+  reference, whose mask torch's generator draws as a tensor (the fused op regenerates its own).
 - **LAMB's update** (``lamb_update``, pass "step"): one optimizer step over a flat fp32
   tensor of the model's parameter count (ZeRO-1 on one GPU: the whole model in one
   partition; ``--lamb-elements`` overrides), cut into 1,024-element chunks at fragments of
   the layer shapes, fused against the native path (what ``kernels=torch`` runs). Its work:
   g, m, v, w read once and m, v, w written once (7 x 4 bytes per element).
-- **Figures.** Memory-bound ops (layer_norm, bias_gelu, lamb_update): GB/s and the fraction of a
+- **Figures.** Memory-bound ops (the LayerNorms, bias_gelu, lamb_update): GB/s and the fraction of a
   device-to-device copy measured in the same run. Attention: TFLOP/s and the fraction
   of a bf16 8192^3 matmul measured in the same run.
 - **Roofline.** Per op, for the fused kernel and (attention) ``varlen_attn``, flash
@@ -66,6 +67,7 @@ from bert_ds.kernels import _build, probes, speed
 from bert_ds.kernels.dispatch import OPS
 from bert_ds.kernels.attention import varlen_attention, varlen_attention_ref, varlen_attn_api
 from bert_ds.kernels.bias_gelu import bias_gelu, bias_gelu_ref
+from bert_ds.kernels.dropout_layer_norm import dropout_add_layer_norm, dropout_add_layer_norm_ref
 from bert_ds.kernels.lamb import lamb_update, lamb_update_native
 from bert_ds.kernels.layer_norm import layer_norm, layer_norm_ref
 
@@ -105,6 +107,18 @@ def layer_norm_work(rows: int, hidden: int, itemsize: int, pass_: str) -> Work:
     forward = Work(8 * elements, 3 * elements * itemsize + params + stats)
     # dy, x, residual, mean, rstd, weight in; dx, dweight, dbias out
     backward = Work(12 * elements, 4 * elements * itemsize + stats + hidden * itemsize + params)
+    return _per_pass(forward, backward, pass_)
+
+
+def dropout_add_layer_norm_work(rows: int, hidden: int, itemsize: int, pass_: str) -> Work:
+    """LayerNorm(dropout(x + bias) + residual): x, residual, bias, weight, ln_bias in; y, mean and rstd
+    (fp32) out; the mask is regenerated, never read or written. FLOPs: 10 per element forward (two
+    adds, the dropout's scale, two-pass statistics, normalise, affine; Philox's integer work not
+    counted), 14 backward (the LayerNorm's 12, the dropout's scale and the bias gradient's sum)."""
+    elements, vector, stats = rows * hidden, hidden * itemsize, 2 * 4 * rows
+    forward = Work(10 * elements, 3 * elements * itemsize + 3 * vector + stats)
+    # dy, x, residual, mean, rstd, bias, weight in; dx, dresidual, dbias, dweight, dln_bias out
+    backward = Work(14 * elements, 5 * elements * itemsize + stats + 2 * vector + 3 * vector)
     return _per_pass(forward, backward, pass_)
 
 
@@ -193,6 +207,17 @@ def layer_norm_cases(model: str, tokens: int, dtype: torch.dtype, device: str):
              "torch eager": lambda x, r, w, b: layer_norm_ref(x, w, b, 1e-12, r)}
     work = {p: layer_norm_work(tokens, hidden, x.element_size(), p) for p in PASSES}
     return shape, impls, [x, residual, weight, bias], grad, work
+
+
+def dropout_add_layer_norm_cases(model: str, tokens: int, dtype: torch.dtype, device: str):
+    hidden = MODELS[model]["hidden"]
+    x, residual = (torch.randn(tokens, hidden, device=device, dtype=dtype) for _ in range(2))
+    bias, weight, ln_bias = (torch.randn(hidden, device=device, dtype=dtype) for _ in range(3))
+    grad = torch.randn_like(x)
+    impls = {"fused": lambda x, r, b, w, lb: dropout_add_layer_norm(x, b, r, w, lb, 1e-12, 0.1, backend="cuda"),
+             "torch eager": lambda x, r, b, w, lb: dropout_add_layer_norm_ref(x, b, r, w, lb, 1e-12, 0.1)}
+    work = {p: dropout_add_layer_norm_work(tokens, hidden, x.element_size(), p) for p in PASSES}
+    return f"({tokens}, {hidden}) +bias +residual, p=0.1", impls, [x, residual, bias, weight, ln_bias], grad, work
 
 
 def bias_gelu_cases(model: str, tokens: int, dtype: torch.dtype, device: str):
@@ -336,8 +361,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             ms, why = measure(call, args.reps, args.device)
                             add(op, model, shape, impl, pass_, ms, why, work[pass_], "TFLOP/s")
                 continue
-            shape, impls, inputs, grad, work = (layer_norm_cases if op == "layer_norm" else bias_gelu_cases)(
-                model, args.tokens, dtype, args.device)
+            cases = {"layer_norm": layer_norm_cases, "dropout_add_layer_norm": dropout_add_layer_norm_cases,
+                     "bias_gelu": bias_gelu_cases}[op]
+            shape, impls, inputs, grad, work = cases(model, args.tokens, dtype, args.device)
             if args.compile:
                 impls["torch.compile"] = torch.compile(impls["torch eager"])
             for impl, fn in impls.items():

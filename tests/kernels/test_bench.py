@@ -51,6 +51,15 @@ def test_layer_norm_work_counts_each_input_and_output_once():
     assert both == bench.Work(flops=20 * 80, bytes=592 + 640 + 80 + 16 + 32)
 
 
+
+def test_dropout_add_layer_norm_work_counts_each_input_and_output_once():
+    # 10 x 8 bf16: x, residual, y = 3 * 160 B; bias, weight, ln_bias 3 * 16 B; mean, rstd 2 * 40 B; no mask
+    fwd = bench.dropout_add_layer_norm_work(10, 8, 2, "forward")
+    assert fwd == bench.Work(flops=10 * 80, bytes=480 + 48 + 80)
+    # backward: dy, x, residual, dx, dresidual 5 * 160 B; mean, rstd 80 B; bias, weight 32 B; three dparams 48 B
+    both = bench.dropout_add_layer_norm_work(10, 8, 2, "forward+backward")
+    assert both == bench.Work(flops=24 * 80, bytes=608 + 800 + 80 + 32 + 48)
+
 def test_bias_gelu_work_counts_each_input_and_output_once():
     # 4 x 6 fp32: x and y 2 * 96 B + bias 24 B; backward dy, x, dx 3 * 96 B + bias and dbias 48 B
     assert bench.bias_gelu_work(4, 6, 4, "forward") == bench.Work(6 * 24, 216)

@@ -414,12 +414,12 @@ def test_dropout_off_draws_nothing_and_is_the_fused_layer_norm_of_the_sum(emu, h
             assert torch.equal(a, b), name
 
 
-# Copies of the sources with one planted off-by-one: (file, after this anchor, this text, becomes
+# Copies of the sources with one planted mistake: (file, after this anchor, this text, becomes
 # this, what the comparison must then report). Between them they fail each of its checks: the
 # mask against the independent Philox (a counter one block on in the stream itself, which the
 # reference given the kernel's own mask cannot see), the backward's mask against the forward's,
-# the output and the gradients.
-PLANTED_OFF_BY_ONE = {
+# the output and the gradients, the bias's included (its column sum is this kernel's own work).
+PLANTED_MISTAKES = {
     "Philox counter one block on (the stream)": (
         "common.cuh", "uint32_t keep_bits(", "keep4((uint64_t)(e / 4) + t)", "keep4((uint64_t)(e / 4) + t + 1)",
         "the mask is not Philox's"),
@@ -432,6 +432,15 @@ PLANTED_OFF_BY_ONE = {
     "backward column loop to <= hidden (general path)": (
         "dropout_layer_norm.cu", "dln_bwd_general(", "for (int j = lane; j < hidden; j += 32) {\n      const bool kept",
         "for (int j = lane; j <= hidden; j += 32) {\n      const bool kept", "non-finite values|wrote out of bounds"),
+    "kept elements scaled by 1 - p instead of 1 / (1 - p)": (
+        "common.cuh", "static Dropout make(", "d.scale = 1.f / keep_p;", "d.scale = keep_p;", "y: error"),
+    "backward's dx not scaled (register path)": (
+        "dropout_layer_norm.cu", "dln_bwd_registers(", "out[j] * dropout.scale : 0.f", "out[j] : 0.f",
+        "dx: error"),
+    "bias gradient's term dropped (register path)": (
+        "dropout_layer_norm.cu", "dln_bwd_registers(", "db[i][j] += out[j];", "", "dbias: error"),
+    "bias gradient summed before the dropout (general path)": (
+        "dropout_layer_norm.cu", "dln_bwd_general(", "dbp[j] += dxv;", "dbp[j] += dh;", "dbias: error"),
 }
 
 _RUN_DROPOUT_CHECKS = """
@@ -456,11 +465,11 @@ def test_dropout_checks_pass_on_the_real_source_in_a_child(emu):
     assert outcome.returncode == 0 and "every comparison passed" in outcome.stdout, outcome.stderr[-2000:]
 
 
-@pytest.mark.parametrize("planted", sorted(PLANTED_OFF_BY_ONE))
-def test_a_planted_off_by_one_fails_the_dropout_comparison(tmp_path, planted):
+@pytest.mark.parametrize("planted", sorted(PLANTED_MISTAKES))
+def test_a_planted_mistake_fails_the_dropout_comparison(tmp_path, planted):
     if reason := emulation.unavailable():
         pytest.skip(reason)
-    file, anchor, old, new, report = PLANTED_OFF_BY_ONE[planted]
+    file, anchor, old, new, report = PLANTED_MISTAKES[planted]
     # dropout_layer_norm.cu and common.cuh, which it includes and which launches a kernel too (column_sum)
     sources = {name: (emulation.CSRC / name).read_text() for name in ("dropout_layer_norm.cu", "common.cuh")}
     source = sources[file]
@@ -665,6 +674,45 @@ def test_public_ops_run_the_emulated_kernels_through_autograd(emulated_cuda):
         for name in inputs:
             assert_close_to_reference(f"{op} d{name}", grads[name], same_grads[name], truth_grads[name],
                                       atol * max(1.0, truth_grads[name].abs().max().item()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dropout_add_layer_norm_runs_the_emulated_kernels_through_autograd(emulated_cuda, dtype):
+    """The fused path's Python (the autograd Function, the binding's API, the seed) on the emulated
+    kernels: with the kernel's mask, every gradient against the fp64 reference; the public op's
+    mask follows torch's generator (the same seed, the same mask) and drops about p of the elements."""
+    from bert_ds.kernels.dropout_layer_norm import dropout_add_layer_norm_fused
+
+    inputs = {"x": rand(33, 768, dtype=dtype, seed=1, scale=2.0), "bias": rand(768, dtype=dtype, seed=2),
+              "residual": rand(33, 768, dtype=dtype, seed=3), "weight": rand(768, dtype=dtype, seed=4, shift=1.0),
+              "ln_bias": rand(768, dtype=dtype, seed=5)}
+    grad_out = rand(33, 768, dtype=dtype, seed=6)
+    keep = torch.zeros(33, 768, dtype=torch.bool)
+    out, grads = _public_op_grads(
+        lambda **t: dropout_add_layer_norm_fused(eps=1e-12, dropout_p=0.1, seed=5, offset=8, keep_out=keep, **t),
+        inputs, grad_out)
+    assert torch.equal(keep, dropout_keep((33, 768), 0.1, 5, 8))
+    truth_out, truth_grads = _public_op_grads(
+        lambda **t: dropout_layer_norm_fp64(eps=1e-12, dropout_p=0.1, keep=keep, **t), inputs, grad_out, torch.float64)
+    same_out, same_grads = _public_op_grads(
+        lambda **t: dropout_layer_norm_same_dtype(eps=1e-12, dropout_p=0.1, keep=keep, **t), inputs, grad_out)
+    assert_close_to_reference("out", out, same_out, truth_out, ATOL[dtype])
+    for name in inputs:
+        assert_close_to_reference(f"d{name}", grads[name], same_grads[name], truth_grads[name],
+                                  scaled_atol(dtype, truth_grads[name]))
+
+    def public(**t):
+        return kernels.dropout_add_layer_norm(eps=1e-12, dropout_p=0.1, backend="cuda", **t)
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(7)
+        runs.append(_public_op_grads(public, inputs, grad_out))
+    (out_a, grads_a), (out_b, grads_b) = runs
+    assert torch.equal(out_a, out_b) and torch.equal(grads_a["x"], grads_b["x"])
+    dropped = (grads_a["x"] == 0).float().mean().item()
+    assert 0.07 < dropped < 0.13, dropped
+    _, grads_c = _public_op_grads(public, inputs, grad_out)  # the generator moved on: another mask
+    assert not torch.equal(grads_c["x"] == 0, grads_a["x"] == 0)
 
 
 @pytest.mark.parametrize("precision", ["bf16 parameters", "bf16 autocast"])
