@@ -21,7 +21,7 @@ import re
 import pytest
 import torch
 
-from bert_ds import kernels
+from bert_ds.kernels import ops as kernels
 from bert_ds.model.padding import IGNORE_INDEX
 from tests.kernels import emulation
 from tests.kernels.helpers import (
@@ -422,7 +422,7 @@ def _public_op_grads(fn, inputs, grad_out, dtype=None):
 
 
 def test_public_ops_run_the_emulated_kernels_through_autograd(emulated_cuda):
-    from bert_ds import kernels
+    from bert_ds.kernels import ops as kernels
 
     dtype = torch.bfloat16
     atol = ATOL[dtype]

@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 
-from bert_ds import kernels
+from bert_ds.kernels import ops as kernels
 from bert_ds.kernels import _build, choice, dispatch
 from bert_ds.kernels.dispatch import KernelUnavailable
 from bert_ds.model.padding import IGNORE_INDEX
