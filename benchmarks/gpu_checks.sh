@@ -23,10 +23,11 @@
 #                    (ZeRO-1, bf16, LAMB, kernels=auto), BERT's 30,522-word vocabulary,
 #                    the recipe's micro-batch of 512 at seq 128, 2 accumulation steps;
 #                    its last 3 steps profiled (--profile-steps): where the engine's step goes
-#   engine_sweep     benchmarks/engine_sweep.sh: the engine path at micro-batch 256, 512,   ~205 s
-#                    1,024, with overlap_comm on, on PyTorch's ops, with bf16 gradient
-#                    accumulation; 20 steps each, each step split by stage (GPU busy and
-#                    idle while the host loads, runs forward, backward, the update)
+#   train_base512    the same at seq 512, phase 2 of the recipe (micro-batch 32, 4 a step)  ~40 s
+#   engine_sweep     benchmarks/engine_sweep.sh: the engine path at micro-batch 512 and     ~140 s
+#                    1,024, on PyTorch's ops, with bf16 gradient accumulation; 20 steps
+#                    each, each step split by stage (GPU busy and idle while the host
+#                    loads, runs forward, backward, the update)
 #   summary          python -m bert_ds.tools.gpu_summary: SUMMARY.md, the run in one page     5 s
 #
 # The times are the H200 run's (benchmarks/results/H200-2026-11-26, each a first build or
@@ -163,8 +164,10 @@ if ((rehearse)); then
     profile=(--device cpu --preset tiny --seq-len 64 --steps 1)
     main_steps=${MAIN_STEPS:-10}
     base_steps=${BASE_STEPS:-3}
-    base=(--preset tiny --seq-len 64 --micro-batch-size 8 --global-batch-size 16 --steps "$base_steps"
-          --ds-config zero1_fp32.json --num-workers 0)
+    base=(--preset tiny --seq-len 64 --micro-batch-size 8 --global-batch-size 16 --ds-config zero1_fp32.json
+          --num-workers 0)
+    base512=(--preset tiny --seq-len 512 --micro-batch-size 2 --global-batch-size 4 --ds-config zero1_fp32.json
+             --num-workers 0)
     # one variant, the one whose engine config the sweep writes itself (tiny, so bf16 is cheap here too)
     sweep=(STEPS=4 VARIANTS="bf16-accum" EXTRA_ARGS="--preset tiny --seq-len 64 --micro-batch-size 8
            --global-batch-size 16 --num-workers 0")
@@ -174,9 +177,14 @@ else
     profile=(--preset base --seq-len 128)
     main_steps=${MAIN_STEPS:-300}
     base_steps=${BASE_STEPS:-30}
-    base=(--preset base --seq-len 128 --micro-batch-size 512 --global-batch-size 1024 --steps "$base_steps"
-          --ds-config zero1_bf16.json --num-workers 4)
-    sweep=(STEPS=20 BUDGET_S=80)
+    base=(--preset base --seq-len 128 --micro-batch-size 512 --global-batch-size 1024 --ds-config zero1_bf16.json
+          --num-workers 4)
+    # phase 2 of BERT's recipe: seq 512 at its micro-batch of 32, 4 of them a step
+    base512=(--preset base --seq-len 512 --micro-batch-size 32 --global-batch-size 128 --ds-config zero1_bf16.json
+             --num-workers 4)
+    # the shipped micro-batch (512) and its variants; overlap_comm and micro-batch 256 were
+    # settled on the H200 of 2026-11-26
+    sweep=(STEPS=20 BUDGET_S=80 VARIANTS="base-mb512 base-mb1024 torch-ops bf16-accum")
 fi
 if ((rehearse)); then  # no GPU to build for: the smallest source through nvcc (the suite compiles every one)
     step kernels_build 240 "$python" -m bert_ds.kernels.compile_check --sources lamb.cu
@@ -200,7 +208,7 @@ else
         STEPS="$main_steps" ./run.sh
     # BERT-Base's decoder is as wide as its vocabulary: the main job's 4,096 WordPieces padded to
     # BERT's 30,522 with [unusedN] entries, as BERT's own vocabulary holds 994 of them.
-    if wanted train_base && [[ -f $run_dir/data/train/vocab.txt ]]; then
+    if { wanted train_base || wanted train_base512 || wanted engine_sweep; } && [[ -f $run_dir/data/train/vocab.txt ]]; then
         mkdir -p "$scratch/vocab30522"
         have=$(wc -l < "$run_dir/data/train/vocab.txt")
         { cat "$run_dir/data/train/vocab.txt"; seq 0 $((30522 - have - 1)) | sed 's/.*/[unused&]/'; } \
@@ -209,13 +217,18 @@ else
             --vocab "$scratch/vocab30522/vocab.txt" --split-sentences --workers 4 > "$out/train_base_data.log" 2>&1 \
             || echo "== train_base: its data failed to build (train_base_data.log)"
     fi
-    step train_base 300 "$python" -m bert_ds.train --data "$run_dir/data30522" --output "$run_dir/base" \
-        "${base[@]}" --profile-steps "$((base_steps > 2 ? base_steps - 2 : 1))-$base_steps" \
-        --optimizer lamb --kernels auto --no-progress --no-tensorboard
-    cp "$run_dir/base/summary.json" "$out/train_base_summary.json" 2>/dev/null || true
-    cp "$run_dir/base/metrics.jsonl" "$out/train_base_metrics.jsonl" 2>/dev/null || true
-    cp "$run_dir/base/profile/rank0.json" "$out/train_base_profile.json" 2>/dev/null || true
-    cp "$run_dir/base/profile/rank0.md" "$out/train_base_profile.md" 2>/dev/null || true
+    engine_run() {  # engine_run NAME BUDGET ARGS...: the engine path on data30522, its last 3 steps profiled
+        local name=$1 budget=$2; shift 2
+        step "$name" "$budget" "$python" -m bert_ds.train --data "$run_dir/data30522" --output "$run_dir/$name" \
+            "$@" --steps "$base_steps" --profile-steps "$((base_steps > 2 ? base_steps - 2 : 1))-$base_steps" \
+            --optimizer lamb --kernels auto --no-progress --no-tensorboard
+        cp "$run_dir/$name/summary.json" "$out/${name}_summary.json" 2>/dev/null || true
+        cp "$run_dir/$name/metrics.jsonl" "$out/${name}_metrics.jsonl" 2>/dev/null || true
+        cp "$run_dir/$name/profile/rank0.json" "$out/${name}_profile.json" 2>/dev/null || true
+        cp "$run_dir/$name/profile/rank0.md" "$out/${name}_profile.md" 2>/dev/null || true
+    }
+    engine_run train_base 300 "${base[@]}"
+    engine_run train_base512 240 "${base512[@]}"
     step engine_sweep 300 env "${sweep[@]}" PYTHON="$python" bash benchmarks/engine_sweep.sh "$run_dir/data30522" \
         "$out/engine_sweep"
 fi

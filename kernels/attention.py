@@ -25,7 +25,13 @@ CUDA looks it up only when asked (:func:`varlen_attn_api`): every CPU start of a
 The fused path (``kernels/csrc/attention.cu``, FlashAttention-2 style) takes float16
 and bfloat16, head_dim 32 or 64, no dropout; it never forms the (S, S) scores, saves
 the per-row logsumexp for the backward and recomputes the probabilities there. Like
-the reference it trusts ``max_seqlen`` to bound every sequence (it sizes the grid).
+the reference it trusts ``max_seqlen`` to bound every sequence: it sizes the grid, and
+it picks the backward's path. Where ``max_seqlen`` fits one key tile (128: BERT's phase 1)
+one CTA per (sequence, head) writes dq directly; longer sequences add dq up over key
+tiles in an fp32 workspace with atomics, which the binding allocates only then. The
+tiles, their shared memory and their occupancy are derived in the file's header; their
+speed has not been measured on a GPU, and ``kernels=auto`` uses them only where its race
+on the device says they are the fastest.
 
 ``kernels=auto`` races these too (:data:`IMPLEMENTATIONS`), each with this op's signature,
 so that what it costs to bring the tokens to a backend's layout and back is inside what

@@ -146,7 +146,8 @@ def _ptxas_summary(output: str) -> str:
     smem = [int(n) for n in re.findall(r"(\d+) bytes smem", output)]
     spills = [(int(stores), int(loads)) for stores, loads in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", output)]
     spilling = [s for s in spills if s != (0, 0)]
-    text = f"{len(registers)} kernels, max {max(registers, default=0)} registers, max {max(smem, default=0)} B smem"
+    text = (f"{len(registers)} kernels, max {max(registers, default=0)} registers, "
+            f"max {max(smem, default=0)} B static smem")
     if spilling:
         worst = max(spilling)
         text += f", {len(spilling)} spilling (worst {worst[0]} B stores / {worst[1]} B loads)"

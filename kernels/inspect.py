@@ -19,9 +19,14 @@ Design choices, and why:
   registers are allocated per warp in units of 256 and split over the SM's four
   sub-partitions; shared memory in units of 128 bytes plus the 1 KiB the runtime
   reserves per CTA; at most 64 warps and 32 CTAs per SM.
+- **Dynamic shared memory from the PTX**: ptxas reports only static shared memory, so a
+  kernel with ``extern __shared__`` memory states what its launcher gives it with
+  ``declare_dynamic_smem<bytes>()`` (``kernels/csrc/common.cuh``), which leaves the comment
+  ``// bds.dynamic_smem <bytes>`` in its PTX; the CTA figures count static plus dynamic.
 - **Instruction counts from the PTX** (``mma.sync``, ``ldmatrix``, ``cp.async`` copies,
-  ``ld.local``/``st.local``) always, and **from the SASS** (``HMMA``, ``LDSM``,
-  ``LDGSTS``, ``LDL``/``STL``) where ``nvdisasm`` is found: the toolkit's, one on PATH,
+  ``ld.local``/``st.local``, ``atom``/``red`` outside shared memory) always, and **from
+  the SASS** (``HMMA``, ``LDSM``, ``LDGSTS``, ``LDL``/``STL``, ``ATOM``/``RED``) where
+  ``nvdisasm`` is found: the toolkit's, one on PATH,
   or the ``nvidia-cuda-nvdisasm`` wheel (the ``test`` extra installs it on Linux).
   Without it the SASS columns read "-" and everything else still works. Counts are
   static (instructions in the code, after unrolling), not executed instructions.
@@ -98,8 +103,11 @@ PTX_COUNTS = {  # column -> what counts in the PTX
     "ldmatrix": r"\bldmatrix\b",
     "cp.async": r"\bcp\.async\.c[ag]\b",  # the copies, not their commit/wait
     "ld/st.local": r"\b(?:ld|st)\.local\b",
+    "atom/red": r"\b(?:atom|red)\.(?!(?:\w+\.)*shared\b)",  # global (or generic) atomics, not shared-memory ones
 }
-SASS_COUNTS = {"HMMA": ("HMMA",), "LDSM": ("LDSM",), "LDGSTS": ("LDGSTS",), "LDL/STL": ("LDL", "STL")}
+SASS_COUNTS = {"HMMA": ("HMMA",), "LDSM": ("LDSM",), "LDGSTS": ("LDGSTS",), "LDL/STL": ("LDL", "STL"),
+               "ATOM/RED": ("ATOM", "ATOMG", "RED", "REDG")}  # ATOMS (shared memory) left out
+_DYNAMIC_SMEM = re.compile(r"//\s*bds\.dynamic_smem\s+(\d+)")
 
 
 @dataclass
@@ -118,6 +126,7 @@ class Kernel:
     sass: dict[str, int] | None  # None without a disassembler
     ctas_per_sm: int | None = None
     limiter: str = ""
+    dynamic_smem: int = 0  # bytes, as the kernel declares them in its PTX (declare_dynamic_smem)
 
     @property
     def device(self) -> Device:
@@ -172,6 +181,11 @@ def ptx_threads(entry_ptx: str) -> int | None:
         return None
     x, y, z = (int(v) if v else 1 for v in match.groups())
     return x * y * z
+
+
+def ptx_dynamic_smem(entry_ptx: str) -> int:
+    """Bytes of dynamic shared memory a kernel declares (``// bds.dynamic_smem N``), 0 if none."""
+    return max((int(n) for n in _DYNAMIC_SMEM.findall(entry_ptx)), default=0)
 
 
 def sass_opcodes(disassembly: str) -> dict[str, dict[str, int]]:
@@ -249,12 +263,13 @@ def inspect_source(nvcc: str, source: Path, arch: str, std: str, nvdisasm: str |
         kernel = Kernel(
             source=source.name, arch=arch, name=names[mangled], mangled=mangled, registers=s["registers"],
             stack=s["stack"], spill_stores=s["spill_stores"], spill_loads=s["spill_loads"], smem=s["smem"],
-            threads=ptx_threads(body), ptx={col: len(re.findall(rx, body)) for col, rx in PTX_COUNTS.items()},
+            threads=ptx_threads(body), dynamic_smem=ptx_dynamic_smem(body),
+            ptx={col: len(re.findall(rx, body)) for col, rx in PTX_COUNTS.items()},
             sass=None if sass is None else {col: sum(sass.get(mangled, {}).get(op, 0) for op in ops)
                                             for col, ops in SASS_COUNTS.items()})
         if kernel.threads is not None:
-            kernel.ctas_per_sm, kernel.limiter = ctas_per_sm(kernel.device, kernel.registers, kernel.smem,
-                                                             kernel.threads)
+            kernel.ctas_per_sm, kernel.limiter = ctas_per_sm(kernel.device, kernel.registers,
+                                                             kernel.smem + kernel.dynamic_smem, kernel.threads)
         kernels.append(kernel)
     return kernels
 
@@ -279,7 +294,8 @@ def table(kernels: list[Kernel], arch: str) -> str:
     """One architecture's kernels as a markdown table."""
     d = DEVICES[arch]
     with_sass = any(k.sass is not None for k in kernels)
-    header = ["source", "kernel", "regs", "stack/spill st/ld B", "smem B", "threads", f"CTAs/SM on {d.name}",
+    header = ["source", "kernel", "regs", "stack/spill st/ld B", "smem B", "dyn smem B", "threads",
+              f"CTAs/SM on {d.name}",
               "warps/SM", *PTX_COUNTS, *(SASS_COUNTS if with_sass else ())]
     lines = [f"sm_{arch} on {d.name} ({d.regs_per_sm} registers, {d.smem_per_sm // 1024} KiB shared memory, "
              f"{d.max_threads_per_sm} threads, {d.max_ctas_per_sm} CTAs per SM)", "",
@@ -288,7 +304,7 @@ def table(kernels: list[Kernel], arch: str) -> str:
         ctas = "-" if k.ctas_per_sm is None else f"{k.ctas_per_sm} ({k.limiter})"
         warps = "-" if k.ctas_per_sm is None else str(k.ctas_per_sm * -(-k.threads // 32))
         cells = [k.source, k.name, str(k.registers), f"{k.stack}/{k.spill_stores}/{k.spill_loads}", str(k.smem),
-                 str(k.threads or "-"), ctas, warps, *(str(k.ptx[c]) for c in PTX_COUNTS),
+                 str(k.dynamic_smem), str(k.threads or "-"), ctas, warps, *(str(k.ptx[c]) for c in PTX_COUNTS),
                  *((str(k.sass[c]) if k.sass else "-" for c in SASS_COUNTS) if with_sass else ())]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -310,7 +326,7 @@ def summary(kernels: list[Kernel]) -> str:
     names = " / ".join(f"{DEVICES[a].name}" for a in archs)
     with_sass = all(k.sass is not None for k in kernels)
     header = ["source", "kernel (T: each dtype)", f"regs sm_{' / sm_'.join(archs)}", "spill B (st+ld)", "smem B",
-              "threads", f"CTAs/SM {names}", *PTX_COUNTS, *(SASS_COUNTS if with_sass else ())]
+              "dyn smem B", "threads", f"CTAs/SM {names}", *PTX_COUNTS, *(SASS_COUNTS if with_sass else ())]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * 2 + "---:|" * (len(header) - 2)]
     groups: dict[tuple[str, str], list[Kernel]] = {}
     for k in kernels:
@@ -321,7 +337,7 @@ def summary(kernels: list[Kernel]) -> str:
                 else "-" for a in archs]
         cells = [source, name, " / ".join(_span([k.registers for k in by_arch[a]]) for a in archs),
                  _span([k.spill_stores + k.spill_loads for k in group]), _span([k.smem for k in group]),
-                 _span([k.threads or 0 for k in group]), " / ".join(ctas),
+                 _span([k.dynamic_smem for k in group]), _span([k.threads or 0 for k in group]), " / ".join(ctas),
                  *(_span([k.ptx[c] for k in group]) for c in PTX_COUNTS),
                  *(_span([k.sass[c] for k in group]) for c in (SASS_COUNTS if with_sass else ()))]
         lines.append("| " + " | ".join(cells) + " |")

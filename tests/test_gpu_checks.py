@@ -20,10 +20,11 @@ from tests.conftest import REPO
 SCRIPT = REPO / "benchmarks" / "gpu_checks.sh"
 KIT_SCRIPT = REPO / "benchmarks" / "gpu_kit.sh"
 STEPS = ("kernels_build", "kernels_inspect", "test_cuda_ops", "kernels_bench", "bench", "profile", "main_job",
-         "train_base", "engine_sweep", "summary")
+         "train_base", "train_base512", "engine_sweep", "summary")
 RESULT_FILES = ("steps.txt", "SUMMARY.md", "kernels_bench.json", "bench.json", "bench.md", "profile.json",
                 "profile.md", "train_base_summary.json", "train_base_metrics.jsonl", "train_base_profile.json",
-                "train_base_profile.md", "engine_sweep/engine_sweep.md", "engine_sweep/bf16-accum/rank0.json",
+                "train_base_profile.md", "train_base512_summary.json", "train_base512_profile.json",
+                "engine_sweep/engine_sweep.md", "engine_sweep/bf16-accum/rank0.json",
                 "engine_sweep/bf16-accum/summary.json",
                 *(f"{step}.log" for step in STEPS))
 
@@ -123,7 +124,24 @@ def test_the_rehearsal_runs_every_step_and_writes_every_result(kit, tmp_path):
     for section in ("## Steps", "## Fused kernels", "## Training throughput", "## One step, profiled",
                     "## The engine path a user runs", "### Steps 1-3 profiled",
                     "## The engine path, variant by variant", "### bf16-accum: a profiled step by stage",
+                    "## The shipped config's step by bucket", "- at seq 512 (`train_base512.log`): ",
                     "| stage of the step |"):
         assert section in summary
     assert "could not be summarized" not in summary and "is missing" not in summary
     assert "| train_base | ok |" in summary
+
+
+def test_the_summary_splits_the_step_by_bucket_at_both_sequence_lengths(tmp_path):
+    from bert_ds.tools.gpu_summary import step_buckets
+    from bert_ds.train.profiling import buckets
+
+    for name, gemm_us, idle_us in (("train_base", 6000.0, 1000.0), ("train_base512", 9000.0, 500.0)):
+        rows = buckets({"nvjet_sm90_tst_NNT": gemm_us, "attention_bwd_kernel": 2000.0}, idle_us, steps=2,
+                       wall_us=gemm_us + 2000.0 + idle_us)
+        (tmp_path / f"{name}_profile.json").write_text(json.dumps({"summary": {
+            "wall_ms_per_step": (gemm_us + 2000.0 + idle_us) / 2e3, "buckets": rows}}))
+    lines = step_buckets(tmp_path)
+    assert "| bucket | seq 128 ms/step | seq 128 share | seq 512 ms/step | seq 512 share |" in lines
+    assert "| GEMM | 3.00 | 66.7% | 4.50 | 78.3% |" in lines and "| idle | 0.50 | 11.1% | 0.25 | 4.3% |" in lines
+    (tmp_path / "train_base512_profile.json").unlink()
+    assert "`train_base512_profile.json` is missing: its step did not write it." in step_buckets(tmp_path)

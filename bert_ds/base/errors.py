@@ -70,7 +70,11 @@ def describe(err: BaseException) -> str:
 def report(err: Exception | str) -> int:
     """Print ``error: <message>`` as one line on stderr; return the error's exit status
     (:data:`EXIT_USER_ERROR` for a message or an exception that is not a :class:`Failure`)."""
-    print(f"error: {' '.join(str(err).split())}", file=sys.stderr, flush=True)
+    # One write of the whole line: stderr writes through, so print() would send the text and its
+    # newline in two writes, and the ranks of one run, sharing the launcher's pipe, would splice
+    # their lines together ("error: A error: A" then an empty line).
+    sys.stderr.write(f"error: {' '.join(str(err).split())}\n")
+    sys.stderr.flush()
     return err.exit_status if isinstance(err, Failure) else EXIT_USER_ERROR
 
 

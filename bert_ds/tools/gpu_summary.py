@@ -3,8 +3,8 @@
     python -m bert_ds.tools.gpu_summary RESULTS_DIR
 
 Reads what the steps wrote (``steps.txt``, the logs, ``kernels_bench.json``, ``bench.json``,
-``profile.json``, ``train_base_summary.json``, ``train_base_metrics.jsonl`` and
-``train_base_profile.json``) and writes
+``profile.json``, ``train_base_summary.json``, ``train_base_metrics.jsonl``,
+``train_base_profile.json`` and ``train_base512_profile.json``) and writes
 ``RESULTS_DIR/SUMMARY.md``, also printed:
 
 - the device, driver and versions (torch, CUDA, Python, transformers, tokenizers,
@@ -19,6 +19,9 @@ Reads what the steps wrote (``steps.txt``, the logs, ``kernels_bench.json``, ``b
 - one profiled step: wall, GPU-busy and idle time, launches, host syncs, top kernels;
 - the engine path a user runs (``train_base``): real tokens/s, MFU, step time, data wait,
   and three of its steps profiled the same way (``--profile-steps``), engine included;
+- the shipped config's step through the engine at seq 128 and 512 (``train_base``,
+  ``train_base512``) by bucket: GEMM, attention, normalization, elementwise, reductions,
+  copies, idle;
 - the engine path's variants side by side (``engine_sweep/``, :mod:`bert_ds.tools.engine_sweep`):
   micro-batch sizes, ``overlap_comm``, PyTorch's ops, each step split by stage.
 
@@ -201,6 +204,10 @@ def engine_path(results: Path) -> list[str]:
         return lines + _missing("train_base_summary.json")
     lines.append(f"- {summary['steps']} steps, {summary['tokens']:,} real tokens: {summary['tokens_per_s']:,.0f} "
                  f"real tokens/s, MFU {_percent(summary.get('mfu'))} of the datasheet peak")
+    at512 = _json(results / "train_base512_summary.json")
+    lines.append(f"- at seq 512 (`train_base512.log`): {at512['tokens_per_s']:,.0f} real "
+                 f"tokens/s, MFU {_percent(at512.get('mfu'))}" if at512 else
+                 "- at seq 512: `train_base512_summary.json` is missing: its step did not write it")
     try:
         records = [json.loads(line) for line in (results / "train_base_metrics.jsonl").read_text().splitlines()
                    if line.strip()]
@@ -219,6 +226,28 @@ def engine_path(results: Path) -> list[str]:
                     *_profiled(prof["summary"])]
 
 
+def step_buckets(results: Path) -> list[str]:
+    """The shipped config's step through the engine at seq 128 (``train_base``) and 512
+    (``train_base512``), its GPU time by bucket: where the non-GEMM time is."""
+    lines = ["## The shipped config's step by bucket (`train_base`, `train_base512`)", ""]
+    profiles = {f"seq {seq}": _json(results / f"{name}_profile.json")
+                for seq, name in ((128, "train_base"), (512, "train_base512"))}
+    found = {heading: prof["summary"] for heading, prof in profiles.items() if prof is not None}
+    for heading, prof in profiles.items():
+        if prof is None:
+            lines += _missing(f"{'train_base' if heading == 'seq 128' else 'train_base512'}_profile.json")
+    if not found:
+        return lines
+    if not any(summary.get("buckets") for summary in found.values()):
+        return lines + ["No GPU kernels in these profiles (a CPU run, or one recorded before the buckets): "
+                        "nothing to split.", ""]
+    from bert_ds.train.profiling import bucket_lines  # imports torch: only where a profile was written
+
+    steps = ", ".join(f"{heading}: {summary['wall_ms_per_step']:.1f} ms/step" for heading, summary in found.items())
+    return lines + [f"GPU kernel time per step by bucket, and the idle time ({steps}):", "",
+                    *bucket_lines(found), ""]
+
+
 def sweep(results: Path) -> list[str]:
     folder = results / "engine_sweep"
     if not folder.is_dir():
@@ -231,7 +260,7 @@ def write_summary(results: Path) -> str:
     if not results.is_dir():
         raise UserError(f"{results} is not a folder of gpu_checks.sh results")
     lines = []
-    for section in (header, steps_table, kernels, throughput, profile, engine_path, sweep):
+    for section in (header, steps_table, kernels, throughput, profile, engine_path, step_buckets, sweep):
         try:
             lines += section(results)
         except (KeyError, TypeError, ValueError, IndexError) as error:  # a file of another shape: say so, go on

@@ -40,6 +40,30 @@ STAGE = "step."  # the names of :func:`stage`'s ranges start with this
 OUTSIDE = "(outside the stages)"
 
 
+# Every GPU kernel's time goes to one bucket, the first whose pattern its name matches, so
+# that a step reads as GEMMs, attention, elementwise work, reductions, copies and idle time:
+# the split the throughput targets are stated in (docs/benchmarks.md). Order matters:
+# attention's own helper kernels (its dsum, its dQ conversion) are attention, a dtype copy is
+# a copy before it is an elementwise kernel, a LayerNorm's column sums are normalization.
+BUCKETS: tuple[tuple[str, re.Pattern[str]], ...] = (
+    ("communication", re.compile(r"nccl", re.I)),
+    ("attention", re.compile(r"attention|flash|fmha|sdpa|varlen|\bmha|bds::.*\bconvert_kernel", re.I)),
+    ("GEMM", re.compile(r"nvjet|gemm|gemv|cutlass|xmma|cublas|\b(sm\d+|ampere|hopper|volta|turing)_", re.I)),
+    ("normalization", re.compile(r"layer_?norm|\bln_|_ln_|rms_?norm", re.I)),
+    # not a bare "lamb": kernel names spell out their lambdas ("{lambda(...)}")
+    ("optimizer", re.compile(r"\blamb_|_lamb\b|lamb_update|\badam|multi_tensor", re.I)),
+    ("reductions", re.compile(r"reduce|softmax|nll|cross_?entropy|norm|argmax|sum", re.I)),
+    ("copies", re.compile(r"memcpy|memset|copy|convert|\bcat|index|gather|scatter|embedding", re.I)),
+    ("elementwise", re.compile(r"elementwise|gelu|dropout|masked_scale|fill|add|mul|where", re.I)),
+)
+OTHER, IDLE = "other", "idle"
+
+
+def bucket_of(kernel: str) -> str:
+    """The :data:`BUCKETS` entry a GPU kernel's name falls in, else "other"."""
+    return next((name for name, pattern in BUCKETS if pattern.search(kernel)), OTHER)
+
+
 def stage(name: str) -> record_function:
     """A stage of the training step (``with stage("backward"): ...``), for the profile's
     per-stage split; outside a profile it costs a few microseconds."""
@@ -149,12 +173,45 @@ def summarize(events, steps: int, wall_s: float, top: int = TOP) -> dict[str, An
         "blocking_calls_per_step": {k: v / steps for k, v in sorted(syncs.items())},
         "top_kernels": [{"name": name, "calls_per_step": n / steps, "ms_per_step": us / steps / 1e3,
                          "share_of_busy": us / busy if busy else None} for name, (n, us) in ranked],
+        "buckets": buckets({name: us for name, (_, us) in kernels.items()}, wall_us - busy, steps, wall_us)
+        if intervals else [],
         "stages": stage_split(stages, intervals, steps, wall_us),
         "annotated_ranges": [{"name": name, "ms_per_step": us / steps / 1e3}
                              for name, us in sorted(ranges.items(), key=lambda kv: -kv[1])],
         "top_host_ops": [{"name": name, "ms_per_step": us / steps / 1e3}
                          for name, us in sorted(host_ops.items(), key=lambda kv: -kv[1])[:top]],
     }
+
+
+def buckets(kernel_us: dict[str, float], idle_us: float, steps: int, wall_us: float) -> list[dict[str, Any]]:
+    """Per bucket (:data:`BUCKETS`, then "other" and "idle"), ms per step and share of the wall
+    time. Kernel time, not busy time: kernels that overlap on two streams both count, so the
+    shares may add up to a little more than 100%."""
+    total: dict[str, float] = {name: 0.0 for name, _ in BUCKETS} | {OTHER: 0.0}
+    for name, us in kernel_us.items():
+        total[bucket_of(name)] += us
+    total[IDLE] = max(idle_us, 0.0)
+    return [{"bucket": name, "ms_per_step": us / steps / 1e3, "share_of_wall": us / wall_us if wall_us else None}
+            for name, us in total.items()]
+
+
+def bucket_lines(columns: dict[str, dict[str, Any]]) -> list[str]:
+    """A Markdown table of :func:`buckets` side by side: ``columns`` maps a heading (e.g.
+    "seq 128") to a :func:`summarize` result; a bucket empty in every column is left out."""
+    rows = {}
+    for heading, summary in columns.items():
+        for b in summary.get("buckets") or []:
+            rows.setdefault(b["bucket"], {})[heading] = b
+    heads = list(columns)
+    lines = ["| bucket | " + " | ".join(f"{h} ms/step | {h} share" for h in heads) + " |",
+             "|---|" + "---:|---:|" * len(heads)]
+    for name, cells in rows.items():
+        if all(c["ms_per_step"] < 0.005 for c in cells.values()):
+            continue
+        lines.append(f"| {name} | " + " | ".join(
+            f"{cells[h]['ms_per_step']:.2f} | {100 * (cells[h]['share_of_wall'] or 0):.1f}%" if h in cells else "- | -"
+            for h in heads) + " |")
+    return lines
 
 
 def summary_lines(s: dict[str, Any], top: int = TOP) -> list[str]:
@@ -173,6 +230,8 @@ def summary_lines(s: dict[str, Any], top: int = TOP) -> list[str]:
         lines += [f"| {r['stage']} | {r['host_ms_per_step']:.2f} | {ms(r['gpu_busy_ms_per_step'])} | "
                   f"{ms(r['gpu_idle_ms_per_step'])} |" for r in s["stages"]]
         lines.append("")
+    if s.get("buckets"):
+        lines += bucket_lines({"step": s}) + [""]
     if s["top_kernels"]:
         lines += ["| kernel | calls/step | ms/step | share of busy |", "|---|---:|---:|---:|"]
         lines += [f"| `{k['name'][:90]}` | {k['calls_per_step']:g} | {k['ms_per_step']:.3f} | "

@@ -6,24 +6,31 @@
 // cu_seqlens[b] .. cu_seqlens[b+1]. A token's head vector is head_dim contiguous
 // elements, the next token's is num_heads * head_dim further on.
 //
-// A CTA is 4 warps. Shared tiles are row-major, padded to head_dim + 8 elements per row
-// so that the eight 16-byte rows an ldmatrix reads fall in eight different bank groups.
-// Tiles stream in with cp.async into two stages: the copy of tile j + 1 is issued right
-// after the barrier that opens tile j, so it lands while tile j is computed. Rows past
-// the sequence end are zero-filled by the copy itself: they must be finite, since they
-// meet P = 0 in a product and 0 * NaN is NaN. Every shared access goes through
-// ldmatrix, cp_async_16, ld_shared or st_shared (common.cuh), which the CPU emulation
-// checks for reads of copies in flight and for cross-warp races.
+// Shared memory is dynamic (`extern __shared__`, sized at launch from FwdSmem / BwdSmem
+// below): above 48 KB a kernel must opt in with cudaFuncSetAttribute, and an A100 gives a
+// CTA at most 163 KB (an H100 227 KB). Each kernel declares its bytes
+// (declare_dynamic_smem), which kernels/inspect.py reads from the PTX for its occupancy
+// figures and the CPU emulation checks against the launch. Shared tiles are row-major,
+// padded to head_dim + 8 elements per row so that the eight 16-byte rows an ldmatrix
+// reads fall in eight different bank groups. Tiles stream in with cp.async into two
+// stages: the copy of tile j + 1 is issued right after the barrier that opens tile j, so
+// it lands while tile j is computed. Rows past the sequence end are zero-filled by the
+// copy itself: they must be finite, since they meet P = 0 in a product and 0 * NaN is
+// NaN. Every shared access goes through ldmatrix, cp_async_16, ld_shared or st_shared
+// (common.cuh), which the CPU emulation checks for reads of copies in flight, cross-warp
+// races and accesses past the launch's bytes.
 //
-// Register budget: __launch_bounds__(128, 2), so ptxas may use up to 255 registers per
-// thread and 2 CTAs (8 warps) fit an SM's 64K registers on A100 and H100 alike. Per
-// thread, a warp's m16 x n8 fp32 accumulator tile costs 4 registers and a 16 x 16 A
-// operand 4. Static shared memory stays within 48 KB per CTA.
+// Register budget: ptxas may use up to 255 registers per thread, and an SM's 64K hold 8
+// warps at that: 2 CTAs of 4 warps (__launch_bounds__(128, 2)) or 1 of 8 (256, 1), on
+// A100 and H100 alike. Per thread, a warp's m16 x n8 fp32 accumulator tile costs 4
+// registers and a 16 x 16 A operand 4. Occupancy (kernels/inspect.py's calculator, which
+// tests/kernels/test_static.py checks): registers decide for the forward and the backward,
+// at 8 warps per SM.
 //
-// Forward (grid: query tiles x sequences x heads). A CTA takes 128 queries, a warp 32 of
-// them (two m16 tiles), so each K or V fragment a warp ldmatrix's feeds two mma rows:
-// twice the reuse of 16 rows per warp, and every K/V tile is read from L2 once per 128
-// queries. Live state per thread: O is 2 x HD/8 x 4 = HD floats, Q's A operands
+// Forward (grid: query tiles x sequences x heads; 4 warps). A CTA takes 128 queries, a
+// warp 32 of them (two m16 tiles), so each K or V fragment a warp ldmatrix's feeds two
+// mma rows: twice the reuse of 16 rows per warp, and every K/V tile is read from L2 once
+// per 128 queries. Live state per thread: O is 2 x HD/8 x 4 = HD floats, Q's A operands
 // 2 x HD/16 x 4 = HD/2 registers (held for the whole pass), and S (then P, in place) 2 x
 // kBlockN/8 x 4 = kBlockN floats. The key tile kBlockN is the largest that fits:
 //   hd 64: 64 + 32 + kBlockN; 128 keys would be 224 before indices, softmax state and
@@ -31,10 +38,10 @@
 //   hd 32: 32 + 16 + kBlockN; 128 keys give 176. Taken: a key costs half the mma work of
 //          hd 64 while the per-tile costs (barrier, row max shuffles, O rescale) do not
 //          shrink, so the larger tile halves their share. kBlockN = 128.
-// Shared memory: two stages of (K, V), 2 x kBlockN x (HD + 8) elements each: 18 KB
-// (hd 64) / 20 KB (hd 32), 36 / 40 KB in all. Q (128 x (HD + 8): 18 / 10 KB) is copied
-// into stage 1, which the first prefetch (tile 1) overwrites only once every warp holds
-// Q in registers. Per key tile:
+// Shared memory: two stages of (K, V), 2 x kBlockN x (HD + 8) elements each: 36,864 B
+// (hd 64) / 40,960 B (hd 32) in all, under 48 KB, so 2 CTAs per SM leave room. Q (128 x
+// (HD + 8): 18 / 10 KB) is copied into stage 1, which the first prefetch (tile 1)
+// overwrites only once every warp holds Q in registers. Per key tile:
 //   S = Q K^T (fp32), masked past the sequence end; running row max m and row sum l
 //   (online softmax in base 2, scale folded into log2(e) * softmax_scale); O is
 //   rescaled by exp2(m_old - m_new) and O += P V, where P's accumulator registers are
@@ -43,31 +50,62 @@
 // Barriers: one before Q is read (it was copied by all threads), then one per key tile.
 //
 // Backward (grid: key tiles x sequences x heads). Preprocessing: D = rowsum(dO * O).
-// A CTA keeps kBlockN keys, a warp 16 MT of them (MT m16 tiles): their K and V as A
+// A CTA keeps kBlockN = 128 keys, a warp 16 MT of them (MT m16 tiles): their K and V as A
 // operands (2 x MT x HD/16 x 4 registers) and dK, dV accumulators (2 x MT x HD/8 x 4
-// floats) stay in registers while the CTA walks the query tiles of kBlockM = 32 queries,
+// floats) stay in registers while the CTA walks the query tiles of kBlockM queries,
 // double-buffered (Q, dO with cp.async; lse and D, which are not 16-byte aligned in
 // global memory, through registers). Each warp computes, for its keys and the tile's
 // queries,
 //   P^T = exp(scale K Q^T - lse)          (recomputed from the saved lse)
 //   dV += P^T dO,   dP^T = V dO^T,   dS^T = P^T * (dP^T - D),   dK += dS^T Q
 // then dS^T goes to shared memory so that the warps can form dQ = dS K over all the
-// tile's keys (warp w: query m-tile w % 2, half of the head dims), added in fp32 with
-// atomics to a dq accumulator (several key tiles contribute to every query row) and
-// converted to the output dtype at the end. softmax_scale is applied to dK and dQ once,
-// at the end. Each Q or dO fragment a warp loads feeds its MT key tiles, and a larger
-// kBlockN means fewer CTAs adding to each dQ row. The resident state is 3 x MT x HD / 2
-// registers (K, V operands + dK, dV) plus P^T and dP^T, MT x kBlockM:
-//   hd 64: MT = 2 would be 192 + 64 before dQ, indices and addresses: over budget.
-//          MT = 1 (kBlockN = 64): 96 + 32.
-//   hd 32: MT = 2 (kBlockN = 128): 96 + 64.
-// The query tile kBlockM is what shared memory allows beside K, V (kBlockN x (HD + 8)
-// each), two stages of (Q, dO) (kBlockM x (HD + 8) each), dS^T (kBlockN x (kBlockM + 8))
-// and lse, D: at hd 64, kBlockM = 64 would need 64 KB; kBlockM = 32 needs 41.5 KB (hd 64)
-// and 40.5 KB (hd 32). kBlockM = 32 also keeps P^T and dP^T small enough for MT = 2.
+// tile's keys (warp w: query m-tile w % (kBlockM / 16), a slice of the head dims).
+// softmax_scale is applied to dK and dQ once, at the end. A warp whose 16 MT keys all lie
+// past the sequence end skips the products (P = 0) and dQ's k loop stops before its rows.
+// The resident state is 3 x MT x HD / 2 registers (K, V operands + dK, dV) plus P^T and
+// dP^T, 2 x MT x kBlockM / 2:
+//   hd 64: 8 warps x 16 keys (MT = 1), kBlockM = 64: 96 + 64 = 160 before dQ, indices and
+//          addresses; ptxas gives 230 registers, no spills, at __launch_bounds__(256, 1).
+//          MT = 2 would hold 192 (K, V + dK, dV) before P^T and dP^T: over budget at any
+//          query tile, so each Q or dO fragment a warp loads still feeds 2 mma per warp.
+//          The gains are per CTA: the key tile doubles (was 4 warps x 16) and the query
+//          tile doubles (was 32), so a barrier pair opens 64 x 128 = 8,192 scores instead
+//          of 2,048 (4x fewer barriers per flop), each Q, dO tile comes from L2 once per
+//          128 keys instead of 64, and dQ takes S / 128 atomic adds per element instead of
+//          S / 64. FlashAttention-2 runs its hd-64 backward with 8 warps too, on 128 x 128
+//          tiles where a block may take 144 KB (A100, H100) and on 64 x 128 below
+//          (Dao-AILab/flash-attention, csrc/flash_attn/src/flash_bwd_launch_template.h),
+//          keeping K, V and dK, dV in shared memory and loading both operands of every
+//          product from there; here they live in registers, which leaves room for P^T and
+//          dP^T of 64 queries, not 128. Per query tile and warp: 128 mma and 64
+//          ldmatrix.x4 for P^T, dV, dP^T, dK, and 32 mma and 24 ldmatrix.x4 for dQ (16
+//          queries x 32 head dims over 128 keys): 1.8 mma per ldmatrix, the ratio of the
+//          4-warp kernel (80 / 44).
+//   hd 32: 4 warps x 32 keys (MT = 2), kBlockM = 32: 96 + 64; 216 registers at
+//          __launch_bounds__(128, 2); each B fragment feeds 4 mma.
+// Shared memory: K, V (kBlockN x (HD + 8) each), two stages of (Q, dO) (kBlockM x (HD + 8)
+// each), dS^T (kBlockN x (kBlockM + 8)) and per stage lse, D (kBlockM floats each):
+//   hd 64: 36,864 + 36,864 + 18,432 + 1,024 = 93,184 B, over 48 KB (opted in). With the
+//          runtime's 1 KB per CTA, one CTA fits an A100's 164 KB per SM (two would need
+//          188,416 B of its 167,936), two an H100's 228 KB; registers allow one of 8 warps
+//          on both: 8 warps per SM, as before, but in one CTA, so no other CTA's math
+//          hides a CTA's first loads (K, V and query tile 0) as the second 4-warp CTA did.
+//   hd 32: 20,480 + 10,240 + 10,240 + 512 = 41,472 B: 2 CTAs per SM on both.
 // Barriers: one before K and V are read, then two per query tile: one opens the tile
 // (its copies visible; the other stage and dS^T free again), one publishes dS^T to the
 // warps that read it for dQ. dS must cross warps, so two is the least.
+//
+// Two paths, chosen by the launcher from max_seqlen (bds_varlen_attention_bwd_accumulates):
+// - one tile (max_seqlen <= 128: BERT's phase 1): one CTA per (sequence, head) holds all of
+//   the sequence's keys, so its dQ rows get their only contribution from it: dQ is scaled,
+//   converted and stored by the kernel, with no atomics, no fp32 workspace to zero first
+//   and no conversion kernel after (at 16,384 tokens x 12 heads x 64 that workspace is 50
+//   MB of fp32 written by the memset, read and written again by every key tile's atomics,
+//   and read by the conversion);
+// - general (longer sequences): several key tiles add to every dQ row, in fp32 with
+//   atomics to the dq_accum workspace, converted to the output dtype at the end.
+// Both are one kernel template (kOneTile): only dQ's store differs, so both compute the
+// same bits (tests/kernels/test_cuda_emulated.py checks it).
 //
 // Not supported: dropout (the binding refuses dropout_p > 0), causal masks, head dims
 // other than 32 and 64.
@@ -80,29 +118,69 @@
 namespace bds {
 namespace {
 
-constexpr int kWarps = 4;
-constexpr int kThreads = kWarps * 32;
-constexpr int kFwdBlockM = 128;  // queries per forward CTA: 4 warps x 32
-constexpr int kFwdWarpTiles = 2;  // m16 tiles per warp in the forward
-constexpr int kBwdBlockM = 32;    // queries per backward query tile
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.69314718055994531f;
+constexpr int kDefaultDynamicSmem = 48 * 1024;  // what a launch may ask for without cudaFuncSetAttribute
 
 // The tile sizes the header derives, per head dim.
+constexpr int kFwdWarps = 4;
+constexpr int kFwdThreads = kFwdWarps * 32;
+constexpr int kFwdBlockM = 128;   // queries per forward CTA: 4 warps x 32
+constexpr int kFwdWarpTiles = 2;  // m16 tiles per warp in the forward
 template <int HD> constexpr int kFwdBlockN = HD == 32 ? 128 : 64;  // keys per forward key tile
-template <int HD> constexpr int kBwdWarpTiles = HD == 32 ? 2 : 1;  // m16 key tiles per warp in the backward
-template <int HD> constexpr int kBwdBlockN = kWarps * 16 * kBwdWarpTiles<HD>;  // keys per backward CTA
+
+template <int HD> struct BwdTiles;
+template <> struct BwdTiles<64> {
+  static constexpr int kWarps = 8;      // warps per CTA
+  static constexpr int kWarpTiles = 1;  // m16 key tiles per warp: 16 keys
+  static constexpr int kBlockM = 64;    // queries per query tile
+  static constexpr int kMinBlocks = 1;  // __launch_bounds__: up to 255 registers at 256 threads
+};
+template <> struct BwdTiles<32> {
+  static constexpr int kWarps = 4;
+  static constexpr int kWarpTiles = 2;  // 32 keys
+  static constexpr int kBlockM = 32;
+  static constexpr int kMinBlocks = 2;  // 255 registers at 2 x 128 threads
+};
+template <int HD> constexpr int kBwdThreads = BwdTiles<HD>::kWarps * 32;
+template <int HD> constexpr int kBwdBlockN = BwdTiles<HD>::kWarps * 16 * BwdTiles<HD>::kWarpTiles;  // keys per CTA
+
+// Byte offsets of the shared buffers in a kernel's dynamic shared memory; every buffer
+// starts 16-byte aligned (cp.async and ldmatrix move 16-byte rows). Tiles are row-major
+// with rows of HD + 8 elements (the bank-group padding).
+template <typename T, int HD>
+struct FwdSmem {
+  static constexpr int kTile = kFwdBlockN<HD> * (HD + 8);  // elements of a K or a V tile
+  static constexpr int kStage = 2 * kTile;                 // elements of a stage: K, then V
+  static constexpr int kBytes = 2 * kStage * (int)sizeof(T);
+};
+
+template <typename T, int HD>
+struct BwdSmem {
+  static constexpr int kBlockM = BwdTiles<HD>::kBlockM, kBlockN = kBwdBlockN<HD>;
+  static constexpr int kKVTile = kBlockN * (HD + 8);  // elements of K or V
+  static constexpr int kQTile = kBlockM * (HD + 8);   // elements of a Q or a dO tile
+  static constexpr int kK = 0;
+  static constexpr int kV = kK + kKVTile * (int)sizeof(T);
+  static constexpr int kStages = kV + kKVTile * (int)sizeof(T);            // stage s: Q, then dO
+  static constexpr int kDS = kStages + 2 * 2 * kQTile * (int)sizeof(T);    // dS^T: (keys, kBlockM + 8)
+  static constexpr int kLse = kDS + kBlockN * (kBlockM + 8) * (int)sizeof(T);  // [2][kBlockM] floats
+  static constexpr int kDsum = kLse + 2 * kBlockM * (int)sizeof(float);        // [2][kBlockM] floats
+  static constexpr int kBytes = kDsum + 2 * kBlockM * (int)sizeof(float);
+  static_assert(kV % 16 == 0 && kStages % 16 == 0 && kDS % 16 == 0 && kLse % 16 == 0, "16-byte aligned buffers");
+};
 
 // Issues the copies of rows [0, valid) of a (ROWS, HD) slice, `row_stride` elements
-// apart, into a padded shared tile; rows from `valid` on are zero-filled.
-template <typename T, int HD, int ROWS>
+// apart, into a padded shared tile; rows from `valid` on are zero-filled. THREADS: the
+// CTA's, each issuing the same number of copies.
+template <typename T, int HD, int ROWS, int THREADS>
 __device__ __forceinline__ void copy_tile_async(T* tile, const T* src, int64_t row_stride, int valid) {
   constexpr int kChunks = HD / 8;  // 16-byte chunks per row
   constexpr int kStride = HD + 8;
-  static_assert(ROWS * kChunks % kThreads == 0, "every thread issues the same number of copies");
+  static_assert(ROWS * kChunks % THREADS == 0, "every thread issues the same number of copies");
 #pragma unroll
-  for (int i = 0; i < ROWS * kChunks / kThreads; ++i) {
-    const int c = i * kThreads + threadIdx.x;
+  for (int i = 0; i < ROWS * kChunks / THREADS; ++i) {
+    const int c = i * THREADS + threadIdx.x;
     const int r = c / kChunks, chunk = c % kChunks;
     const bool real = r < valid;  // a zero-filled row still names a real address (row 0)
     cp_async_16(tile + r * kStride + chunk * 8, src + (real ? r : 0) * row_stride + chunk * 8, real);
@@ -257,17 +335,19 @@ __device__ __forceinline__ void online_softmax(float (&s)[MT][NT][4], float (&ac
 }
 
 template <typename T, int HD>
-__global__ void __launch_bounds__(kThreads, 2)
+__global__ void __launch_bounds__(kFwdThreads, 2)
 attention_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                      const int* __restrict__ cu_seqlens, T* __restrict__ out, float* __restrict__ lse,
                      int num_heads, int64_t total, float scale_log2) {
   constexpr int kBlockN = kFwdBlockN<HD>;
   constexpr int MT = kFwdWarpTiles;
   constexpr int kStride = HD + 8;
-  constexpr int kTile = kBlockN * kStride;  // elements of a K or a V tile
-  static_assert(kFwdBlockM * kStride <= 2 * kTile, "Q must fit in a (K, V) stage");
-  static_assert(2 * 2 * kTile * sizeof(T) <= 48 * 1024, "static shared memory over 48 KB");
-  __shared__ __align__(16) T stages[2][2 * kTile];  // stage s: K at [s][0], V at [s][kTile]; Q first in [1]
+  using Smem = FwdSmem<T, HD>;
+  constexpr int kTile = Smem::kTile;
+  static_assert(kFwdBlockM * kStride <= Smem::kStage, "Q must fit in a (K, V) stage");
+  declare_dynamic_smem<Smem::kBytes>();
+  extern __shared__ __align__(16) unsigned char smem[];
+  T* const stages = reinterpret_cast<T*>(smem);  // stage s at s * kStage: K, then V; Q first in stage 1
 
   const int head = blockIdx.z;
   const int start = cu_seqlens[blockIdx.y];
@@ -280,18 +360,19 @@ attention_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* 
   const int64_t row_stride = (int64_t)num_heads * HD;
   const int64_t base = (int64_t)start * row_stride + (int64_t)head * HD;  // element (start, head, 0)
   auto copy_kv = [&](T* stage, int n0) {
-    copy_tile_async<T, HD, kBlockN>(stage, k + base + n0 * row_stride, row_stride, len - n0);
-    copy_tile_async<T, HD, kBlockN>(stage + kTile, v + base + n0 * row_stride, row_stride, len - n0);
+    copy_tile_async<T, HD, kBlockN, kFwdThreads>(stage, k + base + n0 * row_stride, row_stride, len - n0);
+    copy_tile_async<T, HD, kBlockN, kFwdThreads>(stage + kTile, v + base + n0 * row_stride, row_stride, len - n0);
     cp_async_commit();
   };
 
-  copy_tile_async<T, HD, kFwdBlockM>(stages[1], q + base + m0 * row_stride, row_stride, len - m0);
+  T* const q_stage = stages + Smem::kStage;
+  copy_tile_async<T, HD, kFwdBlockM, kFwdThreads>(q_stage, q + base + m0 * row_stride, row_stride, len - m0);
   cp_async_commit();
-  copy_kv(stages[0], 0);
+  copy_kv(stages, 0);
   cp_async_wait<1>();  // this thread's Q copies have landed (K, V of tile 0 may still fly)
   __syncthreads();     // barrier: every thread's Q copies have landed
   uint32_t qa[MT][HD / 16][4];  // this warp's 32 query rows, the A operands of S = Q K^T
-  load_a_strips(qa, stages[1], kStride, warp * 16 * MT, lane);
+  load_a_strips(qa, q_stage, kStride, warp * 16 * MT, lane);
 
   float acc[MT][HD / 8][4] = {};  // O, unnormalised: n8 tile dt covers head dims 8 dt .. 8 dt + 7
   float row_max[MT][2], row_sum[MT][2];  // rows g, g + 8 of each strip; the max in log2 units
@@ -306,8 +387,8 @@ attention_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* 
     // Barrier: every thread's copies of tile j have landed, and every warp is done with
     // the other stage (tile j - 1, or Q before tile 1), which the prefetch below refills.
     __syncthreads();
-    if (n0 + kBlockN < len) copy_kv(stages[(j + 1) % 2], n0 + kBlockN);
-    const T* sK = stages[j % 2];
+    if (n0 + kBlockN < len) copy_kv(stages + ((j + 1) % 2) * Smem::kStage, n0 + kBlockN);
+    const T* sK = stages + (j % 2) * Smem::kStage;
     const T* sV = sK + kTile;
 
     float s[MT][kBlockN / 8][4] = {};  // S for 32 queries x kBlockN keys
@@ -354,11 +435,13 @@ attention_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* 
 // ---------------------------------------------------------------- backward
 
 // dsum[head][token] = sum over d of dout * out; one warp per (token, head) row.
+constexpr int kDsumWarps = 4;
+
 template <typename T, int HD>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kDsumWarps * 32)
 attention_dsum_kernel(const T* __restrict__ dout, const T* __restrict__ out, float* __restrict__ dsum,
                       int num_heads, int64_t total) {
-  const int64_t row = (int64_t)blockIdx.x * kWarps + threadIdx.x / 32;  // token * num_heads + head
+  const int64_t row = (int64_t)blockIdx.x * kDsumWarps + threadIdx.x / 32;  // token * num_heads + head
   const int lane = threadIdx.x % 32;
   if (row >= total * num_heads) return;
   float sum = 0.f;
@@ -383,32 +466,35 @@ __device__ __forceinline__ QueryRowStats fetch_row_stats(const float* lse, const
   return {lse[at0 + m0 + i] * kLog2e, dsum[at0 + m0 + i]};
 }
 
-template <typename T, int HD>
-__global__ void __launch_bounds__(kThreads, 2)
+template <typename T, int HD, bool kOneTile>
+__global__ void __launch_bounds__(kBwdThreads<HD>, BwdTiles<HD>::kMinBlocks)
 attention_bwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                      const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ dsum,
-                     const int* __restrict__ cu_seqlens, float* __restrict__ dq_accum, T* __restrict__ dk,
-                     T* __restrict__ dv, int num_heads, int64_t total, float scale, float scale_log2) {
-  constexpr int MT = kBwdWarpTiles<HD>;
+                     const int* __restrict__ cu_seqlens, float* __restrict__ dq_accum, T* __restrict__ dq,
+                     T* __restrict__ dk, T* __restrict__ dv, int num_heads, int64_t total, float scale,
+                     float scale_log2) {
+  using Tiles = BwdTiles<HD>;
+  using Smem = BwdSmem<T, HD>;
+  constexpr int kWarps = Tiles::kWarps, kThreads = kBwdThreads<HD>;
+  constexpr int MT = Tiles::kWarpTiles;
   constexpr int kBlockN = kBwdBlockN<HD>;
-  constexpr int kBlockM = kBwdBlockM;
+  constexpr int kBlockM = Tiles::kBlockM;
   constexpr int kStride = HD + 8;          // Q, K, V, dO tiles: (rows, head dim)
   constexpr int kSStride = kBlockM + 8;    // dS^T tile: (keys, queries)
-  constexpr int kQTile = kBlockM * kStride;
+  constexpr int kQTile = Smem::kQTile;
   // dQ = dS K: warp w takes query strip w % kDqStrips and the (w / kDqStrips)-th of
   // kWarps / kDqStrips column groups of the head dim.
   constexpr int kDqStrips = kBlockM / 16;
   constexpr int kDqCols = HD * kDqStrips / kWarps;
   static_assert(kWarps % kDqStrips == 0 && kDqCols % 16 == 0, "dQ work must split evenly over the warps");
-  __shared__ __align__(16) T sK[kBlockN * kStride];
-  __shared__ __align__(16) T sV[kBlockN * kStride];
-  __shared__ __align__(16) T stages[2][2 * kQTile];  // stage s: Q at [s][0], dO at [s][kQTile]
-  __shared__ __align__(16) T sdS[kBlockN * kSStride];
-  __shared__ float sLse[2][kBlockM];   // per stage; log2 units, +inf past the sequence end
-  __shared__ float sDsum[2][kBlockM];
-  static_assert(sizeof(sK) + sizeof(sV) + sizeof(stages) + sizeof(sdS) + sizeof(sLse) + sizeof(sDsum) <=
-                    48 * 1024,
-                "static shared memory over 48 KB");
+  declare_dynamic_smem<Smem::kBytes>();
+  extern __shared__ __align__(16) unsigned char smem[];
+  T* const sK = reinterpret_cast<T*>(smem + Smem::kK);
+  T* const sV = reinterpret_cast<T*>(smem + Smem::kV);
+  T* const stages = reinterpret_cast<T*>(smem + Smem::kStages);  // stage s at s * 2 kQTile: Q, then dO
+  T* const sdS = reinterpret_cast<T*>(smem + Smem::kDS);
+  float* const sLse = reinterpret_cast<float*>(smem + Smem::kLse);    // per stage; log2 units, +inf past the end
+  float* const sDsum = reinterpret_cast<float*>(smem + Smem::kDsum);  // per stage
 
   const int head = blockIdx.z;
   const int start = cu_seqlens[blockIdx.y];
@@ -422,19 +508,20 @@ attention_bwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* 
   const int64_t base = (int64_t)start * row_stride + (int64_t)head * HD;
   const int64_t stats_at = (int64_t)head * total + start;  // (head, start) in lse and dsum
   auto copy_q_do = [&](int stage, int m0) {
-    copy_tile_async<T, HD, kBlockM>(stages[stage], q + base + m0 * row_stride, row_stride, len - m0);
-    copy_tile_async<T, HD, kBlockM>(stages[stage] + kQTile, dout + base + m0 * row_stride, row_stride, len - m0);
+    T* const sQ = stages + stage * 2 * kQTile;
+    copy_tile_async<T, HD, kBlockM, kThreads>(sQ, q + base + m0 * row_stride, row_stride, len - m0);
+    copy_tile_async<T, HD, kBlockM, kThreads>(sQ + kQTile, dout + base + m0 * row_stride, row_stride, len - m0);
     cp_async_commit();
   };
   auto store_stats = [&](int stage, QueryRowStats stats) {
     if (threadIdx.x < kBlockM) {
-      st_shared(&sLse[stage][threadIdx.x], stats.lse_log2);
-      st_shared(&sDsum[stage][threadIdx.x], stats.dsum);
+      st_shared(&sLse[stage * kBlockM + threadIdx.x], stats.lse_log2);
+      st_shared(&sDsum[stage * kBlockM + threadIdx.x], stats.dsum);
     }
   };
 
-  copy_tile_async<T, HD, kBlockN>(sK, k + base + n0 * row_stride, row_stride, len - n0);
-  copy_tile_async<T, HD, kBlockN>(sV, v + base + n0 * row_stride, row_stride, len - n0);
+  copy_tile_async<T, HD, kBlockN, kThreads>(sK, k + base + n0 * row_stride, row_stride, len - n0);
+  copy_tile_async<T, HD, kBlockN, kThreads>(sV, v + base + n0 * row_stride, row_stride, len - n0);
   cp_async_commit();
   copy_q_do(0, 0);
   store_stats(0, fetch_row_stats<kBlockM>(lse, dsum, stats_at, 0, len));
@@ -445,13 +532,18 @@ attention_bwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* 
   uint32_t ka[MT][HD / 16][4], va[MT][HD / 16][4];
   load_a_strips(ka, sK, kStride, key0, lane);
   load_a_strips(va, sV, kStride, key0, lane);
+  // A warp whose keys all lie past the sequence end has P = 0 everywhere: it skips the
+  // products and leaves its dS^T rows unwritten, and dQ's k loop stops before them.
+  const int keys_here = len - n0 < kBlockN ? len - n0 : kBlockN;
+  const bool has_keys = key0 < keys_here;
+  const int dq_key_steps = (keys_here + 15) / 16;
   // Keys past the sequence end get P = 0. Not needed for the result (their dK, dV are
   // never stored and their zero K rows cancel their dS in dQ), but it keeps P^T honest.
   bool key_real[MT][2];
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
-    key_real[mt][0] = n0 + key0 + mt * 16 + g < len;
-    key_real[mt][1] = n0 + key0 + mt * 16 + g + 8 < len;
+    key_real[mt][0] = key0 + mt * 16 + g < keys_here;
+    key_real[mt][1] = key0 + mt * 16 + g + 8 < keys_here;
   }
   float dk_acc[MT][HD / 8][4] = {};
   float dv_acc[MT][HD / 8][4] = {};
@@ -469,81 +561,92 @@ attention_bwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* 
       copy_q_do(next, m0 + kBlockM);
       next_stats = fetch_row_stats<kBlockM>(lse, dsum, stats_at, m0 + kBlockM, len);  // lands during the math
     }
-    const T* sQ = stages[cur];
+    const T* sQ = stages + cur * 2 * kQTile;
     const T* sdO = sQ + kQTile;
+    const float* lse_cur = sLse + cur * kBlockM;
+    const float* dsum_cur = sDsum + cur * kBlockM;
 
-    // P^T = exp2(scale_log2 * K Q^T - lse_log2): 16 MT keys x kBlockM queries.
-    float p[MT][kBlockM / 8][4] = {};
-    mma_abt(p, ka, sQ, kStride, lane);
-#pragma unroll
-    for (int nt = 0; nt < kBlockM / 8; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float lse_q = ld_shared(&sLse[cur][nt * 8 + 2 * t + (e & 1)]);
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-          p[mt][nt][e] = key_real[mt][e / 2] ? exp2f(p[mt][nt][e] * scale_log2 - lse_q) : 0.f;
-      }
-    }
-
-    // dV += P^T dO: k runs over the tile's queries.
-    mma_pb(dv_acc, p, sdO, kStride, lane);
-
-    // dP^T = V dO^T: 16 MT keys x kBlockM queries, k runs over the head dim.
-    float dpt[MT][kBlockM / 8][4] = {};
-    mma_abt(dpt, va, sdO, kStride, lane);
-
-    // dS^T = P^T * (dP^T - D), in place of P^T (softmax_scale comes at the end).
-#pragma unroll
-    for (int nt = 0; nt < kBlockM / 8; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float d = ld_shared(&sDsum[cur][nt * 8 + 2 * t + (e & 1)]);
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) p[mt][nt][e] *= dpt[mt][nt][e] - d;
-      }
-    }
-
-    // dK += dS^T Q: k runs over the tile's queries.
-    mma_pb(dk_acc, p, sQ, kStride, lane);
-
-    // dS^T to shared memory, rows = this warp's keys: dQ needs all the tile's keys of a query.
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
+    if (has_keys) {
+      // P^T = exp2(scale_log2 * K Q^T - lse_log2): 16 MT keys x kBlockM queries.
+      float p[MT][kBlockM / 8][4] = {};
+      mma_abt(p, ka, sQ, kStride, lane);
 #pragma unroll
       for (int nt = 0; nt < kBlockM / 8; ++nt) {
 #pragma unroll
-        for (int i = 0; i < 2; ++i)
-          st_shared(reinterpret_cast<uint32_t*>(sdS + (key0 + mt * 16 + g + 8 * i) * kSStride + nt * 8 + 2 * t),
-                    pack2<T>(p[mt][nt][2 * i], p[mt][nt][2 * i + 1]));
+        for (int e = 0; e < 4; ++e) {
+          const float lse_q = ld_shared(&lse_cur[nt * 8 + 2 * t + (e & 1)]);
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt)
+            p[mt][nt][e] = key_real[mt][e / 2] ? exp2f(p[mt][nt][e] * scale_log2 - lse_q) : 0.f;
+        }
+      }
+
+      // dV += P^T dO: k runs over the tile's queries.
+      mma_pb(dv_acc, p, sdO, kStride, lane);
+
+      // dP^T = V dO^T: 16 MT keys x kBlockM queries, k runs over the head dim.
+      float dpt[MT][kBlockM / 8][4] = {};
+      mma_abt(dpt, va, sdO, kStride, lane);
+
+      // dS^T = P^T * (dP^T - D), in place of P^T (softmax_scale comes at the end).
+#pragma unroll
+      for (int nt = 0; nt < kBlockM / 8; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float d = ld_shared(&dsum_cur[nt * 8 + 2 * t + (e & 1)]);
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) p[mt][nt][e] *= dpt[mt][nt][e] - d;
+        }
+      }
+
+      // dK += dS^T Q: k runs over the tile's queries.
+      mma_pb(dk_acc, p, sQ, kStride, lane);
+
+      // dS^T to shared memory, rows = this warp's keys: dQ needs all the tile's keys of a query.
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int nt = 0; nt < kBlockM / 8; ++nt) {
+#pragma unroll
+          for (int i = 0; i < 2; ++i)
+            st_shared(reinterpret_cast<uint32_t*>(sdS + (key0 + mt * 16 + g + 8 * i) * kSStride + nt * 8 + 2 * t),
+                      pack2<T>(p[mt][nt][2 * i], p[mt][nt][2 * i + 1]));
+        }
       }
     }
     if (more) store_stats(next, next_stats);
     __syncthreads();  // barrier: every warp's dS^T rows are written
 
     // dQ = dS K for this warp's 16 queries and kDqCols head dims: A = dS read transposed
-    // from dS^T, B = K (rows = keys = k); k runs over the tile's keys.
-    float dq[1][kDqCols / 8][4] = {};
-#pragma unroll
-    for (int kj = 0; kj < kBlockN / 16; ++kj) {
+    // from dS^T, B = K (rows = keys = k); k runs over the tile's keys that hold a real one.
+    float dq_acc[1][kDqCols / 8][4] = {};
+    for (int kj = 0; kj < dq_key_steps; ++kj) {
       uint32_t da[1][4];
       ldmatrix_x4_trans(da[0], a_cols(sdS, kSStride, dq_strip * 16, kj * 16, lane));
-      mma_ab_step<T>(dq, da, sK + dq_col0, kStride, kj * 16, lane);
+      mma_ab_step<T>(dq_acc, da, sK + dq_col0, kStride, kj * 16, lane);
     }
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       const int row = m0 + dq_strip * 16 + g + 8 * i;
       if (row < len) {
-        float* dst = dq_accum + base + row * row_stride + dq_col0 + 2 * t;
+        const int64_t at = base + row * row_stride + dq_col0 + 2 * t;
 #pragma unroll
         for (int dt = 0; dt < kDqCols / 8; ++dt) {
-          atomicAdd(dst + dt * 8, dq[0][dt][2 * i] * scale);
-          atomicAdd(dst + dt * 8 + 1, dq[0][dt][2 * i + 1] * scale);
+          if constexpr (kOneTile) {
+            // The only key tile of the sequence: this is the whole of dQ, stored once.
+            *reinterpret_cast<uint32_t*>(dq + at + dt * 8) =
+                pack2<T>(dq_acc[0][dt][2 * i] * scale, dq_acc[0][dt][2 * i + 1] * scale);
+          } else {
+            // Every key tile of the sequence adds to these rows.
+            atomicAdd(dq_accum + at + dt * 8, dq_acc[0][dt][2 * i] * scale);
+            atomicAdd(dq_accum + at + dt * 8 + 1, dq_acc[0][dt][2 * i + 1] * scale);
+          }
         }
       }
     }
   }
 
+  if (!has_keys) return;
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
@@ -588,6 +691,37 @@ bool valid_sizes(int batch, int64_t total, int num_heads, int max_seqlen) {
   return batch >= 0 && batch <= 65535 && total >= 0 && num_heads > 0 && num_heads <= 65535 && max_seqlen >= 0;
 }
 
+// Lets `kernel` be launched with `bytes` of dynamic shared memory: above the default 48 KB
+// a kernel must opt in (once per device would do; FlashAttention sets it at every launch too,
+// which keeps a process that drives several devices right at the cost of a host call).
+template <typename Kernel>
+cudaError_t allow_dynamic_smem(Kernel* kernel, int bytes) {
+  if (bytes <= kDefaultDynamicSmem) return cudaSuccess;
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+}
+
+// Whether the backward of sequences up to max_seqlen long needs more than one key tile, and
+// so adds dQ up in fp32 with atomics.
+bool bwd_accumulates(int head_dim, int max_seqlen) {
+  return max_seqlen > (head_dim == 32 ? kBwdBlockN<32> : kBwdBlockN<64>);
+}
+
+template <typename T, int HD, bool kOneTile>
+cudaError_t launch_bwd(const void* q, const void* k, const void* v, const void* dout, const float* lse,
+                       const float* dsum, const int* cu_seqlens, float* dq_accum, void* dq, void* dk, void* dv,
+                       int batch, int64_t total, int num_heads, int max_seqlen, float softmax_scale,
+                       cudaStream_t stream) {
+  constexpr int kBytes = BwdSmem<T, HD>::kBytes;
+  cudaError_t err = allow_dynamic_smem(attention_bwd_kernel<T, HD, kOneTile>, kBytes);
+  if (err != cudaSuccess) return err;
+  const dim3 grid(kOneTile ? 1 : (max_seqlen + kBwdBlockN<HD> - 1) / kBwdBlockN<HD>, batch, num_heads);
+  attention_bwd_kernel<T, HD, kOneTile><<<grid, kBwdThreads<HD>, kBytes, stream>>>(
+      static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v), static_cast<const T*>(dout),
+      lse, dsum, cu_seqlens, dq_accum, static_cast<T*>(dq), static_cast<T*>(dk), static_cast<T*>(dv), num_heads,
+      total, softmax_scale, softmax_scale * kLog2e);
+  return cudaGetLastError();
+}
+
 }  // namespace
 }  // namespace bds
 
@@ -602,8 +736,11 @@ extern "C" cudaError_t bds_varlen_attention_fwd(const void* q, const void* k, co
     using T = decltype(t);
     constexpr int HD = decltype(hd)::value;
     if (batch == 0 || total == 0 || max_seqlen == 0) return cudaSuccess;
+    constexpr int kBytes = FwdSmem<T, HD>::kBytes;
+    const cudaError_t err = allow_dynamic_smem(attention_fwd_kernel<T, HD>, kBytes);
+    if (err != cudaSuccess) return err;
     const dim3 grid((max_seqlen + kFwdBlockM - 1) / kFwdBlockM, batch, num_heads);
-    attention_fwd_kernel<T, HD><<<grid, kThreads, 0, stream>>>(
+    attention_fwd_kernel<T, HD><<<grid, kFwdThreads, kBytes, stream>>>(
         static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v), cu_seqlens,
         static_cast<T*>(out), lse, num_heads, total, softmax_scale * kLog2e);
     return cudaGetLastError();
@@ -621,25 +758,32 @@ extern "C" cudaError_t bds_varlen_attention_bwd(const void* dout, const void* q,
     using T = decltype(t);
     constexpr int HD = decltype(hd)::value;
     if (batch == 0 || total == 0 || max_seqlen == 0) return cudaSuccess;
+    const bool accumulates = bwd_accumulates(HD, max_seqlen);
+    if (accumulates && dq_accum == nullptr) return cudaErrorInvalidValue;
     const int64_t elements = total * num_heads * HD;
-    cudaError_t err = cudaMemsetAsync(dq_accum, 0, elements * sizeof(float), stream);
-    if (err != cudaSuccess) return err;
+    cudaError_t err;
+    if (accumulates && (err = cudaMemsetAsync(dq_accum, 0, elements * sizeof(float), stream)) != cudaSuccess)
+      return err;
 
     const int64_t rows = total * num_heads;
-    attention_dsum_kernel<T, HD><<<(unsigned)((rows + kWarps - 1) / kWarps), kThreads, 0, stream>>>(
+    attention_dsum_kernel<T, HD><<<(unsigned)((rows + kDsumWarps - 1) / kDsumWarps), kDsumWarps * 32, 0, stream>>>(
         static_cast<const T*>(dout), static_cast<const T*>(out), dsum, num_heads, total);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
 
-    const dim3 grid((max_seqlen + kBwdBlockN<HD> - 1) / kBwdBlockN<HD>, batch, num_heads);
-    attention_bwd_kernel<T, HD><<<grid, kThreads, 0, stream>>>(
-        static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v),
-        static_cast<const T*>(dout), lse, dsum, cu_seqlens, dq_accum, static_cast<T*>(dk),
-        static_cast<T*>(dv), num_heads, total, softmax_scale, softmax_scale * kLog2e);
-    if ((err = cudaGetLastError()) != cudaSuccess) return err;
+    if (!accumulates)  // one key tile per sequence: dQ is written by the kernel, no sum, no conversion
+      return launch_bwd<T, HD, true>(q, k, v, dout, lse, dsum, cu_seqlens, nullptr, dq, dk, dv, batch, total,
+                                     num_heads, max_seqlen, softmax_scale, stream);
+    if ((err = launch_bwd<T, HD, false>(q, k, v, dout, lse, dsum, cu_seqlens, dq_accum, dq, dk, dv, batch, total,
+                                        num_heads, max_seqlen, softmax_scale, stream)) != cudaSuccess)
+      return err;
 
     const int64_t wanted = (elements + 255) / 256, cap = 16LL * device_sm_count();
     convert_kernel<T><<<(unsigned)(wanted < cap ? wanted : cap), 256, 0, stream>>>(dq_accum, static_cast<T*>(dq),
                                                                                    elements);
     return cudaGetLastError();
   });
+}
+
+extern "C" int bds_varlen_attention_bwd_accumulates(int head_dim, int max_seqlen) {
+  return bwd_accumulates(head_dim, max_seqlen) ? 1 : 0;
 }

@@ -397,7 +397,11 @@ std::vector<at::Tensor> varlen_attention_bwd(const at::Tensor& dout_in, const at
   const at::Tensor lse = lse_in.contiguous(), cu_seqlens = cu_seqlens_in.contiguous();
   const int64_t total = q.size(0), heads = q.size(1), head_dim = q.size(2);
   at::Tensor dq = at::empty_like(q), dk = at::empty_like(q), dv = at::empty_like(q);
-  at::Tensor dq_accum = at::empty({total, heads, head_dim}, q.options().dtype(at::kFloat));
+  // Only where a sequence may span several key tiles, which then add their dq up in fp32.
+  const bool accumulates = bds_varlen_attention_bwd_accumulates((int)head_dim, (int)max_seqlen) != 0;
+  const at::Tensor dq_accum =
+      accumulates ? at::empty({total, heads, head_dim}, q.options().dtype(at::kFloat)) : at::Tensor();
+  float* const dq_accum_ptr = accumulates ? dq_accum.data_ptr<float>() : nullptr;
   at::Tensor dsum = at::empty({heads, total}, q.options().dtype(at::kFloat));
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   cudaError_t err;
@@ -405,7 +409,7 @@ std::vector<at::Tensor> varlen_attention_bwd(const at::Tensor& dout_in, const at
     pybind11::gil_scoped_release no_gil;
     err = bds_varlen_attention_bwd(dout.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
                                    lse.data_ptr<float>(), cu_seqlens.data_ptr<int>(), dq.data_ptr(), dk.data_ptr(),
-                                   dv.data_ptr(), dq_accum.data_ptr<float>(), dsum.data_ptr<float>(),
+                                   dv.data_ptr(), dq_accum_ptr, dsum.data_ptr<float>(),
                                    (int)(cu_seqlens.numel() - 1), total, (int)heads, (int)head_dim, (int)max_seqlen,
                                    static_cast<float>(softmax_scale), dtype_code(q.scalar_type()), stream);
   }

@@ -356,6 +356,16 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
+// Declares that the kernel runs with kBytes of dynamic shared memory (`extern __shared__`),
+// which its launcher passes and, above 48 KB, opts in to with cudaFuncSetAttribute. ptxas
+// reports only static shared memory, so the figure goes into the PTX as a comment,
+// `// bds.dynamic_smem <kBytes>`, for kernels/inspect.py's occupancy; it costs no
+// instruction. The emulation checks that the launch gave at least this much.
+template <int kBytes>
+__device__ __forceinline__ void declare_dynamic_smem() {
+  asm volatile("// bds.dynamic_smem %0" ::"n"(kBytes));
+}
+
 template <typename V>
 __device__ __forceinline__ V ld_shared(const V* p) {
   return *p;

@@ -94,13 +94,19 @@ cudaError_t bds_varlen_attention_fwd(const void* q, const void* k, const void* v
                                      cudaStream_t stream);
 
 // dq, dk, dv: like q. Workspaces (contents ignored, overwritten): dq_accum (total, num_heads,
-// head_dim) fp32, where the key blocks add their dq contributions; dsum (num_heads, total)
+// head_dim) fp32, where the key tiles add their dq contributions, needed only where
+// bds_varlen_attention_bwd_accumulates says so (may be NULL otherwise); dsum (num_heads, total)
 // fp32, rowsum(dout * out).
 cudaError_t bds_varlen_attention_bwd(const void* dout, const void* q, const void* k, const void* v,
                                      const void* out, const float* lse, const int* cu_seqlens,
                                      void* dq, void* dk, void* dv, float* dq_accum, float* dsum,
                                      int batch, int64_t total, int num_heads, int head_dim, int max_seqlen,
                                      float softmax_scale, int dtype, cudaStream_t stream);
+
+// 1 when the backward at this head dim adds dq up in dq_accum (some sequence may span more than
+// one key tile: max_seqlen over 128); 0 when every sequence fits one key tile and dq is written
+// directly, with no atomics, and dq_accum may be NULL.
+int bds_varlen_attention_bwd_accumulates(int head_dim, int max_seqlen);
 
 // ---------------------------------------------------------------- LAMB over a chunked flat tensor
 // grad, exp_avg, exp_avg_sq, param: one flat fp32 tensor each (the same numel); chunk c is

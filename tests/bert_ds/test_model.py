@@ -13,7 +13,7 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from bert_ds.loader.pretraining import to_device
 from bert_ds.base.errors import ConfigError
 from bert_ds.checkpoint.export import to_hf_config
-from bert_ds.kernels import OpPlan
+from bert_ds.kernels.ops import OpPlan
 from bert_ds.kernels.layer_norm import layer_norm_native
 from bert_ds.model.bert import (
     PRESETS, BertForPreTraining, BertSublayerOutput, ModelConfig, model_preset, pretraining_inputs,

@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from bert_ds.base.errors import ConfigError
-from bert_ds.train.profiling import OUTSIDE, StepProfiler, StepRange, busy_us, overlap_us, stage, stage_split
+from bert_ds.train.profiling import (
+    OUTSIDE, StepProfiler, StepRange, bucket_lines, bucket_of, buckets, busy_us, overlap_us, stage, stage_split,
+)
 
 
 @pytest.mark.parametrize("text,expected", [("11-13", (11, 13)), ("7", (7, 7)), (" 2 - 4 ", (2, 4))])
@@ -95,3 +97,47 @@ def test_a_resumed_run_past_the_range_or_a_failed_one_writes_nothing(tmp_path):
     failed.discard()
     assert failed.close() is None
     assert not (tmp_path / "profile").exists()
+
+
+# Kernel names from the H200 profile of a BERT-Base step (benchmarks/results/H200-2026-11-26), by hand.
+KERNELS = {
+    "nvjet_sm90_tst_192x208_64x4_1x2_h_bz_coopB_bias_TNT": "GEMM",
+    "ampere_bf16_s16816gemm_bf16_128x128_ldg8_f2f_stages_32x5_tn": "GEMM",
+    "void bds::(anonymous namespace)::attention_bwd_kernel<__nv_bfloat16, 64>(__nv_bfloat16 const*)": "attention",
+    "void bds::(anonymous namespace)::attention_dsum_kernel<__nv_bfloat16, 64>(__nv_bfloat16 const*)": "attention",
+    "void bds::(anonymous namespace)::convert_kernel<__nv_bfloat16>(float const*, __nv_bfloat16*, long)": "attention",
+    "void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits<64>>()": "attention",
+    "void bds::(anonymous namespace)::ln_bwd_registers<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16, 768>()": "normalization",
+    "void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<c10::BFloat16, float>()": "normalization",
+    "void bds::(anonymous namespace)::bias_gelu_bwd_kernel<__nv_bfloat16, __nv_bfloat16, 8, false>()": "elementwise",
+    "void at::native::vectorized_elementwise_kernel<8, at::native::CUDAFunctor_add<c10::BFloat16>>()": "elementwise",
+    "void at::native::(anonymous namespace)::fused_dropout_kernel_vec<c10::BFloat16, float>()": "elementwise",
+    "void at::native::vectorized_elementwise_kernel<8, at::native::(anonymous namespace)::masked_scale_kernel"
+    "<bool, c10::BFloat16, float>(at::Tensor&, at::Tensor const&)::{lambda(c10::BFloat16, bool)#1}>()": "elementwise",
+    "void at::native::reduce_kernel<128, 4, at::native::ReduceOp<c10::BFloat16, at::native::func_wrapper_t"
+    "<c10::BFloat16, at::native::sum_functor<c10::BFloat16, float>::operator()::{lambda(float, float)#1}>>>()":
+        "reductions",
+    "void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float, float, float>()": "reductions",
+    "Memcpy DtoD (Device -> Device)": "copies",
+    "void at::native::vectorized_elementwise_kernel<8, at::native::bfloat16_copy_kernel_cuda()>()": "copies",
+    "void bds::(anonymous namespace)::lamb_update_kernel<4>(float*, float const*)": "optimizer",
+    "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<TensorListMetadata<1>>()": "optimizer",
+    "ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevComm*)": "communication",
+    "some_kernel_nobody_knows": "other",
+}
+
+
+@pytest.mark.parametrize("name, bucket", KERNELS.items())
+def test_each_kernel_falls_in_its_bucket(name, bucket):
+    assert bucket_of(name) == bucket
+
+
+def test_buckets_add_kernel_time_per_step_and_the_idle_time():
+    rows = {r["bucket"]: r for r in buckets({"nvjet_gemm": 3000.0, "ampere_gemm": 1000.0, "Memcpy DtoD": 500.0},
+                                            idle_us=500.0, steps=2, wall_us=5000.0)}
+    assert rows["GEMM"]["ms_per_step"] == pytest.approx(2.0) and rows["GEMM"]["share_of_wall"] == pytest.approx(0.8)
+    assert rows["copies"]["ms_per_step"] == pytest.approx(0.25) and rows["idle"]["ms_per_step"] == pytest.approx(0.25)
+    assert rows["attention"]["ms_per_step"] == 0.0 and list(rows)[-2:] == ["other", "idle"]
+    table = bucket_lines({"seq 128": {"buckets": list(rows.values())}})
+    assert table[0] == "| bucket | seq 128 ms/step | seq 128 share |"
+    assert "| GEMM | 2.00 | 80.0% |" in table and not any(line.startswith("| attention") for line in table)

@@ -403,8 +403,8 @@ def test_r8_an_impossible_resume_fails_with_one_line(sample_data, tmp_path, refe
     proc = run_cli(*_args(sample_data, out, *FP32, "--steps", str(FP32_STEPS)), nproc=3, check=False)
     err = sorted({line for line in proc.stderr.splitlines() if line.startswith("error:")})
     print(f"R8: resume of a 2-rank checkpoint (global batch {GLOBAL_BATCH}) on 3 ranks -> exit "
-          f"{proc.returncode}: {err[0] if err else proc.stderr[-500:]}")
-    assert proc.returncode != 0 and len(err) == 1
+          f"{proc.returncode}: {' | '.join(err) if err else proc.stderr[-500:]}")
+    assert proc.returncode != 0 and len(err) == 1, proc.stderr[-3000:]
     assert "cannot resume" in err[0] and "cannot be split over 3 ranks" in err[0]
 
 

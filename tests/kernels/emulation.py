@@ -2,7 +2,9 @@
 
 ``build_library`` is the one place that turns ``.cu`` text into something ctypes can load:
 kernel launches (``k<<<grid, block, smem, stream>>>(args)``) are rewritten to
-``::emu::launch(k, grid, block, smem, stream, args)`` and the result is compiled by g++ as
+``::emu::launch(k, grid, block, smem, stream, args)``, dynamic shared memory
+(``extern __shared__ T name[];``) to ``T* const name = ::emu::dynamic_shared<T>();`` (the
+launch's ``smem`` bytes of the emulator's buffer), and the result is compiled by g++ as
 C++ with ``-DBDS_EMULATE`` and the emulator's ``cuda_runtime.h`` first on the include path.
 Sources are paths or ``{file name: text}``, so a test can build an edited copy of a kernel
 (a barrier removed, a wait dropped) next to the real one.
@@ -26,6 +28,9 @@ CSRC = REPO / "kernels" / "csrc"
 EMU = Path(__file__).resolve().parent / "emu"
 # `kernel<...><<<grid, block, smem, stream>>>(args)` -> `::emu::launch(kernel<...>, grid, block, smem, stream, args)`
 LAUNCH = re.compile(r"([A-Za-z_][\w:]*(?:<[^<>;]*>)?)\s*<<<(.*?)>>>\s*\(", re.S)
+# `extern __shared__ [__align__(n)] T name[];` -> `T* const name = ::emu::dynamic_shared<T>();`
+EXTERN_SHARED = re.compile(r"\bextern\s+__shared__\s+(?:__align__\s*\(\s*\d+\s*\)\s+)?"
+                           r"([A-Za-z_][\w:]*(?:\s+[A-Za-z_][\w:]*)*?)\s+([A-Za-z_]\w*)\s*\[\s*\]\s*;")
 # -fno-gnu-unique: the emulator's state and the kernels' __shared__ arrays are statics in inline
 # functions, which g++ otherwise binds process-wide (STB_GNU_UNIQUE) across every library loaded,
 # so two libraries built from different sources would share, and corrupt, each other's.
@@ -62,6 +67,21 @@ def rewrite_launches(text: str, name: str) -> str:
     return text
 
 
+def rewrite_extern_shared(text: str, name: str) -> str:
+    """``text`` with every ``extern __shared__`` array turned into a pointer to the emulator's
+    dynamic shared memory (the alignment is the emulator's: 128 bytes)."""
+    text = EXTERN_SHARED.sub(lambda m: f"{m.group(1)}* const {m.group(2)} = ::emu::dynamic_shared<{m.group(1)}>();",
+                             text)
+    if re.search(r"\bextern\s+__shared__\b", re.sub(r"//[^\n]*", "", text)):  # comments may name it
+        raise BuildError(f"{name}: an extern __shared__ declaration the emulation cannot rewrite")
+    return text
+
+
+def rewrite_for_emulation(text: str, name: str) -> str:
+    """``text`` as the emulator compiles it: launches and dynamic shared memory rewritten."""
+    return rewrite_extern_shared(rewrite_launches(text, name), name)
+
+
 def _as_texts(sources: Iterable[str | Path] | Mapping[str, str]) -> dict[str, str]:
     if isinstance(sources, Mapping):
         return dict(sources)
@@ -77,7 +97,7 @@ def build_library(sources: Iterable[str | Path] | Mapping[str, str], out_dir: st
                   name: str = "libbds_emu.so") -> Path:
     """Compiles ``sources`` into ``out_dir / name`` and returns its path.
 
-    Every source is written into ``out_dir`` with its launches rewritten; ``.cu`` files
+    Every source is written into ``out_dir`` rewritten (:func:`rewrite_for_emulation`); ``.cu`` files
     become ``.cpp`` translation units. Headers given here shadow kernels/csrc's for the
     sources beside them (``#include "x.cuh"`` looks in the includer's folder first); headers
     not given come from kernels/csrc.
@@ -91,7 +111,7 @@ def build_library(sources: Iterable[str | Path] | Mapping[str, str], out_dir: st
     for file_name, text in _as_texts(sources).items():
         path = Path(file_name)
         written = out_dir / (f"{path.stem}.cpp" if path.suffix == ".cu" else path.name)
-        written.write_text(rewrite_launches(text, file_name))
+        written.write_text(rewrite_for_emulation(text, file_name))
         if path.suffix in COMPILED:
             units.append(str(written))
     if not units:

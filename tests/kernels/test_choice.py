@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
 
-from bert_ds import kernels
+from bert_ds.kernels import ops as kernels
 from bert_ds.kernels import _build, attention, choice, dispatch, selfcheck, speed
 from bert_ds.kernels.choice import resolve_backend
 from bert_ds.kernels.compiled import CompiledReference

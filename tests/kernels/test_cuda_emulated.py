@@ -21,7 +21,7 @@ import re
 import pytest
 import torch
 
-from bert_ds import kernels
+from bert_ds.kernels import ops as kernels
 from bert_ds.model.padding import IGNORE_INDEX
 from tests.kernels import emulation
 from tests.kernels.helpers import (
@@ -71,6 +71,7 @@ class Emulated:
             "bds_bias_gelu_bwd": [P, P, P, P, P, P, I, L, I, I, I, I, P],
             "bds_varlen_attention_fwd": [P, P, P, P, P, P, I, L, I, I, I, F, I, P],
             "bds_varlen_attention_bwd": [P, P, P, P, P, P, P, P, P, P, P, P, I, L, I, I, I, F, I, P],
+            "bds_varlen_attention_bwd_accumulates": [I, I],
             "bds_lamb_moments": [P, P, P, P, P, P, P, L, F, F, F, F, F, P],
             "bds_lamb_apply": [P, P, P, P, P, P, F, L, F, F, F, F, F, P],
         }
@@ -192,7 +193,8 @@ class Emulated:
         dout, q, k, v, out, lse = map(self._guarded, (dout, q, k, v, out, lse))
         total, heads, head_dim = q.shape
         dq, dk, dv = (self._empty(*q.shape, dtype=q.dtype) for _ in range(3))
-        dq_accum = self._empty(total, heads, head_dim, dtype=torch.float32)
+        accumulates = self.lib.bds_varlen_attention_bwd_accumulates(head_dim, max_seqlen)
+        dq_accum = self._empty(total, heads, head_dim, dtype=torch.float32) if accumulates else None
         dsum = self._empty(heads, total, dtype=torch.float32)
         self._call("bds_varlen_attention_bwd", dout, q, k, v, out, lse, cu_seqlens, dq, dk, dv, dq_accum, dsum,
                    cu_seqlens.numel() - 1, total, heads, head_dim, max_seqlen, softmax_scale, CODES[q.dtype], None)
@@ -513,16 +515,19 @@ def test_bias_gelu(emu, dtype, approximate, rows, cols, aligned, bias_fp32):
 
 # --------------------------------------------------------------------------- attention
 
-# One batch from 1 to 512 tokens: full and partial tiles of every size the kernels use
-# (forward: 128 queries, 64 keys at head dim 64 and 128 at 32; backward: 64 or 128 keys,
-# 32 queries); 512 cycles both cp.async stages several times.
-LENGTHS_1_TO_512 = [512, 1, 129, 64, 255, 17]
+# One batch from 1 to 513 tokens: full and partial tiles of every size the kernels use
+# (forward: 128 queries, 64 keys at head dim 64 and 128 at 32; backward: 128 keys, 64
+# queries at head dim 64 and 32 at 32), a last key tile of one key (the backward's warps
+# past it skip their products), and 513 cycles both cp.async stages several times. Batches
+# whose longest sequence fits one key tile (128) take the backward's one-tile path.
+LENGTHS_1_TO_513 = [513, 1, 129, 64, 255, 17, 5, 70]
 ATTENTION_CASES = [  # (lengths, heads, head_dim)
     ([1, 130, 64, 17], 2, 64),
-    ([65, 3], 1, 32),
+    ([1, 5, 70, 128], 2, 64),  # one tile
+    ([65, 3], 1, 32),  # one tile
     ([200], 1, 64),
-    (LENGTHS_1_TO_512, 1, 64),
-    (LENGTHS_1_TO_512, 2, 32),
+    (LENGTHS_1_TO_513, 1, 64),
+    (LENGTHS_1_TO_513, 2, 32),
 ]
 
 
@@ -560,20 +565,46 @@ def test_varlen_attention(emu, dtype, lengths, heads, head_dim):
         assert_close_to_reference(f"d{name}", ours, same[name], truth[name], atol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 32])
+def test_attention_one_tile_path_equals_the_general_path(emu, dtype, head_dim):
+    """Every sequence fits one key tile; max_seqlen 128 takes the one-tile backward (dQ stored
+    by the kernel), 129 the general one (dQ added in fp32 to zeros, then converted), whose
+    second key tile is past every sequence. One key tile adds to each dQ row either way, and
+    the same products in the same order make the same bits."""
+    lengths = [1, 5, 70, 128]
+    total, scale = sum(lengths), 1.0 / math.sqrt(head_dim)
+    q, k, v, dout = (rand(total, 2, head_dim, dtype=dtype, seed=seed) for seed in range(4))
+    cu_seqlens = cu_seqlens_of(lengths)
+    assert emu.lib.bds_varlen_attention_bwd_accumulates(head_dim, 128) == 0
+    assert emu.lib.bds_varlen_attention_bwd_accumulates(head_dim, 129) == 1
+    out, lse = emu.varlen_attention_fwd(q, k, v, cu_seqlens, 128, 0.0, scale)
+    one_tile = emu.varlen_attention_bwd(dout, q, k, v, out, lse, cu_seqlens, 128, scale)
+    general = emu.varlen_attention_bwd(dout, q, k, v, out, lse, cu_seqlens, 129, scale)
+    for name, a, b in zip(("dq", "dk", "dv"), one_tile, general):
+        assert torch.equal(a, b), name
+
+
 # Copies of attention.cu with one synchronisation removed, and the emulator's report each must
-# cause. The forward's wait is the only one covering key tile 0, so its first ldmatrix reads
-# copies in flight; without the barrier after dS^T, a warp reads the dS^T rows of the others
-# for dQ before they are written (in the first query tile no thread of the block has written
-# them yet; later, another warp's rows of the previous tile), or they overwrite rows it read,
-# whichever order the warps run.
+# cause, on the backward's one-tile path ([70, 5]) and its general path ([130, 3]). The
+# forward's wait is the only one covering key tile 0, and the backward's loop-top wait the
+# only one covering query tile 0, so the first ldmatrix of each reads copies in flight;
+# without the barrier after dS^T, a warp reads the dS^T rows of the others for dQ before they
+# are written (in the first query tile no thread of the block has written them yet; later,
+# another warp's rows of the previous tile), or they overwrite rows it read, whichever order
+# the warps run.
+IN_FLIGHT = r"race .* reads bytes .*cp\.async|read before cp\.async wait"
 BROKEN_ATTENTION = {
-    "missing cp_async_wait": (
+    "forward: missing cp_async_wait": (
         "    cp_async_wait<0>();  // this thread's copies of tile j have landed (the only group in flight)\n",
-        r"race .* reads bytes .*cp\.async"),
-    "missing __syncthreads": (
+        IN_FLIGHT),
+    "backward: missing cp_async_wait": (
+        "    cp_async_wait<0>();  // this thread's copies of query tile j have landed\n", IN_FLIGHT),
+    "backward: missing __syncthreads": (
         "    __syncthreads();  // barrier: every warp's dS^T rows are written\n",
         r"race .* with no __syncthreads between|uninitialised read .* no thread of this block wrote"),
 }
+BATCHES = {"one tile": [70, 5], "general": [130, 3]}
 
 _RUN_ATTENTION = """
 import ctypes
@@ -582,34 +613,54 @@ from tests.kernels.helpers import cu_seqlens_of, rand
 from tests.kernels.test_cuda_emulated import Emulated
 
 emu = Emulated(ctypes.CDLL({library!r}))
-lengths = [70, 5]
+lengths = {lengths!r}
 q, k, v, dout = (rand(sum(lengths), 1, 64, dtype=torch.bfloat16, seed=seed) for seed in range(4))
 cu_seqlens = cu_seqlens_of(lengths)
+assert emu.lib.bds_varlen_attention_bwd_accumulates(64, max(lengths)) == {accumulates!r}
 out, lse = emu.varlen_attention_fwd(q, k, v, cu_seqlens, max(lengths), 0.0, 0.125)
 emu.varlen_attention_bwd(dout, q, k, v, out, lse, cu_seqlens, max(lengths), 0.125)
 print("ran to the end")
 """
 
 
-def test_attention_run_for_the_broken_copies_passes_on_the_real_source(emu):
-    outcome = emulation.run_python(_RUN_ATTENTION.format(library=emu.lib._name))
+def _run_attention(library: str, batch: str) -> emulation.Outcome:
+    return emulation.run_python(_RUN_ATTENTION.format(library=library, lengths=BATCHES[batch],
+                                                      accumulates=int(batch == "general")))
+
+
+@pytest.mark.parametrize("batch", sorted(BATCHES))
+def test_attention_run_for_the_broken_copies_passes_on_the_real_source(emu, batch):
+    outcome = _run_attention(emu.lib._name, batch)
     assert outcome.returncode == 0 and "ran to the end" in outcome.stdout, outcome.stderr[-2000:]
 
 
-@pytest.mark.parametrize("broken", sorted(BROKEN_ATTENTION))
-def test_attention_missing_a_synchronisation_fails_in_the_emulator(tmp_path, broken):
+@pytest.fixture(scope="module")
+def broken_attention(tmp_path_factory):
+    """broken -> the emulated library of attention.cu without that line, each built once for the module."""
     if reason := emulation.unavailable():
         pytest.skip(reason)
-    removed, report = BROKEN_ATTENTION[broken]
-    sources = {path.name: path.read_text() for path in emulation.csrc_sources()}
-    source = sources["attention.cu"]
-    assert source.count(removed) == 1, f"{broken}: the line to remove is not in attention.cu exactly once"
-    sources["attention.cu"] = source.replace(removed, "")
-    assert sources["attention.cu"] != source
-    library = emulation.build_library(sources, tmp_path)
-    outcome = emulation.run_python(_RUN_ATTENTION.format(library=str(library)))
+    built: dict[str, str] = {}
+
+    def library(broken: str) -> str:
+        if broken not in built:
+            removed, _ = BROKEN_ATTENTION[broken]
+            sources = {path.name: path.read_text() for path in emulation.csrc_sources()}
+            source = sources["attention.cu"]
+            assert source.count(removed) == 1, f"{broken}: the line to remove is not in attention.cu exactly once"
+            sources["attention.cu"] = source.replace(removed, "")
+            built[broken] = str(emulation.build_library(sources, tmp_path_factory.mktemp("broken")))
+        return built[broken]
+    return library
+
+
+@pytest.mark.parametrize("broken, batch", [("forward: missing cp_async_wait", "one tile")] + [
+    (broken, batch) for broken in sorted(BROKEN_ATTENTION) if broken.startswith("backward")
+    for batch in sorted(BATCHES)])
+def test_attention_missing_a_synchronisation_fails_in_the_emulator(broken_attention, broken, batch):
+    outcome = _run_attention(broken_attention(broken), batch)
     assert outcome.aborted, f"{broken}: the emulated kernel ran to the end\n{outcome.stdout}{outcome.stderr[-2000:]}"
-    assert re.search(report, outcome.emu_error), f"{broken}: {outcome.emu_error or outcome.stderr[-2000:]}"
+    assert re.search(BROKEN_ATTENTION[broken][1], outcome.emu_error), \
+        f"{broken}: {outcome.emu_error or outcome.stderr[-2000:]}"
 
 
 # --------------------------------------------------------------------------- public ops and model on the emulation
@@ -645,7 +696,7 @@ def _public_op_grads(fn, inputs, grad_out, dtype=None):
 
 
 def test_public_ops_run_the_emulated_kernels_through_autograd(emulated_cuda):
-    from bert_ds import kernels
+    from bert_ds.kernels import ops as kernels
 
     dtype = torch.bfloat16
     atol = ATOL[dtype]

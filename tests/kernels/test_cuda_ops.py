@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 
-from bert_ds import kernels
+from bert_ds.kernels import ops as kernels
 from bert_ds.kernels import _build, choice, dispatch
 from bert_ds.kernels.dispatch import KernelUnavailable
 from bert_ds.model.padding import IGNORE_INDEX
@@ -255,12 +255,17 @@ def test_bias_gelu_with_fp32_bias(dtype):
 
 # --------------------------------------------------------------------------- attention
 
+# The backward's path follows max(lengths): one key tile (at most 128: dQ stored by the kernel)
+# or general (several key tiles adding dQ up with atomics).
 ATTENTION_CASES = [  # (lengths, heads, head_dim)
-    ([1, 512, 77, 128, 3], 3, 64),  # 1 and 512 in one batch
-    ([512], 2, 64),
-    ([1], 1, 64),
-    ([13, 200, 64, 65, 129], 4, 32),
-    ([128] * 16, 12, 64),  # a BERT-Base-like block
+    ([1, 512, 77, 128, 3], 3, 64),  # 1 and 512 in one batch; general
+    ([1, 5, 70, 129, 513], 2, 64),  # a last key tile of one key (129, 513); general
+    ([512], 2, 64),  # general
+    ([1], 1, 64),  # one tile
+    ([1, 5, 70, 128], 3, 64),  # one tile, two query tiles at 70 and 128
+    ([13, 200, 64, 65, 129], 4, 32),  # general
+    ([5, 70, 127, 1], 2, 32),  # one tile
+    ([128] * 16, 12, 64),  # a BERT-Base-like block; one tile
 ]
 
 
@@ -282,6 +287,22 @@ def test_varlen_attention(dtype, lengths, heads, head_dim, softmax_scale):
     truth = _grads(lambda q, k, v: attention_per_sequence(q, k, v, lengths, softmax_scale), inputs, grad_out,
                    torch.float64)
     _check(f"attention {dtype} {lengths}", fused, same, truth, dtype)
+
+
+@pytest.mark.parametrize("head_dim", [64, 32])
+def test_varlen_attention_one_tile_path_equals_the_general_path(extension, head_dim):
+    """Sequences of at most 128 tokens: max_seqlen 128 takes the one-tile backward (dQ stored by
+    the kernel), 129 the general one (its second key tile past every sequence: dQ added once, in
+    fp32, to zeros, then converted). The same products in the same order: the same bits."""
+    lengths, dtype = [1, 5, 70, 128, 33], torch.bfloat16
+    total, scale = sum(lengths), 1.0 / math.sqrt(head_dim)
+    q, k, v, dout = (rand(total, 4, head_dim, dtype=dtype, seed=seed, device="cuda") for seed in range(4))
+    cu_seqlens = cu_seqlens_of(lengths, device="cuda")
+    out, lse = extension.varlen_attention_fwd(q, k, v, cu_seqlens, 128, 0.0, scale)
+    one_tile = extension.varlen_attention_bwd(dout, q, k, v, out, lse, cu_seqlens, 128, scale)
+    general = extension.varlen_attention_bwd(dout, q, k, v, out, lse, cu_seqlens, 129, scale)
+    for name, a, b in zip(("dq", "dk", "dv"), one_tile, general):
+        assert torch.equal(a, b), name
 
 
 @pytest.mark.parametrize("layout", ["packed_qkv", "misaligned"])

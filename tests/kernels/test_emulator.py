@@ -1,9 +1,14 @@
 """The CPU emulator itself (tests/kernels/emu): its shared-memory checks and its fragment layouts.
 
 - Checks: small kernels of our own (emu/smem_checks.cu) run a cp.async double-buffered
-  pipeline through the same contract attention.cu uses; the correct pipeline gives the
-  right bytes, and a copy of it missing a wait, or either barrier, ends the process with the
-  emulator's one-line report (run in a child interpreter, since the emulator aborts).
+  pipeline through the same contract attention.cu uses, in static and in dynamic shared
+  memory; the correct pipeline gives the right bytes, and a copy of it missing a wait, or
+  either barrier, ends the process with the emulator's one-line report (run in a child
+  interpreter, since the emulator aborts).
+- Dynamic shared memory: a kernel given more than 48 KB at launch runs once
+  ``cudaFuncSetAttribute`` has allowed it, and is reported without; the attribute past an
+  A100's 163 KB is refused; an access past the launch's bytes, and a launch short of what a
+  kernel declares, are reported.
 - Layouts: what each lane's registers hold after the emulator's ``ldmatrix_x4[_trans]`` and
   ``mma_16816`` (through emu/fragment_probe.cu) is compared, entry by entry, with tables
   written here from the PTX ISA's text, independently of the emulator and of the kernels.
@@ -18,7 +23,9 @@ import numpy as np
 import pytest
 import torch
 
-from tests.kernels.emulation import EMU, BuildError, build_library, rewrite_launches, run_python, unavailable
+from tests.kernels.emulation import (
+    EMU, BuildError, build_library, rewrite_extern_shared, rewrite_launches, run_python, unavailable,
+)
 
 
 @pytest.fixture(scope="module")
@@ -38,16 +45,17 @@ THREADS = 64  # smem_checks.cu's block: two warps
 FAULTS = {"none": 0, "missing wait": 1, "missing barrier after wait": 2, "missing barrier before refill": 3}
 
 
-def run_pipeline(library: str, fault: str, tiles: int = 5,
-                 n: int = 5 * THREADS - 7) -> tuple[int, torch.Tensor, torch.Tensor]:
+def run_pipeline(library: str, fault: str, tiles: int = 5, n: int = 5 * THREADS - 7,
+                 dynamic: bool = False) -> tuple[int, torch.Tensor, torch.Tensor]:
     """Runs smem_checks.cu's pipeline over `tiles` tiles of 16-byte entries, the last `tiles *
-    THREADS - n` of them past the end (zero-filled). Returns (status, what every thread read:
-    (tiles, THREADS, 2, 4), what landed: (tiles, THREADS, 4)). A faulty pipeline never
-    returns: the emulator aborts the process (run it in a child)."""
+    THREADS - n` of them past the end (zero-filled), its buffers in static or (`dynamic`) in
+    dynamic shared memory. Returns (status, what every thread read: (tiles, THREADS, 2, 4),
+    what landed: (tiles, THREADS, 4)). A faulty pipeline never returns: the emulator aborts
+    the process (run it in a child)."""
     lib = ctypes.CDLL(library)
     src = torch.arange(tiles * THREADS * 4, dtype=torch.int32).view(tiles * THREADS, 4) + 1
     out = torch.full((tiles, THREADS, 2, 4), -1, dtype=torch.int32)
-    status = lib.emu_pipeline(_ptr(src), n, _ptr(out), tiles, FAULTS[fault])
+    status = lib.emu_pipeline(_ptr(src), n, _ptr(out), tiles, FAULTS[fault], int(dynamic))
     landed = src.clone()
     landed[n:] = 0
     return status, out, landed.view(tiles, THREADS, 4)
@@ -60,10 +68,11 @@ def test_a_copy_lands_at_the_wait_not_at_the_issue(library):
     assert out[0].tolist() == [7, 7, 7, 7] and out[1].tolist() == [1, 2, 3, 4]
 
 
-def test_double_buffered_pipeline_reads_what_was_copied(library):
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_double_buffered_pipeline_reads_what_was_copied(library, dynamic):
     """Correct waits and barriers: no report; each thread reads its own entry, zeros past the
     end, and warp 1 reads warp 0's landed copies (lane tid % 32)."""
-    status, out, landed = run_pipeline(library, "none")
+    status, out, landed = run_pipeline(library, "none", dynamic=dynamic)
     assert status == 0
     assert torch.equal(out[:, :, 0], landed)
     assert torch.equal(out[:, :, 1], landed[:, torch.arange(THREADS) % 32])
@@ -86,10 +95,11 @@ PIPELINE_ERRORS = {
 }
 
 
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
 @pytest.mark.parametrize("fault", list(PIPELINE_ERRORS))
-def test_broken_pipeline_aborts_with_one_line(library, fault):
+def test_broken_pipeline_aborts_with_one_line(library, fault, dynamic):
     outcome = run_python(f"from tests.kernels.test_emulator import run_pipeline\n"
-                         f"run_pipeline({library!r}, {fault!r})")
+                         f"run_pipeline({library!r}, {fault!r}, dynamic={dynamic})")
     assert outcome.aborted, (outcome.returncode, outcome.stderr[-2000:])
     assert re.fullmatch(PIPELINE_ERRORS[fault], outcome.emu_error), outcome.stderr[-2000:]
 
@@ -120,6 +130,76 @@ def test_st_shared_without_a_barrier_is_a_race(library):
     found = re.fullmatch(rf"emu: race in block \(0, 0, 0\): warp (\d) lane \d+, {ADDRESS}, writes bytes another warp "
                          r"read with no __syncthreads between \(warp (\d)\)", outcome.emu_error)
     assert found and {found.group(1), found.group(2)} == {"0", "1"}, outcome.stderr
+
+
+# --------------------------------------------------------------------------- dynamic shared memory
+
+ABOVE_48_KB = 30_000  # floats: 120,000 bytes
+
+
+def run_dynamic(library: str, n: int, allow_bytes: int = 0, past: bool = False) -> tuple[int, torch.Tensor,
+                                                                                            torch.Tensor]:
+    """smem_checks.cu's dynamic_kernel: n floats of dynamic shared memory in each of two blocks,
+    after cudaFuncSetAttribute(allow_bytes) where allow_bytes > 0. Returns (status, the words
+    written, what the blocks read: (2, n)); a faulty launch or access aborts the process."""
+    lib = ctypes.CDLL(library)
+    words = torch.arange(n, dtype=torch.float32) * 0.5 + 1
+    out = torch.full((2, n), float("nan"))
+    status = lib.emu_dynamic(_ptr(words), _ptr(out), n, allow_bytes, int(past))
+    return status, words, out
+
+
+def test_dynamic_shared_memory_past_48_kb_runs_once_allowed(library):
+    status, words, out = run_dynamic(library, ABOVE_48_KB, allow_bytes=4 * ABOVE_48_KB)
+    assert status == 0
+    assert torch.equal(out, words.roll(-32).expand(2, -1))  # word i + 32 (mod n), in both blocks
+
+
+def test_dynamic_shared_memory_past_48_kb_without_the_attribute_is_reported(library):
+    outcome = run_python(f"from tests.kernels.test_emulator import run_dynamic, ABOVE_48_KB\n"
+                         f"run_dynamic({library!r}, ABOVE_48_KB)")
+    assert outcome.aborted, (outcome.returncode, outcome.stderr[-2000:])
+    assert re.fullmatch(r"emu: launch with 120000 bytes of dynamic shared memory, above the 49152 the kernel allows: "
+                        r"past 48 KB it needs cudaFuncSetAttribute\(kernel, "
+                        r"cudaFuncAttributeMaxDynamicSharedMemorySize, 120000\) first", outcome.emu_error), \
+        outcome.stderr
+
+
+def test_the_attribute_past_an_a100s_limit_is_refused(library):
+    """163 KB (166,912 bytes) per block is an A100's opt-in limit: cudaErrorInvalidValue (1) above it."""
+    assert run_dynamic(library, 64, allow_bytes=166_913)[0] == 1
+    assert run_dynamic(library, 64, allow_bytes=166_912)[0] == 0
+
+
+def test_an_access_past_the_launched_bytes_is_reported(library):
+    outcome = run_python(f"from tests.kernels.test_emulator import run_dynamic\n"
+                         f"run_dynamic({library!r}, 1000, past=True)")
+    assert outcome.aborted, (outcome.returncode, outcome.stderr[-2000:])
+    assert re.fullmatch(rf"emu: out of bounds in block \(0, 0, 0\): warp 0 lane 0, {ADDRESS}, reads bytes at offset "
+                        r"4000 of dynamic shared memory, past the 4000 bytes the launch gave", outcome.emu_error), \
+        outcome.stderr
+
+
+def run_declared(library: str, launch_bytes: int) -> int:
+    """smem_checks.cu's declared_kernel (it declares 1,024 bytes) launched with launch_bytes."""
+    return ctypes.CDLL(library).emu_declared(_ptr(torch.zeros(32)), launch_bytes)
+
+
+def test_a_launch_short_of_what_the_kernel_declares_is_reported(library):
+    assert run_declared(library, 1024) == 0
+    outcome = run_python(f"from tests.kernels.test_emulator import run_declared\nrun_declared({library!r}, 512)")
+    assert outcome.aborted, (outcome.returncode, outcome.stderr[-2000:])
+    assert outcome.emu_error == ("emu: kernel uses 1024 bytes of dynamic shared memory, the launch gave 512, in block "
+                                 "(0, 0, 0)"), outcome.stderr
+
+
+def test_extern_shared_arrays_are_rewritten_and_the_unrewritable_refused():
+    comment = "  // `extern __shared__` in a comment stays\n"
+    text = "  extern __shared__ __align__(16) unsigned char smem[];" + comment
+    rewritten = "  unsigned char* const smem = ::emu::dynamic_shared<unsigned char>();" + comment
+    assert rewrite_extern_shared(text, "a.cu") == rewritten
+    with pytest.raises(BuildError, match=r"^b\.cu: an extern __shared__ declaration the emulation cannot rewrite$"):
+        rewrite_extern_shared("extern __shared__ float sized[64];", "b.cu")
 
 
 # --------------------------------------------------------------------------- fragment layouts, from the PTX ISA

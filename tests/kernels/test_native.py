@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bert_ds import kernels
+from bert_ds.kernels import ops as kernels
 from bert_ds.kernels import attention, dispatch, selfcheck
 from bert_ds.kernels.attention import VarlenAttnApi
 from bert_ds.kernels.dropout_layer_norm import dropout_add_layer_norm_native, dropout_add_layer_norm_ref
@@ -308,7 +308,7 @@ def test_varlen_attn_is_looked_up_in_each_known_location(monkeypatch):
 
 def test_a_process_without_cuda_starts_without_importing_varlen_attn():
     """Its module pulls in torch's compiler stack (about 2.5 s a start): a CPU process never needs it."""
-    code = ("import sys, bert_ds.train.cli, bert_ds.kernels.attention as a; "
+    code = ("import sys, bert_ds.train.loop, bert_ds.kernels.attention as a; "
             "assert 'torch.nn.attention.varlen' not in sys.modules; "
             "assert a.varlen_attn_api() == a.find_varlen_attn(); assert 'torch.nn.attention.varlen' in sys.modules")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bert_ds import kernels
+from bert_ds.kernels import ops as kernels
 from bert_ds.kernels import choice, dispatch
 from bert_ds.kernels._build import load_extension
 from bert_ds.kernels.choice import UnknownKernelBackend, resolve_backend

@@ -1,5 +1,6 @@
 """Static evidence about the compiled kernels, on CPU: no spills, attention on tensor cores
-with ``cp.async``, and at least 2 CTAs per SM for attention on A100 and H100.
+with ``cp.async``, attention's shared memory and CTAs per SM on A100 and H100 as its design
+says (attention.cu's header), and no global atomics in the one-tile backward.
 
 The figures come from bert_ds.kernels.inspect (ptxas -v, the PTX and, where nvdisasm is
 installed, the SASS), compiled once per source and architecture for the whole session.
@@ -44,6 +45,12 @@ REPO = Path(__file__).resolve().parents[2]
     (A100, 32, 0, 1024, 2, "warps"),
     # tiny CTAs stop at the 32-CTA limit
     (H100, 16, 0, 32, 32, "CTAs"),
+    # attention's backward at head dim 64: 230 regs -> 7424 per warp, 2 warps per sub-partition: one CTA of 8
+    (A100, 230, 93184, 256, 1, "registers"),
+    (H100, 230, 93184, 256, 1, "registers"),
+    # its 93,184 B of shared memory + 1 KiB = 94,208 B: one CTA on 164 KiB, two on 228 KiB
+    (A100, 128, 93184, 256, 1, "shared memory"),
+    (H100, 128, 93184, 256, 2, "registers"),
 ])
 def test_occupancy_calculator_matches_hand_computed_cases(device, registers, smem, threads, ctas, limiter):
     assert kinspect.ctas_per_sm(device, registers, smem, threads) == (ctas, limiter)
@@ -72,6 +79,9 @@ PTX = """\
  cp.async.commit_group;
  cp.async.wait_group 0;
  ld.local.u32 %r4, [%rd2];
+ atom.global.add.f32 %f2, [%rd3], %f1;
+ red.shared.add.u32 [%r6], 1;
+ // bds.dynamic_smem 93184
 }
 .entry _Z3barv(
 {
@@ -85,6 +95,8 @@ SASS = """\
         /*0010*/              @!P0 LDGSTS.E.BYPASS.128 [R2], desc[UR4][R4.64] ;
         /*0020*/                   HMMA.16816.F32.BF16 R8, R12, R16, R8 ;
         /*0030*/               @P1 STL [R1], R3 ;
+        /*0040*/                   REDG.E.ADD.F32.FTZ.RN.STRONG.GPU desc[UR4][R2.64], R5 ;
+        /*0050*/                   ATOMS.ADD RZ, [R6], R7 ;
 .text._Z3barv:
         /*0000*/                   LDSM.16.M88.4 R4, [R2] ;
         /*0010*/                   EXIT ;
@@ -102,20 +114,28 @@ def test_ptx_entries_give_block_size_and_instruction_counts():
     assert set(entries) == {"_Z3fooPf", "_Z3barv"}
     assert kinspect.ptx_threads(entries["_Z3fooPf"]) == 128 and kinspect.ptx_threads(entries["_Z3barv"]) is None
     counts = {col: len(re.findall(rx, entries["_Z3fooPf"])) for col, rx in kinspect.PTX_COUNTS.items()}
-    assert counts == {"mma.sync": 1, "ldmatrix": 0, "cp.async": 1, "ld/st.local": 1}  # commit/wait not copies
+    # commit/wait are not copies, a shared-memory atomic is not a global one, "shared.global" is no "red."
+    assert counts == {"mma.sync": 1, "ldmatrix": 0, "cp.async": 1, "ld/st.local": 1, "atom/red": 1}
     assert len(re.findall(kinspect.PTX_COUNTS["ldmatrix"], entries["_Z3barv"])) == 1
+
+
+def test_ptx_gives_the_dynamic_shared_memory_a_kernel_declares():
+    entries = kinspect.ptx_entries(PTX)
+    assert kinspect.ptx_dynamic_smem(entries["_Z3fooPf"]) == 93184
+    assert kinspect.ptx_dynamic_smem(entries["_Z3barv"]) == 0
 
 
 def test_sass_opcodes_are_counted_per_function_predicated_or_not():
     ops = kinspect.sass_opcodes(SASS)
-    assert ops["_Z3fooPf"] == {"IMAD": 1, "LDGSTS": 1, "HMMA": 1, "STL": 1}
+    assert ops["_Z3fooPf"] == {"IMAD": 1, "LDGSTS": 1, "HMMA": 1, "STL": 1, "REDG": 1, "ATOMS": 1}
     assert ops["_Z3barv"] == {"LDSM": 1, "EXIT": 1}
 
 
 def _kernel(name, arch, registers, ctas, mma=0):
     return kinspect.Kernel(source="a.cu", arch=arch, name=name, mangled=name, registers=registers, stack=0,
                            spill_stores=0, spill_loads=0, smem=0, threads=128,
-                           ptx={"mma.sync": mma, "ldmatrix": 0, "cp.async": 0, "ld/st.local": 0}, sass=None,
+                           ptx={"mma.sync": mma, "ldmatrix": 0, "cp.async": 0, "ld/st.local": 0, "atom/red": 0},
+                           sass=None,
                            ctas_per_sm=ctas, limiter="registers")
 
 
@@ -124,8 +144,8 @@ def test_summary_folds_dtype_instantiations_and_gives_ranges_per_arch():
                _kernel("k<bf16, 64>", "90", 150, 3, mma=8), _kernel("k<fp16, 64>", "90", 150, 3, mma=8),
                _kernel("k<bf16, 32>", "80", 100, 4), _kernel("k<bf16, 32>", "90", 100, 4)]
     rows = [line for line in kinspect.summary(kernels).splitlines() if line.startswith("| a.cu")]
-    assert rows == ["| a.cu | k<T, 64> | 160-170 / 150 | 0 | 0 | 128 | 2-3 / 3 | 8 | 0 | 0 | 0 |",
-                    "| a.cu | k<T, 32> | 100 / 100 | 0 | 0 | 128 | 4 / 4 | 0 | 0 | 0 | 0 |"]
+    assert rows == ["| a.cu | k<T, 64> | 160-170 / 150 | 0 | 0 | 0 | 128 | 2-3 / 3 | 8 | 0 | 0 | 0 | 0 |",
+                    "| a.cu | k<T, 32> | 100 / 100 | 0 | 0 | 0 | 128 | 4 / 4 | 0 | 0 | 0 | 0 | 0 |"]
 
 
 def test_without_nvcc_inspect_says_so_and_succeeds():
@@ -151,6 +171,24 @@ def compiled():
 def _attention_math(kernels):
     """The attention kernels that do the matmuls: attention.cu's kernels named fwd or bwd."""
     return [k for k in kernels if k.source == "attention.cu" and re.search(r"fwd|bwd", k.name.split("<")[0])]
+
+
+def _attention_kind(kernel) -> tuple[str, int, str]:
+    """(kernel name, head dim, "one tile" / "general" / "") of an attention matmul kernel."""
+    found = re.fullmatch(r"(attention_\w+_kernel)<\w+, (\d+)(?:, (true|false))?>", kernel.name)
+    assert found, kernel.name
+    path = {"true": "one tile", "false": "general", None: ""}[found.group(3)]
+    return found.group(1), int(found.group(2)), path
+
+
+# What attention.cu's header designs, per (kernel, head dim): warps per CTA, CTAs per SM on
+# A100 and H100 (both: registers decide), and bytes of dynamic shared memory (all of it).
+ATTENTION_DESIGN = {
+    ("attention_fwd_kernel", 64): (4, 2, 36864),   # 2 stages x (K, V) of 64 keys
+    ("attention_fwd_kernel", 32): (4, 2, 40960),   # 2 stages x (K, V) of 128 keys
+    ("attention_bwd_kernel", 64): (8, 1, 93184),   # K, V of 128 keys, 2 stages x (Q, dO) of 64, dS^T, lse, D
+    ("attention_bwd_kernel", 32): (4, 2, 41472),   # K, V of 128 keys, 2 stages x (Q, dO) of 32, dS^T, lse, D
+}
 
 
 @needs_nvcc
@@ -192,13 +230,40 @@ def test_attention_uses_tensor_cores_and_cp_async(compiled):
 
 @needs_nvcc
 @pytest.mark.parametrize("arch", sorted(kinspect.DEVICES))
-def test_attention_reaches_two_ctas_per_sm(compiled, arch):
+def test_attention_occupancy_is_as_designed(compiled, arch):
+    """Every attention kernel keeps at least 8 warps per SM; the matmul kernels have the warps,
+    CTAs per SM and dynamic shared memory attention.cu's header derives (and no static shared
+    memory), both paths of the backward alike, within an A100's 163 KB per block."""
     kernels, _ = compiled
     device = kinspect.DEVICES[arch]
-    short = [f"{k.name} sm_{arch}: {k.ctas_per_sm} CTAs per SM on {device.name} ({k.limiter}: {k.registers} "
-             f"registers, {k.smem} B smem, {k.threads} threads)"
-             for k in kernels if k.source == "attention.cu" and k.arch == arch and (k.ctas_per_sm or 0) < 2]
-    assert not short, "\n".join(short)
+
+    def figures(k):
+        return (f"{k.name} sm_{arch}: {k.threads} threads, {k.ctas_per_sm} CTAs per SM on {device.name} ({k.limiter}: "
+                f"{k.registers} registers, {k.smem} + {k.dynamic_smem} B smem)")
+    attention = [k for k in kernels if k.source == "attention.cu" and k.arch == arch]
+    short = [figures(k) for k in attention if (k.ctas_per_sm or 0) * (k.threads or 0) < 8 * 32]
+    assert attention and not short, "\n".join(short)
+    math = _attention_math(attention)
+    assert {_attention_kind(k)[:2] for k in math} == set(ATTENTION_DESIGN)
+    off = [figures(k) for k in math
+           if (k.threads // 32, k.ctas_per_sm, k.dynamic_smem, k.smem) != (*ATTENTION_DESIGN[_attention_kind(k)[:2]], 0)
+           or k.dynamic_smem > 166912]
+    assert not off, "\n".join(off)
+
+
+@needs_nvcc
+def test_one_tile_backward_has_no_global_atomics(compiled):
+    """Where every sequence fits one key tile, the backward stores dQ itself: no atom/red in its
+    PTX (nor ATOM/RED in its SASS). The general path adds dQ up with them: the count can see them."""
+    kernels, with_sass = compiled
+    backward = [k for k in _attention_math(kernels) if _attention_kind(k)[0] == "attention_bwd_kernel"]
+    paths = {path: [k for k in backward if _attention_kind(k)[2] == path] for path in ("one tile", "general")}
+    assert paths["one tile"] and paths["general"], [k.name for k in backward]
+    with_atomics = [f"{k.name} sm_{k.arch}: {k.ptx['atom/red']} atom/red" + (f", {k.sass['ATOM/RED']} ATOM/RED"
+                                                                           if with_sass else "")
+                    for k in paths["one tile"] if k.ptx["atom/red"] or (with_sass and k.sass["ATOM/RED"])]
+    assert not with_atomics, "\n".join(with_atomics)
+    assert all(k.ptx["atom/red"] > 0 and (not with_sass or k.sass["ATOM/RED"] > 0) for k in paths["general"])
 
 
 @needs_nvcc

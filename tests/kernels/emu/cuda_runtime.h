@@ -8,7 +8,19 @@
 // ldmatrix/mma reproduce the fragment layouts of the PTX ISA ("Matrix fragments for
 // mma.m16n8k16", "ldmatrix"). __shared__ variables become function statics, shared by
 // the block's fibers. Kernel launches are rewritten to emu::launch by the test before
-// compiling (`k<<<grid, block, smem, stream>>>(args)` -> `::emu::launch(k, grid, ...)`).
+// compiling (`k<<<grid, block, smem, stream>>>(args)` -> `::emu::launch(k, grid, ...)`),
+// and `extern __shared__ T name[]` to a pointer to the first `smem` bytes of one static
+// buffer (dynamic_shared), the launch's dynamic shared memory.
+//
+// Dynamic shared memory follows an A100's rules, the stricter of the two targets, so that
+// a kernel the emulation accepts fits an H100 too: a launch may ask for 48 KB, or up to
+// 163 KB (166,912 bytes) once cudaFuncSetAttribute(kernel,
+// cudaFuncAttributeMaxDynamicSharedMemorySize, bytes) has allowed it; a larger setting is
+// cudaErrorInvalidValue and a launch past its allowance an `emu:` report. Accesses through
+// the contract past the launch's bytes are reported (shared_memory.h), and a kernel that
+// declares more than it was given (declare_dynamic_smem) too. Static and dynamic shared
+// memory are not summed against the limit (the static arrays live apart): kernels/inspect.py
+// checks the sum with the compiler's figures.
 //
 // What it checks: indexing, tiling, masking, fragment bookkeeping and the arithmetic;
 // barriers that can never open (a deadlock report); and, for shared memory reached through
@@ -42,6 +54,7 @@
 #include <functional>
 #include <tuple>
 #include <type_traits>
+#include <unordered_map>
 #include <vector>
 
 // ----------------------------------------------------------------- runtime API subset
@@ -52,6 +65,24 @@ inline cudaError_t cudaGetDevice(int* device) { *device = 0; return cudaSuccess;
 inline cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr, int) { *value = 2; return cudaSuccess; }
 inline cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_t) {
   std::memset(p, value, bytes);
+  return cudaSuccess;
+}
+
+// Kernel attributes: only the dynamic shared memory allowance is kept (emu::launch checks it).
+namespace emu {
+constexpr size_t kDefaultDynamicSmem = 48 * 1024;  // what any launch may ask for
+constexpr size_t kMaxDynamicSmem = 166912;         // an A100's opt-in limit per block (163 KB)
+inline std::unordered_map<const void*, size_t>& dynamic_smem_allowed() {
+  static std::unordered_map<const void*, size_t> allowed;
+  return allowed;
+}
+}  // namespace emu
+
+template <typename... P>
+inline cudaError_t cudaFuncSetAttribute(void (*kernel)(P...), cudaFuncAttribute attribute, int value) {
+  if (attribute != cudaFuncAttributeMaxDynamicSharedMemorySize) return cudaSuccess;  // recorded nowhere: no effect here
+  if (value < 0 || (size_t)value > emu::kMaxDynamicSmem) return cudaErrorInvalidValue;
+  emu::dynamic_smem_allowed()[reinterpret_cast<const void*>(kernel)] = (size_t)value;
   return cudaSuccess;
 }
 
@@ -122,6 +153,7 @@ struct State {
   long idle_yields = 0;  // yields since a barrier last opened or a fiber finished
   uint32_t epoch = 0;    // advances at every block start and __syncthreads: shared_memory.h's race clock
   uint32_t block_epoch = 0;  // the epoch this block started in: older writes are another block's bytes
+  size_t dynamic_smem = 0;   // bytes of dynamic shared memory the running launch gave
 };
 
 inline State& state() {
@@ -258,9 +290,35 @@ inline void run_block(dim3 block_idx) {
   s.current = -1;
 }
 
+// The dynamic shared memory of every launch: one buffer, so that its shadow words persist
+// (shared_memory.h). Larger than any launch may ask for, so that an access past the launch's
+// bytes still falls inside it and is reported rather than touching other memory.
+constexpr size_t kDynamicSmemBuffer = 256 * 1024;
+inline unsigned char* dynamic_smem_base() {
+  alignas(128) static unsigned char buffer[kDynamicSmemBuffer];
+  return buffer;
+}
+
+// What `extern __shared__ T name[]` becomes: the start of the launch's dynamic shared memory.
+template <typename T>
+inline T* dynamic_shared() {
+  return reinterpret_cast<T*>(dynamic_smem_base());
+}
+
 template <typename... P, typename... A>
-void launch(void (*kernel)(P...), dim3 grid, dim3 block, size_t, cudaStream_t, A&&... args) {
+void launch(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t, A&&... args) {
   State& s = state();
+  if (smem > kDefaultDynamicSmem) {
+    const auto found = dynamic_smem_allowed().find(reinterpret_cast<const void*>(kernel));
+    const size_t allowed = found == dynamic_smem_allowed().end() ? kDefaultDynamicSmem : found->second;
+    if (smem > allowed) {
+      std::fprintf(stderr, "emu: launch with %zu bytes of dynamic shared memory, above the %zu the kernel allows: "
+                   "past 48 KB it needs cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, "
+                   "%zu) first\n", smem, allowed, smem);
+      std::abort();
+    }
+  }
+  s.dynamic_smem = smem;
   std::tuple<std::decay_t<P>...> params(static_cast<std::decay_t<P>>(args)...);
   s.body = [&] { std::apply(kernel, params); };
   s.grid_dim = grid;

@@ -25,7 +25,11 @@
 // - reading bytes no thread of this block wrote: shared arrays are statics here, so they
 //   would hold an earlier block's (finite, plausible) values, and on a GPU whatever is
 //   left there; a kernel that forgets to zero-fill the rows past a sequence's end must
-//   not pass because of them.
+//   not pass because of them;
+// - any access (read, write, cp.async) to dynamic shared memory past the bytes the launch
+//   gave (`out of bounds`): on a GPU it would land in another CTA's shared memory or fault.
+// Dynamic shared memory is one static buffer (cuda_runtime.h), so these checks apply to it
+// as they do to the static arrays.
 // Shared memory touched directly (plain loads and stores of a __shared__ array) is not
 // seen: only kernels that use the contract throughout are checked.
 #pragma once
@@ -118,7 +122,18 @@ inline void record_write(Word& w) {
   w.write_epoch = state().epoch;
 }
 
+// Accesses to the dynamic shared memory buffer must stay within the launch's bytes.
+inline void check_dynamic_bounds(const void* p, size_t bytes, const char* access) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p), base = reinterpret_cast<uintptr_t>(dynamic_smem_base());
+  if (a + bytes <= base || a >= base + kDynamicSmemBuffer) return;  // not dynamic shared memory
+  const size_t given = state().dynamic_smem;
+  if (a >= base && a + bytes <= base + given) return;
+  report("out of bounds", a, "%s bytes at offset %ld of dynamic shared memory, past the %zu bytes the launch gave",
+         access, (long)(a - base), given);
+}
+
 inline void track_read(const void* p, size_t bytes, const char* access) {
+  check_dynamic_bounds(p, bytes, access);
   const uint32_t now = state().epoch;
   const int warp = me().linear / 32;
   for (uintptr_t a = reinterpret_cast<uintptr_t>(p), end = a + bytes; a < end; a += 4) {
@@ -136,6 +151,7 @@ inline void track_read(const void* p, size_t bytes, const char* access) {
 }
 
 inline void track_write(const void* p, size_t bytes) {
+  check_dynamic_bounds(p, bytes, "writes");
   for (uintptr_t a = reinterpret_cast<uintptr_t>(p), end = a + bytes; a < end; a += 4) {
     Word& w = shadow().at(a);
     if (w.in_flight >= 0)
@@ -161,6 +177,7 @@ inline void require_aligned(const char* what, const void* p, size_t alignment) {
 // ----------------------------------------------------------------- cp.async
 
 inline void issue_copy(void* dst, const void* src, bool valid) {
+  check_dynamic_bounds(dst, 16, "issues a cp.async to");
   Fiber& f = me();
   AsyncCopy copy{static_cast<unsigned char*>(dst), {}, f.committed_groups};
   if (valid) std::memcpy(copy.bytes, src, 16);
@@ -212,6 +229,18 @@ template <int N>
 inline void cp_async_wait() {
   static_assert(N >= 0, "cp.async.wait_group takes a non-negative count");
   emu::land_copies(N);
+}
+
+// kernels/csrc/common.cuh's declaration of the dynamic shared memory a kernel uses: the
+// launch must have given at least that much.
+template <int kBytes>
+inline void declare_dynamic_smem() {
+  const emu::State& s = emu::state();
+  if (s.dynamic_smem < (size_t)kBytes) {
+    std::fprintf(stderr, "emu: kernel uses %d bytes of dynamic shared memory, the launch gave %zu, in block "
+                 "(%u, %u, %u)\n", kBytes, s.dynamic_smem, s.block_idx.x, s.block_idx.y, s.block_idx.z);
+    std::abort();
+  }
 }
 
 template <typename V>

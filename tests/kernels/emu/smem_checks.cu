@@ -1,7 +1,9 @@
 // Self-test kernels for the emulator's shared-memory checks (tests/kernels/test_emulator.py):
 // a cp.async double-buffered pipeline written through the contract that attention.cu uses
-// (and the same pipeline with one step left out), a word exchanged between two warps through
-// st_shared/ld_shared, and one copy observed before and after its wait.
+// (and the same pipeline with one step left out), in static or dynamic shared memory, a word
+// exchanged between two warps through st_shared/ld_shared, one copy observed before and after
+// its wait, and dynamic shared memory sized at launch (past 48 KB, past its end, short of
+// what the kernel declares).
 #include <cuda_runtime.h>
 #include <stdint.h>
 
@@ -20,8 +22,11 @@ enum Fault : int {
 // are not read (valid == false: the copy zero-fills). Thread tid copies entry tid of each
 // tile; it then reads its own entry and entry tid % 32, which warp 0 copied, so that warp 1
 // depends on warp 0's copies. out[2 (t kThreads + tid)] and the next entry get the two.
-__global__ void pipeline_kernel(const uint4* src, int n, uint4* out, int tiles, int fault) {
-  __shared__ __align__(16) uint4 buffer[2][kThreads];
+// `dynamic`: the two buffers are the launch's dynamic shared memory instead of a static array.
+__global__ void pipeline_kernel(const uint4* src, int n, uint4* out, int tiles, int fault, int dynamic) {
+  __shared__ __align__(16) uint4 static_buffer[2][kThreads];
+  extern __shared__ __align__(16) uint4 dynamic_buffer[];
+  uint4 (*buffer)[kThreads] = dynamic ? reinterpret_cast<uint4 (*)[kThreads]>(dynamic_buffer) : static_buffer;
   const int tid = threadIdx.x;
   auto fetch = [&](int t) {
     const int i = t * kThreads + tid;
@@ -67,6 +72,26 @@ __global__ void landing_kernel(const uint4* src, uint4* out) {
   out[1] = bds::ld_shared(&slot[0]);
 }
 
+// n floats of dynamic shared memory (the launch gives n * 4 bytes), in two blocks: each
+// thread writes words tid, tid + kThreads, ..., then reads word i + 32 (mod n) for each of
+// its i, which another warp wrote. `past`: thread 0 also reads word n, one past the end.
+__global__ void dynamic_kernel(const float* in, float* out, int n, int past) {
+  extern __shared__ __align__(16) float words[];
+  const int tid = threadIdx.x;
+  for (int i = tid; i < n; i += kThreads) bds::st_shared(&words[i], in[i]);
+  __syncthreads();
+  for (int i = tid; i < n; i += kThreads) out[blockIdx.x * n + i] = bds::ld_shared(&words[(i + 32) % n]);
+  if (past && tid == 0) out[0] = bds::ld_shared(&words[n]);
+}
+
+// Uses 1 KB of dynamic shared memory, by its declaration.
+__global__ void declared_kernel(float* out) {
+  bds::declare_dynamic_smem<1024>();
+  extern __shared__ __align__(16) float words[];
+  bds::st_shared(&words[threadIdx.x], 1.f);
+  out[threadIdx.x] = bds::ld_shared(&words[threadIdx.x]);
+}
+
 // Block 0 writes its words and reads them back; block 1 only reads (it forgot to write).
 __global__ void uninitialised_kernel(float* out) {
   __shared__ __align__(16) float words[kThreads];
@@ -88,8 +113,25 @@ extern "C" int emu_landing(const uint4* src, uint4* out) {
   return (int)cudaGetLastError();
 }
 
-extern "C" int emu_pipeline(const uint4* src, int n, uint4* out, int tiles, int fault) {
-  pipeline_kernel<<<1, kThreads, 0, 0>>>(src, n, out, tiles, fault);
+extern "C" int emu_pipeline(const uint4* src, int n, uint4* out, int tiles, int fault, int dynamic) {
+  pipeline_kernel<<<1, kThreads, dynamic ? 2 * kThreads * sizeof(uint4) : 0, 0>>>(src, n, out, tiles, fault, dynamic);
+  return (int)cudaGetLastError();
+}
+
+// allow_bytes > 0: cudaFuncSetAttribute(MaxDynamicSharedMemorySize, allow_bytes) first; its
+// error, if any, is returned without launching.
+extern "C" int emu_dynamic(const float* in, float* out, int n, int allow_bytes, int past) {
+  if (allow_bytes > 0) {
+    const cudaError_t err =
+        cudaFuncSetAttribute(dynamic_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, allow_bytes);
+    if (err != cudaSuccess) return (int)err;
+  }
+  dynamic_kernel<<<2, kThreads, n * sizeof(float), 0>>>(in, out, n, past);
+  return (int)cudaGetLastError();
+}
+
+extern "C" int emu_declared(float* out, int bytes) {
+  declared_kernel<<<1, 32, bytes, 0>>>(out);
   return (int)cudaGetLastError();
 }
 
