@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 from bert_ds import ds_configs
 from bert_ds.base.errors import ConfigError, require
-from bert_ds.model.bert import ModelConfig
+from bert_ds.model.config import ModelConfig
 
 DS_CONFIG_DIR = Path(ds_configs.__file__).resolve().parent  # in a checkout and in an installed wheel
 

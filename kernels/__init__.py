@@ -4,7 +4,7 @@ Each op lives in ``kernels/<op>.py`` as ``<op>_ref()`` (the reference, plain
 PyTorch: the definition tests compare against), ``<op>_native()`` (the fastest
 PyTorch-native op for the inputs), ``<op>_fused()`` over the autograd Function of the
 fused CUDA kernels, and ``<op>(..., backend=...)`` (the public op, which runs one of
-them). The backend is resolved once per model with :func:`resolve_backend` from a
+them). The backend is resolved once per model with ``resolve_backend`` from a
 ``kernels: auto | cuda | torch`` setting and the model's shapes; ``auto`` races per op the
 correct candidates on the device at those shapes (the fused kernel, the native op, the
 reference under ``torch.compile``, apex's LayerNorm, torch's ``varlen_attn`` and SDPA's
@@ -15,6 +15,8 @@ which the model hands to every op call.
   ``csrc/bindings.cpp``: the torch module ``bert_ds_kernels`` over them.
 - ``_build.py``: the one loader (in-process -> prebuilt -> JIT build -> None with the
   reason) and the per-device record of the verdicts.
+- ``ops.py``: the public face: the ops and :func:`resolve_backend`, what the model, the
+  optimizer and user code import (``from bert_ds.kernels.ops import layer_norm``).
 - ``dispatch.py``: per op call, the implementation the resolved backend names; :class:`OpPlan`.
 - ``choice.py``: :func:`resolve_backend` and the per-device verdicts it rests on: self-check
   (``selfcheck.py``) and speed (``speed.py``).
@@ -30,36 +32,10 @@ which the model hands to every op call.
 
 The imports point one way, ``_build`` <- ``dispatch``, ``compiled`` <- the ops <- ``selfcheck``
 <- ``speed`` <- ``choice`` (``tests/test_layers.py`` checks it): the dispatch consults the
-self-check's verdicts made by running the ops, so they are handed to it here
-(:func:`dispatch.consult`) instead of imported; the race's reach it inside the plan.
+self-check's verdicts made by running the ops, so ``choice`` hands them to it as it is
+imported (:func:`dispatch.consult`) instead of the dispatch importing them; the race's reach
+it inside the plan.
+
+This ``__init__`` imports nothing: the commands above (``python -m bert_ds.kernels.X``) run it
+first, and ``--help`` or a mistyped flag must answer without importing torch.
 """
-
-from bert_ds.kernels import choice, dispatch
-from bert_ds.kernels.attention import varlen_attention, varlen_attention_native, varlen_attention_ref
-from bert_ds.kernels.bias_gelu import bias_gelu, bias_gelu_native, bias_gelu_ref
-from bert_ds.kernels.choice import KernelSetting, UnknownKernelBackend, check_setting, resolve_backend
-from bert_ds.kernels.dispatch import Backend, KernelUnavailable, OpPlan
-from bert_ds.kernels.layer_norm import layer_norm, layer_norm_native, layer_norm_ref
-from bert_ds.kernels.speed import OpShapes
-
-dispatch.consult(choice.op_verdicts)
-
-__all__ = [
-    "Backend",
-    "KernelSetting",
-    "KernelUnavailable",
-    "OpPlan",
-    "OpShapes",
-    "UnknownKernelBackend",
-    "bias_gelu",
-    "bias_gelu_native",
-    "bias_gelu_ref",
-    "check_setting",
-    "layer_norm",
-    "layer_norm_native",
-    "layer_norm_ref",
-    "resolve_backend",
-    "varlen_attention",
-    "varlen_attention_native",
-    "varlen_attention_ref",
-]

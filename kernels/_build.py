@@ -51,15 +51,13 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-import torch
-
 from bert_ds.base.atomic import atomic_write
 from bert_ds.base.build_locks import bounded_build_locks, log
 from bert_ds.base.errors import UserError
 
 EXTENSION_NAME = "bert_ds_kernels"
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("layer_norm.cu", "bias_gelu.cu", "attention.cu", "lamb.cu", "bindings.cpp")
+SOURCES = ("layer_norm.cu", "dropout_layer_norm.cu", "bias_gelu.cu", "attention.cu", "lamb.cu", "bindings.cpp")
 # SASS for A100 and H100/H200; the sm_90 PTX lets newer GPUs JIT-compile (their
 # verdict is then checked like any other architecture's).
 GENCODE = (
@@ -74,6 +72,8 @@ logger = logging.getLogger(__name__)
 @functools.cache
 def source_hash() -> str:
     """Identifies what a build contains: every csrc file, torch, CUDA and the targets."""
+    import torch  # here, not at the top: the kernels' commands import this module to answer --help
+
     digest = hashlib.sha256()
     for path in sorted(CSRC.iterdir()):
         if path.is_file():
@@ -94,6 +94,8 @@ def build_dir() -> Path:
 
 def no_cuda() -> str:
     """Why this process can run no CUDA kernel at all ("" if it may): asked without touching a device."""
+    import torch
+
     if torch.version.cuda is None:
         return f"the installed torch ({torch.__version__}) is a CPU-only build"
     if not torch.cuda.is_available():
@@ -259,12 +261,16 @@ def _first_error_line(text: str) -> str:
 
 def device_key() -> dict[str, str]:
     """What a recorded verdict holds for: these sources and build flags, torch, CUDA, this device."""
+    import torch
+
     return {"source_hash": source_hash(), "device": torch.cuda.get_device_name(),
             "torch": torch.__version__, "cuda": str(torch.version.cuda)}
 
 
 def verdict_path() -> Path:
     """Where the verdicts for this build on this device are recorded."""
+    import torch
+
     device = re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name().lower()).strip("-")
     return build_dir() / f"verdicts-{device or 'unnamed'}.json"
 

@@ -23,9 +23,7 @@ import shutil
 import sys
 from pathlib import Path
 
-import torch
-
-from bert_ds.kernels import _build, choice
+from bert_ds.kernels import _build
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,6 +32,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--install", type=Path, default=None, metavar="DIR",
                         help="copy the built module into DIR (a directory on sys.path)")
     args = parser.parse_args(argv)
+    import torch  # with the ops the self-check runs: once the command line is read
+
+    from bert_ds.kernels import choice
+
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
     extension, reason = _build.load_extension()

@@ -19,8 +19,9 @@ Both verdicts are recorded beside the build (:func:`bert_ds.kernels._build.recor
 a later process, or another rank, only reads them; a race recorded with other candidates
 than there are now is run again. They are made by running the ops, so this module sits
 above the ops, which sit above the dispatch: the dispatch reads the self-check's verdicts
-through :func:`bert_ds.kernels.dispatch.consult`, which the package's ``__init__`` calls
-with :func:`op_verdicts`, and the race's inside the plan.
+through :func:`bert_ds.kernels.dispatch.consult`, which this module calls with
+:func:`op_verdicts` as it is imported (every backend but "torch" comes from here), and the
+race's inside the plan.
 """
 
 from __future__ import annotations
@@ -28,18 +29,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from typing import Any, Literal, get_args
+from typing import Any
 
 import torch
 
 from bert_ds.base.errors import UserError
 from bert_ds.kernels import layer_norm, selfcheck, speed
 from bert_ds.kernels._build import device_key, load_extension, no_cuda, recorded, verdict_path
-from bert_ds.kernels.dispatch import OPS, Backend, KernelUnavailable, OpPlan
+from bert_ds.kernels.dispatch import OPS, SETTINGS, Backend, KernelUnavailable, OpPlan, consult
 from bert_ds.kernels.speed import Choice, OpShapes
-
-KernelSetting = Literal["auto", "cuda", "torch"]  # what a config may ask for
-SETTINGS = get_args(KernelSetting)
 
 logger = logging.getLogger(__name__)
 
@@ -200,3 +198,6 @@ def _apex_problem(device: torch.device) -> str:
     why = selfcheck.verdict(
         lambda: selfcheck.check_layer_norm(layer_norm.layer_norm_apex, device, mixed_dtypes=False))
     return f"failed the self-check: {why}" if why else ""
+
+
+consult(op_verdicts)  # "cuda" comes from resolve_backend: the dispatch reads the verdicts from then on

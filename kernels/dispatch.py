@@ -23,8 +23,8 @@ Resolved backends, and what each op runs under them (:func:`choose`):
 ``kernels=auto`` without a CUDA device to race on resolves to ``"torch"`` and logs why.
 
 The ops import this module, and the self-check's verdicts are made by running the ops: so
-they are handed in (:func:`consult`, called by the package's ``__init__``) rather than
-imported, and the imports point one way: loader, dispatch, ops, verdicts. The race's
+they are handed in (:func:`consult`, which :mod:`~bert_ds.kernels.choice` calls as it is
+imported) rather than imported, and the imports point one way: loader, dispatch, ops, verdicts. The race's
 verdicts need no such door: they reach the ops inside the plan.
 """
 
@@ -35,7 +35,7 @@ import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Literal
+from typing import Literal, get_args
 
 from bert_ds.base.errors import UserError
 from bert_ds.kernels._build import load_extension
@@ -44,7 +44,7 @@ from bert_ds.kernels._build import load_extension
 # apex's LayerNorm; torch's varlen FlashAttention; SDPA restricted to one backend around a
 # padded (or, for flash, nested) batch.
 Impl = Literal["native", "fused", "compiled", "apex", "varlen_attn", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn"]
-OPS = ("layer_norm", "bias_gelu", "varlen_attention", "lamb_update")
+OPS = ("layer_norm", "dropout_add_layer_norm", "bias_gelu", "varlen_attention", "lamb_update")
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +70,8 @@ class OpPlan:
         return "auto: " + ", ".join(f"{op} {impl}" for op, impl in self.runs)
 
 
+KernelSetting = Literal["auto", "cuda", "torch"]  # what a config may ask for (resolved by choice.resolve_backend)
+SETTINGS = get_args(KernelSetting)
 Backend = Literal["cuda", "torch"] | OpPlan  # what an op runs on, after resolution
 
 
@@ -123,7 +125,8 @@ def _fused_problem(op: str) -> str:
     if extension is None:
         return f"the fused CUDA kernels cannot load: {reason}"
     if _verdicts is None:
-        raise RuntimeError("bert_ds.kernels.dispatch.consult() was never called (bert_ds/kernels/__init__.py calls it)")
+        raise RuntimeError("bert_ds.kernels.dispatch.consult() was never called (importing bert_ds.kernels.choice "
+                           "calls it, and so does importing bert_ds.kernels.ops)")
     failed = _verdicts().get(op, "")
     return f"its fused kernel failed the self-check ({failed})" if failed else ""
 

@@ -25,6 +25,7 @@ import torch
 
 from bert_ds.kernels.attention import varlen_attention_fused, varlen_attention_ref
 from bert_ds.kernels.bias_gelu import bias_gelu_fused, bias_gelu_ref
+from bert_ds.kernels.dropout_layer_norm import dropout_add_layer_norm_fused, dropout_add_layer_norm_ref
 from bert_ds.kernels.lamb import Chunks, LambScalars, lamb_update_fused, lamb_update_ref
 from bert_ds.kernels.layer_norm import layer_norm_fused, layer_norm_ref
 
@@ -44,6 +45,7 @@ def run_all() -> dict[str, str]:
 def fused_checks() -> dict[str, tuple[Callable[..., list[str]], Callable[..., object]]]:
     """Each op of ``dispatch.OPS``: its check and its fused implementation."""
     return {"layer_norm": (check_layer_norm, layer_norm_fused),
+            "dropout_add_layer_norm": (check_dropout_add_layer_norm, dropout_add_layer_norm_fused),
             "bias_gelu": (check_bias_gelu, bias_gelu_fused),
             "varlen_attention": (check_varlen_attention, varlen_attention_fused),
             "lamb_update": (check_lamb_update, lamb_update_fused)}
@@ -137,6 +139,43 @@ def check_layer_norm(impl: Callable[..., torch.Tensor], device: torch.device,
                 lambda x, weight, bias, residual=None: impl(x, weight, bias, 1e-12, residual),
                 lambda x, weight, bias, residual=None: layer_norm_ref(x, weight, bias, 1e-12, residual),
                 leaves, rand(rows, hidden, dtype=dtype), dtype)
+    return problems
+
+
+def check_dropout_add_layer_norm(impl: Callable[..., torch.Tensor], device: torch.device) -> list[str]:
+    """``impl`` (:func:`~bert_ds.kernels.dropout_layer_norm.dropout_add_layer_norm_fused`'s signature: it
+    takes ``seed``, ``offset`` and ``keep_out``) against the reference given the mask ``impl`` reports
+    using, with dropout off and at p = 0.1; and that mask's keep rate, which must be 0.9 within six
+    standard deviations (a kernel that never drops would otherwise pass: the reference would be
+    handed an all-true mask). A fixed Philox stream, so the caller's generators are untouched."""
+    rand = _Inputs(seed=4, device=device)
+    problems, kept, total = [], 0, 0
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for rows, hidden, dropout_p, weight_dtype in ((96, 768, 0.1, dtype), (33, 1024, 0.1, torch.float32),
+                                                      (17, 1023, 0.1, dtype), (40, 768, 0.0, dtype)):
+            keep = torch.empty(rows, hidden, dtype=torch.bool, device=device)
+            leaves = {"x": rand(rows, hidden, dtype=dtype, scale=2.0, shift=0.5),
+                      "bias": rand(hidden, dtype=weight_dtype, scale=0.5),
+                      "residual": rand(rows, hidden, dtype=dtype),
+                      "weight": rand(hidden, dtype=weight_dtype, shift=1.0),
+                      "ln_bias": rand(hidden, dtype=weight_dtype, scale=0.5)}
+            stream = {"seed": 1234 + rows, "offset": 4 * hidden}
+
+            def ours(x, bias, residual, weight, ln_bias, dropout_p=dropout_p, keep=keep, stream=stream):
+                return impl(x, bias, residual, weight, ln_bias, 1e-12, dropout_p, keep_out=keep, **stream)
+
+            def reference(x, bias, residual, weight, ln_bias, dropout_p=dropout_p, keep=keep):
+                return dropout_add_layer_norm_ref(x, bias, residual, weight, ln_bias, 1e-12, dropout_p, keep)
+            # compare() runs ``ours`` first: the reference sees the mask it wrote
+            problems += compare(f"{dtype} ({rows}, {hidden}) p={dropout_p}", ours, reference, leaves,
+                                rand(rows, hidden, dtype=dtype), dtype)
+            if dropout_p == 0.0 and not bool(keep.all()):
+                problems.append(f"{dtype} ({rows}, {hidden}) p=0: dropped elements")
+            elif dropout_p > 0:
+                kept, total = kept + int(keep.sum()), total + keep.numel()
+    rate, sigma = kept / total, (0.9 * 0.1 / total) ** 0.5
+    if abs(rate - 0.9) > 6 * sigma:
+        problems.append(f"p=0.1 keeps {rate:.4f} of {total} elements (0.9 +- {6 * sigma:.4f})")
     return problems
 
 

@@ -4,7 +4,7 @@ Candidates per op (:data:`IMPLEMENTATIONS`, native first):
 
 - ``native``: the PyTorch-native op (``<op>_native``), always;
 - ``fused``: our fused kernel, where the extension loads and the op passed its self-check;
-- ``compiled`` (LayerNorm, bias + GELU, attention): the op's reference under
+- ``compiled`` (LayerNorm, dropout + LayerNorm, bias + GELU, attention): the op's reference under
   ``torch.compile`` (``kernels/compiled.py``); not LAMB's update, whose callback between its
   passes and in-place updates would split the compiled graph;
 - ``apex`` (LayerNorm only): apex's fused LayerNorm, where apex is installed and it passes
@@ -17,8 +17,10 @@ Candidates per op (:data:`IMPLEMENTATIONS`, native first):
 Every candidate but the native op is first held to the self-check's rule at the race's own
 inputs (:func:`bert_ds.kernels.selfcheck.compare`: output and every gradient against the
 reference); one that is wrong there, or raises (a backend that refuses the shapes, a
-``torch.compile`` that fails), is excluded with the reason. Each correct candidate is then
-timed forward + backward on seeded inputs at the model's shapes and the training's sequence
+``torch.compile`` that fails), is excluded with the reason (``dropout_add_layer_norm`` is checked
+with dropout off: each candidate draws its mask from its own generator, and the self-check holds
+the fused kernel's mask to the reference). Each correct candidate is then timed forward +
+backward on seeded inputs at the model's shapes, its dropout and the training's sequence
 length (:class:`OpShapes`), on as many tokens as a training micro-batch holds (32,768 by
 default, a BERT-Base micro-batch of 256 x 128), so that launch costs do not decide; on a GPU
 by CUDA events around back-to-back calls. The fastest wins, and :class:`Choice` says by how
@@ -49,12 +51,14 @@ from bert_ds.kernels import attention, lamb, probes, selfcheck
 from bert_ds.kernels.bias_gelu import IMPLEMENTATIONS as BIAS_GELU
 from bert_ds.kernels.bias_gelu import bias_gelu_ref
 from bert_ds.kernels.dispatch import OPS
+from bert_ds.kernels.dropout_layer_norm import IMPLEMENTATIONS as DROPOUT_ADD_LAYER_NORM
+from bert_ds.kernels.dropout_layer_norm import dropout_add_layer_norm_ref
 from bert_ds.kernels.layer_norm import IMPLEMENTATIONS as LAYER_NORM
 from bert_ds.kernels.layer_norm import layer_norm_ref
 
 # Per op, its implementations by name (dispatch.Impl), native first, all with its reference's signature.
-IMPLEMENTATIONS = {"layer_norm": LAYER_NORM, "bias_gelu": BIAS_GELU, "varlen_attention": attention.IMPLEMENTATIONS,
-                   "lamb_update": lamb.IMPLEMENTATIONS}
+IMPLEMENTATIONS = {"layer_norm": LAYER_NORM, "dropout_add_layer_norm": DROPOUT_ADD_LAYER_NORM, "bias_gelu": BIAS_GELU,
+                   "varlen_attention": attention.IMPLEMENTATIONS, "lamb_update": lamb.IMPLEMENTATIONS}
 LAYER_NORM_EPS = 1e-12  # BERT's
 CALLS_PER_SAMPLE = 10  # calls per timed sample, so that one sample is well above the clock's resolution
 SAMPLES = 5
@@ -74,6 +78,7 @@ class OpShapes:
     approximate: str = "none"  # the model's GELU: "none" (erf) or "tanh"
     dtype: str = "bfloat16"  # the training dtype of the bf16 DeepSpeed configs
     tokens: int = RACE_TOKENS  # at least this many tokens per call, as a training micro-batch
+    hidden_dropout: float = 0.1  # the model's (BERT's): dropout_add_layer_norm is timed with the training's mask
 
     def __post_init__(self) -> None:
         for name in ("hidden", "intermediate", "num_heads", "max_seqlen", "tokens"):
@@ -84,6 +89,8 @@ class OpShapes:
         if self.approximate not in ("none", "tanh") or not isinstance(getattr(torch, self.dtype, None), torch.dtype):
             raise ValueError(f"OpShapes: approximate must be 'none' or 'tanh' and dtype a torch dtype name, "
                              f"got {self.approximate!r}, {self.dtype!r}")
+        if not isinstance(self.hidden_dropout, (int, float)) or not 0.0 <= self.hidden_dropout < 1.0:
+            raise ValueError(f"OpShapes.hidden_dropout must be in [0, 1), got {self.hidden_dropout!r}")
 
     @property
     def head_dim(self) -> int:
@@ -101,7 +108,7 @@ class OpShapes:
     def key(self) -> str:
         """Names these shapes in the record: a verdict holds for the shapes it was raced at."""
         return (f"{self.dtype} hidden {self.hidden} ffn {self.intermediate} heads {self.num_heads} "
-                f"seq {self.max_seqlen} tokens {self.tokens} gelu {self.approximate}")
+                f"seq {self.max_seqlen} tokens {self.tokens} gelu {self.approximate} dropout {self.hidden_dropout:g}")
 
     def describe(self) -> str:
         lengths = self.lengths()
@@ -236,6 +243,10 @@ class _AutogradCase:
     grad: torch.Tensor  # the upstream gradient
     reference: Callable[..., torch.Tensor]
     dtype: torch.dtype
+    # The call the check compares, where it is not ``call``: a dropout's candidates draw their masks
+    # each from its own generator, so they are compared without one (the self-check compares the
+    # fused kernel's mask with the reference's)
+    checked: Callable[[Callable, dict[str, torch.Tensor]], torch.Tensor] | None = None
 
     def run(self, fn: Callable) -> None:
         """One call of ``fn``, forward and backward: what is timed."""
@@ -243,9 +254,10 @@ class _AutogradCase:
 
     def check(self, fn: Callable) -> list[str]:
         """What ``fn`` gets wrong here, output and gradients, against the reference (the self-check's rule)."""
+        call = self.checked or self.call
         with selfcheck.clean_context():
-            return selfcheck.compare(str(self.dtype), lambda **t: self.call(fn, t),
-                                     lambda **t: self.call(self.reference, t), self.leaves, self.grad, self.dtype)
+            return selfcheck.compare(str(self.dtype), lambda **t: call(fn, t), lambda **t: call(self.reference, t),
+                                     self.leaves, self.grad, self.dtype)
 
 
 @dataclass
@@ -278,6 +290,16 @@ def _case(op: str, shapes: OpShapes, device: torch.device) -> _AutogradCase | _L
                   "weight": rand(shapes.hidden, shift=1.0), "bias": rand(shapes.hidden)}
         return _AutogradCase(lambda fn, t: fn(t["x"], t["weight"], t["bias"], LAYER_NORM_EPS, t["residual"]),
                              leaves, rand(tokens, shapes.hidden).detach(), layer_norm_ref, dtype)
+    if op == "dropout_add_layer_norm":
+        leaves = {"x": rand(tokens, shapes.hidden), "bias": rand(shapes.hidden),
+                  "residual": rand(tokens, shapes.hidden), "weight": rand(shapes.hidden, shift=1.0),
+                  "ln_bias": rand(shapes.hidden)}
+
+        def sublayer_end(dropout_p: float):
+            return lambda fn, t: fn(t["x"], t["bias"], t["residual"], t["weight"], t["ln_bias"], LAYER_NORM_EPS,
+                                    dropout_p)
+        return _AutogradCase(sublayer_end(shapes.hidden_dropout), leaves, rand(tokens, shapes.hidden).detach(),
+                             dropout_add_layer_norm_ref, dtype, checked=sublayer_end(0.0))
     if op == "bias_gelu":
         leaves = {"x": rand(tokens, shapes.intermediate), "bias": rand(shapes.intermediate)}
         return _AutogradCase(lambda fn, t: fn(t["x"], t["bias"], shapes.approximate),

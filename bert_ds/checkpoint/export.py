@@ -18,7 +18,12 @@ Design choices, and why:
   fp32), and only then renamed into place. An existing export is replaced only
   after that; a directory that is not an earlier export is never replaced.
 - Pre-LN models have no Hugging Face counterpart and are refused.
+- torch, safetensors and transformers are imported by the functions that use them, not at the
+  top: the command answers ``--help`` without them, and :mod:`.hf_import` reads the config
+  mapping from here.
 """
+
+from __future__ import annotations
 
 import argparse
 import dataclasses
@@ -28,18 +33,16 @@ import shutil
 import sys
 import tempfile
 import uuid
-from pathlib import Path
 from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
-
-from bert_ds.checkpoint import store as checkpoint
-from bert_ds.base.errors import ConfigError, UserError, describe, guarded
-from bert_ds.model.bert import BertForPreTraining, ModelConfig
-from bert_ds.model.padding import gather_tokens, unpad
 from bert_ds.base.atomic import as_umask_allows, fsync_path
+from bert_ds.base.errors import ConfigError, UserError, describe, guarded
+from bert_ds.model.config import ModelConfig
+
+if TYPE_CHECKING:
+    import torch
 
 TIED_ALIASES = {
     # alias in the state dict -> the parameter it is tied to
@@ -75,7 +78,7 @@ class ExportError(UserError):
 
 def to_hf_config(config: ModelConfig):
     """The ``transformers.BertConfig`` of a post-LN model (pre-LN raises :class:`ConfigError`)."""
-    from transformers import BertConfig  # imported here: transformers takes seconds to import
+    from transformers import BertConfig
 
     if config.pre_layernorm:
         raise ConfigError("a pre-LN model (pre_layernorm=true) has no Hugging Face BertForPreTraining "
@@ -113,6 +116,11 @@ def export_hf(state_dict: Mapping[str, torch.Tensor], config: ModelConfig,
     Tensors are written as fp32. Raises :class:`ExportError` if the export does not
     reproduce our model's logits, in which case ``out_dir`` is left untouched.
     """
+    import torch
+    from safetensors import SafetensorError
+
+    from bert_ds.checkpoint import store as checkpoint
+
     hf_config = to_hf_config(config)
     out_dir = Path(os.path.abspath(out_dir))
     _check_replaceable(out_dir)
@@ -149,6 +157,11 @@ def export_checkpoint(ckpt_dir: Path, out_dir: Path) -> Path:
     ``ckpt_dir`` is a checkpoint folder, ``checkpoints/latest`` or ``checkpoints/``; only a
     complete checkpoint whose files match their recorded checksums is exported.
     """
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    from bert_ds.checkpoint import store as checkpoint
+
     ckpt = checkpoint.resolve(Path(ckpt_dir))
     checkpoint.verify(ckpt)
     weights, config_file, tokenizer_dir = (ckpt / "model.safetensors", ckpt / "model_config.json",
@@ -174,6 +187,8 @@ def export_checkpoint(ckpt_dir: Path, out_dir: Path) -> Path:
 
 def _with_tied_aliases(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The state dict with the tied aliases present, checking that given ones are really tied."""
+    import torch
+
     full = dict(state_dict)
     for alias, target in TIED_ALIASES.items():
         if target not in full:
@@ -187,6 +202,10 @@ def _with_tied_aliases(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torc
 
 def _check_keys(state_dict: Mapping[str, torch.Tensor], config: ModelConfig) -> None:
     """The names and shapes must be those of our model for ``config``."""
+    import torch
+
+    from bert_ds.model.bert import BertForPreTraining
+
     with torch.device("meta"):  # shapes only, no memory or init time
         expected = BertForPreTraining(dataclasses.replace(config, kernels="torch")).state_dict()
     missing = sorted(set(expected) - set(state_dict))
@@ -224,7 +243,11 @@ def _copy_tokenizer(tokenizer_dir: Path, dest: Path, max_length: int) -> None:
 
 def _check_round_trip(state_dict: Mapping[str, torch.Tensor], config: ModelConfig, export_dir: Path) -> None:
     """Loads the export with transformers and compares its logits with our model's."""
+    import torch
     import transformers
+
+    from bert_ds.model.bert import BertForPreTraining
+    from bert_ds.model.padding import gather_tokens, unpad
 
     ours = BertForPreTraining(dataclasses.replace(config, kernels="torch", activation_checkpointing=False))
     ours.load_state_dict({name: tensor.float() for name, tensor in state_dict.items()})
@@ -257,6 +280,8 @@ def _check_round_trip(state_dict: Mapping[str, torch.Tensor], config: ModelConfi
 
 def _probe_batch(config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A fixed (2, S) batch: one full row, one padded row, both segments used."""
+    import torch
+
     seq_len = min(16, config.max_position_embeddings)
     generator = torch.Generator().manual_seed(0)
     input_ids = torch.randint(0, config.vocab_size, (2, seq_len), generator=generator)

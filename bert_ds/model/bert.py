@@ -39,115 +39,26 @@ Design choices, and why:
   shapes, so a phase-2 model at seq 512 runs its own, not phase 1's).
 """
 
-import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from bert_ds.base.errors import ConfigError, require
+from bert_ds.kernels.ops import (
+    Backend, OpPlan, OpShapes, bias_gelu, dropout_add_layer_norm, layer_norm, resolve_backend, varlen_attention,
+)
+from bert_ds.model.config import PRESETS as PRESETS
+from bert_ds.model.config import ModelConfig as ModelConfig
+from bert_ds.model.config import model_preset as model_preset
 from bert_ds.model.padding import Unpadded, gather_tokens, unpad
-from bert_ds.kernels import Backend, KernelSetting, OpShapes, bias_gelu, layer_norm, resolve_backend, varlen_attention
 
-# --------------------------------------------------------------------------- config
-
-HiddenAct = Literal["gelu", "gelu_tanh"]
-_HIDDEN_ACTS = get_args(HiddenAct)
-_KERNEL_SETTINGS = get_args(KernelSetting)
-_PREFIX = "model config: "  # the start of every message of ModelConfig's checks
+# The config (ModelConfig, PRESETS, model_preset) is in bert_ds/model/config.py: it needs no torch.
 # How each activation is spelt for F.gelu and the bias_gelu kernel.
 _GELU_APPROXIMATE = {"gelu": "none", "gelu_tanh": "tanh"}
-
-
-@dataclass
-class ModelConfig:
-    vocab_size: int  # rows of the word embedding and of the tied MLM decoder
-    hidden_size: int  # width of the residual stream
-    num_layers: int  # transformer blocks
-    num_heads: int  # attention heads; hidden_size / num_heads is the head dim
-    intermediate_size: int  # FFN width, 4x hidden_size in the published sizes
-    max_position_embeddings: int = 512  # rows of the learned position table = longest sequence
-    type_vocab_size: int = 2  # segment ids: sentence A / sentence B for NSP
-    hidden_act: HiddenAct = "gelu"  # "gelu": erf form (original BERT); "gelu_tanh": tanh form, HF "gelu_pytorch_tanh"
-    hidden_dropout: float = 0.1  # after the embeddings and on each sublayer's output, as in BERT
-    attention_dropout: float = 0.0  # modern recipe; dropout on attention probabilities slows fused attention
-    layer_norm_eps: float = 1e-12  # BERT's value, kept so that exported models behave the same in HF
-    initializer_range: float = 0.02  # std of the normal init of weights and embeddings (HF init)
-    pre_layernorm: bool = False  # False: post-LN, the original BERT; True: pre-LN (stabler, not HF-exportable)
-    kernels: KernelSetting = "auto"  # "cuda": fused kernels or an error; "auto": per op the fastest correct (logged)
-    activation_checkpointing: bool = False  # recompute layers in backward: less activation memory, ~1/3 more compute
-    pad_token_id: int = 0  # id of [PAD]; its embedding row gets no gradient (HF padding_idx)
-
-    def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size",
-                     "max_position_embeddings", "type_vocab_size"):
-            value = getattr(self, name)
-            require(_is_int(value) and value > 0, f"{_PREFIX}{name}", f"must be a positive integer, got {value!r}")
-        require(self.hidden_size % self.num_heads == 0, f"{_PREFIX}num_heads",
-                f"must divide hidden_size ({self.hidden_size}), got {self.num_heads}")
-        require(self.hidden_act in _HIDDEN_ACTS, f"{_PREFIX}hidden_act",
-                f"must be one of {', '.join(_HIDDEN_ACTS)}, got {self.hidden_act!r}")
-        for name in ("hidden_dropout", "attention_dropout"):
-            value = getattr(self, name)
-            require(_is_number(value) and 0.0 <= value < 1.0, f"{_PREFIX}{name}", f"must be in [0, 1), got {value!r}")
-        for name in ("layer_norm_eps", "initializer_range"):
-            value = getattr(self, name)
-            require(_is_number(value) and value > 0.0, f"{_PREFIX}{name}", f"must be a positive number, got {value!r}")
-        for name in ("pre_layernorm", "activation_checkpointing"):
-            value = getattr(self, name)
-            require(isinstance(value, bool), f"{_PREFIX}{name}", f"must be true or false, got {value!r}")
-        require(self.kernels in _KERNEL_SETTINGS, f"{_PREFIX}kernels",
-                f"must be one of {', '.join(_KERNEL_SETTINGS)}, got {self.kernels!r}")
-        require(_is_int(self.pad_token_id) and 0 <= self.pad_token_id < self.vocab_size, f"{_PREFIX}pad_token_id",
-                f"must be a token id in [0, vocab_size={self.vocab_size}), got {self.pad_token_id!r}")
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, values: Mapping[str, Any]) -> "ModelConfig":
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - set(fields))
-        if unknown:
-            raise ConfigError(f"model config: unknown keys {', '.join(unknown)}")
-        missing = sorted(name for name, f in fields.items()
-                         if f.default is dataclasses.MISSING and name not in values)
-        if missing:
-            raise ConfigError(f"model config: missing keys {', '.join(missing)}")
-        return cls(**values)
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-PRESETS: dict[str, dict[str, int]] = {
-    "tiny": dict(num_layers=2, hidden_size=64, num_heads=2, intermediate_size=256),  # tests, smoke runs
-    # The main job: the shape of Google's BERT-Tiny (Turc et al. 2019), whose "mini" is the one below.
-    "tiny-h128": dict(num_layers=2, hidden_size=128, num_heads=2, intermediate_size=512),
-    "mini": dict(num_layers=4, hidden_size=256, num_heads=4, intermediate_size=1024),  # quick experiments
-    "base": dict(num_layers=12, hidden_size=768, num_heads=12, intermediate_size=3072),  # BERT-Base
-    "large": dict(num_layers=24, hidden_size=1024, num_heads=16, intermediate_size=4096),  # BERT-Large
-}
-
-
-def model_preset(name: str, vocab_size: int, **overrides: Any) -> ModelConfig:
-    """The named preset's sizes with ``vocab_size`` and any other field overridden."""
-    if name not in PRESETS:
-        raise ConfigError(f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}")
-    return ModelConfig.from_dict({**PRESETS[name], "vocab_size": vocab_size, **overrides})
 
 
 # --------------------------------------------------------------------------- modules
@@ -215,9 +126,13 @@ class BertSublayerOutput(nn.Module):
     """Projection back to H, dropout, and the residual connection of a sublayer.
 
     Serves as both ``attention.output`` and ``output`` (HF's BertSelfOutput and
-    BertOutput, which have the same parameters). Post-LN: ``LN(dropout(dense(x)) + residual)``.
-    Pre-LN: ``residual + dropout(dense(x))``; this module's ``LayerNorm`` is then
-    applied by the caller to the sublayer's input.
+    BertOutput, which have the same parameters). Post-LN: ``LN(dropout(dense(x)) + residual)``,
+    everything after the GEMM in one op (:func:`~bert_ds.kernels.ops.dropout_add_layer_norm`), which
+    also takes the dense bias where it runs fused: the kernel adds it, and sums its gradient in its
+    own backward. Where the op runs natively the GEMM adds the bias, as ``nn.Linear`` does: addmm
+    rounds differently from a GEMM then an add (fp32, CPU, a 256-wide input), and ``kernels=torch``
+    computes what it always has. Pre-LN: ``residual + dropout(dense(x))``; this module's
+    ``LayerNorm`` is then applied by the caller to the sublayer's input.
     """
 
     def __init__(self, in_features: int, config: ModelConfig, backend: Backend) -> None:
@@ -226,13 +141,22 @@ class BertSublayerOutput(nn.Module):
         self.LayerNorm = LayerNorm(config.hidden_size, config.layer_norm_eps, backend)
         self.dropout = nn.Dropout(config.hidden_dropout)
         self.pre_layernorm = config.pre_layernorm
+        self.backend = backend
+        self.bias_in_gemm = (backend.winner("dropout_add_layer_norm") == "native" if isinstance(backend, OpPlan)
+                             else backend == "torch")
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """x: (T, in_features), residual: (T, H) -> (T, H)."""
-        y = self.dropout(self.dense(x))
         if self.pre_layernorm:
-            return residual + y
-        return self.LayerNorm(y, residual=residual)
+            return residual + self.dropout(self.dense(x))
+        ln = self.LayerNorm
+        dropout_p = self.dropout.p if self.training else 0.0
+        if self.bias_in_gemm:
+            projected, bias = self.dense(x), None
+        else:
+            projected, bias = F.linear(x, self.dense.weight), self.dense.bias
+        return dropout_add_layer_norm(projected, bias, residual, ln.weight, ln.bias, ln.eps, dropout_p,
+                                      backend=self.backend)
 
 
 class BertAttention(nn.Module):
@@ -430,7 +354,7 @@ class BertForPreTraining(nn.Module):
         self.op_shapes = OpShapes(  # kernels=auto races its candidates at these (and the optimizer's LAMB)
             hidden=config.hidden_size, intermediate=config.intermediate_size, num_heads=config.num_heads,
             max_seqlen=train_seq_len or config.max_position_embeddings,
-            approximate=_GELU_APPROXIMATE[config.hidden_act])
+            approximate=_GELU_APPROXIMATE[config.hidden_act], hidden_dropout=config.hidden_dropout)
         self.backend = resolve_backend(config.kernels, self.op_shapes)
         self.bert = BertModel(config, self.backend)
         self.cls = BertPreTrainingHeads(config, self.backend, self.bert.embeddings.word_embeddings.weight)

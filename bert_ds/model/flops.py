@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 
-from bert_ds.model.bert import ModelConfig
+from bert_ds.model.config import ModelConfig
 
 # Dense bf16 peak of the device's datasheet, TFLOP/s, for MFU against a public figure, by the
 # name CUDA reports, most specific first: the H100 and H200 come as SXM boards (989), as PCIe

@@ -19,7 +19,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from bert_ds import zero
 from bert_ds.config import OptimConfig
-from bert_ds.kernels import KernelSetting, OpShapes
+from bert_ds.kernels.ops import KernelSetting, OpShapes
 from bert_ds.optim.lamb import Lamb
 
 

@@ -60,7 +60,7 @@ from collections.abc import Iterable, Sequence
 import torch
 import torch.distributed as dist
 
-from bert_ds.kernels import Backend, KernelSetting, OpShapes, resolve_backend
+from bert_ds.kernels.ops import Backend, KernelSetting, OpShapes, resolve_backend
 from bert_ds.kernels.lamb import ChunkScales, Chunks, LambScalars, lamb_update
 
 

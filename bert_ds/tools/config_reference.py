@@ -32,7 +32,7 @@ import typing
 from pathlib import Path
 
 from bert_ds.config import DS_CONFIG_DIR, DataConfig, OptimConfig, TrainConfig
-from bert_ds.model.bert import PRESETS, ModelConfig
+from bert_ds.model.config import PRESETS, ModelConfig
 from bert_ds.train import cli
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"

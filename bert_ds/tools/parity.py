@@ -34,17 +34,20 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from bert_ds.base.atomic import atomic_write
 from bert_ds.base.errors import UserError, guarded
+
+if TYPE_CHECKING:  # torch and transformers are imported where they run: --help needs neither
+    import torch
 
 SAMPLE = Path(__file__).resolve().parents[1] / "data_tools" / "sample"
 
 
 def _env() -> dict[str, str]:
+    import torch
+
     env = dict(os.environ)
     if not torch.cuda.is_available():
         env.setdefault("DS_ACCELERATOR", "cpu")
@@ -97,10 +100,11 @@ def blocks(tokenizer, text: Path, seq_len: int) -> list[list[int]]:
 
 def train_transformers(args: argparse.Namespace, train: Path, seed: int, tokens: int) -> tuple[Path, int]:
     """transformers' Trainer on the same budget of real tokens: its model folder and its tokens."""
+    import torch
     import transformers
 
     from bert_ds.checkpoint.export import to_hf_config
-    from bert_ds.model.bert import model_preset
+    from bert_ds.model.config import model_preset
 
     out = args.output / f"transformers-seed{seed}"
     tokenizer = transformers.AutoTokenizer.from_pretrained(train)
@@ -145,9 +149,9 @@ def eval_batches(args: argparse.Namespace, train: Path, heldout: Path) -> dict[s
     return {"blocks (transformers' layout)": theirs, "samples (bert-ds's layout)": ours}
 
 
-@torch.no_grad()
 def evaluate(folder: Path, sets: dict[str, list[dict[str, torch.Tensor]]]) -> dict[str, dict[str, float]]:
     """Masked-LM loss (mean over masked tokens) and accuracy of the model in ``folder`` on each set."""
+    import torch
     import transformers
 
     from bert_ds.eval.finetune import load_quietly
@@ -159,7 +163,8 @@ def evaluate(folder: Path, sets: dict[str, list[dict[str, torch.Tensor]]]) -> di
         for batch in batches:
             labels = batch["labels"]
             inputs = {k: v for k, v in batch.items() if k != "labels"}
-            logits = model(**inputs).logits
+            with torch.no_grad():
+                logits = model(**inputs).logits
             masked = labels != -100
             loss_sum += torch.nn.functional.cross_entropy(logits[masked].float(), labels[masked], reduction="sum").item()
             correct += int((logits[masked].argmax(-1) == labels[masked]).sum())

@@ -15,7 +15,8 @@ and prints:
 
 On a CPU the same run profiles the host ops (there are no kernels and no gaps). The
 training run's own steps, engine included, are profiled by ``python -m bert_ds.train
---profile-steps`` (:mod:`bert_ds.train.profiling`, the same summary).
+--profile-steps`` (:mod:`bert_ds.train.profiling`, the same summary). torch and the model are
+imported once the command line is read: ``--help`` needs neither.
 """
 
 from __future__ import annotations
@@ -27,18 +28,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-from torch.profiler import ProfilerActivity, profile
-
 from bert_ds.base.errors import guarded
-from bert_ds.config import BatchPlan
-from bert_ds.kernels import probes
-from bert_ds.loader.pretraining import PretrainingLoader, to_device
-from bert_ds.model.bert import BertForPreTraining, model_preset
 from bert_ds.tools import bench
-from bert_ds.train.profiling import TOP, summarize, summary_lines
 
 def markdown(r: dict[str, Any]) -> str:
+    from bert_ds.train.profiling import summary_lines
+
     return "\n".join([f"## One training step, profiled: {r['preset']}, seq {r['seq_len']}, batch {r['batch_size']}, "
                       f"variant ({r['variant']}) {r['kernels']}",
                       "",
@@ -48,17 +43,27 @@ def markdown(r: dict[str, Any]) -> str:
 
 
 def profile_variant(args: argparse.Namespace) -> dict[str, Any]:
-    s = bench.settings_from(bench.parse_args(["--device", args.device, "--preset", args.preset,
-                                              "--seq-len", str(args.seq_len), "--variants", args.variant]))
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from bert_ds.config import BatchPlan
+    from bert_ds.kernels import probes
+    from bert_ds.loader.pretraining import PretrainingLoader, to_device
+    from bert_ds.model.bert import BertForPreTraining, model_preset
+    from bert_ds.tools import bench_variants
+    from bert_ds.train.profiling import TOP, summarize
+
+    s = bench.settings_from(bench.parse_args(["--device", args.device or bench.visible_device(), "--preset",
+                                              args.preset, "--seq-len", str(args.seq_len), "--variants", args.variant]))
     device = torch.device(s.device)
-    autocast = bench.autocast_for(s, device)
-    samples, _ = bench.open_samples(s, args.seq_len)
+    autocast = bench_variants.autocast_for(s, device)
+    samples, _ = bench_variants.open_samples(s, args.seq_len)
     batch_size = s.batch_for(args.seq_len)
     cfg = model_preset(args.preset, samples.vocab_size, pad_token_id=samples.special.pad)
     torch.manual_seed(s.seed)
     weights = BertForPreTraining(dataclasses.replace(cfg, kernels="torch")).state_dict()
-    model, loss_fn, optimizer, kernels = bench.build_variant(bench.VARIANTS[args.variant], cfg, weights, s.lr,
-                                                             device, args.seq_len)
+    model, loss_fn, optimizer, kernels = bench_variants.build_variant(bench.VARIANTS[args.variant], cfg, weights,
+                                                                      s.lr, device, args.seq_len)
     loader = PretrainingLoader(samples, BatchPlan.resolve(batch_size, batch_size, world_size=1), rank=0,
                                num_workers=s.workers, pin_memory=device.type == "cuda")
 
@@ -84,17 +89,19 @@ def profile_variant(args: argparse.Namespace) -> dict[str, Any]:
         prof.export_chrome_trace(str(args.trace))
     return {"device": probes.environment(device)["device"], "preset": args.preset, "seq_len": args.seq_len,
             "batch_size": batch_size, "variant": args.variant, "kernels": kernels, "warmup": s.warmup,
-            "summary": summarize(prof.events(), args.steps, wall, args.top)}
+            "summary": summarize(prof.events(), args.steps, wall, TOP if args.top is None else args.top)}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bert_ds.tools.profile_step", description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                   help="default: cuda where torch sees a CUDA device, else cpu")
     p.add_argument("--preset", default="base")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--variant", choices=sorted(bench.VARIANTS), default="a")
     p.add_argument("--steps", type=int, default=3, help="profiled steps (after the bench's warm-up steps)")
-    p.add_argument("--top", type=int, default=TOP, help="kernels (or host ops) listed")
+    p.add_argument("--top", type=int, default=None,
+                   help="kernels (or host ops) listed (default: as many as bert_ds.train --profile-steps lists)")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--markdown", type=Path, default=None)
     p.add_argument("--trace", type=Path, default=None, help="also write a Chrome trace (large)")

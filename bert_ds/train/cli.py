@@ -40,7 +40,9 @@ checkpoint; 1 a bug (traceback); 2 bad input, a damaged checkpoint or an OUTPUT 
 
 This module is the command line: its flags, whose defaults are the config dataclasses'
 (``bert_ds.config``), and the checks that need no process group. The run itself is
-``bert_ds.train.loop.run``.
+``bert_ds.train.loop.run``. At the top it imports only what the parser needs (no torch, no
+DeepSpeed), so ``--help`` and a mistyped flag answer at once; the run's modules are imported
+once the command line is read.
 """
 
 from __future__ import annotations
@@ -49,25 +51,19 @@ import argparse
 import dataclasses
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from bert_ds import kernels
 from bert_ds.base.errors import ConfigError
-from bert_ds.checkpoint import hf_import
-from bert_ds.checkpoint import resume as resuming
-from bert_ds.checkpoint import store as checkpoint
 from bert_ds.config import (
     BF16_CPU_FLAGS, CPU_FP32_DS_CONFIG, DataConfig, OptimConfig, TrainConfig, check_writable, deepspeed_config,
     machine_ds_config,
 )
-from bert_ds.model.bert import PRESETS, ModelConfig, model_preset
+from bert_ds.model.config import PRESETS, ModelConfig, model_preset
 from bert_ds.train.faults import Faults
-from bert_ds.train.loop import RunOptions, batch_plan, run
-from bert_ds.train.profiling import StepRange
-from bert_ds.train.session import entry, locked_session
-from bert_ds.train.summary import print_summary
+
+if TYPE_CHECKING:
+    from bert_ds.checkpoint.hf_import import InitSource
+    from bert_ds.train.loop import RunOptions
 
 DEFAULT_PRESET = "mini"  # without --preset and without a checkpoint to resume
 
@@ -158,7 +154,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def model_from_args(args: argparse.Namespace, vocab_size: int, saved_model: dict[str, Any] | None,
-                    init: hf_import.InitSource | None = None) -> ModelConfig:
+                    init: InitSource | None = None) -> ModelConfig:
     """The model a run asks for. Resuming (``saved_model``: the checkpoint's), every field not
     given on the command line stays as saved, the preset's sizes included when --preset is
     absent; a different size or vocabulary (which comes from the data) is then a refused
@@ -168,6 +164,8 @@ def model_from_args(args: argparse.Namespace, vocab_size: int, saved_model: dict
     if args.dropout is not None:
         given["hidden_dropout"] = args.dropout
     if saved_model is None and init is not None and init.model is not None:
+        from bert_ds.checkpoint import hf_import  # the source is open: torch is in already
+
         return hf_import.model_config(init, args.preset, given)
     if saved_model is None:
         return model_preset(args.preset or DEFAULT_PRESET, **given)
@@ -193,7 +191,7 @@ def ds_config_from_args(args: argparse.Namespace, saved: str | None, cuda: bool)
 
 
 def config_from_args(args: argparse.Namespace, vocab_size: int, saved_model: dict[str, Any] | None = None,
-                     init: hf_import.InitSource | None = None, ds_config: str | None = None) -> TrainConfig:
+                     init: InitSource | None = None, ds_config: str | None = None) -> TrainConfig:
     """The run's config; ``ds_config`` where --ds-config is not given (TrainConfig's default if None)."""
     model = model_from_args(args, vocab_size, saved_model, init)
     data = DataConfig(train=args.data, weights=args.data_weights, val=args.val_data, held_out=args.held_out,
@@ -213,10 +211,16 @@ def config_from_args(args: argparse.Namespace, vocab_size: int, saved_model: dic
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    from bert_ds.train.session import entry  # torch and the run's modules: once the command line is read
+
     return entry(lambda: _train(args))
 
 
 def _train(args: argparse.Namespace) -> None:
+    from bert_ds.train.loop import run
+    from bert_ds.train.session import locked_session
+    from bert_ds.train.summary import print_summary
+
     prepared = prepare(args)
     if prepared is None:
         return
@@ -232,9 +236,17 @@ def _train(args: argparse.Namespace) -> None:
 def prepare(args: argparse.Namespace) -> tuple[TrainConfig, RunOptions] | None:
     """The run's validated config and options, checked without a process group so that bad
     input fails fast; None when the run in OUTPUT is finished already (said on rank 0)."""
+    import torch
+
+    from bert_ds.checkpoint import hf_import
+    from bert_ds.checkpoint import resume as resuming
+    from bert_ds.checkpoint import store as checkpoint
     from bert_ds.data_tools.manifest import Manifest
     from bert_ds.data_tools.partition import dataset_folders
+    from bert_ds.kernels.choice import check_setting
     from bert_ds.loader.pretraining import check_tokenizers
+    from bert_ds.train.loop import RunOptions, batch_plan
+    from bert_ds.train.profiling import StepRange
 
     check_writable(args.output, "--output", folder=True)  # a file, a read-only place: before anything is read
     data = dataset_folders(args.data[0])[0]  # a dataset folder, or a parent's first part
@@ -246,7 +258,7 @@ def prepare(args: argparse.Namespace) -> tuple[TrainConfig, RunOptions] | None:
     ds_config, note = ds_config_from_args(args, resuming.saved_ds_config(found) if found else None,
                                           torch.cuda.is_available())
     cfg = config_from_args(args, vocab_size, resuming.saved_model(found) if found else None, init, ds_config)
-    kernels.check_setting(cfg.model.kernels)  # kernels=cuda on a machine without CUDA: before the folder is made
+    check_setting(cfg.model.kernels)  # kernels=cuda on a machine without CUDA: before the folder is made
     check_tokenizers(cfg.data)  # --data/--val-data folders of different tokenizers, likewise
     profile = StepRange.parse(args.profile_steps) if args.profile_steps is not None else None
     if profile is not None and profile.first > cfg.steps:
@@ -268,6 +280,8 @@ def prepare(args: argparse.Namespace) -> tuple[TrainConfig, RunOptions] | None:
 
 def _finished(found: Path, cfg: TrainConfig) -> bool:
     """Whether the checkpoint ``found`` ends the run already (--steps reached); says so on rank 0."""
+    from bert_ds.checkpoint import resume as resuming
+
     done_at = resuming.finished(found, cfg)
     if done_at is None:
         return False

@@ -16,10 +16,12 @@ from __future__ import annotations
 import argparse
 import time
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from bert_ds.base.errors import ConfigError
+
+if TYPE_CHECKING:  # the training command's parser adds these flags: --help needs no torch
+    import torch
 
 
 @dataclass(frozen=True)

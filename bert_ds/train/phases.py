@@ -28,6 +28,8 @@ Design choices:
   exports the final weights to ``OUTPUT/hf`` and fine-tunes them on GLUE into ``OUTPUT/glue``
   (``python -m bert_ds.eval glue``; its data is read and checked before the first phase).
 - Exit statuses are those of ``bert_ds.train``.
+- The plan is read and checked by torch-free modules; the training's (torch, DeepSpeed) are
+  imported once the command line is read, so ``--help`` answers at once.
 """
 
 from __future__ import annotations
@@ -42,17 +44,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from bert_ds.checkpoint import store as checkpoint
-from bert_ds.checkpoint.export import export_checkpoint
-from bert_ds.config import TrainConfig
 from bert_ds.base.errors import ConfigError
+from bert_ds.config import TrainConfig
 from bert_ds.eval import glue
-from bert_ds.model.bert import PRESETS, model_preset
-from bert_ds.train.loop import run
-from bert_ds.train.session import entry, locked_session
-from bert_ds.train.summary import print_summary
+from bert_ds.model.config import PRESETS, model_preset
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 _MERGED = ("data", "optim")  # sections a phase overrides key by key
@@ -176,6 +171,8 @@ class PhasePlan:
 
 def finished_checkpoint(cfg: TrainConfig) -> Path | None:
     """The phase's final checkpoint if it has one (the phase is done), else None."""
+    from bert_ds.checkpoint import store as checkpoint
+
     newest = checkpoint.find_latest(Path(cfg.output) / "checkpoints")
     if newest is not None and checkpoint.read_train_state(newest).get("step", 0) >= cfg.steps:
         return newest
@@ -191,6 +188,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    from bert_ds.train.session import entry, locked_session  # torch and the run's modules: once the command line is read
 
     def body() -> None:
         from bert_ds.base.errors import ShardError
@@ -229,6 +227,11 @@ def main(argv: list[str] | None = None) -> int:
 def _run_phases(plan: PhasePlan, configs: list[TrainConfig], rank: int, world: int, device, stop) -> Path | None:
     """Each phase not yet finished, in order; the last phase's final checkpoint, or None where a
     phase stopped early (a signal, --exit-after: the same command goes on)."""
+    import torch
+
+    from bert_ds.train.loop import run
+    from bert_ds.train.summary import print_summary
+
     say = print if rank == 0 else (lambda *a, **k: None)
     previous: Path | None = None
     for phase, cfg in zip(plan.phases, configs):
@@ -258,6 +261,8 @@ def _run_phases(plan: PhasePlan, configs: list[TrainConfig], rank: int, world: i
 def _evaluate(final: Path, glue_args: argparse.Namespace, prepared: glue.Prepared, device) -> None:
     """The plan's GLUE stage, on rank 0 once every phase is done: the final weights exported to
     OUTPUT/hf, then fine-tuned; a rerun keeps the GLUE runs already finished."""
+    from bert_ds.checkpoint.export import export_checkpoint
+
     print(f"[bert_ds.train.phases] glue: exporting {final} to {glue_args.model}", file=sys.stderr, flush=True)
     export_checkpoint(final, glue_args.model)
     glue_args.device = str(device)

@@ -157,6 +157,110 @@ std::vector<at::Tensor> layer_norm_bwd(const at::Tensor& dy_in, const at::Tensor
   return {dx, dweight, dbias, dresidual};
 }
 
+// ---------------------------------------------------------------- LayerNorm(dropout(x + bias) + residual)
+
+// The forward's and backward's common checks: x, residual (x's dtype or fp32, x's shape), weight
+// (x's dtype or fp32) and bias (may be undefined), which must match weight in shape and dtype.
+void check_dropout_layer_norm(const at::Tensor& x, const c10::optional<at::Tensor>& bias, const at::Tensor& residual,
+                              const at::Tensor& weight, double dropout_p, uint64_t offset) {
+  const at::Device device = x.device();
+  check_cuda(x, "x", device);
+  if (bias) check_cuda(*bias, "bias", device);
+  check_residual(residual, x);
+  check_cuda(weight, "weight", device);
+  check_layer_norm_params(x, weight, "weight");
+  if (bias)
+    TORCH_CHECK(bias->sizes() == weight.sizes() && bias->scalar_type() == weight.scalar_type(),
+                "bias must match weight in shape and dtype, got ", bias->scalar_type(), " of shape ", bias->sizes());
+  TORCH_CHECK_VALUE(dropout_p >= 0.0 && dropout_p < 1.0, "dropout_p must be in [0, 1), got ", dropout_p);
+  TORCH_CHECK_VALUE(offset % 4 == 0, "the Philox offset must be a multiple of 4, got ", offset);
+}
+
+// Returns (y, mean, rstd). keep_out (bool, x's shape, contiguous): where given, the kernel writes
+// its dropout mask there (true: kept), for tests.
+std::vector<at::Tensor> dropout_layer_norm_fwd(const at::Tensor& x_in, const c10::optional<at::Tensor>& bias_in,
+                                               const at::Tensor& residual_in, const at::Tensor& weight_in,
+                                               const at::Tensor& ln_bias_in, double eps, double dropout_p,
+                                               uint64_t seed, uint64_t offset,
+                                               const c10::optional<at::Tensor>& keep_out) {
+  check_dropout_layer_norm(x_in, bias_in, residual_in, weight_in, dropout_p, offset);
+  const at::Device device = x_in.device();
+  check_cuda(ln_bias_in, "ln_bias", device);
+  TORCH_CHECK(ln_bias_in.sizes() == weight_in.sizes() && ln_bias_in.scalar_type() == weight_in.scalar_type(),
+              "ln_bias must match weight in shape and dtype");
+  if (keep_out) {
+    check_cuda(*keep_out, "keep_out", device);
+    TORCH_CHECK(keep_out->scalar_type() == at::kBool && keep_out->sizes() == x_in.sizes() &&
+                    keep_out->is_contiguous(),
+                "keep_out must be a contiguous bool tensor of x's shape ", x_in.sizes(), ", got ",
+                keep_out->scalar_type(), " of shape ", keep_out->sizes());
+  }
+  const c10::cuda::CUDAGuard guard(device);
+  const at::Tensor x = x_in.contiguous(), residual = residual_in.contiguous(), weight = weight_in.contiguous();
+  const at::Tensor ln_bias = ln_bias_in.contiguous();
+  const at::Tensor bias = bias_in ? bias_in->contiguous() : at::Tensor();
+  const int hidden = checked_int(x.size(-1), "hidden size");
+  const int64_t rows = x.numel() / hidden;
+  at::Tensor y = at::empty_like(x);
+  at::Tensor mean = at::empty({rows}, x.options().dtype(at::kFloat));
+  at::Tensor rstd = at::empty({rows}, x.options().dtype(at::kFloat));
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  cudaError_t err;
+  {
+    pybind11::gil_scoped_release no_gil;
+    err = bds_dropout_layer_norm_fwd(
+        x.data_ptr(), bias.defined() ? bias.data_ptr() : nullptr, residual.data_ptr(), weight.data_ptr(),
+        ln_bias.data_ptr(), y.data_ptr(), mean.data_ptr<float>(), rstd.data_ptr<float>(),
+        keep_out ? static_cast<uint8_t*>(keep_out->data_ptr()) : nullptr, rows, hidden, static_cast<float>(eps),
+        static_cast<float>(dropout_p), seed, offset, dtype_code(x.scalar_type()), dtype_code(residual.scalar_type()),
+        dtype_code(weight.scalar_type()), stream);
+  }
+  check_launch(err, "dropout_layer_norm forward");
+  return {y, mean, rstd};
+}
+
+// Returns (dx, dbias, dresidual, dweight, dln_bias); dbias is undefined (None) without a bias.
+// (dropout_p, seed, offset) must be the forward's: they regenerate its mask.
+std::vector<at::Tensor> dropout_layer_norm_bwd(const at::Tensor& dy_in, const at::Tensor& x_in,
+                                               const c10::optional<at::Tensor>& bias_in,
+                                               const at::Tensor& residual_in, const at::Tensor& weight_in,
+                                               const at::Tensor& mean, const at::Tensor& rstd, double dropout_p,
+                                               uint64_t seed, uint64_t offset) {
+  check_dropout_layer_norm(x_in, bias_in, residual_in, weight_in, dropout_p, offset);
+  const at::Device device = x_in.device();
+  check_cuda(dy_in, "dy", device);
+  check_cuda(mean, "mean", device);
+  check_cuda(rstd, "rstd", device);
+  TORCH_CHECK(dy_in.sizes() == x_in.sizes() && dy_in.scalar_type() == x_in.scalar_type(),
+              "dy must match x in shape and dtype");
+  const int hidden = checked_int(x_in.size(-1), "hidden size");
+  const int64_t rows = x_in.numel() / hidden;
+  TORCH_CHECK(mean.scalar_type() == at::kFloat && rstd.scalar_type() == at::kFloat && mean.numel() == rows &&
+                  rstd.numel() == rows,
+              "mean and rstd must be float32 with one value per row (the forward's outputs)");
+  const c10::cuda::CUDAGuard guard(device);
+  const at::Tensor dy = dy_in.contiguous(), x = x_in.contiguous(), residual = residual_in.contiguous();
+  const at::Tensor weight = weight_in.contiguous(), mean_c = mean.contiguous(), rstd_c = rstd.contiguous();
+  const at::Tensor bias = bias_in ? bias_in->contiguous() : at::Tensor();
+  const int parts = bds_dropout_layer_norm_bwd_parts(rows, hidden);
+  at::Tensor workspace = at::empty({3 * (int64_t)parts * hidden}, x.options().dtype(at::kFloat));
+  at::Tensor dx = at::empty_like(x), dresidual = at::empty_like(residual);
+  at::Tensor dparams = at::empty({3, hidden}, weight.options());  // dweight, dln_bias, dbias
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  cudaError_t err;
+  {
+    pybind11::gil_scoped_release no_gil;
+    err = bds_dropout_layer_norm_bwd(dy.data_ptr(), x.data_ptr(), bias.defined() ? bias.data_ptr() : nullptr,
+                                     residual.data_ptr(), weight.data_ptr(), mean_c.data_ptr<float>(),
+                                     rstd_c.data_ptr<float>(), dx.data_ptr(), dresidual.data_ptr(),
+                                     dparams.data_ptr(), workspace.data_ptr<float>(), parts, rows, hidden,
+                                     static_cast<float>(dropout_p), seed, offset, dtype_code(x.scalar_type()),
+                                     dtype_code(residual.scalar_type()), dtype_code(weight.scalar_type()), stream);
+  }
+  check_launch(err, "dropout_layer_norm backward");
+  return {dx, bias.defined() ? dparams[2] : at::Tensor(), dresidual, dparams[0], dparams[1]};
+}
+
 // ---------------------------------------------------------------- gelu(x + bias)
 
 void check_bias_gelu(const at::Tensor& x, const at::Tensor& bias) {
@@ -396,12 +500,21 @@ void lamb_apply(const at::Tensor& param, const at::Tensor& exp_avg, const at::Te
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "bert-ds fused CUDA kernels: LayerNorm(x + residual), gelu(x + bias), varlen attention, LAMB";
+  m.doc() = "bert-ds fused CUDA kernels: LayerNorm(x + residual), LayerNorm(dropout(x + bias) + residual), "
+            "gelu(x + bias), varlen attention, LAMB";
   m.attr("source_hash") = BDS_STRINGIFY(BDS_SOURCE_HASH);
   m.def("layer_norm_fwd", &layer_norm_fwd, "LayerNorm(x + residual) forward -> (y, mean, rstd)", py::arg("x"),
         py::arg("weight"), py::arg("bias"), py::arg("residual"), py::arg("eps"));
   m.def("layer_norm_bwd", &layer_norm_bwd, "LayerNorm(x + residual) backward -> (dx, dweight, dbias, dresidual)",
         py::arg("dy"), py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("mean"), py::arg("rstd"));
+  m.def("dropout_layer_norm_fwd", &dropout_layer_norm_fwd,
+        "LayerNorm(dropout(x + bias) + residual) forward -> (y, mean, rstd)", py::arg("x"), py::arg("bias"),
+        py::arg("residual"), py::arg("weight"), py::arg("ln_bias"), py::arg("eps"), py::arg("dropout_p"),
+        py::arg("seed"), py::arg("offset"), py::arg("keep_out"));
+  m.def("dropout_layer_norm_bwd", &dropout_layer_norm_bwd,
+        "LayerNorm(dropout(x + bias) + residual) backward -> (dx, dbias, dresidual, dweight, dln_bias)",
+        py::arg("dy"), py::arg("x"), py::arg("bias"), py::arg("residual"), py::arg("weight"), py::arg("mean"),
+        py::arg("rstd"), py::arg("dropout_p"), py::arg("seed"), py::arg("offset"));
   m.def("bias_gelu_fwd", &bias_gelu_fwd, "gelu(x + bias) forward", py::arg("x"), py::arg("bias"),
         py::arg("tanh_approx"));
   m.def("bias_gelu_bwd", &bias_gelu_bwd, "gelu(x + bias) backward -> (dx, dbias)", py::arg("dy"), py::arg("x"),

@@ -1,7 +1,8 @@
 // Device helpers shared by the kernels: dtype conversion, vector access, warp
-// reductions, the per-column reduction of fp32 partial sums, the two tensor-core
-// instructions the attention uses (ldmatrix, mma.sync m16n8k16) and its shared-memory
-// access (cp.async, ld_shared/st_shared).
+// reductions, the per-column reduction of fp32 partial sums, the launch helpers of the
+// row kernels (one warp per row), the counter-based random numbers of dropout (Philox),
+// the two tensor-core instructions the attention uses (ldmatrix, mma.sync m16n8k16) and
+// its shared-memory access (cp.async, ld_shared/st_shared).
 //
 // Torch-free on purpose: these files build with nvcc alone (kernels/compile_check.py
 // runs on CPU-only CI). The PTX helpers are the only inline assembly; everything
@@ -12,6 +13,8 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
+
+#include <initializer_list>
 
 #include "launchers.h"
 
@@ -144,6 +147,125 @@ inline int resident_blocks() {
   }();
   return per_sm * device_sm_count();
 }
+
+// ----------------------------------------------------------------- row kernels (LayerNorm and its fusions)
+
+// One warp per row, 4 rows in flight per block.
+constexpr int kRowWarpsPerBlock = 4;
+constexpr int kRowThreads = kRowWarpsPerBlock * 32;
+
+// The widths whose rows the LayerNorm kernels hold in registers (BERT-Base and -Large).
+inline bool register_row_size(int hidden) { return hidden == 768 || hidden == 1024; }
+
+// The register path reads 16-byte vectors: its size, and every tensor 16-byte aligned.
+inline bool register_row_path(int hidden, std::initializer_list<const void*> pointers) {
+  if (!register_row_size(hidden)) return false;
+  for (const void* p : pointers)
+    if (p != nullptr && !aligned_to(p, 16)) return false;
+  return true;
+}
+
+// One block per kRowWarpsPerBlock rows, but no more blocks than the device holds at once
+// (kKernel's occupancy): the grid-stride kernels then run in one wave, with no idle tail.
+template <auto kKernel>
+int one_wave_of_rows(int64_t rows) {
+  const int64_t wanted = (rows + kRowWarpsPerBlock - 1) / kRowWarpsPerBlock;
+  const int64_t resident = resident_blocks<kKernel, kRowThreads>();
+  return (int)(wanted < 1 ? 1 : (wanted < resident ? wanted : resident));
+}
+
+// Calls f(T{}, RT{}, WT{}) for the (input, residual, weight) dtypes: the residual and the
+// weights have the input's dtype or are fp32 (autocast with fp32 parameters gives both).
+template <typename F>
+cudaError_t with_row_dtypes(int dtype, int residual_dtype, int weight_dtype, F&& f) {
+  return with_dtype(dtype, [&](auto t) -> cudaError_t {
+    using T = decltype(t);
+    auto with_weight = [&](auto rt) -> cudaError_t {
+      if (weight_dtype == dtype) return f(t, rt, T{});
+      if (weight_dtype == BDS_FLOAT32) return f(t, rt, float{});
+      return cudaErrorInvalidValue;
+    };
+    if (residual_dtype == dtype) return with_weight(T{});
+    if (residual_dtype == BDS_FLOAT32) return with_weight(float{});
+    return cudaErrorInvalidValue;
+  });
+}
+
+// ----------------------------------------------------------------- counter-based random numbers
+
+// Philox4x32-10 (Salmon, Moraes, Dror and Shaw, "Parallel random numbers: as easy as 1, 2, 3",
+// SC 2011; the round and constants of Random123's philox.h): ten rounds of a bijection of a
+// 128-bit counter under a 64-bit key, which the key schedule bumps between rounds. Counter-based:
+// any element's random word is computed from (key, counter) alone, with no state, so a backward
+// pass regenerates the forward's dropout mask instead of storing it. Host and device code: the
+// CPU emulation runs it, and its tests hold it to Random123's known answers.
+__host__ __device__ __forceinline__ uint4 philox4x32_10(uint4 counter, uint2 key) {
+  constexpr uint32_t kM0 = 0xD2511F53u, kM1 = 0xCD9E8D57u;  // the round's multipliers
+  constexpr uint32_t kW0 = 0x9E3779B9u, kW1 = 0xBB67AE85u;  // the key's bumps (golden ratio, sqrt(3) - 1)
+#pragma unroll
+  for (int round = 0; round < 10; ++round) {
+    if (round > 0) {
+      key.x += kW0;
+      key.y += kW1;
+    }
+    const uint64_t p0 = (uint64_t)kM0 * counter.x;  // mul.wide: the high and low words of the product
+    const uint64_t p1 = (uint64_t)kM1 * counter.z;
+    counter = make_uint4((uint32_t)(p1 >> 32) ^ counter.y ^ key.x, (uint32_t)p1,
+                         (uint32_t)(p0 >> 32) ^ counter.w ^ key.y, (uint32_t)p0);
+  }
+  return counter;
+}
+
+// Dropout's keep decisions over a flat tensor, from (seed, offset) and the element index e:
+// e takes word e % 4 of Philox4x32-10 with key (seed low, seed high) and counter
+// (offset / 4 low, high, e / 4 low, high), and is kept iff the uniform (word >> 8) * 2^-24
+// is below 1 - p, i.e. (word >> 8) < ceil((1 - p) * 2^24) (1 - p in fp32). The counter's layout
+// is torch's for its own Philox streams (the offset low, the subsequence high): an offset drawn
+// from torch's CUDA generator, and advanced by 4, reserves the words this call reads.
+// `enabled` false (p = 0): no random numbers at all, every element kept unscaled.
+struct Dropout {
+  uint2 key;
+  uint32_t offset_lo, offset_hi;  // offset / 4
+  uint32_t keep_below;            // (word >> 8) < keep_below: kept
+  float scale;                    // 1 / (1 - p) for a kept element
+  bool enabled;
+
+  // p in [0, 1); offset a multiple of 4 (launchers check both).
+  static Dropout make(float p, uint64_t seed, uint64_t offset) {
+    Dropout d;
+    const float keep_p = 1.f - p;
+    d.key = make_uint2((uint32_t)seed, (uint32_t)(seed >> 32));
+    d.offset_lo = (uint32_t)(offset / 4);
+    d.offset_hi = (uint32_t)((offset / 4) >> 32);
+    // keep_p * 2^24 is exact in double; the uniforms below it are the integers below its ceiling
+    const double bound = (double)keep_p * 16777216.0;
+    const uint32_t whole = (uint32_t)bound;
+    d.keep_below = whole + ((double)whole < bound ? 1u : 0u);
+    d.scale = 1.f / keep_p;
+    d.enabled = p > 0.f;
+    return d;
+  }
+
+  // Bit t: whether element 4 * group + t is kept.
+  __host__ __device__ __forceinline__ uint32_t keep4(uint64_t group) const {
+    const uint4 r = philox4x32_10(make_uint4(offset_lo, offset_hi, (uint32_t)group, (uint32_t)(group >> 32)), key);
+    return (uint32_t)((r.x >> 8) < keep_below) | (uint32_t)((r.y >> 8) < keep_below) << 1 |
+           (uint32_t)((r.z >> 8) < keep_below) << 2 | (uint32_t)((r.w >> 8) < keep_below) << 3;
+  }
+
+  // Bit j: whether element e + j is kept, for N elements from e, a multiple of 4 (N a multiple of 4).
+  template <int N>
+  __host__ __device__ __forceinline__ uint32_t keep_bits(int64_t e) const {
+    static_assert(N % 4 == 0 && N <= 32, "whole Philox blocks of 4, at most 32 bits");
+    uint32_t bits = 0;
+#pragma unroll
+    for (int t = 0; t < N / 4; ++t) bits |= keep4((uint64_t)(e / 4) + t) << (4 * t);
+    return bits;
+  }
+
+  // Whether element e is kept (a whole Philox block for one element: the general paths').
+  __host__ __device__ __forceinline__ bool keep(int64_t e) const { return (keep4((uint64_t)e / 4) >> (e % 4)) & 1u; }
+};
 
 // ----------------------------------------------------------------- tensor cores
 

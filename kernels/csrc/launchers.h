@@ -41,6 +41,33 @@ cudaError_t bds_layer_norm_bwd(const void* dy, const void* x, const void* residu
                                void* dbias, float* workspace, int parts, int64_t rows, int hidden,
                                int dtype, int residual_dtype, int weight_dtype, cudaStream_t stream);
 
+// ---------------------------------------------------------------- LayerNorm(dropout(x + bias) + residual)
+// x, y: (rows, hidden) of `dtype`; residual: (rows, hidden) of `residual_dtype` (`dtype` or fp32);
+// bias (may be NULL), weight, ln_bias: (hidden,) of `weight_dtype` (`dtype` or fp32). Dropout keeps
+// element e (of the flat rows x hidden tensor) iff word e % 4 of Philox4x32-10 with key `seed` and
+// counter (offset / 4, e / 4) is below (1 - dropout_p) * 2^32 in its top 24 bits, and scales it by
+// 1 / (1 - dropout_p); dropout_p in [0, 1) (0: no dropout, no random numbers), offset a multiple
+// of 4. mean, rstd: (rows,) fp32, saved for the backward. keep_out (may be NULL): (rows, hidden)
+// bytes, 1 where the element was kept (for tests; costs a write per element).
+cudaError_t bds_dropout_layer_norm_fwd(const void* x, const void* bias, const void* residual, const void* weight,
+                                       const void* ln_bias, void* y, float* mean, float* rstd, uint8_t* keep_out,
+                                       int64_t rows, int hidden, float eps, float dropout_p, uint64_t seed,
+                                       uint64_t offset, int dtype, int residual_dtype, int weight_dtype,
+                                       cudaStream_t stream);
+
+// Rows of fp32 partial sums the backward may use (an upper bound, as bds_layer_norm_bwd_parts):
+// pass a workspace of 3 * parts * hidden floats.
+int bds_dropout_layer_norm_bwd_parts(int64_t rows, int hidden);
+
+// With the forward's inputs and (dropout_p, seed, offset), which regenerate its mask: dx (rows, hidden)
+// of `dtype`; dresidual (rows, hidden) of `residual_dtype`; dparams (3, hidden) of `weight_dtype`:
+// dweight, dln_bias and dbias (the column sums of dx; zeros without a bias), reduced in fp32.
+cudaError_t bds_dropout_layer_norm_bwd(const void* dy, const void* x, const void* bias, const void* residual,
+                                       const void* weight, const float* mean, const float* rstd, void* dx,
+                                       void* dresidual, void* dparams, float* workspace, int parts, int64_t rows,
+                                       int hidden, float dropout_p, uint64_t seed, uint64_t offset, int dtype,
+                                       int residual_dtype, int weight_dtype, cudaStream_t stream);
+
 // ---------------------------------------------------------------- gelu(x + bias)
 // x, y: (rows, cols) of `dtype`; bias: (cols,) of `bias_dtype` (equal to `dtype`, or fp32).
 // tanh_approx: 0 = exact erf form, 1 = tanh approximation.

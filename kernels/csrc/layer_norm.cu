@@ -20,15 +20,13 @@
 //   parameters feeds the first layer an fp32 residual). The gradient is written in the
 //   input's dtype, and also in the residual's when a dresidual buffer is passed, so an
 //   fp32 residual keeps an fp32 gradient as it would in the reference.
-#include <initializer_list>
-
 #include "common.cuh"
 
 namespace bds {
 namespace {
 
-constexpr int kWarpsPerBlock = 4;  // one row per warp, 4 rows in flight per block
-constexpr int kThreads = kWarpsPerBlock * 32;
+constexpr int kWarpsPerBlock = kRowWarpsPerBlock;  // one row per warp, 4 rows in flight per block
+constexpr int kThreads = kRowThreads;
 
 // ---------------------------------------------------------------- forward
 
@@ -244,55 +242,20 @@ ln_bwd_general(const T* __restrict__ dy, const T* __restrict__ x, const RT* __re
 
 // ---------------------------------------------------------------- launch
 
-bool register_size(int hidden) { return hidden == 768 || hidden == 1024; }
-
-bool register_path(int hidden, std::initializer_list<const void*> pointers) {
-  if (!register_size(hidden)) return false;
-  for (const void* p : pointers)
-    if (p != nullptr && !aligned_to(p, 16)) return false;
-  return true;
-}
-
-// One block per 4 rows, but no more blocks than the device holds at once (kKernel's
-// occupancy): the grid-stride kernels then run in one wave, with no idle tail.
-template <auto kKernel>
-int one_wave(int64_t rows) {
-  const int64_t wanted = (rows + kWarpsPerBlock - 1) / kWarpsPerBlock;
-  const int64_t resident = resident_blocks<kKernel, kThreads>();
-  return (int)(wanted < 1 ? 1 : (wanted < resident ? wanted : resident));
-}
-
 template <typename T, typename RT, typename WT>
 int fwd_blocks(int64_t rows, int hidden, bool fast) {
-  if (fast && hidden == 768) return one_wave<ln_fwd_registers<T, RT, WT, 768>>(rows);
-  if (fast && hidden == 1024) return one_wave<ln_fwd_registers<T, RT, WT, 1024>>(rows);
-  return one_wave<ln_fwd_general<T, RT, WT>>(rows);
+  if (fast && hidden == 768) return one_wave_of_rows<ln_fwd_registers<T, RT, WT, 768>>(rows);
+  if (fast && hidden == 1024) return one_wave_of_rows<ln_fwd_registers<T, RT, WT, 1024>>(rows);
+  return one_wave_of_rows<ln_fwd_general<T, RT, WT>>(rows);
 }
 
 // Each backward warp sums the rows it visits into its own workspace row, so one wave
 // also keeps the workspace and its column sum as small as a full device allows.
 template <typename T, typename RT, typename WT>
 int bwd_blocks(int64_t rows, int hidden, bool fast) {
-  if (fast && hidden == 768) return one_wave<ln_bwd_registers<T, RT, WT, 768>>(rows);
-  if (fast && hidden == 1024) return one_wave<ln_bwd_registers<T, RT, WT, 1024>>(rows);
-  return one_wave<ln_bwd_general<T, RT, WT>>(rows);
-}
-
-// Calls f(T{}, RT{}, WT{}) for the (input, residual, weight) dtypes: the residual and the
-// weights have the input's dtype or are fp32 (autocast with fp32 parameters gives both).
-template <typename F>
-cudaError_t with_dtypes(int dtype, int residual_dtype, int weight_dtype, F&& f) {
-  return with_dtype(dtype, [&](auto t) -> cudaError_t {
-    using T = decltype(t);
-    auto with_weight = [&](auto rt) -> cudaError_t {
-      if (weight_dtype == dtype) return f(t, rt, T{});
-      if (weight_dtype == BDS_FLOAT32) return f(t, rt, float{});
-      return cudaErrorInvalidValue;
-    };
-    if (residual_dtype == dtype) return with_weight(T{});
-    if (residual_dtype == BDS_FLOAT32) return with_weight(float{});
-    return cudaErrorInvalidValue;
-  });
+  if (fast && hidden == 768) return one_wave_of_rows<ln_bwd_registers<T, RT, WT, 768>>(rows);
+  if (fast && hidden == 1024) return one_wave_of_rows<ln_bwd_registers<T, RT, WT, 1024>>(rows);
+  return one_wave_of_rows<ln_bwd_general<T, RT, WT>>(rows);
 }
 
 }  // namespace
@@ -305,9 +268,9 @@ extern "C" cudaError_t bds_layer_norm_fwd(const void* x, const void* residual, c
                                           int dtype, int residual_dtype, int weight_dtype, cudaStream_t stream) {
   if (hidden <= 0 || rows < 0) return cudaErrorInvalidValue;
   if (rows == 0) return cudaSuccess;
-  const bool fast = register_path(hidden, {x, residual, weight, bias, y});
+  const bool fast = register_row_path(hidden, {x, residual, weight, bias, y});
   if (residual == nullptr) residual_dtype = dtype;  // no residual: no extra instantiation
-  return with_dtypes(dtype, residual_dtype, weight_dtype, [&](auto t, auto rt, auto wt) -> cudaError_t {
+  return with_row_dtypes(dtype, residual_dtype, weight_dtype, [&](auto t, auto rt, auto wt) -> cudaError_t {
     using T = decltype(t);
     using RT = decltype(rt);
     using WT = decltype(wt);
@@ -336,8 +299,8 @@ extern "C" int bds_layer_norm_bwd_parts(int64_t rows, int hidden) {
   for (const int dtype : {BDS_FLOAT32, BDS_FLOAT16, BDS_BFLOAT16}) {
     for (const int residual_dtype : {dtype, (int)BDS_FLOAT32}) {
       for (const int weight_dtype : {dtype, (int)BDS_FLOAT32}) {
-        with_dtypes(dtype, residual_dtype, weight_dtype, [&](auto t, auto rt, auto wt) -> cudaError_t {
-          const int b = bwd_blocks<decltype(t), decltype(rt), decltype(wt)>(rows, hidden, register_size(hidden));
+        with_row_dtypes(dtype, residual_dtype, weight_dtype, [&](auto t, auto rt, auto wt) -> cudaError_t {
+          const int b = bwd_blocks<decltype(t), decltype(rt), decltype(wt)>(rows, hidden, register_row_size(hidden));
           blocks = b > blocks ? b : blocks;
           return cudaSuccess;
         });
@@ -354,11 +317,11 @@ extern "C" cudaError_t bds_layer_norm_bwd(const void* dy, const void* x, const v
                                           int dtype, int residual_dtype, int weight_dtype, cudaStream_t stream) {
   if (hidden <= 0 || rows < 0 || parts < kWarpsPerBlock || parts % kWarpsPerBlock != 0)
     return cudaErrorInvalidValue;
-  const bool fast = register_path(hidden, {dy, x, residual, weight, dx, dresidual, workspace});
+  const bool fast = register_row_path(hidden, {dy, x, residual, weight, dx, dresidual, workspace});
   float* dweight_parts = workspace;
   float* dbias_parts = workspace + (int64_t)parts * hidden;
   if (residual == nullptr) residual_dtype = dtype;
-  return with_dtypes(dtype, residual_dtype, weight_dtype, [&](auto t, auto rt, auto wt) -> cudaError_t {
+  return with_row_dtypes(dtype, residual_dtype, weight_dtype, [&](auto t, auto rt, auto wt) -> cudaError_t {
     using T = decltype(t);
     using RT = decltype(rt);
     using WT = decltype(wt);

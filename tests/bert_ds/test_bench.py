@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from bert_ds.tools import bench
-from bert_ds.tools.bench import FULL_LENGTH_PROB, SyntheticPretraining, synthetic_length, synthetic_sample
+from bert_ds.tools import bench, bench_variants
+from bert_ds.tools.bench_variants import FULL_LENGTH_PROB, SyntheticPretraining, synthetic_length, synthetic_sample
 from bert_ds.tools.projection import ANCHOR, anchor_mfu, hours_minutes, project
 from bert_ds.kernels.dispatch import KernelUnavailable
 from tests.conftest import run_cli
@@ -79,14 +79,14 @@ def test_bf16_autocast_path_runs(tmp_path):
 
 
 def test_a_variant_that_cannot_run_fused_is_reported_and_the_others_still_run(monkeypatch):
-    real = bench.build_variant
+    real = bench_variants.build_variant
 
     def build(v, *args):
         if v.key == "a":
             raise KernelUnavailable("kernels=cuda: varlen_attention cannot run fused: head_dim 80")
         return real(v, *args)
 
-    monkeypatch.setattr(bench, "build_variant", build)
+    monkeypatch.setattr(bench_variants, "build_variant", build)
     result = bench.run(bench.settings_from(bench.parse_args(SMOKE)))
     figures = result["configs"][0]["results"]
     assert "head_dim 80" in figures["a"]["not_run"] and figures["b"]["real_tokens_per_s"] > 0

@@ -13,7 +13,11 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from bert_ds.loader.pretraining import to_device
 from bert_ds.base.errors import ConfigError
 from bert_ds.checkpoint.export import to_hf_config
-from bert_ds.model.bert import PRESETS, BertForPreTraining, ModelConfig, model_preset, pretraining_inputs
+from bert_ds.kernels.ops import OpPlan
+from bert_ds.kernels.layer_norm import layer_norm_native
+from bert_ds.model.bert import (
+    PRESETS, BertForPreTraining, BertSublayerOutput, ModelConfig, model_preset, pretraining_inputs,
+)
 from bert_ds.model.padding import unpad
 
 VOCAB = 97
@@ -206,6 +210,36 @@ def test_activation_checkpointing_gives_same_loss_and_grads():
     assert torch.equal(loss_a, loss_b)
     for name in grads_a:
         torch.testing.assert_close(grads_b[name], grads_a[name], rtol=0, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_post_ln_sublayer_on_kernels_torch_computes_what_its_modules_did(dropout):
+    """kernels=torch: LayerNorm(dropout(dense(x)) + residual) bit for bit as nn.Linear (its bias in
+    the GEMM), nn.Dropout (the same draws of torch's generator) and the native LayerNorm computed it,
+    forward and backward: the golden run's record rests on it."""
+    torch.manual_seed(0)
+    layer = BertSublayerOutput(256, _config(hidden_dropout=dropout), "torch").train()  # 256: addmm != mm + add
+    x, residual, grad_out = torch.randn(130, 256), torch.randn(130, 48), torch.randn(130, 48)
+    ln = layer.LayerNorm
+
+    def run(fn):
+        layer.zero_grad()
+        leaves = [x.clone().requires_grad_(), residual.clone().requires_grad_()]
+        torch.manual_seed(1)
+        out = fn(*leaves)
+        out.backward(grad_out)
+        return [out.detach(), *(t.grad for t in leaves), *(p.grad.clone() for p in layer.parameters())]
+
+    ours = run(layer)
+    before = run(lambda x, r: layer_norm_native(layer.dropout(layer.dense(x)), ln.weight, ln.bias, ln.eps, r))
+    assert all(torch.equal(a, b) for a, b in zip(ours, before))
+
+
+def test_post_ln_sublayer_hands_the_dense_bias_to_the_op_where_it_runs_fused():
+    native = OpPlan((("dropout_add_layer_norm", "native"),), "shapes")
+    fused = OpPlan((("dropout_add_layer_norm", "fused"),), "shapes")
+    for backend, in_gemm in (("torch", True), ("cuda", False), (native, True), (fused, False)):
+        assert BertSublayerOutput(80, _config(), backend).bias_in_gemm is in_gemm, backend
 
 
 def test_pre_layernorm_runs_forward_and_backward():

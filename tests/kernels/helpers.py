@@ -71,6 +71,18 @@ def layer_norm_same_dtype(x, weight, bias, eps, residual=None):
     return F.layer_norm(summed, summed.shape[-1:], weight.to(x.dtype), bias.to(x.dtype), eps)
 
 
+def dropout_layer_norm_fp64(x, bias, residual, weight, ln_bias, eps, dropout_p, keep):
+    """LayerNorm(dropout(x + bias) + residual) in fp64, dropout's mask given (``keep``, bool)."""
+    h = torch.where(keep, (x.double() + bias.double()) / (1.0 - dropout_p), 0.0)
+    return layer_norm_fp64(h, weight, ln_bias, eps, residual)
+
+
+def dropout_layer_norm_same_dtype(x, bias, residual, weight, ln_bias, eps, dropout_p, keep):
+    """What PyTorch computes in the input dtype: each op rounded to it, the weights cast to it."""
+    h = torch.where(keep, (x + bias.to(x.dtype)) * (1.0 / (1.0 - dropout_p)), torch.zeros((), dtype=x.dtype))
+    return layer_norm_same_dtype(h, weight, ln_bias, eps, residual.to(x.dtype))
+
+
 # --------------------------------------------------------------------------- bias + gelu
 
 def gelu_fp64(x, bias, approximate):
@@ -108,3 +120,49 @@ def attention_per_sequence(q, k, v, lengths, softmax_scale=None, upcast=True):
         outs.append(torch.matmul(probs, vs).transpose(0, 1))  # (L, nh, hd)
         start += length
     return torch.cat(outs)  # (T, nh, hd)
+
+
+# --------------------------------------------------------------------------- dropout's Philox stream
+
+# Philox4x32-10 as Salmon, Moraes, Dror and Shaw define it ("Parallel random numbers: as easy as
+# 1, 2, 3", SC 2011, section 4 and Random123's philox.h): per round, with (c0, c1, c2, c3) the
+# counter and (k0, k1) the round key,
+#     c0, c1, c2, c3 <- hi(M1 c2) ^ c1 ^ k0, lo(M1 c2), hi(M0 c0) ^ c3 ^ k1, lo(M0 c0)
+# and the key bumped by the Weyl constants (W0, W1) between rounds. Written on numpy arrays,
+# without reference to kernels/csrc, so that the kernel's stream is checked against the definition.
+PHILOX_M = (0xD2511F53, 0xCD9E8D57)
+PHILOX_W = (0x9E3779B9, 0xBB67AE85)
+
+
+def philox4x32_10(counters, key: tuple[int, int]):
+    """counters: (n, 4) uint32 array; key: two 32-bit ints. Returns the (n, 4) uint32 output blocks."""
+    import numpy as np
+
+    c = [np.asarray(counters, dtype=np.uint64)[:, i] for i in range(4)]
+    k0, k1 = np.uint64(key[0]), np.uint64(key[1])
+    low = np.uint64(0xFFFFFFFF)
+    for round_ in range(10):
+        if round_:
+            k0, k1 = (k0 + np.uint64(PHILOX_W[0])) & low, (k1 + np.uint64(PHILOX_W[1])) & low
+        product0 = np.uint64(PHILOX_M[0]) * c[0]  # < 2^64: exact in uint64
+        product1 = np.uint64(PHILOX_M[1]) * c[2]
+        c = [(product1 >> np.uint64(32)) ^ c[1] ^ k0, product1 & low,
+             (product0 >> np.uint64(32)) ^ c[3] ^ k1, product0 & low]
+    return np.stack(c, axis=1).astype(np.uint32)
+
+
+def dropout_keep(shape: tuple[int, ...], dropout_p: float, seed: int, offset: int) -> torch.Tensor:
+    """The mask dropout_add_layer_norm's contract defines: element e (row-major over ``shape``) is
+    kept iff (word e % 4 of block Philox(key = seed, counter = (offset / 4, e / 4) as two 64-bit
+    halves, low words first)) / 2^32, cut to 24 bits, is below 1 - p in float32."""
+    import numpy as np
+
+    numel = math.prod(shape)
+    groups = np.arange((numel + 3) // 4, dtype=np.uint64)
+    base, low = np.uint64(offset // 4), np.uint64(0xFFFFFFFF)
+    counters = np.stack([np.full_like(groups, base & low), np.full_like(groups, base >> np.uint64(32)),
+                         groups & low, groups >> np.uint64(32)], axis=1)
+    words = philox4x32_10(counters, (seed & 0xFFFFFFFF, seed >> 32)).reshape(-1)[:numel]
+    uniform = (words >> np.uint32(8)).astype(np.float64) / 2.0 ** 24
+    keep_probability = float(np.float32(1.0) - np.float32(dropout_p))
+    return torch.from_numpy(uniform < keep_probability).reshape(shape)

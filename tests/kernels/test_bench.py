@@ -4,7 +4,7 @@ does per call, its roofline arithmetic and its padding."""
 import pytest
 import torch
 
-from bert_ds.kernels import bench
+from bert_ds.kernels import bench, bench_cases, bench_work
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible: the bench would run")
@@ -44,37 +44,46 @@ def test_report_lists_rates_fractions_speedups_and_refusals():
 
 def test_layer_norm_work_counts_each_input_and_output_once():
     # 10 x 8 bf16: x, residual, y = 3 * 160 B; weight, bias 2 * 16 B; mean, rstd 2 * 40 B
-    fwd = bench.layer_norm_work(10, 8, 2, "forward")
-    assert fwd == bench.Work(flops=8 * 80, bytes=480 + 32 + 80)
+    fwd = bench_work.layer_norm_work(10, 8, 2, "forward")
+    assert fwd == bench_work.Work(flops=8 * 80, bytes=480 + 32 + 80)
     # backward: dy, x, residual, dx 4 * 160 B; mean, rstd 80 B; weight 16 B; dweight, dbias 32 B
-    both = bench.layer_norm_work(10, 8, 2, "forward+backward")
-    assert both == bench.Work(flops=20 * 80, bytes=592 + 640 + 80 + 16 + 32)
+    both = bench_work.layer_norm_work(10, 8, 2, "forward+backward")
+    assert both == bench_work.Work(flops=20 * 80, bytes=592 + 640 + 80 + 16 + 32)
+
+
+def test_dropout_add_layer_norm_work_counts_each_input_and_output_once():
+    # 10 x 8 bf16: x, residual, y = 3 * 160 B; bias, weight, ln_bias 3 * 16 B; mean, rstd 2 * 40 B; no mask
+    fwd = bench_work.dropout_add_layer_norm_work(10, 8, 2, "forward")
+    assert fwd == bench_work.Work(flops=10 * 80, bytes=480 + 48 + 80)
+    # backward: dy, x, residual, dx, dresidual 5 * 160 B; mean, rstd 80 B; bias, weight 32 B; three dparams 48 B
+    both = bench_work.dropout_add_layer_norm_work(10, 8, 2, "forward+backward")
+    assert both == bench_work.Work(flops=24 * 80, bytes=608 + 800 + 80 + 32 + 48)
 
 
 def test_bias_gelu_work_counts_each_input_and_output_once():
     # 4 x 6 fp32: x and y 2 * 96 B + bias 24 B; backward dy, x, dx 3 * 96 B + bias and dbias 48 B
-    assert bench.bias_gelu_work(4, 6, 4, "forward") == bench.Work(6 * 24, 216)
-    assert bench.bias_gelu_work(4, 6, 4, "forward+backward") == bench.Work(19 * 24, 216 + 336)
+    assert bench_work.bias_gelu_work(4, 6, 4, "forward") == bench_work.Work(6 * 24, 216)
+    assert bench_work.bias_gelu_work(4, 6, 4, "forward+backward") == bench_work.Work(19 * 24, 216 + 336)
 
 
 def test_attention_work_counts_useful_flops_of_unpadded_sequences():
     # lengths 3 and 5, 2 heads of 4, fp16: 4 * 2 * 4 * (9 + 25) FLOPs; 8 tokens * 2 * 4 * 2 B = 128 B a tensor
-    fwd = bench.attention_work([3, 5], 2, 4, 2, "forward")
-    assert fwd == bench.Work(1088, 4 * 128 + 64)
-    assert bench.attention_work([3, 5], 2, 4, 2, "forward+backward") == bench.Work(3.5 * 1088, 12 * 128 + 128)
+    fwd = bench_work.attention_work([3, 5], 2, 4, 2, "forward")
+    assert fwd == bench_work.Work(1088, 4 * 128 + 64)
+    assert bench_work.attention_work([3, 5], 2, 4, 2, "forward+backward") == bench_work.Work(3.5 * 1088, 12 * 128 + 128)
 
 
 def test_unknown_pass_is_refused():
     with pytest.raises(ValueError, match="backward"):
-        bench.layer_norm_work(1, 8, 2, "backward")
+        bench_work.layer_norm_work(1, 8, 2, "backward")
 
 
 def test_roofline_bound_is_the_slower_of_compute_and_memory():
     device = {"matmul_tflops": 100.0, "copy_gb_per_s": 1000.0}
     # 1 TFLOP at 100 TFLOP/s: 10 ms; 1 GB at 1000 GB/s: 1 ms
-    assert bench.roofline(bench.Work(1e12, 1e9), device) == {"compute_ms": 10.0, "memory_ms": 1.0,
+    assert bench_work.roofline(bench_work.Work(1e12, 1e9), device) == {"compute_ms": 10.0, "memory_ms": 1.0,
                                                             "bound_ms": 10.0, "limit": "compute"}
-    line = bench.roofline(bench.Work(1e9, 4e9), device)
+    line = bench_work.roofline(bench_work.Work(1e9, 4e9), device)
     assert line["bound_ms"] == pytest.approx(4.0) and line["limit"] == "memory"
 
 
@@ -94,12 +103,12 @@ def test_roofline_table_lists_ours_and_the_attention_alternatives_beside_measure
 
 def test_padding_puts_each_sequence_at_the_start_of_its_row():
     x = torch.arange(6 * 2, dtype=torch.float32).view(6, 1, 2)  # (T=6, nh=1, hd=2)
-    padded = bench._padded(x, [2, 4], 4)  # (B=2, nh=1, S=4, hd=2)
+    padded = bench_cases._padded(x, [2, 4], 4)  # (B=2, nh=1, S=4, hd=2)
     assert padded.shape == (2, 1, 4, 2)
     assert torch.equal(padded[0, 0, :2], x[:2, 0]) and torch.equal(padded[0, 0, 2:], torch.zeros(2, 2))
     assert torch.equal(padded[1, 0], x[2:, 0])
 
 
 def test_loader_lengths_are_mostly_full():
-    lengths = bench.loader_lengths(1000, 512, torch.Generator().manual_seed(0))
+    lengths = bench_cases.loader_lengths(1000, 512, torch.Generator().manual_seed(0))
     assert 0.85 < sum(L == 512 for L in lengths) / 1000 < 0.95 and min(lengths) >= 2

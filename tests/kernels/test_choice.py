@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
 
-from bert_ds import kernels
+from bert_ds.kernels import ops as kernels
 from bert_ds.kernels import _build, attention, choice, dispatch, selfcheck, speed
 from bert_ds.kernels.choice import resolve_backend
 from bert_ds.kernels.compiled import CompiledReference
@@ -30,6 +30,7 @@ from bert_ds.model import bert
 
 # The modules, which kernels' own names for the public ops hide.
 layer_norm = importlib.import_module("bert_ds.kernels.layer_norm")
+dropout_layer_norm = importlib.import_module("bert_ds.kernels.dropout_layer_norm")
 bias_gelu = importlib.import_module("bert_ds.kernels.bias_gelu")
 
 SHAPES = speed.OpShapes(hidden=16, intermediate=64, num_heads=2, max_seqlen=8, tokens=16, dtype="float32")
@@ -129,7 +130,7 @@ def _runs(shapes=SHAPES) -> dict[str, str]:
 
 def _takes_anything(monkeypatch) -> None:
     """The CPU tensors of these tests pass for CUDA ones: every candidate takes them."""
-    for module in (layer_norm, bias_gelu, attention):
+    for module in (layer_norm, dropout_layer_norm, bias_gelu, attention):
         monkeypatch.setattr(module, "_unsupported", lambda impl, *inputs: "")
 
 
@@ -139,8 +140,8 @@ def test_a_fused_kernel_slower_than_native_is_not_used(auto):
     auto.costs("bias_gelu", native=2.0, fused=3.0)
     auto.costs("varlen_attention", native=1.0, fused=1.0)  # a tie is no reason to run a kernel
     plan = resolve_backend("auto", SHAPES)
-    assert plan == OpPlan((("layer_norm", "fused"), ("bias_gelu", "native"), ("varlen_attention", "native"),
-                           ("lamb_update", "fused")), SHAPES.key)
+    assert plan == OpPlan((("layer_norm", "fused"), ("dropout_add_layer_norm", "fused"), ("bias_gelu", "native"),
+                           ("varlen_attention", "native"), ("lamb_update", "fused")), SHAPES.key)
     choices = choice.op_choices(SHAPES)
     assert choices["bias_gelu"].ms == pytest.approx({"native": 2.0, "fused": 3.0, "compiled": 3.0})
     assert len(auto.clock.timed) == TIMED_PER_RACE and set(auto.clock.timed) == {torch.device("cpu")}
@@ -458,8 +459,8 @@ def test_without_the_extension_a_gpu_races_the_other_candidates(auto, monkeypatc
     auto.costs("varlen_attention", sdpa_cudnn=1.0)
     with caplog.at_level(logging.WARNING, logger="bert_ds.kernels.choice"):
         plan = resolve_backend("auto", SHAPES)
-    assert plan.runs == (("layer_norm", "apex"), ("bias_gelu", "compiled"), ("varlen_attention", "sdpa_cudnn"),
-                         ("lamb_update", "native"))
+    assert plan.runs == (("layer_norm", "apex"), ("dropout_add_layer_norm", "native"), ("bias_gelu", "compiled"),
+                         ("varlen_attention", "sdpa_cudnn"), ("lamb_update", "native"))
     excluded = choice.op_choices(SHAPES)["bias_gelu"].excluded
     assert excluded["fused"] == "the fused CUDA kernels cannot load: tests build nothing"
     assert "the fused CUDA kernels cannot load (tests build nothing); racing the other candidates" in caplog.text
@@ -484,6 +485,8 @@ def test_the_choice_is_logged_once_per_shapes_with_its_margin_and_timings(auto, 
     assert sorted(m for m in choices if "at seq 8:" in m) == [
         "kernels=auto at seq 8: bias_gelu runs native (1.50x faster than fused; native 2.000 ms, fused 3.000 ms, "
         "compiled 3.000 ms per call)",
+        "kernels=auto at seq 8: dropout_add_layer_norm runs fused (2.00x faster than native; native 2.000 ms, "
+        "fused 1.000 ms, compiled 3.000 ms per call)",
         "kernels=auto at seq 8: lamb_update runs fused (2.00x faster than native; native 2.000 ms, fused 1.000 ms "
         "per call)",
         "kernels=auto at seq 8: layer_norm runs fused (2.00x faster than native; native 2.000 ms, fused 1.000 ms, "
@@ -595,7 +598,8 @@ def test_compiled_attention_compiles_once_for_every_batch():
 
 def test_the_op_s_candidates_are_compiled_where_torch_compile_makes_sense():
     assert {op: "compiled" in impls for op, impls in speed.IMPLEMENTATIONS.items()} == {
-        "layer_norm": True, "bias_gelu": True, "varlen_attention": True, "lamb_update": False}
+        "layer_norm": True, "dropout_add_layer_norm": True, "bias_gelu": True, "varlen_attention": True,
+        "lamb_update": False}
     assert isinstance(attention.IMPLEMENTATIONS["compiled"], CompiledReference)
 
 
@@ -620,3 +624,5 @@ def test_the_other_ops_compiled_candidates_decline_only_host_tensors():
     assert layer_norm._unsupported("compiled", x, torch.ones(8), torch.zeros(8), None) == (
         "its inputs are not all on a CUDA device")
     assert bias_gelu._unsupported("compiled", x, torch.zeros(8)) == "its inputs are not all on a CUDA device"
+    assert dropout_layer_norm._unsupported("compiled", x, None, x, torch.ones(8), torch.zeros(8)) == (
+        "its inputs are not all on a CUDA device")

@@ -21,12 +21,13 @@ import re
 import pytest
 import torch
 
-from bert_ds import kernels
+from bert_ds.kernels import ops as kernels
 from bert_ds.model.padding import IGNORE_INDEX
 from tests.kernels import emulation
 from tests.kernels.helpers import (
-    ATOL, assert_close_to_reference, attention_per_sequence, cu_seqlens_of, gelu_fp64, gelu_same_dtype,
-    layer_norm_fp64, layer_norm_same_dtype, misaligned, rand,
+    ATOL, assert_close_to_reference, attention_per_sequence, cu_seqlens_of, dropout_keep, dropout_layer_norm_fp64,
+    dropout_layer_norm_same_dtype, gelu_fp64, gelu_same_dtype, layer_norm_fp64, layer_norm_same_dtype, misaligned,
+    rand, scaled_atol,
 )
 
 CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -57,10 +58,14 @@ class Emulated:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         P, I, L, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float  # noqa: E741 (as in C: I is int)
+        U = ctypes.c_uint64
         signatures = {
             "bds_layer_norm_fwd": [P, P, P, P, P, P, P, L, I, F, I, I, I, P],
             "bds_layer_norm_bwd_parts": [L, I],
             "bds_layer_norm_bwd": [P, P, P, P, P, P, P, P, P, P, P, I, L, I, I, I, I, P],
+            "bds_dropout_layer_norm_fwd": [P, P, P, P, P, P, P, P, P, L, I, F, F, U, U, I, I, I, P],
+            "bds_dropout_layer_norm_bwd_parts": [L, I],
+            "bds_dropout_layer_norm_bwd": [P, P, P, P, P, P, P, P, P, P, P, I, L, I, F, U, U, I, I, I, P],
             "bds_bias_gelu_fwd": [P, P, P, L, I, I, I, I, P],
             "bds_bias_gelu_bwd_parts": [L, I],
             "bds_bias_gelu_bwd": [P, P, P, P, P, P, I, L, I, I, I, I, P],
@@ -71,6 +76,8 @@ class Emulated:
             "bds_lamb_apply": [P, P, P, P, P, P, F, L, F, F, F, F, F, P],
         }
         for name, argtypes in signatures.items():
+            if not hasattr(lib, name):  # a library of some of the sources (an edited copy of one kernel)
+                continue
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, ctypes.c_int
         self.lib = lib
@@ -123,6 +130,37 @@ class Emulated:
                    rows, hidden, CODES[x.dtype], CODES[(residual if residual is not None else x).dtype],
                    CODES[weight.dtype], None)
         return dx, dw, db, (dresidual if separate else dx if residual is not None else None)
+
+    def dropout_layer_norm_fwd(self, x, bias, residual, weight, ln_bias, eps, dropout_p, seed, offset, keep_out):
+        x, bias, residual, weight, ln_bias = map(self._guarded, (x, bias, residual, weight, ln_bias))
+        hidden = x.shape[-1]
+        rows = x.numel() // hidden
+        y = self._empty(*x.shape, dtype=x.dtype)
+        mean, rstd = self._empty(rows, dtype=torch.float32), self._empty(rows, dtype=torch.float32)
+        keep = None
+        if keep_out is not None:  # bytes between guards of 7: every element must become 0 or 1, nothing else
+            buffer = torch.full((keep_out.numel() + 2 * GUARD,), 7, dtype=torch.uint8)
+            self.guards.append((buffer, buffer[:1].clone()))
+            keep = buffer[GUARD:GUARD + keep_out.numel()]
+        self._call("bds_dropout_layer_norm_fwd", x, bias, residual, weight, ln_bias, y, mean, rstd, keep, rows, hidden,
+                   eps, dropout_p, seed, offset, CODES[x.dtype], CODES[residual.dtype], CODES[weight.dtype], None)
+        if keep is not None:
+            assert int(keep.max()) <= 1, "the forward left keep_out bytes unwritten or wrote other values"
+            keep_out.copy_(keep.view(keep_out.shape).bool())
+        return y, mean, rstd
+
+    def dropout_layer_norm_bwd(self, dy, x, bias, residual, weight, mean, rstd, dropout_p, seed, offset):
+        dy, x, bias, residual, weight, mean, rstd = map(self._guarded, (dy, x, bias, residual, weight, mean, rstd))
+        hidden = x.shape[-1]
+        rows = x.numel() // hidden
+        parts = self.lib.bds_dropout_layer_norm_bwd_parts(rows, hidden)
+        workspace = self._empty(3 * parts * hidden, dtype=torch.float32)  # every part must be written
+        dx, dresidual = self._empty(*x.shape, dtype=x.dtype), self._empty(*residual.shape, dtype=residual.dtype)
+        dparams = self._empty(3, hidden, dtype=weight.dtype)
+        self._call("bds_dropout_layer_norm_bwd", dy, x, bias, residual, weight, mean, rstd, dx, dresidual, dparams,
+                   workspace, parts, rows, hidden, dropout_p, seed, offset, CODES[x.dtype], CODES[residual.dtype],
+                   CODES[weight.dtype], None)
+        return dx, (dparams[2] if bias is not None else None), dresidual, dparams[0], dparams[1]
 
     def bias_gelu_fwd(self, x, bias, tanh_approx):
         x, bias = self._guarded(x), self._guarded(bias)
@@ -259,6 +297,191 @@ def test_layer_norm_zero_rows_gives_zero_parameter_grads(emu):
     x, weight = torch.empty(0, 768), rand(768, seed=1)
     dx, dw, db, _ = emu.layer_norm_bwd(torch.empty(0, 768), x, None, weight, torch.empty(0), torch.empty(0))
     assert dx.shape == (0, 768) and torch.equal(dw, torch.zeros(768)) and torch.equal(db, torch.zeros(768))
+
+
+# --------------------------------------------------------------------------- dropout + residual + layer norm
+
+# (rows, hidden, aligned): 768 and 1024 aligned take the register path; 1 row, 7 and 129 (more rows
+# than the emulated device's 16 warps: the grid strides) ragged; odd widths take the general path.
+DLN_CASES = [(1, 768, True), (7, 768, True), (129, 768, True), (7, 1024, True), (3, 768, False),
+             (7, 100, True), (1, 1023, True), (129, 1023, True)]
+
+
+def check_dropout_add_layer_norm(emu, dtype, rows, hidden, aligned, dropout_p, seed=1234, offset=4 * 1031):
+    """The forward and backward against the fp64 reference given the kernel's own mask, and that mask
+    against the independent Philox of tests/kernels/helpers.py; the backward's (regenerated) mask
+    against the forward's. Raises AssertionError on the first difference."""
+    eps = 1e-5
+    inputs = {"x": rand(rows, hidden, dtype=dtype, seed=1, scale=2.0, shift=0.3),
+              "bias": rand(hidden, dtype=dtype, seed=6, scale=0.5),
+              "residual": rand(rows, hidden, dtype=dtype, seed=2),
+              "weight": rand(hidden, dtype=dtype, seed=3, shift=1.0),
+              "ln_bias": rand(hidden, dtype=dtype, seed=4)}
+    if not aligned:
+        inputs = {name: misaligned(t) if t.dim() == 2 else t for name, t in inputs.items()}
+    grad_out = rand(rows, hidden, dtype=dtype, seed=5)
+    keep = torch.zeros(rows, hidden, dtype=torch.bool)
+    args = (inputs["x"], inputs["bias"], inputs["residual"], inputs["weight"])
+    y, mean, rstd = emu.dropout_layer_norm_fwd(*args, inputs["ln_bias"], eps, dropout_p, seed, offset, keep)
+    dx, dbias, dres, dw, dlb = emu.dropout_layer_norm_bwd(grad_out, *args, mean, rstd, dropout_p, seed, offset)
+
+    assert torch.equal(keep, dropout_keep((rows, hidden), dropout_p, seed, offset)), "the mask is not Philox's"
+    # dx = dh * keep / (1 - p), dh almost surely nonzero: zero exactly where the backward dropped
+    assert torch.equal(dx != 0, keep), "the backward's mask is not the forward's"
+
+    def truth_fn(**t):
+        return dropout_layer_norm_fp64(eps=eps, dropout_p=dropout_p, keep=keep, **t)
+
+    def torch_fn(**t):
+        return dropout_layer_norm_same_dtype(eps=eps, dropout_p=dropout_p, keep=keep, **t)
+
+    assert_close_to_reference("y", y, torch_fn(**inputs), truth_fn(**inputs), ATOL[dtype])
+    truth, same = _fp64_grads(truth_fn, inputs, grad_out), _same_dtype_grads(torch_fn, inputs, grad_out)
+    ours = {"x": dx, "bias": dbias, "residual": dres, "weight": dw, "ln_bias": dlb}
+    for name in inputs:
+        assert_close_to_reference(f"d{name}", ours[name], same[name], truth[name], scaled_atol(dtype, truth[name]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("rows,hidden,aligned", DLN_CASES)
+@pytest.mark.parametrize("dropout_p", [0.0, 0.1])
+def test_dropout_add_layer_norm(emu, dtype, rows, hidden, aligned, dropout_p):
+    check_dropout_add_layer_norm(emu, dtype, rows, hidden, aligned, dropout_p)
+
+
+@pytest.mark.parametrize("hidden", [1024, 1023])
+def test_dropout_add_layer_norm_fp32_parameters_and_residual_with_bf16_input(emu, hidden):
+    """What autocast over fp32 parameters passes: a bf16 GEMM output, fp32 biases, weights and residual."""
+    dtype, rows, dropout_p, seed, offset = torch.bfloat16, 9, 0.1, 77, 4
+    inputs = {"x": rand(rows, hidden, dtype=dtype, seed=1), "bias": rand(hidden, seed=6),
+              "residual": rand(rows, hidden, seed=5), "weight": rand(hidden, seed=2, shift=1.0),
+              "ln_bias": rand(hidden, seed=3)}
+    grad_out = rand(rows, hidden, dtype=dtype, seed=4)
+    keep = torch.zeros(rows, hidden, dtype=torch.bool)
+    args = (inputs["x"], inputs["bias"], inputs["residual"], inputs["weight"])
+    y, mean, rstd = emu.dropout_layer_norm_fwd(*args, inputs["ln_bias"], 1e-12, dropout_p, seed, offset, keep)
+    dx, dbias, dres, dw, dlb = emu.dropout_layer_norm_bwd(grad_out, *args, mean, rstd, dropout_p, seed, offset)
+    assert y.dtype == dx.dtype == dtype and dbias.dtype == dres.dtype == dw.dtype == dlb.dtype == torch.float32
+    assert torch.equal(keep, dropout_keep((rows, hidden), dropout_p, seed, offset))
+
+    def reference(**t):
+        return kernels.dropout_add_layer_norm_ref(eps=1e-12, dropout_p=dropout_p, keep=keep, **t)
+
+    truth = _fp64_grads(lambda **t: dropout_layer_norm_fp64(eps=1e-12, dropout_p=dropout_p, keep=keep, **t),
+                        inputs, grad_out)
+    same = _same_dtype_grads(reference, inputs, grad_out)
+    expected = dropout_layer_norm_fp64(eps=1e-12, dropout_p=dropout_p, keep=keep, **inputs)
+    assert_close_to_reference("y", y, reference(**inputs), expected, ATOL[dtype])
+    for name, ours in (("x", dx), ("bias", dbias), ("residual", dres), ("weight", dw), ("ln_bias", dlb)):
+        assert_close_to_reference(f"d{name}", ours, same[name], truth[name], scaled_atol(dtype, truth[name]))
+
+
+@pytest.mark.parametrize("dropout_p", [0.1, 0.5])
+def test_dropout_keep_rate_is_binomial(emu, dropout_p):
+    """The kernel's mask over 256 x 1024 elements keeps 1 - p of them within 5 standard deviations,
+    in every column block of 128 too (no structure by position); a stream at the next offset is
+    another mask (agreeing where two independent ones would: (1 - p)^2 + p^2)."""
+    rows, hidden = 256, 1024
+    x, residual = rand(rows, hidden, seed=1), rand(rows, hidden, seed=2)
+    weight, bias = rand(hidden, seed=3), rand(hidden, seed=4)
+    masks = []
+    for offset in (0, 4):
+        keep = torch.zeros(rows, hidden, dtype=torch.bool)
+        emu.dropout_layer_norm_fwd(x, bias, residual, weight, bias, 1e-5, dropout_p, 2024, offset, keep)
+        masks.append(keep)
+
+    def within_binomial(kept: torch.Tensor, n: int, probability: float) -> bool:
+        return abs(kept.sum().item() - n * probability) <= 5 * math.sqrt(n * probability * (1 - probability))
+    n, keep_p = rows * hidden, 1 - dropout_p
+    assert within_binomial(masks[0], n, keep_p), masks[0].float().mean()
+    assert all(within_binomial(block, block.numel(), keep_p) for block in masks[0].split(128, dim=1))
+    agree = keep_p ** 2 + dropout_p ** 2
+    assert within_binomial(masks[0] == masks[1], n, agree), (masks[0] == masks[1]).float().mean()
+
+
+@pytest.mark.parametrize("hidden", [768, 1023])
+def test_dropout_off_draws_nothing_and_is_the_fused_layer_norm_of_the_sum(emu, hidden):
+    """p = 0 keeps every element whatever the stream, and computes bit for bit what layer_norm.cu
+    does on (x + bias) rounded to fp32: the kernels sum, normalise and scale in the same order."""
+    x, residual = rand(9, hidden, seed=1, scale=2.0), rand(9, hidden, seed=2)
+    bias, weight, ln_bias = rand(hidden, seed=3), rand(hidden, seed=4, shift=1.0), rand(hidden, seed=5)
+    outputs = []
+    for seed, offset in ((99, 8), (12345, 4096)):
+        keep = torch.zeros(9, hidden, dtype=torch.bool)
+        outputs.append(emu.dropout_layer_norm_fwd(x, bias, residual, weight, ln_bias, 1e-12, 0.0, seed, offset, keep))
+        assert keep.all()
+    expected = emu.layer_norm_fwd(x + bias, weight, ln_bias, residual, 1e-12)
+    for ours in outputs:
+        for name, a, b in zip(("y", "mean", "rstd"), ours, expected):
+            assert torch.equal(a, b), name
+
+
+# Copies of the sources with one planted mistake: (file, after this anchor, this text, becomes
+# this, what the comparison must then report). Between them they fail each of its checks: the
+# mask against the independent Philox (a counter one block on in the stream itself, which the
+# reference given the kernel's own mask cannot see), the backward's mask against the forward's,
+# the output and the gradients, the bias's included (its column sum is this kernel's own work).
+PLANTED_MISTAKES = {
+    "Philox counter one block on (the stream)": (
+        "common.cuh", "uint32_t keep_bits(", "keep4((uint64_t)(e / 4) + t)", "keep4((uint64_t)(e / 4) + t + 1)",
+        "the mask is not Philox's"),
+    "forward counter one element on (general path)": (
+        "dropout_layer_norm.cu", "dln_fwd_general(", "dropout.keep(offset + j) ? v", "dropout.keep(offset + j + 1) ? v",
+        "y: error"),
+    "backward counter one vector on (register path)": (
+        "dropout_layer_norm.cu", "dln_bwd_registers(", "dropout.keep_bits<kVec>(offset + col)",
+        "dropout.keep_bits<kVec>(offset + col + kVec)", "the backward's mask is not the forward's"),
+    "backward column loop to <= hidden (general path)": (
+        "dropout_layer_norm.cu", "dln_bwd_general(", "for (int j = lane; j < hidden; j += 32) {\n      const bool kept",
+        "for (int j = lane; j <= hidden; j += 32) {\n      const bool kept", "non-finite values|wrote out of bounds"),
+    "kept elements scaled by 1 - p instead of 1 / (1 - p)": (
+        "common.cuh", "static Dropout make(", "d.scale = 1.f / keep_p;", "d.scale = keep_p;", "y: error"),
+    "backward's dx not scaled (register path)": (
+        "dropout_layer_norm.cu", "dln_bwd_registers(", "out[j] * dropout.scale : 0.f", "out[j] : 0.f",
+        "dx: error"),
+    "bias gradient's term dropped (register path)": (
+        "dropout_layer_norm.cu", "dln_bwd_registers(", "db[i][j] += out[j];", "", "dbias: error"),
+    "bias gradient summed before the dropout (general path)": (
+        "dropout_layer_norm.cu", "dln_bwd_general(", "dbp[j] += dxv;", "dbp[j] += dh;", "dbias: error"),
+}
+
+_RUN_DROPOUT_CHECKS = """
+import ctypes
+import torch
+from tests.kernels.test_cuda_emulated import Emulated, check_dropout_add_layer_norm
+
+emu = Emulated(ctypes.CDLL({library!r}))
+for rows, hidden in ((7, 100), (7, 768), (5, 1024)):
+    try:
+        check_dropout_add_layer_norm(emu, torch.float32, rows, hidden, True, 0.1)
+    except AssertionError as error:
+        print("comparison failed:", str(error).splitlines()[0])
+        break
+else:
+    print("every comparison passed")
+"""
+
+
+def test_dropout_checks_pass_on_the_real_source_in_a_child(emu):
+    outcome = emulation.run_python(_RUN_DROPOUT_CHECKS.format(library=emu.lib._name))
+    assert outcome.returncode == 0 and "every comparison passed" in outcome.stdout, outcome.stderr[-2000:]
+
+
+@pytest.mark.parametrize("planted", sorted(PLANTED_MISTAKES))
+def test_a_planted_mistake_fails_the_dropout_comparison(tmp_path, planted):
+    if reason := emulation.unavailable():
+        pytest.skip(reason)
+    file, anchor, old, new, report = PLANTED_MISTAKES[planted]
+    # dropout_layer_norm.cu and common.cuh, which it includes and which launches a kernel too (column_sum)
+    sources = {name: (emulation.CSRC / name).read_text() for name in ("dropout_layer_norm.cu", "common.cuh")}
+    source = sources[file]
+    at = source.index(old, source.index(anchor, source.index("namespace bds")))  # in the definition named
+    sources[file] = source[:at] + new + source[at + len(old):]
+    library = emulation.build_library(sources, tmp_path)
+    outcome = emulation.run_python(_RUN_DROPOUT_CHECKS.format(library=str(library)))
+    assert outcome.returncode == 0, outcome.stderr[-2000:]
+    assert "every comparison passed" not in outcome.stdout, f"{planted}: the planted bug went unnoticed"
+    assert re.search(rf"comparison failed: .*({report})", outcome.stdout), outcome.stdout
 
 
 # --------------------------------------------------------------------------- bias + gelu
@@ -453,8 +676,8 @@ def emulated_cuda(emu, monkeypatch):
         monkeypatch.setattr(module, "load_extension", lambda: (emu, ""))
     monkeypatch.setattr(choice, "op_verdicts", lambda: passed)
     monkeypatch.setattr(dispatch, "_verdicts", lambda: passed)
-    modules = {"layer_norm": "layer_norm", "bias_gelu": "bias_gelu", "varlen_attention": "attention",
-               "lamb_update": "lamb"}
+    modules = {"layer_norm": "layer_norm", "dropout_add_layer_norm": "dropout_layer_norm", "bias_gelu": "bias_gelu",
+               "varlen_attention": "attention", "lamb_update": "lamb"}
     for op in dispatch.OPS:  # the inputs are on the CPU by design: waive that reason, and only that
         module = importlib.import_module(f"bert_ds.kernels.{modules[op]}")
 
@@ -473,7 +696,7 @@ def _public_op_grads(fn, inputs, grad_out, dtype=None):
 
 
 def test_public_ops_run_the_emulated_kernels_through_autograd(emulated_cuda):
-    from bert_ds import kernels
+    from bert_ds.kernels import ops as kernels
 
     dtype = torch.bfloat16
     atol = ATOL[dtype]
@@ -502,6 +725,45 @@ def test_public_ops_run_the_emulated_kernels_through_autograd(emulated_cuda):
         for name in inputs:
             assert_close_to_reference(f"{op} d{name}", grads[name], same_grads[name], truth_grads[name],
                                       atol * max(1.0, truth_grads[name].abs().max().item()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dropout_add_layer_norm_runs_the_emulated_kernels_through_autograd(emulated_cuda, dtype):
+    """The fused path's Python (the autograd Function, the binding's API, the seed) on the emulated
+    kernels: with the kernel's mask, every gradient against the fp64 reference; the public op's
+    mask follows torch's generator (the same seed, the same mask) and drops about p of the elements."""
+    from bert_ds.kernels.dropout_layer_norm import dropout_add_layer_norm_fused
+
+    inputs = {"x": rand(33, 768, dtype=dtype, seed=1, scale=2.0), "bias": rand(768, dtype=dtype, seed=2),
+              "residual": rand(33, 768, dtype=dtype, seed=3), "weight": rand(768, dtype=dtype, seed=4, shift=1.0),
+              "ln_bias": rand(768, dtype=dtype, seed=5)}
+    grad_out = rand(33, 768, dtype=dtype, seed=6)
+    keep = torch.zeros(33, 768, dtype=torch.bool)
+    out, grads = _public_op_grads(
+        lambda **t: dropout_add_layer_norm_fused(eps=1e-12, dropout_p=0.1, seed=5, offset=8, keep_out=keep, **t),
+        inputs, grad_out)
+    assert torch.equal(keep, dropout_keep((33, 768), 0.1, 5, 8))
+    truth_out, truth_grads = _public_op_grads(
+        lambda **t: dropout_layer_norm_fp64(eps=1e-12, dropout_p=0.1, keep=keep, **t), inputs, grad_out, torch.float64)
+    same_out, same_grads = _public_op_grads(
+        lambda **t: dropout_layer_norm_same_dtype(eps=1e-12, dropout_p=0.1, keep=keep, **t), inputs, grad_out)
+    assert_close_to_reference("out", out, same_out, truth_out, ATOL[dtype])
+    for name in inputs:
+        assert_close_to_reference(f"d{name}", grads[name], same_grads[name], truth_grads[name],
+                                  scaled_atol(dtype, truth_grads[name]))
+
+    def public(**t):
+        return kernels.dropout_add_layer_norm(eps=1e-12, dropout_p=0.1, backend="cuda", **t)
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(7)
+        runs.append(_public_op_grads(public, inputs, grad_out))
+    (out_a, grads_a), (out_b, grads_b) = runs
+    assert torch.equal(out_a, out_b) and torch.equal(grads_a["x"], grads_b["x"])
+    dropped = (grads_a["x"] == 0).float().mean().item()
+    assert 0.07 < dropped < 0.13, dropped
+    _, grads_c = _public_op_grads(public, inputs, grad_out)  # the generator moved on: another mask
+    assert not torch.equal(grads_c["x"] == 0, grads_a["x"] == 0)
 
 
 @pytest.mark.parametrize("precision", ["bf16 parameters", "bf16 autocast"])

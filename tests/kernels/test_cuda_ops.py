@@ -16,13 +16,14 @@ import math
 import pytest
 import torch
 
-from bert_ds import kernels
+from bert_ds.kernels import ops as kernels
 from bert_ds.kernels import _build, choice, dispatch
 from bert_ds.kernels.dispatch import KernelUnavailable
 from bert_ds.model.padding import IGNORE_INDEX
 from tests.kernels.helpers import (
-    assert_close_to_reference, attention_per_sequence, cu_seqlens_of, gelu_fp64, gelu_same_dtype, layer_norm_fp64,
-    layer_norm_same_dtype, misaligned, non_contiguous, rand, scaled_atol,
+    assert_close_to_reference, attention_per_sequence, cu_seqlens_of, dropout_keep, dropout_layer_norm_fp64,
+    dropout_layer_norm_same_dtype, gelu_fp64, gelu_same_dtype, layer_norm_fp64, layer_norm_same_dtype, misaligned,
+    non_contiguous, rand, scaled_atol,
 )
 
 pytestmark = [
@@ -122,6 +123,100 @@ def test_layer_norm_backward_is_deterministic():
         x.grad = weight.grad = bias.grad = None
         kernels.layer_norm(x, weight, bias, 1e-12, backend="cuda").backward(grad_out)
         runs.append((x.grad.clone(), weight.grad.clone(), bias.grad.clone()))
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+# --------------------------------------------------------------------------- dropout + residual + layer norm
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [768, 1024, 1023, 100])
+@pytest.mark.parametrize("dropout_p", [0.0, 0.1])
+@pytest.mark.parametrize("layout", ["contiguous", "strided", "misaligned"])
+def test_dropout_add_layer_norm(dtype, hidden, dropout_p, layout):
+    """Forward and every gradient, the bias's included, against the fp64 reference given the mask
+    the kernel reports; that mask is the independent Philox's, and the backward's is the forward's."""
+    from bert_ds.kernels.dropout_layer_norm import dropout_add_layer_norm_fused
+
+    rows, eps, seed, offset = 257, 1e-12, 2024, 4 * 12345
+    inputs = {"x": rand(rows, hidden, dtype=dtype, seed=1, scale=2.0, shift=0.5, device="cuda"),
+              "bias": rand(hidden, dtype=dtype, seed=6, scale=0.5, device="cuda"),
+              "residual": rand(rows, hidden, dtype=dtype, seed=2, device="cuda"),
+              "weight": rand(hidden, dtype=dtype, seed=3, shift=1.0, device="cuda"),
+              "ln_bias": rand(hidden, dtype=dtype, seed=4, device="cuda")}
+    if layout == "strided":
+        inputs = {k: non_contiguous(v) if v.dim() == 2 else v for k, v in inputs.items()}
+    elif layout == "misaligned":
+        inputs = {k: misaligned(v) if v.dim() == 2 else v for k, v in inputs.items()}
+    grad_out = rand(rows, hidden, dtype=dtype, seed=5, device="cuda")
+    keep = torch.empty(rows, hidden, dtype=torch.bool, device="cuda")
+    fused = _grads(lambda **t: dropout_add_layer_norm_fused(eps=eps, dropout_p=dropout_p, seed=seed, offset=offset,
+                                                            keep_out=keep, **t), inputs, grad_out)
+    assert torch.equal(keep.cpu(), dropout_keep((rows, hidden), dropout_p, seed, offset))
+    assert torch.equal(fused[1]["x"] != 0, keep)  # the backward regenerated the forward's mask
+    same = _grads(lambda **t: dropout_layer_norm_same_dtype(eps=eps, dropout_p=dropout_p, keep=keep, **t), inputs,
+                  grad_out)
+    truth = _grads(lambda **t: dropout_layer_norm_fp64(eps=eps, dropout_p=dropout_p, keep=keep, **t), inputs,
+                   grad_out, torch.float64)
+    _check(f"dropout_add_layer_norm {dtype} {hidden} p={dropout_p}", fused, same, truth, dtype)
+
+
+@pytest.mark.parametrize("hidden", [768, 1023])
+def test_dropout_add_layer_norm_with_fp32_parameters_and_residual(hidden):
+    """What autocast over fp32 parameters passes: a bf16 GEMM output, fp32 biases, weights and residual."""
+    from bert_ds.kernels.dropout_layer_norm import dropout_add_layer_norm_fused
+
+    inputs = {"x": rand(64, hidden, dtype=torch.bfloat16, seed=1, device="cuda"),
+              "bias": rand(hidden, seed=6, device="cuda"), "residual": rand(64, hidden, seed=2, device="cuda"),
+              "weight": rand(hidden, seed=3, shift=1.0, device="cuda"), "ln_bias": rand(hidden, seed=4, device="cuda")}
+    grad_out = rand(64, hidden, dtype=torch.bfloat16, seed=5, device="cuda")
+    keep = torch.empty(64, hidden, dtype=torch.bool, device="cuda")
+    fused = _grads(lambda **t: dropout_add_layer_norm_fused(eps=1e-5, dropout_p=0.1, seed=3, offset=0, keep_out=keep,
+                                                            **t), inputs, grad_out)
+    same = _grads(lambda **t: kernels.dropout_add_layer_norm_ref(eps=1e-5, dropout_p=0.1, keep=keep, **t), inputs,
+                  grad_out)
+    truth = _grads(lambda **t: dropout_layer_norm_fp64(eps=1e-5, dropout_p=0.1, keep=keep, **t), inputs, grad_out,
+                   torch.float64)
+    assert fused[0].dtype == torch.bfloat16 and fused[1]["bias"].dtype == fused[1]["residual"].dtype == torch.float32
+    _check("dropout_add_layer_norm bf16 x, fp32 params", fused, same, truth, torch.bfloat16)
+
+
+@pytest.mark.parametrize("dropout_p", [0.1, 0.5])
+def test_dropout_add_layer_norm_keeps_one_minus_p_and_follows_torch_s_generator(dropout_p):
+    """At BERT-Base's shape the keep rate is 1 - p within 5 standard deviations; the mask follows torch's
+    CUDA generator (the same seed, the same mask; the next call, another), which the op advances by 4."""
+    x = rand(16384, 768, dtype=torch.bfloat16, seed=1, device="cuda").requires_grad_()
+    residual, bias = rand(16384, 768, dtype=torch.bfloat16, seed=2, device="cuda"), x.new_zeros(768)
+    weight, grad_out = x.new_ones(768), rand(16384, 768, dtype=torch.bfloat16, seed=3, device="cuda")
+
+    def dropped() -> torch.Tensor:
+        x.grad = None
+        kernels.dropout_add_layer_norm(x, bias, residual, weight, bias, 1e-12, dropout_p, backend="cuda").backward(
+            grad_out)
+        return x.grad == 0
+
+    generator = torch.cuda.default_generators[torch.cuda.current_device()]
+    torch.cuda.manual_seed(11)
+    start = generator.get_offset()
+    first = dropped()
+    assert generator.get_offset() == start + 4
+    second = dropped()
+    torch.cuda.manual_seed(11)
+    assert torch.equal(dropped(), first) and not torch.equal(first, second)
+    n, keep_p = x.numel(), 1 - dropout_p
+    assert abs((~first).sum().item() - n * keep_p) <= 5 * math.sqrt(n * keep_p * dropout_p)
+
+
+def test_dropout_add_layer_norm_backward_is_deterministic():
+    inputs = [rand(*shape, dtype=torch.bfloat16, seed=seed, device="cuda").requires_grad_()
+              for seed, shape in enumerate([(4096, 1024), (1024,), (4096, 1024), (1024,), (1024,)])]
+    grad_out = rand(4096, 1024, dtype=torch.bfloat16, seed=9, device="cuda")
+    runs = []
+    for _ in range(2):
+        for t in inputs:
+            t.grad = None
+        torch.cuda.manual_seed(5)
+        kernels.dropout_add_layer_norm(*inputs, 1e-12, 0.1, backend="cuda").backward(grad_out)
+        runs.append([t.grad.clone() for t in inputs])
     assert all(torch.equal(a, b) for a, b in zip(*runs))
 
 
@@ -247,6 +342,10 @@ def test_binding_rejects_host_tensors_and_wrong_shapes(extension):
     x = x.cuda()
     with pytest.raises(RuntimeError, match="weight must have shape"):
         extension.layer_norm_fwd(x, x[0, :100], x[0, :100], None, 1e-5)
+    with pytest.raises(ValueError, match="multiple of 4"):
+        extension.dropout_layer_norm_fwd(x, None, x, x[0], x[0], 1e-5, 0.1, 1, 2, None)
+    with pytest.raises(RuntimeError, match="keep_out must be a contiguous bool tensor"):
+        extension.dropout_layer_norm_fwd(x, None, x, x[0], x[0], 1e-5, 0.1, 1, 4, x)
     q = rand(8, 1, 48, dtype=torch.bfloat16, seed=1, device="cuda")
     with pytest.raises(RuntimeError, match="head_dim 32 or 64"):
         extension.varlen_attention_fwd(q, q, q, cu_seqlens_of([8], device="cuda"), 8, 0.0, 0.1)

@@ -14,9 +14,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bert_ds import kernels
+from bert_ds.kernels import ops as kernels
 from bert_ds.kernels import attention, dispatch, selfcheck
 from bert_ds.kernels.attention import VarlenAttnApi
+from bert_ds.kernels.dropout_layer_norm import dropout_add_layer_norm_native, dropout_add_layer_norm_ref
 from bert_ds.kernels.layer_norm import layer_norm_native, layer_norm_ref
 
 from tests.kernels.helpers import cu_seqlens_of, non_contiguous, rand
@@ -127,10 +128,56 @@ def test_native_attention_off_a_gpu_is_the_reference(dtype):
                        kernels.varlen_attention_ref(q, k, v, cu_seqlens, 17))
 
 
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_native_dropout_add_layer_norm_is_the_reference_in_float32_without_dropout(with_bias):
+    leaves = {"x": rand(6, 1023, seed=1, scale=3.0), "bias": rand(1023, seed=2), "residual": rand(6, 1023, seed=3),
+              "weight": rand(1023, seed=4) + 1.0, "ln_bias": rand(1023, seed=5)}
+    grad_out = rand(6, 1023, seed=6)
+
+    def run(fn):
+        inputs = {name: t.clone().requires_grad_() for name, t in leaves.items()}
+        if not with_bias:
+            inputs["bias"] = None
+        out = fn(eps=1e-12, dropout_p=0.0, **inputs)
+        out.backward(grad_out)
+        return [out.detach()] + [t.grad for t in inputs.values() if t is not None]
+
+    for ours, reference in zip(run(dropout_add_layer_norm_native), run(dropout_add_layer_norm_ref)):
+        assert torch.equal(ours, reference)
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.1])
+def test_native_dropout_add_layer_norm_is_what_the_model_ran_before_it(dropout_p):
+    """Without a bias (the GEMM added it) and under the same seed: nn.Dropout's mask, then the
+    native LayerNorm of the sum, bit for bit, forward and backward (the golden run depends on it)."""
+    x, residual = rand(9, 64, seed=1), rand(9, 64, seed=2)
+    weight, ln_bias, grad_out = rand(64, seed=3) + 1.0, rand(64, seed=4), rand(9, 64, seed=5)
+    runs = []
+    for fn in (lambda x, r: dropout_add_layer_norm_native(x, None, r, weight, ln_bias, 1e-12, dropout_p),
+               lambda x, r: layer_norm_native(torch.nn.Dropout(dropout_p).train()(x), weight, ln_bias, 1e-12, r)):
+        leaves = [x.clone().requires_grad_(), residual.clone().requires_grad_()]
+        torch.manual_seed(0)
+        out = fn(*leaves)
+        out.backward(grad_out)
+        runs.append([out.detach(), *(t.grad for t in leaves)])
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+    if dropout_p:
+        assert (runs[0][1] == 0).any()  # dropout happened
+
+
+def test_native_dropout_add_layer_norm_adds_a_float32_bias_in_float32_and_keeps_the_dtype():
+    x, residual = rand(4, 32, dtype=torch.bfloat16, seed=1), rand(4, 32, seed=2)
+    bias, weight, ln_bias = rand(32, seed=3), rand(32, seed=4) + 1.0, rand(32, seed=5)
+    out = dropout_add_layer_norm_native(x, bias, residual, weight, ln_bias, 1e-12, 0.0)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, dropout_add_layer_norm_ref(x, bias, residual, weight, ln_bias, 1e-12, 0.0))
+
+
 def test_kernels_torch_runs_the_native_ops(monkeypatch):
     calls = []
     for module, name in ((attention, "varlen_attention"), (sys.modules["bert_ds.kernels.layer_norm"], "layer_norm"),
-                         (sys.modules["bert_ds.kernels.bias_gelu"], "bias_gelu")):
+                         (sys.modules["bert_ds.kernels.bias_gelu"], "bias_gelu"),
+                         (sys.modules["bert_ds.kernels.dropout_layer_norm"], "dropout_add_layer_norm")):
         native = module.IMPLEMENTATIONS["native"]
         monkeypatch.setitem(module.IMPLEMENTATIONS, "native",
                             lambda *args, native=native, name=name: calls.append(name) or native(*args))
@@ -139,7 +186,8 @@ def test_kernels_torch_runs_the_native_ops(monkeypatch):
     kernels.varlen_attention(q, k, v, cu_seqlens, 5, backend="torch")
     kernels.layer_norm(x, bias, bias, 1e-12, x, backend="torch")
     kernels.bias_gelu(x, bias, "none", backend="torch")
-    assert calls == ["varlen_attention", "layer_norm", "bias_gelu"]
+    kernels.dropout_add_layer_norm(x, bias, x, bias, bias, 1e-12, 0.1, backend="torch")
+    assert calls == ["varlen_attention", "layer_norm", "bias_gelu", "dropout_add_layer_norm"]
 
 
 def test_the_native_ops_compile_into_one_graph():
@@ -149,6 +197,7 @@ def test_the_native_ops_compile_into_one_graph():
     def block(q, k, v, cu_seqlens):
         context = kernels.varlen_attention(q, k, v, cu_seqlens, 8, backend="torch").reshape(-1, 16)
         hidden = kernels.bias_gelu(context, bias, "tanh", backend="torch")
+        hidden = kernels.dropout_add_layer_norm(hidden, bias, context, weight, bias, 1e-12, 0.0, backend="torch")
         return kernels.layer_norm(hidden, weight, bias, 1e-12, context, backend="torch")
 
     compiled = torch.compile(block, fullgraph=True, backend="eager")  # fullgraph: a graph break is an error
@@ -259,7 +308,7 @@ def test_varlen_attn_is_looked_up_in_each_known_location(monkeypatch):
 
 def test_a_process_without_cuda_starts_without_importing_varlen_attn():
     """Its module pulls in torch's compiler stack (about 2.5 s a start): a CPU process never needs it."""
-    code = ("import sys, bert_ds.train.cli, bert_ds.kernels.attention as a; "
+    code = ("import sys, bert_ds.train.loop, bert_ds.kernels.attention as a; "
             "assert 'torch.nn.attention.varlen' not in sys.modules; "
             "assert a.varlen_attn_api() == a.find_varlen_attn(); assert 'torch.nn.attention.varlen' in sys.modules")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,

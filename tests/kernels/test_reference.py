@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bert_ds import kernels
+from bert_ds.kernels import ops as kernels
 from bert_ds.kernels import choice, dispatch
 from bert_ds.kernels._build import load_extension
 from bert_ds.kernels.choice import UnknownKernelBackend, resolve_backend
@@ -100,6 +100,94 @@ def test_layer_norm_public_op_runs_reference_on_torch():
     residual = _rand(4, 33, seed=4)
     out = kernels.layer_norm(x, weight, bias, 1e-12, residual, backend="torch")
     assert torch.equal(out, kernels.layer_norm_ref(x, weight, bias, 1e-12, residual))
+
+
+# --------------------------------------------------------------------------- dropout_add_layer_norm
+
+def _dropout_layer_norm_fp64(x, bias, residual, weight, ln_bias, eps, dropout_p, keep):
+    h = torch.where(keep, (x.double() + bias.double()) / (1 - dropout_p), 0.0) + residual.double()
+    mean = h.mean(dim=-1, keepdim=True)
+    var = ((h - mean) ** 2).mean(dim=-1, keepdim=True)
+    return (h - mean) / torch.sqrt(var + eps) * weight.double() + ln_bias.double()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [1, 7, 1023])
+@pytest.mark.parametrize("dropout_p", [0.0, 0.1, 0.5])
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_dropout_add_layer_norm_ref_matches_formula(dtype, hidden, dropout_p, contiguous):
+    x = _rand(5, 3, hidden, dtype=dtype, seed=1, scale=3.0) + 0.5
+    if not contiguous:
+        x = _non_contiguous(x)
+    residual, bias = _rand(5, 3, hidden, dtype=dtype, seed=2), _rand(hidden, dtype=dtype, seed=3)
+    weight, ln_bias = _rand(hidden, dtype=dtype, seed=4) + 1.0, _rand(hidden, dtype=dtype, seed=5)
+    keep = torch.rand(5, 3, hidden, generator=torch.Generator().manual_seed(6)) >= dropout_p
+    out = kernels.dropout_add_layer_norm_ref(x, bias, residual, weight, ln_bias, 1e-5, dropout_p, keep)
+    expected = _dropout_layer_norm_fp64(x, bias, residual, weight, ln_bias, 1e-5, dropout_p, keep)
+    h = torch.where(keep, (x + bias) / (1 - dropout_p), torch.zeros((), dtype=dtype)) + residual
+    same_dtype = F.layer_norm(h, (hidden,), weight, ln_bias, 1e-5)
+    assert out.dtype == dtype and out.shape == x.shape
+    assert _max_err(out, expected) <= 2 * _max_err(same_dtype, expected) + 1e-5
+
+
+def test_dropout_add_layer_norm_ref_grads_match_formula():
+    leaves = {"x": _rand(6, 37, seed=1, scale=2.0), "bias": _rand(37, seed=2), "residual": _rand(6, 37, seed=3),
+              "weight": _rand(37, seed=4) + 1.0, "ln_bias": _rand(37, seed=5)}
+    keep = torch.rand(6, 37, generator=torch.Generator().manual_seed(6)) >= 0.3
+    grad_out = _rand(6, 37, seed=7)
+
+    def grads(fn, dtype):
+        inputs = {k: v.to(dtype, copy=True).requires_grad_() for k, v in leaves.items()}
+        fn(eps=1e-5, dropout_p=0.3, keep=keep, **inputs).backward(grad_out.to(dtype))
+        return {k: v.grad for k, v in inputs.items()}
+
+    ours, expected = grads(kernels.dropout_add_layer_norm_ref, torch.float32), grads(_dropout_layer_norm_fp64,
+                                                                                   torch.float64)
+    for name in leaves:
+        assert _max_err(ours[name], expected[name]) <= 1e-5, name
+    assert torch.equal(ours["x"] == 0, ~keep.expand(6, 37))  # dropped elements pass no gradient
+
+
+def test_dropout_add_layer_norm_ref_without_a_mask_draws_one_keeping_one_minus_p():
+    x, residual = _rand(64, 1024, seed=1), _rand(64, 1024, seed=2)
+    weight, ln_bias = torch.ones(1024), torch.zeros(1024)
+    x.requires_grad_()
+    torch.manual_seed(0)
+    kernels.dropout_add_layer_norm_ref(x, None, residual, weight, ln_bias, 1e-5, 0.25).backward(_rand(64, 1024, seed=3))
+    kept = (x.grad != 0).float().mean().item()
+    assert abs(kept - 0.75) < 5 * math.sqrt(0.75 * 0.25 / x.numel())
+    no_dropout = kernels.dropout_add_layer_norm_ref(x, None, residual, weight, ln_bias, 1e-5, 0.0)
+    assert torch.equal(no_dropout, kernels.layer_norm_ref(x, weight, ln_bias, 1e-5, residual))
+
+
+def test_dropout_add_layer_norm_public_op_runs_the_native_op_on_torch_and_checks_p():
+    x, residual, bias = _rand(4, 33, seed=1), _rand(4, 33, seed=2), _rand(33, seed=3)
+    weight, ln_bias = _rand(33, seed=4), _rand(33, seed=5)
+    out = kernels.dropout_add_layer_norm(x, bias, residual, weight, ln_bias, 1e-12, 0.0, backend="torch")
+    assert torch.equal(out, kernels.dropout_add_layer_norm_native(x, bias, residual, weight, ln_bias, 1e-12, 0.0))
+    for p in (-0.1, 1.0):
+        with pytest.raises(ValueError, match="dropout_p"):
+            kernels.dropout_add_layer_norm(x, bias, residual, weight, ln_bias, 1e-12, p, backend="torch")
+
+
+@pytest.mark.parametrize("change, reason", [
+    ({"x": torch.float64}, "torch.float64 input"),
+    ({"bias": torch.float32}, "a torch.float32 bias beside torch.bfloat16 LayerNorm weights"),
+    ({"weight": torch.float16}, "weight/ln_bias for torch.bfloat16 input"),
+    ({"residual": torch.float16}, "a torch.float16 residual"),
+    ({}, "its inputs are not all on a CUDA device"),
+])
+def test_fused_dropout_add_layer_norm_says_which_inputs_it_cannot_take(change, reason):
+    from bert_ds.kernels import dropout_layer_norm
+
+    dtypes = {"x": torch.bfloat16, "bias": torch.bfloat16, "residual": torch.bfloat16, "weight": torch.bfloat16,
+              "ln_bias": torch.bfloat16, **change}
+    t = {name: torch.zeros(2, 8, dtype=d) if name in ("x", "residual") else torch.zeros(8, dtype=d)
+         for name, d in dtypes.items()}
+    if "weight" in change:
+        t["ln_bias"] = t["ln_bias"].to(change["weight"])
+    assert reason in dropout_layer_norm._unsupported("fused", t["x"], t["bias"], t["residual"], t["weight"],
+                                                     t["ln_bias"])
 
 
 # --------------------------------------------------------------------------- bias_gelu

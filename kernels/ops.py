@@ -1,0 +1,41 @@
+"""The public face of the kernels: the ops, their references and native paths, and the
+resolution of a ``kernels`` setting, from the modules that define them.
+
+What the model, the optimizer and user code import (``from bert_ds.kernels.ops import
+layer_norm, resolve_backend``). Importing it imports torch and ``choice``, which hands the
+self-check's verdicts to the dispatch; the package's ``__init__`` imports none of it, so that
+the commands under ``bert_ds.kernels`` answer ``--help`` without torch.
+"""
+
+from bert_ds.kernels.attention import varlen_attention, varlen_attention_native, varlen_attention_ref
+from bert_ds.kernels.bias_gelu import bias_gelu, bias_gelu_native, bias_gelu_ref
+from bert_ds.kernels.choice import UnknownKernelBackend, check_setting, resolve_backend
+from bert_ds.kernels.dispatch import Backend, KernelSetting, KernelUnavailable, OpPlan
+from bert_ds.kernels.dropout_layer_norm import (
+    dropout_add_layer_norm, dropout_add_layer_norm_native, dropout_add_layer_norm_ref,
+)
+from bert_ds.kernels.layer_norm import layer_norm, layer_norm_native, layer_norm_ref
+from bert_ds.kernels.speed import OpShapes
+
+__all__ = [
+    "Backend",
+    "KernelSetting",
+    "KernelUnavailable",
+    "OpPlan",
+    "OpShapes",
+    "UnknownKernelBackend",
+    "bias_gelu",
+    "bias_gelu_native",
+    "bias_gelu_ref",
+    "check_setting",
+    "dropout_add_layer_norm",
+    "dropout_add_layer_norm_native",
+    "dropout_add_layer_norm_ref",
+    "layer_norm",
+    "layer_norm_native",
+    "layer_norm_ref",
+    "resolve_backend",
+    "varlen_attention",
+    "varlen_attention_native",
+    "varlen_attention_ref",
+]
