@@ -13,12 +13,16 @@ The emulator ends the process on a kernel error (``emu: ...`` on stderr, then ab
 tests that expect one run the library in a fresh interpreter: ``run_python``.
 """
 
+import fcntl
+import functools
+import hashlib
 import os
 import re
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,21 +111,74 @@ def build_library(sources: Iterable[str | Path] | Mapping[str, str], out_dir: st
         raise BuildError(unavailable())
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    units = []
+    units, headers = [], {}
     for file_name, text in _as_texts(sources).items():
         path = Path(file_name)
         written = out_dir / (f"{path.stem}.cpp" if path.suffix == ".cu" else path.name)
         written.write_text(rewrite_for_emulation(text, file_name))
         if path.suffix in COMPILED:
             units.append(str(written))
+        else:
+            headers[path.name] = written.read_text()
     if not units:
         raise BuildError("no .cu or .cpp file among the sources")
+    key = _headers_key(include, headers)
+    objects = [_object(Path(unit), key, include) for unit in units]
     library = out_dir / name
-    cmd = ["g++", *CXXFLAGS, f"-I{EMU}", f"-I{CSRC}", f"-I{include}", *units, "-o", str(library)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(["g++", *CXXFLAGS, *map(str, objects), "-o", str(library)], capture_output=True, text=True)
     if proc.returncode != 0:
-        raise BuildError(f"g++ failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
+        raise BuildError(f"g++ failed to link ({proc.returncode}):\n{proc.stderr[-6000:]}")
     return library
+
+
+# --------------------------------------------------------------------------- the object cache
+
+def cache_dir() -> Path:
+    """Where compiled translation units are kept, by content: ``BDS_EMU_CACHE``, else one folder
+    per user in the temporary directory. The xdist workers and the children of one suite share
+    it, so the kernels compile once however many tests and workers load them, and a test's
+    edited copy of one kernel recompiles that kernel alone."""
+    return Path(os.environ.get("BDS_EMU_CACHE") or Path(tempfile.gettempdir()) / f"bert-ds-emu-{os.getuid()}")
+
+
+@functools.cache
+def _compiler() -> str:
+    return subprocess.run(["g++", "--version"], capture_output=True, text=True).stdout
+
+
+def _headers_key(include: Path, given: Mapping[str, str]) -> str:
+    """A digest of everything a unit may include besides itself: the headers written beside it,
+    kernels/csrc's and the emulator's, the toolkit's include folder, the compiler and flags."""
+    digest = hashlib.sha256(f"{_compiler()}\0{CXXFLAGS}\0{include}\0{EMU}\0{CSRC}".encode())
+    for folder, texts in (("given", given), ("csrc", _texts(CSRC)), ("emu", _texts(EMU))):
+        for file_name in sorted(texts):
+            digest.update(f"\0{folder}/{file_name}\0{texts[file_name]}".encode())
+    return digest.hexdigest()
+
+
+def _texts(folder: Path) -> dict[str, str]:
+    return {p.name: p.read_text() for p in folder.iterdir() if p.is_file() and p.suffix not in COMPILED}
+
+
+def _object(unit: Path, headers_key: str, include: Path) -> Path:
+    """``unit`` compiled to an object in the cache (compiled here unless it is there already; a
+    unit being compiled by another process is waited for, not compiled twice)."""
+    text = unit.read_text()
+    key = hashlib.sha256(f"{headers_key}\0{unit.name}\0{text}".encode()).hexdigest()[:32]
+    folder = cache_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    obj = folder / f"{unit.stem}-{key}.o"
+    with open(folder / f"{obj.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not obj.is_file():
+            partial = obj.with_name(f"{obj.name}.{os.getpid()}.partial")
+            cmd = ["g++", *CXXFLAGS, f"-I{EMU}", f"-I{CSRC}", f"-I{include}", "-c", str(unit), "-o", str(partial)]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode != 0:
+                partial.unlink(missing_ok=True)
+                raise BuildError(f"g++ failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
+            os.replace(partial, obj)  # whole or absent: a killed compile leaves no object
+    return obj
 
 
 @dataclass

@@ -182,7 +182,8 @@ def test_an_access_past_the_launched_bytes_is_reported(library):
 
 def run_declared(library: str, launch_bytes: int) -> int:
     """smem_checks.cu's declared_kernel (it declares 1,024 bytes) launched with launch_bytes."""
-    return ctypes.CDLL(library).emu_declared(_ptr(torch.zeros(32)), launch_bytes)
+    out = torch.zeros(32)  # held while the kernel writes it: a temporary's memory would be freed first
+    return ctypes.CDLL(library).emu_declared(_ptr(out), launch_bytes)
 
 
 def test_a_launch_short_of_what_the_kernel_declares_is_reported(library):
