@@ -130,3 +130,9 @@ def sample_data(tmp_path_factory) -> dict[str, Path]:
     run_cli("bert_ds.data_tools", "build", "--input", str(SAMPLE / "test.txt"), "--output", str(root / "heldout"),
             "--vocab", str(root / "train" / "vocab.txt"), "--split-sentences", "--workers", "1")
     return {"train": root / "train", "heldout": root / "heldout"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The tests marked ``long`` first: pytest-xdist's workers take the collected order in turn
+    and steal from each other's tails, so a long test collected late would run alone at the end."""
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)  # stable: the rest keep their order

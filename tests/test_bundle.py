@@ -168,6 +168,7 @@ def _local_torch_wheel() -> Path | None:
     return max(found, key=lambda w: parse_wheel_filename(w.name)[1], default=None)
 
 
+@pytest.mark.long
 def test_bundle_installs_offline_into_a_bare_venv(tmp_path):
     torch_wheel = _local_torch_wheel()
     if torch_wheel is None:

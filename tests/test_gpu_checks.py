@@ -104,6 +104,7 @@ def test_the_kit_holds_deepspeed_and_what_the_gpu_machine_lacks(kit):
     assert all(p.stat().st_size < 8 * 2**20 for p in kit.glob("*.whl"))
 
 
+@pytest.mark.long
 def test_the_rehearsal_runs_every_step_and_writes_every_result(kit, tmp_path):
     out = tmp_path / "rehearsal"
     proc = subprocess.run(["bash", str(SCRIPT), "--rehearse", str(out)], capture_output=True, text=True,

@@ -20,6 +20,7 @@ def test_the_verdict_allows_the_seed_spread_and_no_more():
     assert not worse["not_worse"] and worse["difference"] == pytest.approx(0.46) and worse["allowed"] == pytest.approx(0.1)
 
 
+@pytest.mark.long
 def test_a_tiny_parity_run_trains_both_on_the_same_budget(tmp_path):
     out = tmp_path / "parity"
     args = ["bert_ds.tools.parity", "--output", str(out), "--preset", "tiny", "--steps", "8", "--seeds", "2",

@@ -21,6 +21,7 @@ def _run_compile_check(env: dict[str, str], *args: str) -> subprocess.CompletedP
                           text=True, cwd=REPO, env=env, timeout=900)
 
 
+@pytest.mark.long
 @pytest.mark.skipif(compile_check.find_nvcc() is None, reason="nvcc not found")
 def test_the_check_compiles_a_kernel_for_sm80_and_sm90_and_the_binding_for_the_host():
     """The command and its report, on the smallest source and the binding. That every source

@@ -191,6 +191,7 @@ ATTENTION_DESIGN = {
 }
 
 
+@pytest.mark.long
 @needs_nvcc
 def test_every_source_compiles_for_both_archs(compiled):
     """Every kernels/csrc/*.cu, for sm_80 and sm_90, with compile_check's flags (every warning an
