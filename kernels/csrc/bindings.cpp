@@ -80,6 +80,20 @@ int residual_code(const at::Tensor& residual, const at::Tensor& x) {
   return dtype_code(residual.defined() ? residual.scalar_type() : x.scalar_type());
 }
 
+// A row-normalising forward's shape and outputs: y like x, each row's mean and rstd in fp32.
+struct RowNormOutputs {
+  int hidden;
+  int64_t rows;
+  at::Tensor y, mean, rstd;
+};
+
+RowNormOutputs row_norm_outputs(const at::Tensor& x) {
+  const int hidden = checked_int(x.size(-1), "hidden size");
+  const int64_t rows = x.numel() / hidden;
+  const auto stats = x.options().dtype(at::kFloat);
+  return {hidden, rows, at::empty_like(x), at::empty({rows}, stats), at::empty({rows}, stats)};
+}
+
 std::vector<at::Tensor> layer_norm_fwd(const at::Tensor& x_in, const at::Tensor& weight_in, const at::Tensor& bias_in,
                                        const c10::optional<at::Tensor>& residual_in, double eps) {
   const at::Device device = x_in.device();
@@ -93,11 +107,7 @@ std::vector<at::Tensor> layer_norm_fwd(const at::Tensor& x_in, const at::Tensor&
   const c10::cuda::CUDAGuard guard(device);
   const at::Tensor x = x_in.contiguous(), weight = weight_in.contiguous(), bias = bias_in.contiguous();
   const at::Tensor residual = residual_in ? residual_in->contiguous() : at::Tensor();
-  const int hidden = checked_int(x.size(-1), "hidden size");
-  const int64_t rows = x.numel() / hidden;
-  at::Tensor y = at::empty_like(x);
-  at::Tensor mean = at::empty({rows}, x.options().dtype(at::kFloat));
-  at::Tensor rstd = at::empty({rows}, x.options().dtype(at::kFloat));
+  auto [hidden, rows, y, mean, rstd] = row_norm_outputs(x);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   cudaError_t err;
   {
@@ -199,11 +209,7 @@ std::vector<at::Tensor> dropout_layer_norm_fwd(const at::Tensor& x_in, const c10
   const at::Tensor x = x_in.contiguous(), residual = residual_in.contiguous(), weight = weight_in.contiguous();
   const at::Tensor ln_bias = ln_bias_in.contiguous();
   const at::Tensor bias = bias_in ? bias_in->contiguous() : at::Tensor();
-  const int hidden = checked_int(x.size(-1), "hidden size");
-  const int64_t rows = x.numel() / hidden;
-  at::Tensor y = at::empty_like(x);
-  at::Tensor mean = at::empty({rows}, x.options().dtype(at::kFloat));
-  at::Tensor rstd = at::empty({rows}, x.options().dtype(at::kFloat));
+  auto [hidden, rows, y, mean, rstd] = row_norm_outputs(x);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   cudaError_t err;
   {
