@@ -44,7 +44,9 @@
 # installed from $KIT (default .gpu-kit) into a scratch target, without an index. Every step
 # runs even if an earlier one failed; the exit status is the number of steps that failed.
 # ONLY="step ..." runs only those
-# steps (train_base and engine_sweep need main_job's data). BENCH_ARGS adds arguments to the model bench.
+# steps (train_base and engine_sweep need main_job's data); into an OUT_DIR that holds an
+# earlier call's results, steps.txt keeps the other steps' lines, so a run split over two
+# calls ends with one summary. BENCH_ARGS adds arguments to the model bench.
 #
 # --rehearse runs every step on this CPU machine: the same script, steps, result files and
 # summary, at tiny shapes and a few steps (the fused ops refuse, as they do without a GPU;
@@ -102,7 +104,13 @@ else
     out=${1:-benchmarks/results/$gpu-$(date +%Y-%m-%d)}
 fi
 mkdir -p "$out"
-: > "$out/steps.txt"
+if [[ -n ${ONLY:-} && -f $out/steps.txt ]]; then
+    # a run split over calls (ONLY, the same OUT_DIR): the other steps' lines stay, these are rerun
+    awk -v only=" $ONLY " 'index(only, " " $1 " ") == 0' "$out/steps.txt" > "$out/steps.txt.kept"
+    mv "$out/steps.txt.kept" "$out/steps.txt"
+else
+    : > "$out/steps.txt"
+fi
 export PYTHONUNBUFFERED=1
 failed=0
 

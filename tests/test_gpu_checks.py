@@ -146,3 +146,14 @@ def test_the_summary_splits_the_step_by_bucket_at_both_sequence_lengths(tmp_path
     assert "| GEMM | 3.00 | 66.7% | 4.50 | 78.3% |" in lines and "| idle | 0.50 | 11.1% | 0.25 | 4.3% |" in lines
     (tmp_path / "train_base512_profile.json").unlink()
     assert "`train_base512_profile.json` is missing: its step did not write it." in step_buckets(tmp_path)
+
+
+def test_a_run_split_over_calls_keeps_the_other_steps_lines(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "steps.txt").write_text("kernels_build 0 55 240\nsummary 1 5 60\n")
+    proc = subprocess.run(["bash", str(SCRIPT), "--rehearse", str(out)], capture_output=True, text=True,
+                          timeout=120, env=_env(ONLY="summary"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = [line.split() for line in (out / "steps.txt").read_text().splitlines()]
+    assert [line[:2] for line in lines] == [["kernels_build", "0"], ["summary", "0"]]
