@@ -6,9 +6,9 @@
 #       DATA: a dataset built with a 30,522-word vocabulary (BERT's decoder width), e.g. as
 #             benchmarks/gpu_checks.sh builds one for its train_base step
 #
-#   variant        what changes against base-mb256 (global batch 1,024 sequences of 128 in all)
-#   base-mb256     micro-batch 256, 4 accumulation steps, zero1_bf16.json, kernels=auto
-#   base-mb512     micro-batch 512, 2 accumulation steps (the recipe's): half the host work per token
+#   variant        what changes against base-mb512 (global batch 1,024 sequences of 128 in all)
+#   base-mb512     micro-batch 512, 2 accumulation steps (the recipe's), zero1_bf16.json, kernels=auto
+#   base-mb256     micro-batch 256, 4 accumulation steps: twice the host work per token
 #   base-mb1024    micro-batch 1,024, no accumulation
 #   overlap        zero1_bf16.json with overlap_comm on: DeepSpeed's per-parameter gradient
 #                  hooks on every micro-batch, a side stream and its events
@@ -50,12 +50,12 @@ declare -A args=(
     [base-mb256]="--micro-batch-size 256"
     [base-mb512]="--micro-batch-size 512"
     [base-mb1024]="--micro-batch-size 1024"
-    [overlap]="--micro-batch-size 256 --ds-config $scratch/zero1_bf16_overlap.json"
-    [torch-ops]="--micro-batch-size 256 --kernels torch"
-    [bf16-accum]="--micro-batch-size 256 --ds-config $scratch/zero1_bf16_accum16.json"
+    [overlap]="--micro-batch-size 512 --ds-config $scratch/zero1_bf16_overlap.json"
+    [torch-ops]="--micro-batch-size 512 --kernels torch"
+    [bf16-accum]="--micro-batch-size 512 --ds-config $scratch/zero1_bf16_accum16.json"
 )
 failed=0
-for variant in ${VARIANTS:-base-mb256 base-mb512 base-mb1024 overlap torch-ops bf16-accum}; do
+for variant in ${VARIANTS:-base-mb512 base-mb256 base-mb1024 overlap torch-ops bf16-accum}; do
     [[ -n ${args[$variant]:-} ]] || { echo "engine_sweep.sh: unknown variant $variant" >&2; exit 2; }
     echo "== $variant: ${args[$variant]}"
     run=$scratch/$variant

@@ -4,38 +4,40 @@
 #   benchmarks/gpu_checks.sh [--rehearse] [OUT_DIR]
 #       OUT_DIR default: benchmarks/results/<gpu>-<yyyy-mm-dd> (rehearsal: <tmp>/rehearsal-<date>)
 #
-#   step             what                                                          H200, 2026-11-26
-#   kernels_build    python -m bert_ds.kernels.build --recheck: JIT build, self-check,      55 s
+#   step             what                                                          H100, 2026-11-27
+#   kernels_build    python -m bert_ds.kernels.build --recheck: JIT build, self-check,      69 s
 #                    kernels=auto's race (its verdicts)
-#   kernels_inspect  python -m bert_ds.kernels.inspect --summary: registers, spills,       18 s
+#   kernels_inspect  python -m bert_ds.kernels.inspect --summary: registers, spills,       17 s
 #                    CTAs per SM as that machine's nvcc builds them
-#   test_cuda_ops    pytest tests/kernels/test_cuda_ops.py: every fused op and gradient    22 s
+#   test_cuda_ops    pytest tests/kernels/test_cuda_ops.py: every fused op and gradient    21 s
 #                    against its reference
-#   kernels_bench    python -m bert_ds.kernels.bench: each op against eager, compile,      53 s
+#   kernels_bench    python -m bert_ds.kernels.bench: each op against eager, compile,      64 s
 #                    SDPA, varlen_attn, with its roofline
-#   bench            python -m bert_ds.tools.bench: (a) fused, (b) torch, (c) transformers  43 s
+#   bench            python -m bert_ds.tools.bench: (a) fused, (b) torch, (c) transformers  42 s
 #                    at BERT-Base seq 128 and 512, goals and projection
-#   profile          python -m bert_ds.tools.profile_step: one BERT-Base step of (a) under  18 s
+#   profile          python -m bert_ds.tools.profile_step: one BERT-Base step of (a) under  15 s
 #                    torch.profiler: busy and idle time, syncs, top kernels
-#   main_job         ./run.sh: the main job on the GPU (ZeRO-1 bf16, LAMB, export,          77 s
+#   main_job         ./run.sh: the main job on the GPU (ZeRO-1 bf16, LAMB, export,          90 s
 #                    fill-mask), MAIN_STEPS steps
-#   train_base       python -m bert_ds.train --preset base: the engine path a user runs    ~50 s
+#   train_base       python -m bert_ds.train --preset base: the engine path a user runs     41 s
 #                    (ZeRO-1, bf16, LAMB, kernels=auto), BERT's 30,522-word vocabulary,
 #                    the recipe's micro-batch of 512 at seq 128, 2 accumulation steps;
 #                    its last 3 steps profiled (--profile-steps): where the engine's step goes
-#   train_base512    the same at seq 512, phase 2 of the recipe (micro-batch 32, 4 a step)  ~40 s
-#   engine_sweep     benchmarks/engine_sweep.sh: the engine path at micro-batch 512 and     ~140 s
+#   train_base512    the same at seq 512, phase 2 of the recipe (micro-batch 128, 2 a step)  ~63 s
+#   engine_sweep     benchmarks/engine_sweep.sh: the engine path at micro-batch 512 and    176 s
 #                    1,024, on PyTorch's ops, with bf16 gradient accumulation; 20 steps
 #                    each, each step split by stage (GPU busy and idle while the host
 #                    loads, runs forward, backward, the update)
-#   summary          python -m bert_ds.tools.gpu_summary: SUMMARY.md, the run in one page     5 s
+#   summary          python -m bert_ds.tools.gpu_summary: SUMMARY.md, the run in one page     6 s
 #
-# The times are the H200 run's (benchmarks/results/H200-2026-11-26, each a first build or
-# first start); ~ marks a step that did not run there in its present form (engine_sweep ran
-# by hand: 5 variants of 30 steps in 190 s; train_base ran at micro-batch 256), estimated;
-# about 9 minutes in all, inside the device tool's 10 minutes a command (ONLY splits the
-# run over two calls), each step bounded by its budget below (a step past its budget is
-# stopped and counted failed).
+# The times are the H100 run's (benchmarks/results/H100-2026-11-27, each a first build or
+# first start; ~ marks a step run there in another form: train_base512 at micro-batch 32).
+# All steps take about 10 minutes, more than the device tool's 10 minutes a command: that
+# run took two calls on one warm machine, 4 and 6.5 minutes, with the same OUT_DIR,
+#   ONLY="kernels_build kernels_inspect test_cuda_ops kernels_bench bench profile summary"
+#   ONLY="main_job train_base train_base512 engine_sweep summary"
+# (steps.txt keeps the first call's lines; the second summary covers both). Each step is
+# bounded by its budget below (a step past its budget is stopped and counted failed).
 #
 # It runs with $PYTHON, else the project's environment ($VENV, default .venv, as run.sh
 # makes it), else python3; that Python must have torch (CUDA), transformers, tokenizers,
@@ -187,8 +189,8 @@ else
     base_steps=${BASE_STEPS:-30}
     base=(--preset base --seq-len 128 --micro-batch-size 512 --global-batch-size 1024 --ds-config zero1_bf16.json
           --num-workers 4)
-    # phase 2 of BERT's recipe: seq 512 at its micro-batch of 32, 4 of them a step
-    base512=(--preset base --seq-len 512 --micro-batch-size 32 --global-batch-size 128 --ds-config zero1_bf16.json
+    # phase 2 of the recipe: seq 512 at its micro-batch of 128 (as many tokens as phase 1's 512), 2 a step
+    base512=(--preset base --seq-len 512 --micro-batch-size 128 --global-batch-size 256 --ds-config zero1_bf16.json
              --num-workers 4)
     # the shipped micro-batch (512) and its variants; overlap_comm and micro-batch 256 were
     # settled on the H200 of 2026-11-26
