@@ -157,3 +157,21 @@ def test_a_run_split_over_calls_keeps_the_other_steps_lines(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = [line.split() for line in (out / "steps.txt").read_text().splitlines()]
     assert [line[:2] for line in lines] == [["kernels_build", "0"], ["summary", "0"]]
+
+
+def test_peak_gpu_memory_reaches_the_summary_and_the_sweep_table(tmp_path):
+    from bert_ds.tools.engine_sweep import table
+    from bert_ds.train.step import RunState
+    from bert_ds.train.summary import Progress
+
+    progress = Progress()
+    for gb in (3.5, 7.25, 6.0):  # the largest of the steps' records, not the last
+        progress.add_step({"loss": 1.0, "tokens_per_s": 100.0, "mfu": 0.3, "max_memory_gb": gb})
+    summary = progress.summary(RunState(step=3, tokens=300), tmp_path / "ckpt", 0.0)
+    assert summary["max_memory_gb"] == 7.25
+    cpu = Progress()
+    cpu.add_step({"loss": 1.0, "tokens_per_s": 100.0})
+    assert cpu.summary(RunState(step=1), tmp_path, 0.0)["max_memory_gb"] is None
+    (tmp_path / "sweep" / "base-mb512").mkdir(parents=True)
+    (tmp_path / "sweep" / "base-mb512" / "summary.json").write_text(json.dumps(summary))
+    assert "| base-mb512 | 100 | 30.0% | 7.2 |  |  |  |" in table(tmp_path / "sweep")

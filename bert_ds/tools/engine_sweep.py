@@ -39,14 +39,14 @@ def _ms(value: float | None, digits: int = 2) -> str:
 
 
 def table(out: Path) -> list[str]:
-    lines = ["| variant | real tokens/s | MFU | median step ms | profiled: GPU busy / idle ms per step | "
-             "most idle stage |", "|---|---:|---:|---:|---:|---|"]
+    lines = ["| variant | real tokens/s | MFU | peak memory GiB | median step ms | "
+             "profiled: GPU busy / idle ms per step | most idle stage |", "|---|---:|---:|---:|---:|---:|---|"]
     details: list[str] = []
     for folder in sorted(p for p in out.iterdir() if p.is_dir()):
         run = _read(folder)
         s, p = run["summary"], run["profile"]
         if s is None:
-            lines.append(f"| {folder.name} | failed (see {folder.name}/train.log) | | | | |")
+            lines.append(f"| {folder.name} | failed (see {folder.name}/train.log) | | | | | |")
             continue
         step_ms = median_step_ms(run["steps"])
         profiled = (f"{p['device_busy_ms_per_step']:.1f} / {p['idle_ms_per_step']:.1f}"
@@ -54,7 +54,7 @@ def table(out: Path) -> list[str]:
         stages = (p or {}).get("stages") or []
         worst = max(stages, key=lambda r: r["gpu_idle_ms_per_step"] or 0.0, default=None)
         mfu = "" if s["mfu"] is None else f"{100 * s['mfu']:.1f}%"
-        lines.append(f"| {folder.name} | {s['tokens_per_s']:,.0f} | {mfu} | "
+        lines.append(f"| {folder.name} | {s['tokens_per_s']:,.0f} | {mfu} | {_ms(s.get('max_memory_gb'), 1)} | "
                      f"{_ms(step_ms, 1)} | {profiled} | "
                      f"{'' if worst is None or worst['gpu_idle_ms_per_step'] is None else worst['stage']} |")
         if stages:

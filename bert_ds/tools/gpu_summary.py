@@ -197,16 +197,21 @@ def _profiled(summary: dict[str, Any]) -> list[str]:
     return summary_lines(summary, top=10) + [""]
 
 
+def _memory(summary: dict[str, Any]) -> str:
+    gb = summary.get("max_memory_gb")
+    return "" if gb is None else f", peak GPU memory {gb:.1f} GiB"
+
+
 def engine_path(results: Path) -> list[str]:
     summary = _json(results / "train_base_summary.json")
     lines = ["## The engine path a user runs (`train_base.log`)", ""]
     if summary is None:
         return lines + _missing("train_base_summary.json")
     lines.append(f"- {summary['steps']} steps, {summary['tokens']:,} real tokens: {summary['tokens_per_s']:,.0f} "
-                 f"real tokens/s, MFU {_percent(summary.get('mfu'))} of the datasheet peak")
+                 f"real tokens/s, MFU {_percent(summary.get('mfu'))} of the datasheet peak{_memory(summary)}")
     at512 = _json(results / "train_base512_summary.json")
     lines.append(f"- at seq 512 (`train_base512.log`): {at512['tokens_per_s']:,.0f} real "
-                 f"tokens/s, MFU {_percent(at512.get('mfu'))}" if at512 else
+                 f"tokens/s, MFU {_percent(at512.get('mfu'))}{_memory(at512)}" if at512 else
                  "- at seq 512: `train_base512_summary.json` is missing: its step did not write it")
     try:
         records = [json.loads(line) for line in (results / "train_base_metrics.jsonl").read_text().splitlines()

@@ -16,6 +16,7 @@ class Progress:
     losses: list[float] = field(default_factory=list)
     rates: list[float] = field(default_factory=list)  # real tokens/s
     mfus: list[float] = field(default_factory=list)  # on GPUs (where the peak is known)
+    max_memory_gb: float | None = None  # on GPUs: torch.cuda.max_memory_allocated, the largest so far
     val: dict[str, float] = field(default_factory=dict)  # the latest validation pass
     stopped_by: str | None = None  # the stop signal's name when a signal stopped the run
 
@@ -24,6 +25,8 @@ class Progress:
         self.rates.append(record["tokens_per_s"])
         if "mfu" in record:
             self.mfus.append(record["mfu"])
+        if "max_memory_gb" in record:
+            self.max_memory_gb = max(self.max_memory_gb or 0.0, record["max_memory_gb"])
 
     def summary(self, state: RunState, checkpoint: Path, save_s: float) -> dict[str, Any]:
         k = max(1, min(10, len(self.losses) // 5))
@@ -33,6 +36,7 @@ class Progress:
             "steps": state.step, "tokens": state.tokens,
             "tokens_per_s": sum(warm) / len(warm) if warm else float("nan"),
             "mfu": sum(warm_mfu) / len(warm_mfu) if warm_mfu else None,
+            "max_memory_gb": self.max_memory_gb,
             "loss_first": sum(self.losses[:k]) / k if self.losses else float("nan"),
             "loss_last": sum(self.losses[-k:]) / k if self.losses else float("nan"),
             "val": self.val, "checkpoint": str(checkpoint), "skipped_steps": state.skipped_steps,
@@ -50,6 +54,8 @@ def print_summary(s: dict[str, Any]) -> None:
     ]
     if s["mfu"] is not None:
         lines.append(f"MFU              {s['mfu']:.1%} of the datasheet dense bf16 peak (bert_ds/model/flops.py accounting)")
+    if s.get("max_memory_gb") is not None:
+        lines.append(f"peak GPU memory  {s['max_memory_gb']:.1f} GiB on rank 0 (torch.cuda.max_memory_allocated)")
     if val:
         lines.append(f"held-out         MLM acc {val['mlm_acc']:.3f}, NSP acc {val['nsp_acc']:.3f}, "
                      f"MLM loss {val['mlm_loss']:.3f}")
