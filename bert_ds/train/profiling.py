@@ -32,6 +32,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from bert_ds.base.atomic import atomic_write
 from bert_ds.base.errors import ConfigError
+from bert_ds.train.sync_debug import SyncRecorder
 
 # Host calls that block until the device has finished earlier work.
 BLOCKING = {"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy"}
@@ -214,6 +215,10 @@ def bucket_lines(columns: dict[str, dict[str, Any]]) -> list[str]:
     return lines
 
 
+def _code(text: str) -> str:
+    return f"`{text}`" if text else ""
+
+
 def summary_lines(s: dict[str, Any], top: int = TOP) -> list[str]:
     """:func:`summarize`'s figures as Markdown: the per-step line items, then the ``top`` rows of its table."""
     lines = [f"- wall {s['wall_ms_per_step']:.2f} ms/step; device busy {s['device_busy_ms_per_step']:.2f} ms/step"
@@ -229,6 +234,10 @@ def summary_lines(s: dict[str, Any], top: int = TOP) -> list[str]:
         lines += ["| stage of the step | host ms/step | GPU busy ms/step | GPU idle ms/step |", "|---|---:|---:|---:|"]
         lines += [f"| {r['stage']} | {r['host_ms_per_step']:.2f} | {ms(r['gpu_busy_ms_per_step'])} | "
                   f"{ms(r['gpu_idle_ms_per_step'])} |" for r in s["stages"]]
+        lines.append("")
+    if s.get("host_syncs"):  # on a GPU: torch.cuda.set_sync_debug_mode("warn") over the profiled steps
+        lines += ["| host sync at | reached from | per step |", "|---|---|---:|"]
+        lines += [f"| `{r['where']}` | {_code(r['via'])} | {r['per_step']:g} |" for r in s["host_syncs"]]
         lines.append("")
     if s.get("buckets"):
         lines += bucket_lines({"step": s}) + [""]
@@ -272,6 +281,7 @@ class StepProfiler:
     def __init__(self, steps: StepRange | None, output: Path, device: torch.device, rank: int):
         self.steps, self.folder, self.device, self.rank = steps, output / "profile", device, rank
         self._prof: profile | None = None
+        self._syncs: SyncRecorder | None = None  # on a GPU: each sync of the profiled steps by its line
         self._first = self._count = 0
         self._start = 0.0
 
@@ -283,6 +293,9 @@ class StepProfiler:
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
         self._prof = profile(activities=activities)
         self._prof.__enter__()
+        if self.device.type == "cuda":
+            self._syncs = SyncRecorder()
+            self._syncs.start()
         self._first, self._count, self._start = step, 0, time.perf_counter()
 
     def after(self, step: int) -> Path | None:
@@ -301,21 +314,31 @@ class StepProfiler:
 
     def discard(self) -> None:
         """Stop profiling, write nothing (the run failed)."""
+        self._stop_syncs()
         if self._prof is not None:
             self._prof.__exit__(None, None, None)
             self._prof = None
+
+    def _stop_syncs(self) -> SyncRecorder | None:
+        syncs, self._syncs = self._syncs, None
+        if syncs is not None:
+            syncs.stop()
+        return syncs
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
     def _finish(self) -> Path:
+        syncs = self._stop_syncs()  # before the closing synchronize, which is the profiler's own
         self._sync()
         wall = time.perf_counter() - self._start
         prof, self._prof = self._prof, None
         prof.__exit__(None, None, None)
         steps = f"{self._first}-{self._first + self._count - 1}"
         summary = summarize(prof.events(), self._count, wall)
+        if syncs is not None:
+            summary["host_syncs"] = syncs.report(self._count)
         self.folder.mkdir(parents=True, exist_ok=True)
         stem = self.folder / f"rank{self.rank}"
         prof.export_chrome_trace(str(stem.with_suffix(".trace.json.gz")))  # torch gzips a .gz path itself

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from bert_ds.base.errors import ConfigError
+from tests.conftest import REPO
 from bert_ds.train.profiling import (
     OUTSIDE, StepProfiler, StepRange, bucket_lines, bucket_of, buckets, busy_us, overlap_us, stage, stage_split,
 )
@@ -141,3 +142,63 @@ def test_buckets_add_kernel_time_per_step_and_the_idle_time():
     table = bucket_lines({"seq 128": {"buckets": list(rows.values())}})
     assert table[0] == "| bucket | seq 128 ms/step | seq 128 share |"
     assert "| GEMM | 2.00 | 80.0% |" in table and not any(line.startswith("| attention") for line in table)
+
+
+# --------------------------------------------------------------------------- host syncs by line
+
+def _synchronizing_call():
+    import warnings
+
+    from bert_ds.train.sync_debug import MESSAGE
+    warnings.warn(MESSAGE, UserWarning, stacklevel=1)  # as torch raises it, from the line that waited
+
+
+def test_each_sync_is_counted_by_its_line_and_other_warnings_pass_through():
+    import inspect
+    import warnings
+
+    from bert_ds.train.sync_debug import SyncRecorder
+
+    modes, passed = [], []
+    before = warnings.showwarning
+    warnings.showwarning = lambda message, *rest, **kw: passed.append(str(message))
+    try:
+        recorder = SyncRecorder(set_mode=modes.append)
+        recorder.start()
+        for _ in range(3):  # the same line every time: each call counts, not once per line
+            _synchronizing_call()
+        warnings.warn("something else", UserWarning, stacklevel=1)
+        recorder.stop()
+        _synchronizing_call()  # after stop(): not counted
+        assert warnings.showwarning is not recorder._show
+    finally:
+        warnings.showwarning = before
+    line = inspect.getsourcelines(_synchronizing_call)[1] + 4
+    assert recorder.report(steps=3) == [
+        {"where": f"tests/bert_ds/test_profiling.py:{line} _synchronizing_call", "via": "", "per_step": 1.0}]
+    assert modes == ["warn", "default"] and "something else" in passed
+
+
+def test_a_sync_inside_a_library_names_the_line_of_ours_that_reached_it():
+    import traceback
+
+    from bert_ds.train.sync_debug import caller
+
+    site = "/venv/lib/python3.12/site-packages/"
+    repo = str(REPO) + "/"
+    stack = [traceback.FrameSummary(repo + "bert_ds/train/step.py", 180, "__call__"),
+             traceback.FrameSummary(site + "deepspeed/runtime/bf16_optimizer.py", 402, "step"),
+             traceback.FrameSummary(site + "torch/_tensor.py", 1100, "__bool__")]
+    assert caller(stack) == ("deepspeed/runtime/bf16_optimizer.py:402 step", "bert_ds/train/step.py:180 __call__")
+    assert caller(stack[:1]) == ("bert_ds/train/step.py:180 __call__", "")
+    assert caller(stack[2:]) == ("(inside torch)", "")
+
+
+def test_the_profile_lists_the_host_syncs_by_line():
+    from bert_ds.train.profiling import summary_lines
+
+    s = {"wall_ms_per_step": 10.0, "device_busy_ms_per_step": 8.0, "idle_ms_per_step": 2.0,
+         "kernel_launches_per_step": 100, "blocking_calls_per_step": {}, "annotated_ranges": [], "top_kernels": [],
+         "top_host_ops": [], "host_syncs": [{"where": "deepspeed/x.py:3 f", "via": "bert_ds/train/step.py:9 g",
+                                              "per_step": 2.0}]}
+    assert "| `deepspeed/x.py:3 f` | `bert_ds/train/step.py:9 g` | 2 |" in summary_lines(s)
