@@ -16,6 +16,9 @@
 #   bf16-accum     zero1_bf16.json without data_types.grad_accum_dtype: gradients summed over
 #                  the micro-batches in bf16 by DeepSpeedZeroOptimizer (the step checking them
 #                  itself), against the shipped fp32 sums of BF16_Optimizer: what fp32 costs
+#   zero2          zero2_bf16.json: ZeRO-2, fp32 gradient sums by DeepSpeedZeroOptimizer and the
+#                  step's own fused gradient check, in place of BF16_Optimizer's (the
+#                  candidate default if BF16_Optimizer's per-tensor checks cost the most)
 #
 # Each run: STEPS steps (default 30), the last 3 profiled (--profile-steps): OUT_DIR/<variant>/
 # holds its summary.json, metrics.jsonl and profile (rank0.md: busy and idle per stage of the
@@ -53,9 +56,10 @@ declare -A args=(
     [overlap]="--micro-batch-size 512 --ds-config $scratch/zero1_bf16_overlap.json"
     [torch-ops]="--micro-batch-size 512 --kernels torch"
     [bf16-accum]="--micro-batch-size 512 --ds-config $scratch/zero1_bf16_accum16.json"
+    [zero2]="--micro-batch-size 512 --ds-config zero2_bf16.json"
 )
 failed=0
-for variant in ${VARIANTS:-base-mb512 base-mb256 base-mb1024 overlap torch-ops bf16-accum}; do
+for variant in ${VARIANTS:-base-mb512 base-mb256 base-mb1024 overlap torch-ops bf16-accum zero2}; do
     [[ -n ${args[$variant]:-} ]] || { echo "engine_sweep.sh: unknown variant $variant" >&2; exit 2; }
     echo "== $variant: ${args[$variant]}"
     run=$scratch/$variant

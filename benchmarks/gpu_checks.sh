@@ -25,7 +25,8 @@
 #                    its last 3 steps profiled (--profile-steps): where the engine's step goes
 #   train_base512    the same at seq 512, phase 2 of the recipe (micro-batch 128, 2 a step)  ~63 s
 #   engine_sweep     benchmarks/engine_sweep.sh: the engine path at micro-batch 512 and    176 s
-#                    1,024, on PyTorch's ops, with bf16 gradient accumulation; 20 steps
+#                    1,024, on PyTorch's ops, with bf16 gradient accumulation, on ZeRO-2
+#                    (~45 s more, not run there); 20 steps
 #                    each, each step split by stage (GPU busy and idle while the host
 #                    loads, runs forward, backward, the update)
 #   summary          python -m bert_ds.tools.gpu_summary: SUMMARY.md, the run in one page     6 s
@@ -194,7 +195,7 @@ else
              --num-workers 4)
     # the shipped micro-batch (512) and its variants; overlap_comm and micro-batch 256 were
     # settled on the H200 of 2026-11-26
-    sweep=(STEPS=20 BUDGET_S=80 VARIANTS="base-mb512 base-mb1024 torch-ops bf16-accum")
+    sweep=(STEPS=20 BUDGET_S=80 VARIANTS="base-mb512 base-mb1024 torch-ops bf16-accum zero2")
 fi
 if ((rehearse)); then  # no GPU to build for: the smallest source through nvcc (the suite compiles every one)
     step kernels_build 240 "$python" -m bert_ds.kernels.compile_check --sources lamb.cu
