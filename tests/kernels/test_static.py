@@ -8,7 +8,10 @@ The occupancy calculator is checked against hand-computed cases first, since eve
 CTA figure rests on it.
 """
 
+import fcntl
+import hashlib
 import os
+import pickle
 import re
 import subprocess
 import sys
@@ -18,6 +21,7 @@ import pytest
 
 from bert_ds.kernels import inspect as kinspect
 from bert_ds.kernels.compile_check import find_nvcc
+from tests.kernels.emulation import cache_dir
 
 A100, H100 = kinspect.DEVICES["80"], kinspect.DEVICES["90"]
 REPO = Path(__file__).resolve().parents[2]
@@ -163,9 +167,24 @@ needs_nvcc = pytest.mark.skipif(find_nvcc() is None, reason="nvcc not found")
 
 @pytest.fixture(scope="session")
 def compiled():
-    """(every kernel for sm_80 and sm_90, whether SASS counts are there): one compile per source and arch."""
-    kernels, nvdisasm = kinspect.inspect_all()
-    return kernels, nvdisasm is not None
+    """(every kernel for sm_80 and sm_90, whether SASS counts are there): one compile per source
+    and arch, shared by the suite's workers (one compiles, the others wait and read its result:
+    a compile of every source is minutes of CPU) and kept by content for the next run."""
+    nvcc = find_nvcc()
+    digest = hashlib.sha256(subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout.encode())
+    for path in (*sorted(kinspect.CSRC.iterdir()), Path(kinspect.__file__)):
+        digest.update(f"\0{path.name}\0".encode() + path.read_bytes())
+    folder = cache_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    result = folder / f"inspect-{digest.hexdigest()[:32]}.pickle"
+    with open(result.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not result.is_file():
+            kernels, nvdisasm = kinspect.inspect_all()
+            partial = result.with_name(f"{result.name}.{os.getpid()}.partial")
+            partial.write_bytes(pickle.dumps((kernels, nvdisasm is not None)))
+            os.replace(partial, result)  # whole or absent
+        return pickle.loads(result.read_bytes())
 
 
 def _attention_math(kernels):
