@@ -12,7 +12,8 @@ from bert_ds.tools.projection import ANCHOR, anchor_mfu, hours_minutes, project
 from bert_ds.kernels.dispatch import KernelUnavailable
 from tests.conftest import run_cli
 
-SMOKE = ["--device", "cpu", "--preset", "tiny", "--steps", "2", "--warmup", "1", "--batch-size", "8"]
+SMOKE = ["--device", "cpu", "--preset", "tiny", "--steps", "2", "--warmup", "1", "--batch-size", "8", "--seq-len", "64",
+         "--vocab-size", "2048"]  # the smallest shapes that run every variant: the bench's paths, not its figures
 
 
 def _table_rows(text):
