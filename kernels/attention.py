@@ -29,9 +29,10 @@ the reference it trusts ``max_seqlen`` to bound every sequence: it sizes the gri
 it picks the backward's path. Where ``max_seqlen`` fits one key tile (128: BERT's phase 1)
 one CTA per (sequence, head) writes dq directly; longer sequences add dq up over key
 tiles in an fp32 workspace with atomics, which the binding allocates only then. The
-tiles, their shared memory and their occupancy are derived in the file's header; their
-speed has not been measured on a GPU, and ``kernels=auto`` uses them only where its race
-on the device says they are the fastest.
+tiles, their shared memory and their occupancy are derived in the file's header
+(docs/kernels.md has their speed on an H100), and ``kernels=auto`` uses them only where
+its race on the device says they are the fastest. :func:`varlen_attention_packed` takes
+q, k and v as one (T, 3, nh, hd) projection, which the kernels read in place.
 
 ``kernels=auto`` races these too (:data:`IMPLEMENTATIONS`), each with this op's signature,
 so that what it costs to bring the tokens to a backend's layout and back is inside what
@@ -194,7 +195,8 @@ def nested_sdpa(
     offsets = cu_seqlens.long()
     # The bounds are given, so that SDPA does not read them back from the device: max_seqlen
     # bounds every sequence and none is empty (this op's contract, module docstring).
-    nested = [torch.nested.nested_tensor_from_jagged(t, offsets, min_seqlen=1, max_seqlen=max_seqlen)
+    # contiguous: a jagged tensor's values are (T, nh, hd) rows (q, k, v may be views of one packed projection)
+    nested = [torch.nested.nested_tensor_from_jagged(t.contiguous(), offsets, min_seqlen=1, max_seqlen=max_seqlen)
               .transpose(1, 2) for t in (q, k, v)]  # (T, nh, hd) -> jagged (B, j, nh, hd) -> (B, nh, j, hd)
     with sdpa_kernel([backend]):
         out = F.scaled_dot_product_attention(*nested, dropout_p=dropout_p, scale=softmax_scale)  # (B, nh, j, hd)
@@ -283,8 +285,24 @@ def varlen_attention_fused(
     """:func:`varlen_attention_ref` on the fused kernels (no dropout: see :func:`_unsupported`)."""
     if dropout_p > 0.0:
         raise ValueError(f"the fused attention kernel has no dropout; got dropout_p={dropout_p}")
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    return FusedVarlenAttention.apply(q, k, v, cu_seqlens, max_seqlen, scale)
+    return FusedVarlenAttention.apply(q, k, v, cu_seqlens, max_seqlen, _scale(q, softmax_scale))
+
+
+def varlen_attention_packed_fused(
+    qkv: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+) -> torch.Tensor:
+    """:func:`varlen_attention_fused` of ``qkv.unbind(1)``, read in place (:func:`varlen_attention_packed`)."""
+    if dropout_p > 0.0:
+        raise ValueError(f"the fused attention kernel has no dropout; got dropout_p={dropout_p}")
+    return FusedVarlenAttentionPacked.apply(qkv, cu_seqlens, max_seqlen, _scale(qkv, softmax_scale))
+
+
+def _scale(q: torch.Tensor, softmax_scale: float | None) -> float:
+    return softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
 
 
 # Every size is dynamic: the token count, the batch (cu_seqlens' length) and max_seqlen all
@@ -302,6 +320,11 @@ IMPLEMENTATIONS: dict[Impl, Callable[..., torch.Tensor]] = {
 }
 
 
+# The candidates that take a packed (T, 3, nh, hd) projection as it is; the others are handed its
+# three views (:func:`varlen_attention_packed`).
+PACKED_IMPLEMENTATIONS: dict[Impl, Callable[..., torch.Tensor]] = {"fused": varlen_attention_packed_fused}
+
+
 def varlen_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -316,6 +339,28 @@ def varlen_attention(
     """:func:`varlen_attention_ref` on the resolved ``backend``."""
     impl = choose("varlen_attention", backend,
                   lambda name: _unsupported(name, q, k, v, cu_seqlens, dropout_p, softmax_scale))
+    return IMPLEMENTATIONS[impl](q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale)
+
+
+def varlen_attention_packed(
+    qkv: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    *,
+    backend: Backend,
+) -> torch.Tensor:
+    """:func:`varlen_attention` of ``q, k, v = qkv.unbind(1)``, for ``qkv`` (T, 3, nh, hd): the
+    three projections of the tokens made by one GEMM. The same implementation runs as for
+    :func:`varlen_attention`; the fused kernels read q, k and v in place, at the projection's
+    token stride, and return the gradient of ``qkv`` in one piece, so that the GEMM's backward
+    reads it as it is (no copy of q, k, v, no sum of three input gradients)."""
+    q, k, v = qkv.unbind(1)
+    impl = choose("varlen_attention", backend,
+                  lambda name: _unsupported(name, q, k, v, cu_seqlens, dropout_p, softmax_scale))
+    if impl in PACKED_IMPLEMENTATIONS:
+        return PACKED_IMPLEMENTATIONS[impl](qkv, cu_seqlens, max_seqlen, dropout_p, softmax_scale)
     return IMPLEMENTATIONS[impl](q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale)
 
 
@@ -370,3 +415,23 @@ class FusedVarlenAttention(torch.autograd.Function):
         dq, dk, dv = fused_extension().varlen_attention_bwd(dout, q, k, v, out, lse, cu_seqlens, ctx.max_seqlen,
                                                             ctx.softmax_scale)
         return dq, dk, dv, None, None, None
+
+
+class FusedVarlenAttentionPacked(torch.autograd.Function):
+    """:class:`FusedVarlenAttention` of a packed projection ``qkv`` (T, 3, nh, hd): the kernels
+    read q, k and v from it in place and write dq, dk and dv into one gradient laid out alike."""
+
+    @staticmethod
+    def forward(ctx, qkv, cu_seqlens, max_seqlen, softmax_scale):
+        q, k, v = qkv.unbind(1)
+        out, lse = fused_extension().varlen_attention_fwd(q, k, v, cu_seqlens, max_seqlen, 0.0, softmax_scale)
+        ctx.save_for_backward(qkv, out, lse, cu_seqlens)
+        ctx.max_seqlen, ctx.softmax_scale = max_seqlen, softmax_scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        qkv, out, lse, cu_seqlens = ctx.saved_tensors
+        dqkv = fused_extension().varlen_attention_bwd_packed(dout, qkv, out, lse, cu_seqlens, ctx.max_seqlen,
+                                                             ctx.softmax_scale)
+        return dqkv, None, None, None

@@ -7,7 +7,9 @@ self-check's verdicts to the dispatch; the package's ``__init__`` imports none o
 the commands under ``bert_ds.kernels`` answer ``--help`` without torch.
 """
 
-from bert_ds.kernels.attention import varlen_attention, varlen_attention_native, varlen_attention_ref
+from bert_ds.kernels.attention import (
+    varlen_attention, varlen_attention_native, varlen_attention_packed, varlen_attention_ref,
+)
 from bert_ds.kernels.bias_gelu import bias_gelu, bias_gelu_native, bias_gelu_ref
 from bert_ds.kernels.choice import UnknownKernelBackend, check_setting, resolve_backend
 from bert_ds.kernels.dispatch import Backend, KernelSetting, KernelUnavailable, OpPlan
@@ -37,5 +39,6 @@ __all__ = [
     "resolve_backend",
     "varlen_attention",
     "varlen_attention_native",
+    "varlen_attention_packed",
     "varlen_attention_ref",
 ]

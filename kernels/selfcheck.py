@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from bert_ds.kernels.attention import varlen_attention_fused, varlen_attention_ref
+from bert_ds.kernels.attention import varlen_attention_fused, varlen_attention_packed_fused, varlen_attention_ref
 from bert_ds.kernels.bias_gelu import bias_gelu_fused, bias_gelu_ref
 from bert_ds.kernels.dropout_layer_norm import dropout_add_layer_norm_fused, dropout_add_layer_norm_ref
 from bert_ds.kernels.lamb import Chunks, LambScalars, lamb_update_fused, lamb_update_ref
@@ -47,7 +47,8 @@ def fused_checks() -> dict[str, tuple[Callable[..., list[str]], Callable[..., ob
     return {"layer_norm": (check_layer_norm, layer_norm_fused),
             "dropout_add_layer_norm": (check_dropout_add_layer_norm, dropout_add_layer_norm_fused),
             "bias_gelu": (check_bias_gelu, bias_gelu_fused),
-            "varlen_attention": (check_varlen_attention, varlen_attention_fused),
+            "varlen_attention": (functools.partial(check_varlen_attention, packed=varlen_attention_packed_fused),
+                                 varlen_attention_fused),
             "lamb_update": (check_lamb_update, lamb_update_fused)}
 
 
@@ -194,11 +195,13 @@ def check_bias_gelu(impl: Callable[..., torch.Tensor], device: torch.device) -> 
     return problems
 
 
-def check_varlen_attention(impl: Callable[..., torch.Tensor], device: torch.device) -> list[str]:
+def check_varlen_attention(impl: Callable[..., torch.Tensor], device: torch.device,
+                           packed: Callable[..., torch.Tensor] | None = None) -> list[str]:
     """``impl`` (``varlen_attention_ref``'s signature) against the reference, in the dtypes
-    the fused kernel takes."""
+    the fused kernel takes; and ``packed`` (``varlen_attention_packed``'s: q, k, v read from
+    one (T, 3, nh, hd) projection, the gradient returned in one piece), where given."""
     rand = _Inputs(seed=2, device=device)
-    problems = []
+    problems = check_packed_attention(packed, device) if packed is not None else []
     for dtype in (torch.float16, torch.bfloat16):
         for lengths, heads, head_dim in (([1, 512, 77, 128], 3, 64), ([3, 65, 1], 2, 32)):
             total, max_seqlen = sum(lengths), max(lengths)
@@ -211,6 +214,20 @@ def check_varlen_attention(impl: Callable[..., torch.Tensor], device: torch.devi
                 lambda q, k, v, rest=rest: varlen_attention_ref(q, k, v, *rest),
                 leaves, rand(total, heads, head_dim, dtype=dtype), dtype)
     return problems
+
+
+def check_packed_attention(packed: Callable[..., torch.Tensor], device: torch.device) -> list[str]:
+    """``packed`` (``varlen_attention_packed``'s signature: q, k, v read from one (T, 3, nh, hd)
+    projection, the gradient returned in one piece) against the reference on its three views,
+    at the model's layout: BERT-Base's 12 heads of 64, one sequence past one key tile."""
+    rand = _Inputs(seed=5, device=device)
+    lengths, heads, head_dim, dtype = [1, 128, 77, 300], 12, 64, torch.bfloat16
+    offsets = torch.tensor([0, *lengths], device=device).cumsum(0).to(torch.int32)
+    rest = (offsets, max(lengths), 0.0, head_dim ** -0.5)
+    return compare(f"packed qkv {dtype} lengths {lengths} heads {heads} head_dim {head_dim}",
+                   lambda qkv: packed(qkv, *rest), lambda qkv: varlen_attention_ref(*qkv.unbind(1), *rest),
+                   {"qkv": rand(sum(lengths), 3, heads, head_dim, dtype=dtype)},
+                   rand(sum(lengths), heads, head_dim, dtype=dtype), dtype)
 
 
 def check_lamb_update(impl: Callable[..., None], device: torch.device) -> list[str]:

@@ -29,6 +29,12 @@ Design choices, and why:
   padded rows are zero and their bias -inf, so they add nothing to the softmax, win no
   argmax and get a zero gradient; the parameters keep BERT's shape, so nothing about it
   reaches a checkpoint.
+- **Q, K and V come from one GEMM** of the three weights side by side (3H columns). Its
+  backward is one GEMM for the input's gradient, where three GEMMs and two adds of a (T, H)
+  tensor were, and one bias reduction; the fused attention reads q, k and v from the
+  (T, 3, nh, hd) result in place and returns its gradient in one piece. The three
+  ``nn.Linear`` modules stay, with HF's names; under ZeRO-3, whose partitioned weights only
+  their own module can read, each runs as before.
 - **Post-LN by default** (the original BERT, exportable). ``pre_layernorm=True``
   normalises each sublayer's input instead and adds a final
   ``bert.encoder.LayerNorm``: stabler at depth or with high learning rates, but
@@ -50,6 +56,7 @@ from torch.utils.checkpoint import checkpoint
 
 from bert_ds.kernels.ops import (
     Backend, OpPlan, OpShapes, bias_gelu, dropout_add_layer_norm, layer_norm, resolve_backend, varlen_attention,
+    varlen_attention_packed,
 )
 from bert_ds.model.config import PRESETS as PRESETS
 from bert_ds.model.config import ModelConfig as ModelConfig
@@ -113,13 +120,28 @@ class BertSelfAttention(nn.Module):
 
     def forward(self, hidden: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
         """hidden: (T, H) -> context (T, H), before the output projection."""
-        q = self.query(hidden).view(-1, self.num_heads, self.head_dim)  # (T, nh, hd)
-        k = self.key(hidden).view(-1, self.num_heads, self.head_dim)  # (T, nh, hd)
-        v = self.value(hidden).view(-1, self.num_heads, self.head_dim)  # (T, nh, hd)
-        context = varlen_attention(q, k, v, cu_seqlens, max_seqlen,
-                                   dropout_p=self.dropout_p if self.training else 0.0,
-                                   backend=self.backend)  # (T, nh, hd)
+        dropout_p = self.dropout_p if self.training else 0.0
+        if _gathered_by_its_module(self.query.weight):  # ZeRO-3: each Linear fetches its weights as it runs
+            q, k, v = (layer(hidden).view(-1, self.num_heads, self.head_dim) for layer in (self.query, self.key,
+                                                                                           self.value))
+            context = varlen_attention(q, k, v, cu_seqlens, max_seqlen, dropout_p=dropout_p, backend=self.backend)
+        else:
+            # Q, K and V in one GEMM of 3H columns. Its backward is one GEMM for the input's
+            # gradient (three, and two adds of (T, H), otherwise) and one bias reduction; the
+            # fused attention reads q, k, v from the (T, 3, nh, hd) result in place and hands
+            # its gradient back in one piece. The weights stay three modules: HF's names.
+            weight = torch.cat([self.query.weight, self.key.weight, self.value.weight])  # (3H, H)
+            bias = torch.cat([self.query.bias, self.key.bias, self.value.bias])
+            qkv = F.linear(hidden, weight, bias).view(-1, 3, self.num_heads, self.head_dim)  # (T, 3, nh, hd)
+            context = varlen_attention_packed(qkv, cu_seqlens, max_seqlen, dropout_p=dropout_p,
+                                              backend=self.backend)  # (T, nh, hd)
         return context.reshape(-1, self.num_heads * self.head_dim)  # (T, H)
+
+
+def _gathered_by_its_module(param: nn.Parameter) -> bool:
+    """Whether ``param`` is partitioned by ZeRO-3 (DeepSpeed's ``ds_id``), and so holds its values
+    only while its own module's forward runs: another module cannot read it."""
+    return hasattr(param, "ds_id")
 
 
 class BertSublayerOutput(nn.Module):

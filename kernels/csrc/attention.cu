@@ -4,7 +4,11 @@
 //
 // Layout: q, k, v, out are (total, num_heads, head_dim); sequence b is the token rows
 // cu_seqlens[b] .. cu_seqlens[b+1]. A token's head vector is head_dim contiguous
-// elements, the next token's is num_heads * head_dim further on.
+// elements. In out, dout and the fp32 dQ sum the next token's is num_heads * head_dim
+// further on; in q, k, v it is qkv_stride further on, and in dq, dk, dv dqkv_stride: the
+// model's q, k, v are views of one (total, 3, num_heads, head_dim) projection (stride
+// 3 * num_heads * head_dim), read in place, and their gradients are written into one
+// tensor laid out alike, which the projection's backward reads as it is.
 //
 // Shared memory is dynamic (`extern __shared__`, sized at launch from FwdSmem / BwdSmem
 // below): above 48 KB a kernel must opt in with cudaFuncSetAttribute, and an A100 gives a
@@ -338,7 +342,7 @@ template <typename T, int HD>
 __global__ void __launch_bounds__(kFwdThreads, 2)
 attention_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                      const int* __restrict__ cu_seqlens, T* __restrict__ out, float* __restrict__ lse,
-                     int num_heads, int64_t total, float scale_log2) {
+                     int num_heads, int64_t total, int64_t qkv_stride, float scale_log2) {
   constexpr int kBlockN = kFwdBlockN<HD>;
   constexpr int MT = kFwdWarpTiles;
   constexpr int kStride = HD + 8;
@@ -357,16 +361,19 @@ attention_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* 
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;  // accumulator rows g, g + 8; columns 2t, 2t + 1 of each n8 tile
-  const int64_t row_stride = (int64_t)num_heads * HD;
-  const int64_t base = (int64_t)start * row_stride + (int64_t)head * HD;  // element (start, head, 0)
+  const int64_t row_stride = (int64_t)num_heads * HD;  // out's tokens
+  const int64_t base = (int64_t)start * row_stride + (int64_t)head * HD;  // element (start, head, 0) of out
+  // q, k and v may be views of one packed (total, 3, num_heads, HD) projection: qkv_stride apart
+  const int64_t in_base = (int64_t)start * qkv_stride + (int64_t)head * HD;
   auto copy_kv = [&](T* stage, int n0) {
-    copy_tile_async<T, HD, kBlockN, kFwdThreads>(stage, k + base + n0 * row_stride, row_stride, len - n0);
-    copy_tile_async<T, HD, kBlockN, kFwdThreads>(stage + kTile, v + base + n0 * row_stride, row_stride, len - n0);
+    copy_tile_async<T, HD, kBlockN, kFwdThreads>(stage, k + in_base + n0 * qkv_stride, qkv_stride, len - n0);
+    copy_tile_async<T, HD, kBlockN, kFwdThreads>(stage + kTile, v + in_base + n0 * qkv_stride, qkv_stride,
+                                                 len - n0);
     cp_async_commit();
   };
 
   T* const q_stage = stages + Smem::kStage;
-  copy_tile_async<T, HD, kFwdBlockM, kFwdThreads>(q_stage, q + base + m0 * row_stride, row_stride, len - m0);
+  copy_tile_async<T, HD, kFwdBlockM, kFwdThreads>(q_stage, q + in_base + m0 * qkv_stride, qkv_stride, len - m0);
   cp_async_commit();
   copy_kv(stages, 0);
   cp_async_wait<1>();  // this thread's Q copies have landed (K, V of tile 0 may still fly)
@@ -471,8 +478,8 @@ __global__ void __launch_bounds__(kBwdThreads<HD>, BwdTiles<HD>::kMinBlocks)
 attention_bwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                      const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ dsum,
                      const int* __restrict__ cu_seqlens, float* __restrict__ dq_accum, T* __restrict__ dq,
-                     T* __restrict__ dk, T* __restrict__ dv, int num_heads, int64_t total, float scale,
-                     float scale_log2) {
+                     T* __restrict__ dk, T* __restrict__ dv, int num_heads, int64_t total, int64_t qkv_stride,
+                     int64_t dqkv_stride, float scale, float scale_log2) {
   using Tiles = BwdTiles<HD>;
   using Smem = BwdSmem<T, HD>;
   constexpr int kWarps = Tiles::kWarps, kThreads = kBwdThreads<HD>;
@@ -504,12 +511,15 @@ attention_bwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* 
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
-  const int64_t row_stride = (int64_t)num_heads * HD;
+  const int64_t row_stride = (int64_t)num_heads * HD;  // dout's and dq_accum's tokens
   const int64_t base = (int64_t)start * row_stride + (int64_t)head * HD;
+  // q, k, v (qkv_stride) and dq, dk, dv (dqkv_stride) may be views of packed projections
+  const int64_t in_base = (int64_t)start * qkv_stride + (int64_t)head * HD;
+  const int64_t grad_base = (int64_t)start * dqkv_stride + (int64_t)head * HD;
   const int64_t stats_at = (int64_t)head * total + start;  // (head, start) in lse and dsum
   auto copy_q_do = [&](int stage, int m0) {
     T* const sQ = stages + stage * 2 * kQTile;
-    copy_tile_async<T, HD, kBlockM, kThreads>(sQ, q + base + m0 * row_stride, row_stride, len - m0);
+    copy_tile_async<T, HD, kBlockM, kThreads>(sQ, q + in_base + m0 * qkv_stride, qkv_stride, len - m0);
     copy_tile_async<T, HD, kBlockM, kThreads>(sQ + kQTile, dout + base + m0 * row_stride, row_stride, len - m0);
     cp_async_commit();
   };
@@ -520,8 +530,8 @@ attention_bwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* 
     }
   };
 
-  copy_tile_async<T, HD, kBlockN, kThreads>(sK, k + base + n0 * row_stride, row_stride, len - n0);
-  copy_tile_async<T, HD, kBlockN, kThreads>(sV, v + base + n0 * row_stride, row_stride, len - n0);
+  copy_tile_async<T, HD, kBlockN, kThreads>(sK, k + in_base + n0 * qkv_stride, qkv_stride, len - n0);
+  copy_tile_async<T, HD, kBlockN, kThreads>(sV, v + in_base + n0 * qkv_stride, qkv_stride, len - n0);
   cp_async_commit();
   copy_q_do(0, 0);
   store_stats(0, fetch_row_stats<kBlockM>(lse, dsum, stats_at, 0, len));
@@ -629,12 +639,13 @@ attention_bwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* 
     for (int i = 0; i < 2; ++i) {
       const int row = m0 + dq_strip * 16 + g + 8 * i;
       if (row < len) {
-        const int64_t at = base + row * row_stride + dq_col0 + 2 * t;
+        const int64_t at = base + row * row_stride + dq_col0 + 2 * t;  // in dq_accum
+        const int64_t dq_at = grad_base + row * dqkv_stride + dq_col0 + 2 * t;
 #pragma unroll
         for (int dt = 0; dt < kDqCols / 8; ++dt) {
           if constexpr (kOneTile) {
             // The only key tile of the sequence: this is the whole of dQ, stored once.
-            *reinterpret_cast<uint32_t*>(dq + at + dt * 8) =
+            *reinterpret_cast<uint32_t*>(dq + dq_at + dt * 8) =
                 pack2<T>(dq_acc[0][dt][2 * i] * scale, dq_acc[0][dt][2 * i + 1] * scale);
           } else {
             // Every key tile of the sequence adds to these rows.
@@ -653,7 +664,7 @@ attention_bwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* 
     for (int i = 0; i < 2; ++i) {
       const int key = n0 + key0 + mt * 16 + g + 8 * i;
       if (key < len) {
-        const int64_t at = base + key * row_stride + 2 * t;
+        const int64_t at = grad_base + key * dqkv_stride + 2 * t;
 #pragma unroll
         for (int dt = 0; dt < HD / 8; ++dt) {
           *reinterpret_cast<uint32_t*>(dk + at + dt * 8) =
@@ -666,10 +677,15 @@ attention_bwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* 
   }
 }
 
+// dst row r (dst_stride elements apart) = src row r (cols elements, contiguous), converted.
 template <typename T>
-__global__ void __launch_bounds__(256) convert_kernel(const float* __restrict__ src, T* __restrict__ dst, int64_t n) {
+__global__ void __launch_bounds__(256) convert_kernel(const float* __restrict__ src, T* __restrict__ dst, int64_t n,
+                                                      int64_t cols, int64_t dst_stride) {
   const int64_t stride = (int64_t)gridDim.x * blockDim.x;
-  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) dst[i] = from_float<T>(src[i]);
+  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+    const int64_t row = i / cols;
+    dst[row * dst_stride + (i - row * cols)] = from_float<T>(src[i]);
+  }
 }
 
 // ---------------------------------------------------------------- launch
@@ -691,6 +707,12 @@ bool valid_sizes(int batch, int64_t total, int num_heads, int max_seqlen) {
   return batch >= 0 && batch <= 65535 && total >= 0 && num_heads > 0 && num_heads <= 65535 && max_seqlen >= 0;
 }
 
+// A token stride of q, k, v or their gradients: at least a token's heads, and a multiple of
+// 8 elements, so that every row starts 16-byte aligned for cp.async and the 4-byte stores.
+bool valid_stride(int64_t stride, int num_heads, int head_dim) {
+  return stride >= (int64_t)num_heads * head_dim && stride % 8 == 0;
+}
+
 // Lets `kernel` be launched with `bytes` of dynamic shared memory: above the default 48 KB
 // a kernel must opt in (once per device would do; FlashAttention sets it at every launch too,
 // which keeps a process that drives several devices right at the cost of a host call).
@@ -709,8 +731,8 @@ bool bwd_accumulates(int head_dim, int max_seqlen) {
 template <typename T, int HD, bool kOneTile>
 cudaError_t launch_bwd(const void* q, const void* k, const void* v, const void* dout, const float* lse,
                        const float* dsum, const int* cu_seqlens, float* dq_accum, void* dq, void* dk, void* dv,
-                       int batch, int64_t total, int num_heads, int max_seqlen, float softmax_scale,
-                       cudaStream_t stream) {
+                       int batch, int64_t total, int64_t qkv_stride, int64_t dqkv_stride, int num_heads,
+                       int max_seqlen, float softmax_scale, cudaStream_t stream) {
   constexpr int kBytes = BwdSmem<T, HD>::kBytes;
   cudaError_t err = allow_dynamic_smem(attention_bwd_kernel<T, HD, kOneTile>, kBytes);
   if (err != cudaSuccess) return err;
@@ -718,7 +740,7 @@ cudaError_t launch_bwd(const void* q, const void* k, const void* v, const void* 
   attention_bwd_kernel<T, HD, kOneTile><<<grid, kBwdThreads<HD>, kBytes, stream>>>(
       static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v), static_cast<const T*>(dout),
       lse, dsum, cu_seqlens, dq_accum, static_cast<T*>(dq), static_cast<T*>(dk), static_cast<T*>(dv), num_heads,
-      total, softmax_scale, softmax_scale * kLog2e);
+      total, qkv_stride, dqkv_stride, softmax_scale, softmax_scale * kLog2e);
   return cudaGetLastError();
 }
 
@@ -728,10 +750,11 @@ cudaError_t launch_bwd(const void* q, const void* k, const void* v, const void* 
 using namespace bds;
 
 extern "C" cudaError_t bds_varlen_attention_fwd(const void* q, const void* k, const void* v, const int* cu_seqlens,
-                                                void* out, float* lse, int batch, int64_t total, int num_heads,
-                                                int head_dim, int max_seqlen, float softmax_scale, int dtype,
-                                                cudaStream_t stream) {
-  if (!valid_sizes(batch, total, num_heads, max_seqlen)) return cudaErrorInvalidValue;
+                                                void* out, float* lse, int batch, int64_t total,
+                                                int64_t qkv_stride, int num_heads, int head_dim, int max_seqlen,
+                                                float softmax_scale, int dtype, cudaStream_t stream) {
+  if (!valid_sizes(batch, total, num_heads, max_seqlen) || !valid_stride(qkv_stride, num_heads, head_dim))
+    return cudaErrorInvalidValue;
   return with_attention_types(dtype, head_dim, [&](auto t, auto hd) -> cudaError_t {
     using T = decltype(t);
     constexpr int HD = decltype(hd)::value;
@@ -742,7 +765,7 @@ extern "C" cudaError_t bds_varlen_attention_fwd(const void* q, const void* k, co
     const dim3 grid((max_seqlen + kFwdBlockM - 1) / kFwdBlockM, batch, num_heads);
     attention_fwd_kernel<T, HD><<<grid, kFwdThreads, kBytes, stream>>>(
         static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v), cu_seqlens,
-        static_cast<T*>(out), lse, num_heads, total, softmax_scale * kLog2e);
+        static_cast<T*>(out), lse, num_heads, total, qkv_stride, softmax_scale * kLog2e);
     return cudaGetLastError();
   });
 }
@@ -750,10 +773,12 @@ extern "C" cudaError_t bds_varlen_attention_fwd(const void* q, const void* k, co
 extern "C" cudaError_t bds_varlen_attention_bwd(const void* dout, const void* q, const void* k, const void* v,
                                                 const void* out, const float* lse, const int* cu_seqlens,
                                                 void* dq, void* dk, void* dv, float* dq_accum, float* dsum,
-                                                int batch, int64_t total, int num_heads, int head_dim,
-                                                int max_seqlen, float softmax_scale, int dtype,
-                                                cudaStream_t stream) {
-  if (!valid_sizes(batch, total, num_heads, max_seqlen)) return cudaErrorInvalidValue;
+                                                int batch, int64_t total, int64_t qkv_stride, int64_t dqkv_stride,
+                                                int num_heads, int head_dim, int max_seqlen, float softmax_scale,
+                                                int dtype, cudaStream_t stream) {
+  if (!valid_sizes(batch, total, num_heads, max_seqlen) || !valid_stride(qkv_stride, num_heads, head_dim) ||
+      !valid_stride(dqkv_stride, num_heads, head_dim))
+    return cudaErrorInvalidValue;
   return with_attention_types(dtype, head_dim, [&](auto t, auto hd) -> cudaError_t {
     using T = decltype(t);
     constexpr int HD = decltype(hd)::value;
@@ -772,14 +797,15 @@ extern "C" cudaError_t bds_varlen_attention_bwd(const void* dout, const void* q,
 
     if (!accumulates)  // one key tile per sequence: dQ is written by the kernel, no sum, no conversion
       return launch_bwd<T, HD, true>(q, k, v, dout, lse, dsum, cu_seqlens, nullptr, dq, dk, dv, batch, total,
-                                     num_heads, max_seqlen, softmax_scale, stream);
+                                     qkv_stride, dqkv_stride, num_heads, max_seqlen, softmax_scale, stream);
     if ((err = launch_bwd<T, HD, false>(q, k, v, dout, lse, dsum, cu_seqlens, dq_accum, dq, dk, dv, batch, total,
-                                        num_heads, max_seqlen, softmax_scale, stream)) != cudaSuccess)
+                                        qkv_stride, dqkv_stride, num_heads, max_seqlen, softmax_scale,
+                                        stream)) != cudaSuccess)
       return err;
 
     const int64_t wanted = (elements + 255) / 256, cap = 16LL * device_sm_count();
-    convert_kernel<T><<<(unsigned)(wanted < cap ? wanted : cap), 256, 0, stream>>>(dq_accum, static_cast<T*>(dq),
-                                                                                   elements);
+    convert_kernel<T><<<(unsigned)(wanted < cap ? wanted : cap), 256, 0, stream>>>(
+        dq_accum, static_cast<T*>(dq), elements, (int64_t)num_heads * HD, dqkv_stride);
     return cudaGetLastError();
   });
 }

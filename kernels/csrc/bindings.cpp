@@ -7,7 +7,9 @@
 //   - takes strided inputs and makes them contiguous explicitly (a no-op when they
 //     already are; otherwise one copy), so callers may pass views. The attention also
 //     copies a contiguous input whose data is not 16-byte aligned (a view at an odd
-//     offset), because its kernels read 16-byte vectors;
+//     offset), because its kernels read 16-byte vectors. q, k and v laid out alike with a
+//     token stride of their own (views of one packed (tokens, 3, heads, head_dim)
+//     projection) are read in place: the kernels take that stride;
 //   - queues the launchers on the current stream of the inputs' device, with the GIL
 //     released, and raises a RuntimeError naming the CUDA error if a launch fails.
 #include <c10/cuda/CUDAStream.h>
@@ -353,7 +355,26 @@ void check_attention_inputs(const at::Tensor& q, const at::Tensor& k, const at::
   TORCH_CHECK(q.size(0) <= std::numeric_limits<int>::max(), "more than 2^31 tokens");
 }
 
-// Returns (out, lse); lse is (num_heads, total) float32.
+// q, k and v as the kernels read them: as they are where they are views of one packed
+// projection, or any tensors laid out alike (heads contiguous, every token `stride` elements
+// after the one before: a multiple of 8, rows 16-byte aligned); otherwise contiguous copies.
+struct AttentionInputs {
+  at::Tensor q, k, v;
+  int64_t stride;
+};
+
+AttentionInputs attention_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  const int64_t heads = q.size(1), head_dim = q.size(2), stride = q.stride(0);
+  auto readable = [&](const at::Tensor& t) {
+    return t.stride(2) == 1 && t.stride(1) == head_dim && t.stride(0) == stride &&
+           reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+  };
+  if (stride >= heads * head_dim && stride % 8 == 0 && readable(q) && readable(k) && readable(v))
+    return {q, k, v, stride};
+  return {aligned_contiguous(q), aligned_contiguous(k), aligned_contiguous(v), heads * head_dim};
+}
+
+// Returns (out, lse); out is contiguous, lse is (num_heads, total) float32.
 std::vector<at::Tensor> varlen_attention_fwd(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
                                              const at::Tensor& cu_seqlens_in, int64_t max_seqlen, double dropout_p,
                                              double softmax_scale) {
@@ -362,30 +383,29 @@ std::vector<at::Tensor> varlen_attention_fwd(const at::Tensor& q_in, const at::T
   check_attention_inputs(q_in, k_in, v_in, cu_seqlens_in, max_seqlen);
   TORCH_CHECK_VALUE(std::isfinite(softmax_scale), "softmax_scale must be finite, got ", softmax_scale);
   const c10::cuda::CUDAGuard guard(q_in.device());
-  const at::Tensor q = aligned_contiguous(q_in), k = aligned_contiguous(k_in), v = aligned_contiguous(v_in);
+  const AttentionInputs in = attention_inputs(q_in, k_in, v_in);
   const at::Tensor cu_seqlens = cu_seqlens_in.contiguous();
-  const int64_t total = q.size(0), heads = q.size(1), head_dim = q.size(2);
-  at::Tensor out = at::empty_like(q);
-  at::Tensor lse = at::empty({heads, total}, q.options().dtype(at::kFloat));
+  const int64_t total = in.q.size(0), heads = in.q.size(1), head_dim = in.q.size(2);
+  at::Tensor out = at::empty({total, heads, head_dim}, in.q.options());
+  at::Tensor lse = at::empty({heads, total}, in.q.options().dtype(at::kFloat));
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   cudaError_t err;
   {
     pybind11::gil_scoped_release no_gil;
-    err = bds_varlen_attention_fwd(q.data_ptr(), k.data_ptr(), v.data_ptr(), cu_seqlens.data_ptr<int>(),
+    err = bds_varlen_attention_fwd(in.q.data_ptr(), in.k.data_ptr(), in.v.data_ptr(), cu_seqlens.data_ptr<int>(),
                                    out.data_ptr(), lse.data_ptr<float>(), (int)(cu_seqlens.numel() - 1), total,
-                                   (int)heads, (int)head_dim, (int)max_seqlen, static_cast<float>(softmax_scale),
-                                   dtype_code(q.scalar_type()), stream);
+                                   in.stride, (int)heads, (int)head_dim, (int)max_seqlen,
+                                   static_cast<float>(softmax_scale), dtype_code(in.q.scalar_type()), stream);
   }
   check_launch(err, "varlen_attention forward");
   return {out, lse};
 }
 
-// Returns (dq, dk, dv).
-std::vector<at::Tensor> varlen_attention_bwd(const at::Tensor& dout_in, const at::Tensor& q_in,
-                                             const at::Tensor& k_in, const at::Tensor& v_in,
-                                             const at::Tensor& out_in, const at::Tensor& lse_in,
-                                             const at::Tensor& cu_seqlens_in, int64_t max_seqlen,
-                                             double softmax_scale) {
+// The backward into dq, dk, dv (views laid out like q, every token dqkv_stride elements apart).
+void attention_bwd_into(const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in,
+                        const at::Tensor& v_in, const at::Tensor& out_in, const at::Tensor& lse_in,
+                        const at::Tensor& cu_seqlens_in, int64_t max_seqlen, double softmax_scale, at::Tensor& dq,
+                        at::Tensor& dk, at::Tensor& dv, int64_t dqkv_stride) {
   check_attention_inputs(q_in, k_in, v_in, cu_seqlens_in, max_seqlen);
   const at::Device device = q_in.device();
   check_cuda(dout_in, "dout", device);
@@ -398,29 +418,56 @@ std::vector<at::Tensor> varlen_attention_bwd(const at::Tensor& dout_in, const at
                   lse_in.size(1) == q_in.size(0),
               "lse must be float32 of shape (num_heads, total) (the forward's output), got ", lse_in.sizes());
   const c10::cuda::CUDAGuard guard(device);
-  const at::Tensor q = aligned_contiguous(q_in), k = aligned_contiguous(k_in), v = aligned_contiguous(v_in);
+  const AttentionInputs in = attention_inputs(q_in, k_in, v_in);
   const at::Tensor dout = aligned_contiguous(dout_in), out = aligned_contiguous(out_in);
   const at::Tensor lse = lse_in.contiguous(), cu_seqlens = cu_seqlens_in.contiguous();
-  const int64_t total = q.size(0), heads = q.size(1), head_dim = q.size(2);
-  at::Tensor dq = at::empty_like(q), dk = at::empty_like(q), dv = at::empty_like(q);
+  const int64_t total = in.q.size(0), heads = in.q.size(1), head_dim = in.q.size(2);
   // Only where a sequence may span several key tiles, which then add their dq up in fp32.
   const bool accumulates = bds_varlen_attention_bwd_accumulates((int)head_dim, (int)max_seqlen) != 0;
   const at::Tensor dq_accum =
-      accumulates ? at::empty({total, heads, head_dim}, q.options().dtype(at::kFloat)) : at::Tensor();
+      accumulates ? at::empty({total, heads, head_dim}, in.q.options().dtype(at::kFloat)) : at::Tensor();
   float* const dq_accum_ptr = accumulates ? dq_accum.data_ptr<float>() : nullptr;
-  at::Tensor dsum = at::empty({heads, total}, q.options().dtype(at::kFloat));
+  at::Tensor dsum = at::empty({heads, total}, in.q.options().dtype(at::kFloat));
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   cudaError_t err;
   {
     pybind11::gil_scoped_release no_gil;
-    err = bds_varlen_attention_bwd(dout.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
-                                   lse.data_ptr<float>(), cu_seqlens.data_ptr<int>(), dq.data_ptr(), dk.data_ptr(),
-                                   dv.data_ptr(), dq_accum_ptr, dsum.data_ptr<float>(),
-                                   (int)(cu_seqlens.numel() - 1), total, (int)heads, (int)head_dim, (int)max_seqlen,
-                                   static_cast<float>(softmax_scale), dtype_code(q.scalar_type()), stream);
+    err = bds_varlen_attention_bwd(dout.data_ptr(), in.q.data_ptr(), in.k.data_ptr(), in.v.data_ptr(),
+                                   out.data_ptr(), lse.data_ptr<float>(), cu_seqlens.data_ptr<int>(), dq.data_ptr(),
+                                   dk.data_ptr(), dv.data_ptr(), dq_accum_ptr, dsum.data_ptr<float>(),
+                                   (int)(cu_seqlens.numel() - 1), total, in.stride, dqkv_stride, (int)heads,
+                                   (int)head_dim, (int)max_seqlen, static_cast<float>(softmax_scale),
+                                   dtype_code(in.q.scalar_type()), stream);
   }
   check_launch(err, "varlen_attention backward");
+}
+
+// Returns (dq, dk, dv), each contiguous.
+std::vector<at::Tensor> varlen_attention_bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
+                                             const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
+                                             const at::Tensor& cu_seqlens, int64_t max_seqlen,
+                                             double softmax_scale) {
+  TORCH_CHECK(q.dim() == 3, "q must be (total_tokens, num_heads, head_dim), got shape ", q.sizes());
+  const auto options = q.options().memory_format(at::MemoryFormat::Contiguous);
+  at::Tensor dq = at::empty(q.sizes(), options), dk = at::empty(q.sizes(), options), dv = at::empty(q.sizes(), options);
+  attention_bwd_into(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, softmax_scale, dq, dk, dv,
+                     q.size(1) * q.size(2));
   return {dq, dk, dv};
+}
+
+// qkv: (total, 3, num_heads, head_dim), the packed projection the forward read q, k and v from
+// (qkv[:, 0], [:, 1], [:, 2]). Returns dqkv, laid out alike: the backward writes dq, dk and dv
+// into it, so the projection's backward reads one gradient, with no copy or sum.
+at::Tensor varlen_attention_bwd_packed(const at::Tensor& dout, const at::Tensor& qkv, const at::Tensor& out,
+                                       const at::Tensor& lse, const at::Tensor& cu_seqlens, int64_t max_seqlen,
+                                       double softmax_scale) {
+  TORCH_CHECK(qkv.dim() == 4 && qkv.size(1) == 3,
+              "qkv must be (total_tokens, 3, num_heads, head_dim), got shape ", qkv.sizes());
+  at::Tensor dqkv = at::empty(qkv.sizes(), qkv.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor dq = dqkv.select(1, 0), dk = dqkv.select(1, 1), dv = dqkv.select(1, 2);
+  attention_bwd_into(dout, qkv.select(1, 0), qkv.select(1, 1), qkv.select(1, 2), out, lse, cu_seqlens, max_seqlen,
+                     softmax_scale, dq, dk, dv, dqkv.stride(0));
+  return dqkv;
 }
 
 // ---------------------------------------------------------------- LAMB over a chunked flat tensor
@@ -531,6 +578,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("varlen_attention_bwd", &varlen_attention_bwd, "varlen attention backward -> (dq, dk, dv)",
         py::arg("dout"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"),
         py::arg("cu_seqlens"), py::arg("max_seqlen"), py::arg("softmax_scale"));
+  m.def("varlen_attention_bwd_packed", &varlen_attention_bwd_packed,
+        "varlen attention backward of a packed (total, 3, heads, head_dim) qkv -> dqkv, laid out alike",
+        py::arg("dout"), py::arg("qkv"), py::arg("out"), py::arg("lse"), py::arg("cu_seqlens"),
+        py::arg("max_seqlen"), py::arg("softmax_scale"));
   m.def("lamb_moments", &lamb_moments, "LAMB moments in place -> (chunks, 2) squared norms of w and u",
         py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("param"), py::arg("offsets"),
         py::arg("lengths"), py::arg("beta1"), py::arg("beta2"), py::arg("step_size"), py::arg("eps_hat"),

@@ -84,24 +84,29 @@ cudaError_t bds_bias_gelu_bwd(const void* dy, const void* x, const void* bias, v
                               int dtype, int bias_dtype, cudaStream_t stream);
 
 // ---------------------------------------------------------------- varlen attention
-// q, k, v, out: (total, num_heads, head_dim) of `dtype` (fp16 or bf16), head_dim 32 or 64;
+// q, k, v: (total, num_heads, head_dim) of `dtype` (fp16 or bf16), head_dim 32 or 64, each
+// token qkv_stride elements after the one before (num_heads * head_dim when contiguous;
+// 3 * num_heads * head_dim for views of one (total, 3, num_heads, head_dim) projection; a
+// multiple of 8, 16-byte aligned rows); out: (total, num_heads, head_dim) contiguous.
 // cu_seqlens: (batch + 1,) int32 on the device, sequence b = rows cu_seqlens[b]:cu_seqlens[b+1];
 // every sequence is at most max_seqlen long. lse: (num_heads, total) fp32, the natural-log
 // sum of exp(scale * q.k) of each query row, saved for the backward.
 cudaError_t bds_varlen_attention_fwd(const void* q, const void* k, const void* v, const int* cu_seqlens,
-                                     void* out, float* lse, int batch, int64_t total, int num_heads,
-                                     int head_dim, int max_seqlen, float softmax_scale, int dtype,
+                                     void* out, float* lse, int batch, int64_t total, int64_t qkv_stride,
+                                     int num_heads, int head_dim, int max_seqlen, float softmax_scale, int dtype,
                                      cudaStream_t stream);
 
-// dq, dk, dv: like q. Workspaces (contents ignored, overwritten): dq_accum (total, num_heads,
-// head_dim) fp32, where the key tiles add their dq contributions, needed only where
-// bds_varlen_attention_bwd_accumulates says so (may be NULL otherwise); dsum (num_heads, total)
-// fp32, rowsum(dout * out).
+// dout: like out (contiguous); dq, dk, dv: like q, each token dqkv_stride elements apart (views
+// of one packed gradient, or contiguous). Workspaces (contents ignored, overwritten): dq_accum
+// (total, num_heads, head_dim) fp32, where the key tiles add their dq contributions, needed
+// only where bds_varlen_attention_bwd_accumulates says so (may be NULL otherwise); dsum
+// (num_heads, total) fp32, rowsum(dout * out).
 cudaError_t bds_varlen_attention_bwd(const void* dout, const void* q, const void* k, const void* v,
                                      const void* out, const float* lse, const int* cu_seqlens,
                                      void* dq, void* dk, void* dv, float* dq_accum, float* dsum,
-                                     int batch, int64_t total, int num_heads, int head_dim, int max_seqlen,
-                                     float softmax_scale, int dtype, cudaStream_t stream);
+                                     int batch, int64_t total, int64_t qkv_stride, int64_t dqkv_stride,
+                                     int num_heads, int head_dim, int max_seqlen, float softmax_scale, int dtype,
+                                     cudaStream_t stream);
 
 // 1 when the backward at this head dim adds dq up in dq_accum (some sequence may span more than
 // one key tile: max_seqlen over 128); 0 when every sequence fits one key tile and dq is written

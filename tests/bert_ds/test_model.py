@@ -212,6 +212,28 @@ def test_activation_checkpointing_gives_same_loss_and_grads():
         torch.testing.assert_close(grads_b[name], grads_a[name], rtol=0, atol=1e-7, msg=name)
 
 
+def test_qkv_in_one_gemm_trains_as_the_three_projections_zero3_runs(monkeypatch):
+    """Q, K and V from one GEMM of the three weights side by side, against the three Linear
+    modules that run where ZeRO-3 partitions the weights (each fetches its own as it runs): the
+    same loss and the same gradient of each of the three in fp32. The weights keep HF's names."""
+    from bert_ds.model import bert
+
+    model, _ = _models(_config())
+    batch = _batch(seed=3)
+    loss_one, grads_one = _loss_and_grads(model.train(), batch, seed=7)
+    monkeypatch.setattr(bert, "_gathered_by_its_module", lambda param: True)
+    loss_three, grads_three = _loss_and_grads(model, batch, seed=7)
+    torch.testing.assert_close(loss_one, loss_three, rtol=1e-6, atol=0)
+    assert {"bert.encoder.layer.0.attention.self.query.weight", "bert.encoder.layer.0.attention.self.value.bias"} \
+        <= set(grads_one)
+    for name in grads_one:
+        torch.testing.assert_close(grads_one[name], grads_three[name], rtol=1e-5, atol=1e-6, msg=name)
+    partitioned = torch.nn.Parameter(torch.zeros(2))
+    partitioned.ds_id = 3  # what DeepSpeed's ZeRO-3 sets on the parameters it partitions
+    monkeypatch.undo()
+    assert bert._gathered_by_its_module(partitioned) and not bert._gathered_by_its_module(torch.nn.Parameter())
+
+
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 def test_post_ln_sublayer_on_kernels_torch_computes_what_its_modules_did(dropout):
     """kernels=torch: LayerNorm(dropout(dense(x)) + residual) bit for bit as nn.Linear (its bias in

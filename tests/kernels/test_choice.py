@@ -104,6 +104,9 @@ def auto(monkeypatch, tmp_path):
                 native = Auto.natives[op]
                 fn = native if name == "native" else _stand_in(op, name, native, Auto.calls)
                 monkeypatch.setitem(speed.IMPLEMENTATIONS[op], name, clock.charging(cost, fn))
+                if op == "varlen_attention" and name in attention.PACKED_IMPLEMENTATIONS:  # the model's QKV layout
+                    monkeypatch.setitem(attention.PACKED_IMPLEMENTATIONS, name,
+                                        lambda qkv, *rest, fn=fn: fn(*qkv.unbind(1), *rest))
 
         @staticmethod
         def new_process() -> None:

@@ -69,8 +69,8 @@ class Emulated:
             "bds_bias_gelu_fwd": [P, P, P, L, I, I, I, I, P],
             "bds_bias_gelu_bwd_parts": [L, I],
             "bds_bias_gelu_bwd": [P, P, P, P, P, P, I, L, I, I, I, I, P],
-            "bds_varlen_attention_fwd": [P, P, P, P, P, P, I, L, I, I, I, F, I, P],
-            "bds_varlen_attention_bwd": [P, P, P, P, P, P, P, P, P, P, P, P, I, L, I, I, I, F, I, P],
+            "bds_varlen_attention_fwd": [P, P, P, P, P, P, I, L, L, I, I, I, F, I, P],
+            "bds_varlen_attention_bwd": [P, P, P, P, P, P, P, P, P, P, P, P, I, L, L, L, I, I, I, F, I, P],
             "bds_varlen_attention_bwd_accumulates": [I, I],
             "bds_lamb_moments": [P, P, P, P, P, P, P, L, F, F, F, F, F, P],
             "bds_lamb_apply": [P, P, P, P, P, P, F, L, F, F, F, F, F, P],
@@ -182,23 +182,46 @@ class Emulated:
     def varlen_attention_fwd(self, q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale):
         assert dropout_p == 0.0, "the binding refuses dropout"
         q, k, v = map(self._guarded, (q, k, v))
+        return self._attention_fwd(q, k, v, q.shape[1] * q.shape[2], cu_seqlens, max_seqlen, softmax_scale)
+
+    def varlen_attention_fwd_packed(self, qkv, cu_seqlens, max_seqlen, softmax_scale):
+        """q, k, v read in place from one (total, 3, heads, head_dim) projection, as the binding does."""
+        qkv = self._guarded(qkv)
+        return self._attention_fwd(*qkv.unbind(1), qkv.stride(0), cu_seqlens, max_seqlen, softmax_scale)
+
+    def _attention_fwd(self, q, k, v, qkv_stride, cu_seqlens, max_seqlen, softmax_scale):
         total, heads, head_dim = q.shape
-        out = self._empty(*q.shape, dtype=q.dtype)
+        out = self._empty(total, heads, head_dim, dtype=q.dtype)
         lse = self._empty(heads, total, dtype=torch.float32)
-        self._call("bds_varlen_attention_fwd", q, k, v, cu_seqlens, out, lse, cu_seqlens.numel() - 1, total, heads,
-                   head_dim, max_seqlen, softmax_scale, CODES[q.dtype], None)
+        self._call("bds_varlen_attention_fwd", q, k, v, cu_seqlens, out, lse, cu_seqlens.numel() - 1, total,
+                   qkv_stride, heads, head_dim, max_seqlen, softmax_scale, CODES[q.dtype], None)
         return out, lse
 
     def varlen_attention_bwd(self, dout, q, k, v, out, lse, cu_seqlens, max_seqlen, softmax_scale):
-        dout, q, k, v, out, lse = map(self._guarded, (dout, q, k, v, out, lse))
+        q, k, v = map(self._guarded, (q, k, v))
+        grads = [self._empty(*q.shape, dtype=q.dtype) for _ in range(3)]
+        stride = q.shape[1] * q.shape[2]
+        self._attention_bwd(dout, q, k, v, stride, out, lse, cu_seqlens, max_seqlen, softmax_scale, grads, stride)
+        return tuple(grads)
+
+    def varlen_attention_bwd_packed(self, dout, qkv, out, lse, cu_seqlens, max_seqlen, softmax_scale):
+        """dq, dk, dv written into one (total, 3, heads, head_dim) gradient, as the binding does."""
+        qkv = self._guarded(qkv)
+        dqkv = self._empty(*qkv.shape, dtype=qkv.dtype)
+        self._attention_bwd(dout, *qkv.unbind(1), qkv.stride(0), out, lse, cu_seqlens, max_seqlen, softmax_scale,
+                            dqkv.unbind(1), dqkv.stride(0))
+        return dqkv
+
+    def _attention_bwd(self, dout, q, k, v, qkv_stride, out, lse, cu_seqlens, max_seqlen, softmax_scale, grads,
+                       dqkv_stride):
+        dout, out, lse = map(self._guarded, (dout, out, lse))
         total, heads, head_dim = q.shape
-        dq, dk, dv = (self._empty(*q.shape, dtype=q.dtype) for _ in range(3))
         accumulates = self.lib.bds_varlen_attention_bwd_accumulates(head_dim, max_seqlen)
         dq_accum = self._empty(total, heads, head_dim, dtype=torch.float32) if accumulates else None
         dsum = self._empty(heads, total, dtype=torch.float32)
-        self._call("bds_varlen_attention_bwd", dout, q, k, v, out, lse, cu_seqlens, dq, dk, dv, dq_accum, dsum,
-                   cu_seqlens.numel() - 1, total, heads, head_dim, max_seqlen, softmax_scale, CODES[q.dtype], None)
-        return dq, dk, dv
+        self._call("bds_varlen_attention_bwd", dout, q, k, v, out, lse, cu_seqlens, *grads, dq_accum, dsum,
+                   cu_seqlens.numel() - 1, total, qkv_stride, dqkv_stride, heads, head_dim, max_seqlen,
+                   softmax_scale, CODES[q.dtype], None)
 
     def lamb_moments(self, grad, exp_avg, exp_avg_sq, param, offsets, lengths, beta1, beta2, step_size, eps_hat,
                      weight_decay, norms):
@@ -563,6 +586,27 @@ def test_varlen_attention(emu, dtype, lengths, heads, head_dim):
     truth, same = _fp64_grads(truth_fn, inputs, grad_out), _same_dtype_grads(torch_fn, inputs, grad_out)
     for name, ours in (("q", dq), ("k", dk), ("v", dv)):
         assert_close_to_reference(f"d{name}", ours, same[name], truth[name], atol)
+
+
+@pytest.mark.parametrize("lengths,heads,head_dim", [([1, 130, 64, 17], 2, 64), ([1, 5, 70, 128], 2, 64),
+                                                     ([65, 3], 1, 32), ([200, 7], 2, 32)])
+def test_attention_reads_and_writes_a_packed_projection_in_place(emu, lengths, heads, head_dim):
+    """q, k, v read from one (total, 3, heads, head_dim) projection at its token stride, and dq,
+    dk, dv written into one gradient laid out alike (the model's fused QKV GEMM): the same
+    products in the same order as on contiguous copies, so the same bits, on the general and
+    the one-tile backward. Every element of dqkv is written (it starts as NaN)."""
+    total, max_seqlen, scale = sum(lengths), max(lengths), 1.0 / math.sqrt(head_dim)
+    qkv = rand(total, 3, heads, head_dim, dtype=torch.bfloat16, seed=1)
+    dout = rand(total, heads, head_dim, dtype=torch.bfloat16, seed=2)
+    cu_seqlens = cu_seqlens_of(lengths)
+    q, k, v = (t.contiguous() for t in qkv.unbind(1))
+    out, lse = emu.varlen_attention_fwd(q, k, v, cu_seqlens, max_seqlen, 0.0, scale)
+    grads = emu.varlen_attention_bwd(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, scale)
+
+    packed_out, packed_lse = emu.varlen_attention_fwd_packed(qkv, cu_seqlens, max_seqlen, scale)
+    dqkv = emu.varlen_attention_bwd_packed(dout, qkv, packed_out, packed_lse, cu_seqlens, max_seqlen, scale)
+    assert torch.equal(packed_out, out) and torch.equal(packed_lse, lse)
+    assert torch.equal(dqkv, torch.stack(grads, dim=1))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -322,6 +322,25 @@ def test_varlen_attention_takes_strided_and_misaligned_inputs(layout):
                                expected, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("max_extra", [0, 1])  # max_seqlen 128: the one-tile backward; 129: the general one
+def test_packed_attention_reads_and_writes_the_projection_in_place(max_extra):
+    """varlen_attention_packed on the fused kernels: q, k, v read from one (T, 3, nh, hd)
+    projection and its gradient written in one piece, the same bits as the kernels on
+    contiguous copies of q, k, v (the same products in the same order)."""
+    lengths, heads, head_dim, dtype = [1, 5, 70, 128, 33], 12, 64, torch.bfloat16
+    total, max_seqlen = sum(lengths), 128 + max_extra
+    cu_seqlens = cu_seqlens_of(lengths, device="cuda")
+    qkv = rand(total, 3, heads, head_dim, dtype=dtype, seed=1, device="cuda").requires_grad_()
+    dout = rand(total, heads, head_dim, dtype=dtype, seed=2, device="cuda")
+    packed = kernels.varlen_attention_packed(qkv, cu_seqlens, max_seqlen, backend="cuda")
+    (dqkv,) = torch.autograd.grad(packed, qkv, dout)
+    q, k, v = (x.detach().contiguous().requires_grad_() for x in qkv.unbind(1))
+    plain = kernels.varlen_attention(q, k, v, cu_seqlens, max_seqlen, backend="cuda")
+    grads = torch.autograd.grad(plain, (q, k, v), dout)
+    assert torch.equal(packed, plain) and dqkv.is_contiguous()
+    assert torch.equal(dqkv, torch.stack(grads, dim=1))
+
+
 def test_varlen_attention_refuses_dropout():
     q, k, v = (rand(8, 1, 64, dtype=torch.bfloat16, seed=s, device="cuda") for s in (1, 2, 3))
     cu_seqlens = cu_seqlens_of([8], device="cuda")

@@ -82,6 +82,22 @@ def test_a_rule_that_can_fail():
     assert "error" in selfcheck.verdict(lambda: selfcheck.check_layer_norm(off, torch.device("cpu")))
 
 
+def test_the_attention_check_holds_the_packed_form_to_the_rule():
+    """The self-check's packed case (the model's one QKV projection): the native op on qkv's
+    views passes; one that reads k and v the wrong way round fails."""
+    def packed(qkv, *rest):
+        return kernels.varlen_attention_native(*qkv.unbind(1), *rest)
+
+    def swapped(qkv, *rest):
+        q, k, v = qkv.unbind(1)
+        return kernels.varlen_attention_native(q, v, k, *rest)
+
+    cpu = torch.device("cpu")
+    assert selfcheck.verdict(lambda: selfcheck.check_packed_attention(packed, cpu)) == ""
+    found = selfcheck.verdict(lambda: selfcheck.check_packed_attention(swapped, cpu))
+    assert found.startswith("packed qkv torch.bfloat16") and "error" in found
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_native_layer_norm_in_half_precision_on_a_cpu_is_the_reference(dtype):
     # A CPU's half-precision LayerNorm backward sums dweight and dbias in the input dtype.
@@ -119,6 +135,22 @@ def test_native_bias_gelu_in_bfloat16_keeps_the_dtype_and_a_float32_bias_takes_t
     torch.testing.assert_close(out, F.gelu(x + bias), rtol=0, atol=0)
     fp32_bias = bias.float()
     assert torch.equal(kernels.bias_gelu_native(x, fp32_bias, "tanh"), kernels.bias_gelu_ref(x, fp32_bias, "tanh"))
+
+
+def test_packed_attention_off_a_gpu_is_the_op_on_the_three_views():
+    """varlen_attention_packed(qkv) under kernels=torch: the op on qkv's views q, k, v (what a
+    candidate without a packed form is handed), and the gradient of qkv in one piece."""
+    lengths, heads, head_dim = [3, 9, 1], 2, 16
+    cu_seqlens = cu_seqlens_of(lengths)
+    qkv = rand(sum(lengths), 3, heads, head_dim, dtype=torch.float32, seed=1).requires_grad_()
+    dout = rand(sum(lengths), heads, head_dim, dtype=torch.float32, seed=2)
+    packed = kernels.varlen_attention_packed(qkv, cu_seqlens, max(lengths), backend="torch")
+    (dqkv,) = torch.autograd.grad(packed, qkv, dout)
+    q, k, v = (x.detach().clone().requires_grad_() for x in qkv.unbind(1))
+    plain = kernels.varlen_attention(q, k, v, cu_seqlens, max(lengths), backend="torch")
+    grads = torch.autograd.grad(plain, (q, k, v), dout)
+    torch.testing.assert_close(packed, plain, rtol=0, atol=1e-6)
+    torch.testing.assert_close(dqkv, torch.stack(grads, dim=1), rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
