@@ -55,10 +55,11 @@ Design choices, and why:
 - **Peak memory** per variant is ``torch.cuda.max_memory_allocated`` over its whole life
   (model, gradients, optimizer state, activations); the variants run one at a time and
   each is freed before the next. On CPU there is no per-variant figure.
-- **Two modules.** This one is the command: its settings, the rates, goals, projection and
-  report. The batches, the variants and their timed loops are :mod:`.bench_variants`, which
-  imports torch, the model and transformers; it is imported once the command line is read, so
-  ``--help`` and a mistyped flag answer at once.
+- **Three modules.** This one is the command: its flags, the rates, goals, projection and
+  report. The variants and the settings they run under are :mod:`.bench_settings` (no torch).
+  The batches and the variants' timed loops are :mod:`.bench_variants`, which imports torch,
+  the model and transformers; it is imported once the command line is read, so ``--help`` and
+  a mistyped flag answer at once.
 """
 
 from __future__ import annotations
@@ -67,13 +68,13 @@ import argparse
 import dataclasses
 import json
 import sys
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from bert_ds.base.errors import ConfigError, guarded
 from bert_ds.model.config import PRESETS, model_preset
 from bert_ds.model.flops import training_flops
+from bert_ds.tools.bench_settings import BASELINE, VARIANTS, BenchSettings
 from bert_ds.tools.projection import ANCHOR, anchor_mfu, hours_minutes, project
 
 BERT_VOCAB_SIZE = 30522  # bert-base-uncased: the vocabulary of the published models
@@ -84,23 +85,6 @@ SPEEDUP_GOALS = {128: 2.5, 512: 3.0}
 MFU_GOAL = (128, 0.50)
 
 
-@dataclass(frozen=True)
-class Variant:
-    key: str
-    family: Literal["bert_ds", "transformers"]
-    kernels: str  # bert_ds's kernels setting; "fused": every op fused on CUDA (see build_variant)
-    optimizer: Literal["lamb", "adamw"]
-    description: str
-
-
-VARIANTS = {v.key: v for v in (
-    Variant("a", "bert_ds", "fused", "lamb", "bert_ds: fused kernels, unpadded, sparse MLM decoder, LAMB"),
-    Variant("b", "bert_ds", "torch", "lamb", "bert_ds: PyTorch-native ops, unpadded, sparse MLM decoder, LAMB"),
-    Variant("c", "transformers", "", "adamw", "transformers BertForPreTraining: SDPA, padded, fused AdamW"),
-)}
-BASELINE = "c"
-
-
 def _int_list(text: str, what: str) -> list[int]:
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
@@ -109,49 +93,6 @@ def _int_list(text: str, what: str) -> list[int]:
     if not values:
         raise ConfigError(f"{what} is empty")
     return values
-
-
-@dataclass
-class BenchSettings:
-    device: str  # "cpu" or "cuda"
-    precision: str  # "fp32", or "bf16" (autocast)
-    presets: list[str]
-    seq_lens: list[int]
-    batch_size: int | None  # None: tokens_per_step // seq_len
-    tokens_per_step: int
-    steps: int  # timed steps per variant
-    warmup: int  # untimed steps per variant before them
-    variants: list[str]
-    lr: float
-    vocab_size: int  # synthetic batches only; real data brings its own
-    data: str | None
-    workers: int
-    seed: int
-    probes: bool
-
-    def __post_init__(self) -> None:
-        for name in ("steps", "tokens_per_step"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if self.batch_size is not None and self.batch_size < 1:
-            raise ConfigError(f"--batch-size must be >= 1, got {self.batch_size}")
-        if self.warmup < 0 or self.workers < 0:
-            raise ConfigError(f"--warmup and --workers must be >= 0, got {self.warmup} and {self.workers}")
-        for seq_len in self.seq_lens:
-            if not 8 <= seq_len <= 512:
-                raise ConfigError(f"--seq-len must be in [8, 512], got {seq_len}")
-        for preset in self.presets:
-            if preset not in PRESETS:
-                raise ConfigError(f"unknown model preset {preset!r}; choose one of {', '.join(PRESETS)}")
-        unknown = [v for v in self.variants if v not in VARIANTS]
-        if unknown or not self.variants:
-            raise ConfigError(f"--variants takes a comma-separated subset of {','.join(VARIANTS)}, got "
-                              f"{','.join(self.variants)!r}")
-        if self.data is not None and not Path(self.data).is_dir():
-            raise ConfigError(f"--data {self.data}: no such dataset folder")
-
-    def batch_for(self, seq_len: int) -> int:
-        return self.batch_size or max(1, self.tokens_per_step // seq_len)
 
 
 # --------------------------------------------------------------------------- the run

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -29,9 +29,7 @@ from bert_ds.loader.pretraining import Batch, PretrainingLoader, SpecialTokens, 
 from bert_ds.model.bert import BertForPreTraining, ModelConfig, model_preset, pretraining_inputs
 from bert_ds.model.flops import datasheet_peak_tflops, training_flops
 from bert_ds.model.padding import IGNORE_INDEX
-
-if TYPE_CHECKING:
-    from bert_ds.tools.bench import BenchSettings, Variant
+from bert_ds.tools.bench_settings import BenchSettings, Variant
 
 FULL_LENGTH_PROB = 0.9  # BERT's short_seq_prob = 0.1
 SENTENCE_OVERSHOOT = 40  # a chunk closes at the first sentence end past its target: up to ~1 sentence more
