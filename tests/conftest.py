@@ -18,6 +18,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+# One thread per process: the suite runs one worker per core (run.sh test), and each worker's
+# torch, and every process a test starts, would otherwise start a thread per core too, which
+# on a 2-core machine spin-wait against each other. Before torch is imported here; a test or
+# process that sets its own count keeps it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 import pytest
 
 from bert_ds.train.extensions import use_environment_cache
