@@ -240,7 +240,7 @@ else
     }
     engine_run train_base 300 "${base[@]}"
     engine_run train_base512 240 "${base512[@]}"
-    step engine_sweep 300 env "${sweep[@]}" PYTHON="$python" bash benchmarks/engine_sweep.sh "$run_dir/data30522" \
+    step engine_sweep 360 env "${sweep[@]}" PYTHON="$python" bash benchmarks/engine_sweep.sh "$run_dir/data30522" \
         "$out/engine_sweep"
 fi
 step summary 60 "$python" -m bert_ds.tools.gpu_summary "$out"
