@@ -216,12 +216,13 @@ def check_varlen_attention(impl: Callable[..., torch.Tensor], device: torch.devi
     return problems
 
 
-def check_packed_attention(packed: Callable[..., torch.Tensor], device: torch.device) -> list[str]:
+def check_packed_attention(packed: Callable[..., torch.Tensor], device: torch.device,
+                           lengths: tuple[int, ...] = (1, 128, 77, 300), heads: int = 12) -> list[str]:
     """``packed`` (``varlen_attention_packed``'s signature: q, k, v read from one (T, 3, nh, hd)
     projection, the gradient returned in one piece) against the reference on its three views,
-    at the model's layout: BERT-Base's 12 heads of 64, one sequence past one key tile."""
+    by default at the model's layout: BERT-Base's 12 heads of 64, one sequence past one key tile."""
     rand = _Inputs(seed=5, device=device)
-    lengths, heads, head_dim, dtype = [1, 128, 77, 300], 12, 64, torch.bfloat16
+    lengths, head_dim, dtype = list(lengths), 64, torch.bfloat16
     offsets = torch.tensor([0, *lengths], device=device).cumsum(0).to(torch.int32)
     rest = (offsets, max(lengths), 0.0, head_dim ** -0.5)
     return compare(f"packed qkv {dtype} lengths {lengths} heads {heads} head_dim {head_dim}",
