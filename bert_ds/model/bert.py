@@ -33,8 +33,8 @@ Design choices, and why:
   backward is one GEMM for the input's gradient, where three GEMMs and two adds of a (T, H)
   tensor were, and one bias reduction; the fused attention reads q, k and v from the
   (T, 3, nh, hd) result in place and returns its gradient in one piece. The three
-  ``nn.Linear`` modules stay, with HF's names; under ZeRO-3, whose partitioned weights only
-  their own module can read, each runs as before.
+  ``nn.Linear`` modules stay, with HF's names; under ZeRO-3, which gathers a partitioned
+  weight for its own module's forward, each runs as before.
 - **Post-LN by default** (the original BERT, exportable). ``pre_layernorm=True``
   normalises each sublayer's input instead and adds a final
   ``bert.encoder.LayerNorm``: stabler at depth or with high learning rates, but
@@ -139,8 +139,9 @@ class BertSelfAttention(nn.Module):
 
 
 def _gathered_by_its_module(param: nn.Parameter) -> bool:
-    """Whether ``param`` is partitioned by ZeRO-3 (DeepSpeed's ``ds_id``), and so holds its values
-    only while its own module's forward runs: another module cannot read it."""
+    """Whether ``param`` is partitioned by ZeRO-3 (DeepSpeed's ``ds_id``): DeepSpeed gathers it
+    for its own module's forward, prefetched and released on its schedule. Read from another
+    module it is gathered on the spot, outside that schedule, so the model leaves it to its module."""
     return hasattr(param, "ds_id")
 
 

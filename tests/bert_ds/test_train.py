@@ -49,6 +49,23 @@ def test_single_process_trains_exports_and_loads_in_transformers(sample_data, tm
     assert model.config.vocab_size == tok.vocab_size == 2048
 
 
+def test_zero3_trains_and_exports_what_transformers_loads(sample_data, tmp_path):
+    """zero3_bf16.json (with AdamW, as ZeRO-3 requires) trains with its parameters partitioned
+    (the model then projects Q, K and V in their own modules: test_model.py), and its sharded
+    checkpoint exports whole."""
+    out = tmp_path / "zero3"
+    _train(sample_data, out, "--steps", "3", "--ds-config", "zero3_bf16.json", "--optimizer", "adamw", "--lr", "1e-3")
+    train, _ = _records(out)
+    assert [r["step"] for r in train] == [1, 2, 3] and all(r["skipped_steps"] == 0 for r in train)
+    run_cli("bert_ds.checkpoint.export", str(out / "checkpoints" / "latest"), str(tmp_path / "hf"))
+    from transformers import BertForPreTraining
+
+    model = BertForPreTraining.from_pretrained(tmp_path / "hf")
+    query = model.bert.encoder.layer[0].attention.self.query.weight
+    hidden = model.config.hidden_size
+    assert query.shape == (hidden, hidden) and query.abs().sum() > 0  # whole, not a rank's empty shard
+
+
 def test_resume_continues_with_identical_losses(sample_data, tmp_path):
     # Started in bf16 by name, resumed naming none: the resume keeps the checkpoint's engine config,
     # not this machine's default (fp32 on a CPU without bf16 instructions, which a resume refuses).
