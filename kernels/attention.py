@@ -283,9 +283,7 @@ def varlen_attention_fused(
     softmax_scale: float | None = None,
 ) -> torch.Tensor:
     """:func:`varlen_attention_ref` on the fused kernels (no dropout: see :func:`_unsupported`)."""
-    if dropout_p > 0.0:
-        raise ValueError(f"the fused attention kernel has no dropout; got dropout_p={dropout_p}")
-    return FusedVarlenAttention.apply(q, k, v, cu_seqlens, max_seqlen, _scale(q, softmax_scale))
+    return FusedVarlenAttention.apply(q, k, v, cu_seqlens, max_seqlen, _fused_scale(q, dropout_p, softmax_scale))
 
 
 def varlen_attention_packed_fused(
@@ -296,12 +294,13 @@ def varlen_attention_packed_fused(
     softmax_scale: float | None = None,
 ) -> torch.Tensor:
     """:func:`varlen_attention_fused` of ``qkv.unbind(1)``, read in place (:func:`varlen_attention_packed`)."""
+    return FusedVarlenAttentionPacked.apply(qkv, cu_seqlens, max_seqlen, _fused_scale(qkv, dropout_p, softmax_scale))
+
+
+def _fused_scale(q: torch.Tensor, dropout_p: float, softmax_scale: float | None) -> float:
+    """The softmax scale the fused kernels take (default 1/sqrt(head_dim)); they have no dropout."""
     if dropout_p > 0.0:
         raise ValueError(f"the fused attention kernel has no dropout; got dropout_p={dropout_p}")
-    return FusedVarlenAttentionPacked.apply(qkv, cu_seqlens, max_seqlen, _scale(qkv, softmax_scale))
-
-
-def _scale(q: torch.Tensor, softmax_scale: float | None) -> float:
     return softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
 
 
