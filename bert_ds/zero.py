@@ -21,6 +21,10 @@ What this module owns, and why each part needs something DeepSpeed does not publ
   the attribute DeepSpeed's own wrappers set, read with ``hasattr`` in ``engine.step()``.
 - **Skipped steps and the loss scale** (:func:`skipped_steps`, :func:`loss_scale`): the
   engine's counter and the wrappers' ``cur_scale``; DeepSpeed has no public getter for either.
+- **An engine without Muon's compiler** (:func:`initialize`): the engine imports DeepSpeed's
+  Muon optimizer to ask whether the client optimizer is one; that module wraps its kernels in
+  ``torch.compile`` as it is imported, which loads TorchDynamo's and Inductor's compilers:
+  about 2 s of CPU in every process that builds an engine, for an optimizer bert-ds never makes.
 - **The collective timeout of ZeRO's own group** (:func:`world_group_with_timeout`): DeepSpeed
   runs ZeRO's collectives on a clone of the world group, ``deepspeed.utils.groups._WORLD_GROUP``,
   which it makes with torch's default timeout (30 min) unless one is already there.
@@ -46,7 +50,10 @@ import it. DeepSpeed is imported inside the functions, so that importing bert-ds
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+import functools
+import importlib
+import sys
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -122,9 +129,66 @@ RELIED_ON: tuple[Field, ...] = (
           "function(lp_param_list, flat_hp_partition, optimizer_state)",
           "link fragments to the optimizer state; DeepSpeed does it for group 0 only"),
     Field("deepspeed.utils", "groups", "module", "holds DeepSpeed's process groups"),
+    Field("deepspeed", "initialize", "method", "builds the engine (public API), after import_muon_uncompiled"),
+    Field("deepspeed.runtime.compiler", "compile", "returns torch.compile",
+          "how Muon's module wraps its kernels as it is imported; import_muon_uncompiled defers them"),
     Field("deepspeed.utils.groups", "_WORLD_GROUP", "process group or None",
           "DeepSpeed's clone of the world group, made with torch's default timeout if not already there"),
 )
+
+
+# --------------------------------------------------------------------------- the engine
+
+MUON_MODULE = "deepspeed.runtime.zero.muon.muon_optimizer"
+
+
+def initialize(**kwargs):
+    """``deepspeed.initialize(**kwargs)``, with DeepSpeed's Muon imported first without its
+    compiler (:func:`import_muon_uncompiled`)."""
+    import deepspeed
+
+    import_muon_uncompiled()
+    return deepspeed.initialize(**kwargs)
+
+
+def import_muon_uncompiled() -> None:
+    """Import :data:`MUON_MODULE` with its ``torch.compile`` wrappers deferred to their first call.
+
+    The engine imports DeepSpeed's Muon optimizer wherever it asks whether the client optimizer
+    is one (``is_zero_supported_optimizer``, the ZeRO and bf16 wrappers), and Muon's module wraps
+    its kernels in ``torch.compile`` as it is imported, which loads TorchDynamo's and Inductor's
+    compilers: 2 s of CPU in every process that builds an engine, a quarter of a short run's,
+    for an optimizer bert-ds never makes. Imported here first, with ``torch.compile`` standing in
+    as :func:`deferred_compile` for the import only, the module holds the same classes and its
+    kernels compile on their first use, as they would have."""
+    if MUON_MODULE in sys.modules:
+        return
+    compile_now = torch.compile
+    torch.compile = deferred_compile(compile_now)
+    try:
+        importlib.import_module(MUON_MODULE)
+    finally:
+        torch.compile = compile_now
+
+
+def deferred_compile(compile_now: Callable) -> Callable:
+    """A ``torch.compile`` that calls ``compile_now`` with the same arguments at the compiled
+    function's first call instead of at once (as a decorator too: ``@torch.compile(...)``)."""
+    def deferred(model=None, **options):
+        if model is None:
+            return lambda fn: deferred(fn, **options)
+        compiled = None
+
+        @functools.wraps(model)
+        def first_call_compiles(*args, **kwargs):
+            nonlocal compiled
+            if compiled is None:
+                compiled = compile_now(model, **options)
+            return compiled(*args, **kwargs)
+
+        return first_call_compiles
+
+    return deferred
 
 
 # --------------------------------------------------------------------------- which layout

@@ -158,11 +158,9 @@ def _start(cfg: TrainConfig, resume: bool, rank: int, world: int, device: torch.
 
 def _build_engine(cfg: TrainConfig, ds_cfg: dict[str, Any], device: torch.device):
     """The DeepSpeed engine, the optimizer handed to it, and the model's parameter count."""
-    import deepspeed
-
     model = BertForPreTraining(cfg.model, train_seq_len=cfg.data.max_seq_length).to(device)
     optimizer = build_optimizer(model, cfg.optim, kernels=cfg.model.kernels, shapes=model.op_shapes)
-    engine, _, _, _ = deepspeed.initialize(
+    engine, _, _, _ = zero.initialize(
         model=model, optimizer=optimizer, config=ds_cfg,
         lr_scheduler=lambda opt: build_schedule(opt, cfg.optim, cfg.steps),
     )

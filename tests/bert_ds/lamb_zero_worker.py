@@ -82,7 +82,6 @@ def ds_config(stage: int, precision: str, world: int) -> dict:
 
 
 def train(name: str, rank: int, world: int) -> dict:
-    import deepspeed
     import torch.distributed as dist
     from deepspeed.utils import safe_get_full_fp32_param
 
@@ -98,7 +97,7 @@ def train(name: str, rank: int, world: int) -> dict:
     optimizer = opt_cls(param_groups(model), lr=LR, betas=BETAS, eps=EPS, variant=variant)
     step_calls: list[int] = []  # groups present in each optimizer.step() call DeepSpeed makes
     optimizer.register_step_pre_hook(lambda opt, args, kwargs: step_calls.append(len(opt.param_groups)))
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
+    engine, _, _, _ = zero.initialize(model=model, optimizer=optimizer,
                                            config=ds_config(stage, precision, world))
     wrapper = engine.optimizer
     if kind == "lamb":

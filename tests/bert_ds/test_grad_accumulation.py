@@ -65,13 +65,12 @@ def _engine_config(name: str, accumulate_in_bf16: bool) -> dict:
 def _measure(name: str, accumulate_in_bf16: bool) -> dict:
     """One step of MICRO_BATCHES micro-batches: the relative error of the gradient the optimizer
     receives against the float64 sum of the micro-batch gradients, and DeepSpeed's wrapper."""
-    import deepspeed
 
     from bert_ds import zero
 
     model = _model()
     client = torch.optim.SGD(model.parameters(), lr=0.0)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=client, config=_engine_config(name, accumulate_in_bf16))
+    engine, *_ = zero.initialize(model=model, optimizer=client, config=_engine_config(name, accumulate_in_bf16))
     reference_model = copy.deepcopy(engine.module)  # the same bf16 weights
     handed: list[torch.Tensor] = []
     client.register_step_pre_hook(lambda opt, args, kwargs: handed.extend(

@@ -31,13 +31,15 @@ import torch
 from bert_ds import zero
 from tests.conftest import cli_env, run_command
 
+pytestmark = pytest.mark.lowest  # all of it also runs under the lowest supported torch (run.sh test-lowest)
+
 WORLD_GROUP_TIMEOUT = timedelta(seconds=123)  # distinct from torch's default (30 min) and DeepSpeed's
 ENGINES = ("zero0-fp32", "zero1-fp32", "zero2-fp32", "zero1-bf16", "zero1-bf16acc32")
 
 # Attribute names bert_ds/zero.py may use that are torch's or Python's, not DeepSpeed's.
 # A name there that is neither in this list nor in zero.RELIED_ON fails the last test.
 NOT_DEEPSPEED = {
-    "Optimizer", "Parameter", "Tensor", "WORLD", "__name__", "append", "clone", "contextmanager", "cpu",
+    "Optimizer", "Parameter", "import_module", "modules", "wraps", "Tensor", "WORLD", "__name__", "append", "clone", "contextmanager", "cpu",
     "data_ptr", "device", "element_size", "float", "get_world_size", "group", "is_tensor", "items",
     "named_parameters", "new_group", "nn", "optim", "param_groups", "shape", "state", "to", "values", "zeros_like",
 }
@@ -56,7 +58,6 @@ class _Built:
 
 
 def _build(name: str) -> _Built:
-    import deepspeed
 
     from bert_ds.optim.builders import bind_to_engine
     from bert_ds.optim.lamb import Lamb
@@ -67,7 +68,7 @@ def _build(name: str) -> _Built:
     groups = worker.param_groups(model)
     given = [list(g["params"]) for g in groups]  # DeepSpeed replaces them in these very dicts
     client = Lamb(groups, lr=worker.LR)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=client,
+    engine, *_ = zero.initialize(model=model, optimizer=client,
                                       lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s),
                                       config=worker.ds_config(int(stage.removeprefix("zero")), precision, 1))
     bind_to_engine(client, engine)
@@ -169,6 +170,7 @@ CHECKS = {
     "bool": lambda v, b: (type(v) is bool) or pytest.fail(f"{v!r} is not a bool"),
     "float": lambda v, b: isinstance(v, (int, float)) and not isinstance(v, bool) or pytest.fail(f"{v!r} is no number"),
     "gradients per group": lambda v, b: _check_gradients(v, b),
+    "returns torch.compile": lambda v, b: v() is torch.compile or pytest.fail(f"returns {v()!r}"),
 }
 
 
@@ -278,7 +280,6 @@ def _probe_owned_gradients() -> dict:
     gradients are there before engine.step(), the step's clipping moves the weights as
     DeepSpeed's does, one poisoned gradient turns the fused flag on, and checked_step makes
     DeepSpeed skip that step."""
-    import deepspeed
     import torch.nn.functional as F
 
     from bert_ds.optim.builders import bind_to_engine
@@ -296,7 +297,7 @@ def _probe_owned_gradients() -> dict:
             config["zero_optimization"]["compute_grad_norm"] = False
             if precision == "bf16":
                 config["bf16"]["check_grad_overflow"] = False
-        engine, *_ = deepspeed.initialize(model=model, optimizer=client, config=config)
+        engine, *_ = zero.initialize(model=model, optimizer=client, config=config)
         bind_to_engine(client, engine)
         return engine
 
@@ -353,6 +354,8 @@ def probe(out: Path) -> None:
         result["full_state"] = _probe_full_state(built)
         result["step"] = _probe_step(built)
         result["owned_gradients"] = _probe_owned_gradients()
+        result["muon"] = {"imported": type(sys.modules.get(zero.MUON_MODULE)).__name__,
+                          "compiler_loaded": "torch._inductor.compile_fx" in sys.modules}
         torch.save(result, out)
     finally:
         dist.destroy_process_group()
@@ -446,6 +449,31 @@ def test_the_step_owns_the_gradients_checks_as_deepspeed_would(probed):
         # the bf16 gradients, DeepSpeed their fp32 copy, one more rounding of gradients that
         # carry 2^-8 relative rounding already: the masters agree within that.
         assert gap <= (1e-6 if stage.endswith("fp32") else 2 ** -8), (stage, gap)
+
+
+def test_engines_are_built_without_loading_the_compiler(probed):
+    """The probe's engines (ZeRO-0/1/2, bf16's wrapper) imported DeepSpeed's Muon, whose kernels
+    are wrapped in torch.compile, and Inductor's compiler was never loaded."""
+    assert probed["muon"] == {"imported": "module", "compiler_loaded": False}
+
+
+def test_a_deferred_compile_compiles_once_at_the_first_call():
+    calls = []
+
+    def compile_now(fn, **options):
+        calls.append(options)
+        return lambda x: fn(x) + 1  # marks the "compiled" result
+
+    deferred = zero.deferred_compile(compile_now)
+
+    @deferred(dynamic=False)  # as a decorator with options, as DeepSpeed's Muon uses it
+    def double(x):
+        return 2 * x
+
+    plain = deferred(lambda x: x)
+    assert calls == [] and double.__name__ == "double"
+    assert [double(3), double(4), plain(5)] == [7, 9, 6]
+    assert calls == [{"dynamic": False}, {}]
 
 
 def test_bind_to_engine_binds_nothing_for_another_optimizer():

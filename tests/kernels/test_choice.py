@@ -28,6 +28,8 @@ from bert_ds.kernels.compiled import CompiledReference
 from bert_ds.kernels.dispatch import OpPlan
 from bert_ds.model import bert
 
+pytestmark = pytest.mark.lowest  # all of it also runs under the lowest supported torch (run.sh test-lowest)
+
 # The modules, which kernels' own names for the public ops hide.
 layer_norm = importlib.import_module("bert_ds.kernels.layer_norm")
 dropout_layer_norm = importlib.import_module("bert_ds.kernels.dropout_layer_norm")

@@ -22,6 +22,8 @@ from bert_ds.kernels.layer_norm import layer_norm_native, layer_norm_ref
 
 from tests.kernels.helpers import cu_seqlens_of, non_contiguous, rand
 
+pytestmark = pytest.mark.lowest  # all of it also runs under the lowest supported torch (run.sh test-lowest)
+
 
 def _varlen_inputs(lengths: list[int], num_heads: int, head_dim: int, dtype: torch.dtype):
     q, k, v = (rand(sum(lengths), num_heads, head_dim, dtype=dtype, seed=seed) for seed in (1, 2, 3))

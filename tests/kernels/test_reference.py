@@ -21,6 +21,8 @@ from bert_ds.kernels.dispatch import KernelUnavailable, OpPlan
 from bert_ds.kernels.speed import OpShapes
 from bert_ds.base.errors import UserError
 
+pytestmark = pytest.mark.lowest  # all of it also runs under the lowest supported torch (run.sh test-lowest)
+
 DTYPES = [torch.float32, torch.bfloat16]
 
 
