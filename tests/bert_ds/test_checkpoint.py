@@ -9,6 +9,8 @@ import torch
 from bert_ds.checkpoint import store as checkpoint
 from bert_ds.checkpoint.store import CheckpointError
 
+pytestmark = pytest.mark.lowest  # all of it also runs under the lowest supported torch (run.sh test-lowest)
+
 
 class _Engine:
     """The two things checkpoint.save needs from a DeepSpeed engine."""

@@ -77,6 +77,7 @@ def _first_batch(args: list[str]):
     return PretrainingLoader(stream, plan, rank=0).next_step()[0]
 
 
+@pytest.mark.lowest
 def test_walkthrough_hf_folder_to_fill_mask(corpus, vocab, tmp_path):
     hf = tmp_path / "hf"
     source = _hf_folder(hf, vocab)
@@ -147,6 +148,7 @@ def _logits(model, hf_model):
     return ours, theirs
 
 
+@pytest.mark.lowest
 def test_legacy_gamma_beta_names_in_a_pytorch_model_bin_load_as_transformers_loads_them(vocab, tmp_path):
     hf = tmp_path / "hf"
     source_model = _hf_folder(hf, vocab)
@@ -169,6 +171,7 @@ def _same_as_transformers(source: hf_import.InitSource, folder) -> None:
     torch.testing.assert_close(ours.nsp_logits, theirs.seq_relationship_logits, rtol=0, atol=1e-5)
 
 
+@pytest.mark.lowest
 def test_sharded_safetensors_load_as_transformers_loads_them(vocab, tmp_path):
     hf = tmp_path / "hf"
     hf.mkdir()
@@ -189,6 +192,7 @@ def test_sharded_safetensors_load_as_transformers_loads_them(vocab, tmp_path):
         hf_import.open_source(hf)
 
 
+@pytest.mark.lowest
 def test_sharded_pytorch_model_bin_loads_and_a_bad_index_is_one_line(vocab, tmp_path):
     hf = tmp_path / "hf"
     state = _hf_folder(hf, vocab).state_dict()
@@ -219,6 +223,7 @@ def test_sharded_pytorch_model_bin_loads_and_a_bad_index_is_one_line(vocab, tmp_
             hf_import.open_source(hf)
 
 
+@pytest.mark.lowest
 def test_a_safetensors_file_of_a_hugging_face_folder_takes_its_config(vocab, tmp_path):
     hf = tmp_path / "hf"
     _hf_folder(hf, vocab)
@@ -230,6 +235,7 @@ def test_a_safetensors_file_of_a_hugging_face_folder_takes_its_config(vocab, tmp
     assert hf_import.open_source(bare).model is None  # no config.json beside it: the architecture is --preset's
 
 
+@pytest.mark.lowest
 def test_masked_lm_folder_lacks_only_pooler_and_nsp(vocab, tmp_path):
     hf = tmp_path / "hf"
     source_model = _hf_folder(hf, vocab, transformers.BertForMaskedLM)
@@ -241,6 +247,7 @@ def test_masked_lm_folder_lacks_only_pooler_and_nsp(vocab, tmp_path):
     assert torch.equal(weights["cls.predictions.transform.dense.weight"], theirs)
 
 
+@pytest.mark.lowest
 def test_unmatched_and_missing_tensors_are_named(vocab, tmp_path):
     hf = tmp_path / "hf"
     _hf_folder(hf, vocab, transformers.BertForSequenceClassification)

@@ -9,6 +9,8 @@ from bert_ds.config import BatchPlan, DataConfig
 from bert_ds.data_tools.manifest import open_dataset
 from bert_ds.loader.pretraining import IGNORE_INDEX, PretrainingDataset, PretrainingLoader, check_tokenizers, collate
 
+pytestmark = pytest.mark.lowest  # all of it also runs under the lowest supported torch (run.sh test-lowest)
+
 
 @pytest.fixture(scope="module")
 def dataset(sample_data):

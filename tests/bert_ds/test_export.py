@@ -14,6 +14,8 @@ from bert_ds.checkpoint.export import ExportError, export_checkpoint, export_hf,
 from bert_ds.model.bert import BertForPreTraining, ModelConfig
 from bert_ds.base.atomic import file_crc32
 
+pytestmark = pytest.mark.lowest  # all of it also runs under the lowest supported torch (run.sh test-lowest)
+
 WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "cat", "sat", "on", "mat", "##s", "a", "dog"]
 
 

@@ -166,6 +166,7 @@ def _eval(model, data, out, *extra, check=True):
                    "--no-progress", *extra, check=check)
 
 
+@pytest.mark.lowest
 def test_a_tiny_export_learns_a_task_and_a_rerun_keeps_its_results(tiny_export, tmp_path):
     data, out = tmp_path / "glue", tmp_path / "results"
     learnable_sst2(data)

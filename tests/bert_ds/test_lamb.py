@@ -26,6 +26,8 @@ FP32_RUNS = [f"zero{stage}-fp32-{kind}" for stage in (1, 2) for kind in ("lamb",
 # bf16 runs use the paper's variant, which puts a trust ratio on every parameter: the
 # per-parameter ratios on DeepSpeed's bf16 paths are what they check.
 BF16_RUNS = ["zero1-bf16-lamb-paper", "zero2-bf16-lamb-paper", "zero1-bf16acc32-lamb-paper"]
+# World sizes of the ZeRO runs; 1 and 2 also run under the lowest supported torch (run.sh test-lowest)
+WORLDS = [pytest.param(1, marks=pytest.mark.lowest), pytest.param(2, marks=pytest.mark.lowest), 3]
 RUNS = {1: FP32_RUNS + ["zero0-fp32-lamb"], 2: FP32_RUNS + BF16_RUNS + ["zero1-fp32-naive-paper"], 3: FP32_RUNS}
 
 
@@ -90,6 +92,7 @@ def _lamb_from_the_formula(w0: list[torch.Tensor], grads: list[list[torch.Tensor
 # --------------------------------------------------------------------------- one process
 
 
+@pytest.mark.lowest
 @pytest.mark.parametrize("variant", ["nvidia", "paper"])
 @pytest.mark.parametrize("opt_cls", [Lamb, LambReference])
 def test_lamb_variants_match_the_float64_formula_over_many_steps(opt_cls, variant):
@@ -117,6 +120,7 @@ def test_lamb_variants_match_the_float64_formula_over_many_steps(opt_cls, varian
     assert max((p.detach().double() - w).abs().max().item() for p, w in zip(params[2:], other[2:])) > 1e-2
 
 
+@pytest.mark.lowest
 def test_the_default_variant_is_nvidias_and_leaves_biases_trainable():
     """Under the paper's rule a bias that starts at 0 hardly moves after its first step
     (its ratio ||w|| / ||u|| is about lr); NVIDIA's rule gives it plain Adam steps."""
@@ -133,11 +137,13 @@ def test_the_default_variant_is_nvidias_and_leaves_biases_trainable():
     assert moved["nvidia"] > 10 * moved["paper"], moved
 
 
+@pytest.mark.lowest
 def test_an_unknown_variant_is_refused():
     with pytest.raises(ValueError, match="variant"):
         Lamb([torch.zeros(1, requires_grad=True)], variant="nvlamb")
 
 
+@pytest.mark.lowest
 def test_foreach_lamb_matches_reference_over_20_steps_with_decay_groups():
     initial = [p.detach().clone() for p in worker.build_model().parameters()]
     fast, _ = _train_single_process(Lamb)
@@ -147,6 +153,7 @@ def test_foreach_lamb_matches_reference_over_20_steps_with_decay_groups():
     assert min((a - b).abs().max().item() for a, b in zip(ref, initial)) > 1e-2
 
 
+@pytest.mark.lowest
 def test_weight_decay_applies_only_where_the_group_sets_it():
     w = torch.randn(5, 3)
     grad = torch.randn(5, 3)
@@ -164,6 +171,7 @@ def test_weight_decay_applies_only_where_the_group_sets_it():
     assert (runs[0.0] - runs[0.5]).abs().max() > 1e-3
 
 
+@pytest.mark.lowest
 def test_trust_ratio_is_one_when_a_norm_is_zero():
     zero_w = torch.zeros(4, requires_grad=True)  # ||w|| = 0: the step is lr * update
     zero_w.grad = torch.tensor([1.0, -2.0, 3.0, 0.5])
@@ -176,6 +184,7 @@ def test_trust_ratio_is_one_when_a_norm_is_zero():
     assert torch.equal(zero_u.detach(), torch.full((3,), 2.0))
 
 
+@pytest.mark.lowest
 def test_bound_flat_tensor_gets_per_parameter_ratios_and_leaves_padding_alone():
     """A flat tensor with padding gaps and a parameter that has no fragment in it, as a
     ZeRO partition looks, steps exactly like the parameters themselves."""
@@ -218,6 +227,7 @@ def test_bound_flat_tensor_gets_per_parameter_ratios_and_leaves_padding_alone():
     assert _max_diff(naive_got, want) > 1e-2  # one ratio for the whole flat tensor is a different optimizer
 
 
+@pytest.mark.lowest
 def test_segment_norms_are_exact_across_chunk_boundaries_and_large_fragments():
     sizes = [1, 1023, 1024, 1025, 3_000_001]  # around the 1024-element chunk, and one a single fp32 sum gets wrong
     segments, offset = [], 2
@@ -239,6 +249,7 @@ def test_segment_norms_are_exact_across_chunk_boundaries_and_large_fragments():
     assert expanded[0] == expanded[1] == len(sizes)  # the leading gap is padding
 
 
+@pytest.mark.lowest
 def test_bind_flat_tensor_rejects_overlapping_segments():
     flat = torch.zeros(10, requires_grad=True)
     lamb = Lamb([flat])
@@ -246,6 +257,7 @@ def test_bind_flat_tensor_rejects_overlapping_segments():
         lamb.bind_flat_tensor(flat, [(0, 6, 0), (5, 3, 1)], 2)
 
 
+@pytest.mark.lowest
 def test_step_refuses_a_tensor_it_was_neither_given_nor_bound():
     """What DeepSpeed ZeRO does to the param groups; without a bind it is an error."""
     model = worker.build_model()
@@ -284,7 +296,7 @@ def zero_runs(tmp_path_factory):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("stage", [1, 2])
 @pytest.mark.parametrize("variant", ["nvidia", "paper"])
 def test_zero_lamb_matches_single_process_reference(zero_runs, world, stage, variant):
@@ -298,7 +310,7 @@ def test_zero_lamb_matches_single_process_reference(zero_runs, world, stage, var
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("stage", [1, 2])
 def test_naive_lamb_with_one_ratio_per_partition_fails_the_same_comparison(zero_runs, world, stage):
     ref_weights, _ = _reference()
@@ -308,7 +320,7 @@ def test_naive_lamb_with_one_ratio_per_partition_fails_the_same_comparison(zero_
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("world", WORLDS)
 def test_deepspeed_steps_the_client_optimizer_on_flat_partitions(zero_runs, world):
     for stage in (1, 2):
         run = zero_runs(world)[f"zero{stage}-fp32-lamb"]
@@ -322,7 +334,7 @@ def test_deepspeed_steps_the_client_optimizer_on_flat_partitions(zero_runs, worl
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", WORLDS[1:])
 def test_partitions_cut_parameters_and_miss_some_entirely(zero_runs, world):
     fragments = zero_runs(world)["zero1-fp32-lamb"]["fragments"]  # [rank][group][param]
     entries = [e for rank in fragments for group in rank for e in group]
@@ -336,6 +348,7 @@ def test_partitions_cut_parameters_and_miss_some_entirely(zero_runs, world):
     assert all(total[gi, pi] == numel for gi, pi, numel, _ in entries)
 
 
+@pytest.mark.lowest
 @pytest.mark.distributed
 def test_zero0_fp32_steps_model_parameters_with_nothing_to_bind(zero_runs):
     run = zero_runs(1)["zero0-fp32-lamb"]
@@ -343,6 +356,7 @@ def test_zero0_fp32_steps_model_parameters_with_nothing_to_bind(zero_runs):
     assert _max_diff(run["weights"], _reference()[0]) <= 1e-5
 
 
+@pytest.mark.lowest
 @pytest.mark.distributed
 @pytest.mark.parametrize("run_name", BF16_RUNS)
 def test_bf16_trains_skips_the_overflow_step_and_tracks_the_reference(zero_runs, run_name):
@@ -363,6 +377,7 @@ def test_bf16_trains_skips_the_overflow_step_and_tracks_the_reference(zero_runs,
     assert diff <= 2e-2 and diff < naive / 10, (diff, naive)
 
 
+@pytest.mark.lowest
 def test_flat_lamb_steps_the_model_as_per_tensor_lamb_does():
     """FlatLamb (one flat tensor per group, the parameters views of it) follows Lamb over the
     separate tensors: the same per-parameter ratios, norms summed per chunk instead of at once.

@@ -20,6 +20,8 @@ from bert_ds.model.bert import (
 )
 from bert_ds.model.padding import unpad
 
+pytestmark = pytest.mark.lowest  # all of it also runs under the lowest supported torch (run.sh test-lowest)
+
 VOCAB = 97
 SEQ = 16
 LENGTHS = [SEQ, 1, 7, 11]  # full, a lone [CLS], two in between

@@ -4,6 +4,8 @@ import torch
 from bert_ds.config import OptimConfig
 from bert_ds.optim.builders import build_optimizer, lr_multiplier
 
+pytestmark = pytest.mark.lowest  # all of it also runs under the lowest supported torch (run.sh test-lowest)
+
 
 def test_warmup_then_linear_decay_to_zero():
     cfg = OptimConfig(warmup_steps=10, decay="linear")

@@ -7,6 +7,8 @@ from bert_ds.config import BatchPlan, DataConfig
 from bert_ds.loader.pretraining import PretrainingDataset, PretrainingLoader, to_device, validation_batches
 from bert_ds.model.padding import IGNORE_INDEX, Unpadded, unpad
 
+pytestmark = pytest.mark.lowest  # all of it also runs under the lowest supported torch (run.sh test-lowest)
+
 PADDED_FIELDS = {"input_ids", "token_type_ids", "attention_mask", "labels", "next_sentence_label"}
 LAYOUT_FIELDS = {"token_indices", "cu_seqlens", "max_seqlen", "masked_positions", "masked_labels"}
 

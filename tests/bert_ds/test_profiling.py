@@ -11,6 +11,8 @@ from bert_ds.train.profiling import (
     OUTSIDE, StepProfiler, StepRange, bucket_lines, bucket_of, buckets, busy_us, overlap_us, stage, stage_split,
 )
 
+pytestmark = pytest.mark.lowest  # all of it also runs under the lowest supported torch (run.sh test-lowest)
+
 
 @pytest.mark.parametrize("text,expected", [("11-13", (11, 13)), ("7", (7, 7)), (" 2 - 4 ", (2, 4))])
 def test_a_step_range_parses(text, expected):

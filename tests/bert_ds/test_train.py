@@ -24,6 +24,7 @@ def _records(out):
     return [r for r in lines if "split" not in r], [r for r in lines if r.get("split") == "val"]
 
 
+@pytest.mark.lowest
 def test_single_process_trains_exports_and_loads_in_transformers(sample_data, tmp_path):
     out = tmp_path / "run"
     proc = _train(sample_data, out, "--steps", "40", "--val-every", "20")
@@ -49,6 +50,7 @@ def test_single_process_trains_exports_and_loads_in_transformers(sample_data, tm
     assert model.config.vocab_size == tok.vocab_size == 2048
 
 
+@pytest.mark.lowest
 def test_zero3_trains_and_exports_what_transformers_loads(sample_data, tmp_path):
     """zero3_bf16.json (with AdamW, as ZeRO-3 requires) trains with its parameters partitioned
     (the model then projects Q, K and V in their own modules: test_model.py), and its sharded
@@ -97,7 +99,7 @@ def _unsearchable_path_dirs() -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("launcher", ["torchrun", "deepspeed"])
+@pytest.mark.parametrize("launcher", [pytest.param("torchrun", marks=pytest.mark.lowest), "deepspeed"])
 def test_two_ranks_under_a_launcher(sample_data, tmp_path, launcher):
     blocked = _unsearchable_path_dirs()
     if launcher == "deepspeed" and blocked and shutil.which("numactl") is None:

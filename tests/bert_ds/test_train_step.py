@@ -18,6 +18,8 @@ from bert_ds.train.checkpointer import Checkpointer
 from bert_ds.train.faults import NO_FAULTS, Faults
 from bert_ds.train.step import STATS, RunState, account, check_bad_streak
 
+pytestmark = pytest.mark.lowest  # all of it also runs under the lowest supported torch (run.sh test-lowest)
+
 
 def sums(*, tokens=640.0, loss=8.0, nonfinite_loss=0.0, nonfinite_grad=0.0, stop=0.0) -> dict[str, float]:
     """A step's all-reduced statistics: two micro-batches of 320 real tokens."""

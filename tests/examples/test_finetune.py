@@ -4,6 +4,7 @@ import json
 import shutil
 import sys
 
+import pytest
 import torch
 
 from tests.conftest import REPO, run_command
@@ -30,6 +31,7 @@ def _run(*args):
     return run_command([sys.executable, str(SCRIPT), *map(str, args)], timeout=300)
 
 
+@pytest.mark.lowest
 def test_finetunes_a_tiny_export_and_reports_accuracy(sample_data, tmp_path):
     export = _tiny_export(sample_data, tmp_path)
     out = tmp_path / "finetune"
