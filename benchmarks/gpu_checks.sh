@@ -171,9 +171,9 @@ echo "== modules missing: ${missing:-none}"
 # ------------------------------------------------------------------ the steps
 if ((rehearse)); then
     kbench=(--device cpu --models base --tokens 256 --lamb-elements 100000 --reps 1 --no-compile)
-    bench=(--device cpu --preset tiny --seq-len 64 --steps 2 --warmup 1 --no-probes)
+    bench=(--device cpu --preset tiny --seq-len 64 --batch-size 8 --vocab-size 2048 --steps 2 --warmup 1 --no-probes)
     profile=(--device cpu --preset tiny --seq-len 64 --steps 1)
-    main_steps=${MAIN_STEPS:-10}
+    main_steps=${MAIN_STEPS:-3}
     base_steps=${BASE_STEPS:-3}
     base=(--preset tiny --seq-len 64 --micro-batch-size 8 --global-batch-size 16 --ds-config zero1_fp32.json
           --num-workers 0)
