@@ -1,6 +1,7 @@
 """Speed of the fused kernels against PyTorch, at BERT-Base and BERT-Large shapes.
 
-    python -m bert_ds.kernels.bench [--ops layer_norm,dropout_add_layer_norm,bias_gelu,varlen_attention,lamb_update]
+    python -m bert_ds.kernels.bench [--ops layer_norm,dropout_add_layer_norm,bias_gelu,varlen_attention,
+                                           mlm_cross_entropy,lamb_update]
                                     [--dtype bf16] [--models base,large] [--tokens 16384] [--lamb-elements N]
                                     [--reps 30] [--no-compile] [--device cuda|cpu] [--json FILE]
 
@@ -26,20 +27,24 @@ Design choices, and why:
   every sequence full, and at S=512 with lengths like the pretraining loader's (90%
   full, the rest uniform), where padding costs the padded backends.
 - **Work per call, one definition per op** (``layer_norm_work``, ``dropout_add_layer_norm_work``,
-  ``bias_gelu_work``, ``attention_work``): the FLOPs and the bytes the op must move (each input read once,
+  ``bias_gelu_work``, ``attention_work``, ``mlm_cross_entropy_work``): the FLOPs and the bytes
+  the op must move (each input read once,
   each output written once; workspaces and re-reads are an implementation's own cost),
   the same for every implementation, so a slower one shows a lower figure. Attention
   FLOPs are the useful ones (4 * nh * hd * sum of L^2 forward, 2.5x that backward);
   padded work is not counted. ``dropout_add_layer_norm`` runs at p = 0.1 (BERT's), against its
   reference, whose mask torch's generator draws as a tensor (the fused op regenerates its own).
+- **The MLM loss** (``mlm_cross_entropy``): 15% of ``--tokens`` as rows of the decoder's logits,
+  30,528 wide (BERT's vocabulary padded with -inf to a multiple of 8), against its reference and
+  "torch native", the model's path without the op (``F.cross_entropy`` on an fp32 copy).
 - **LAMB's update** (``lamb_update``, pass "step"): one optimizer step over a flat fp32
   tensor of the model's parameter count (ZeRO-1 on one GPU: the whole model in one
   partition; ``--lamb-elements`` overrides), cut into 1,024-element chunks at fragments of
   the layer shapes, fused against the native path (what ``kernels=torch`` runs). Its work:
   g, m, v, w read once and m, v, w written once (7 x 4 bytes per element).
-- **Figures.** Memory-bound ops (the LayerNorms, bias_gelu, lamb_update): GB/s and the fraction of a
-  device-to-device copy measured in the same run. Attention: TFLOP/s and the fraction
-  of a bf16 8192^3 matmul measured in the same run.
+- **Figures.** Memory-bound ops (the LayerNorms, bias_gelu, the MLM loss, lamb_update): GB/s and
+  the fraction of a device-to-device copy measured in the same run. Attention: TFLOP/s and the
+  fraction of a bf16 8192^3 matmul measured in the same run.
 - **Roofline.** Per op, for the fused kernel and (attention) ``varlen_attn``, flash
   and cuDNN SDPA: the time the call's FLOPs would take at the measured matmul peak and
   its bytes at the measured copy bandwidth; the larger is the bound no implementation

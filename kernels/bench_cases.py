@@ -16,12 +16,12 @@ import torch.nn.functional as F
 
 from bert_ds.kernels import probes, speed
 from bert_ds.kernels.bench_work import (
-    DTYPES, HEAD_DIM, MODELS, PASSES, attention_work, bias_gelu_work, dropout_add_layer_norm_work, lamb_update_work,
-    layer_norm_work,
+    DTYPES, HEAD_DIM, MASKED_SHARE, MODELS, PASSES, attention_work, bias_gelu_work, dropout_add_layer_norm_work,
+    lamb_update_work, layer_norm_work, mlm_cross_entropy_work,
 )
 from bert_ds.kernels.ops import (
     bias_gelu, bias_gelu_ref, dropout_add_layer_norm, dropout_add_layer_norm_ref, layer_norm, layer_norm_ref,
-    varlen_attention, varlen_attention_ref,
+    mlm_cross_entropy, mlm_cross_entropy_native, mlm_cross_entropy_ref, varlen_attention, varlen_attention_ref,
 )
 from bert_ds.kernels.attention import varlen_attn_api
 from bert_ds.kernels.lamb import lamb_update, lamb_update_native
@@ -98,6 +98,22 @@ def bias_gelu_cases(model: str, tokens: int, dtype: torch.dtype, device: str):
              "torch eager": lambda x, b: bias_gelu_ref(x, b, "none")}
     work = {p: bias_gelu_work(tokens, width, x.element_size(), p) for p in PASSES}
     return f"({tokens}, {width}) erf", impls, [x, bias], grad, work
+
+
+def mlm_cross_entropy_cases(model: str, tokens: int, dtype: torch.dtype, device: str):
+    """The masked share of ``tokens`` as rows of the decoder's logits, its vocabulary padded to a
+    multiple of 8 with -inf (the model's layout); "torch native" is what the model ran before the op."""
+    vocab = MODELS[model]["vocab"]
+    rows, width = max(1, int(tokens * MASKED_SHARE)), -(-vocab // 8) * 8
+    logits = torch.randn(rows, width, device=device, dtype=dtype)
+    logits[:, vocab:] = float("-inf")
+    labels = torch.randint(0, vocab, (rows,), device=device)
+    grad = torch.ones((), device=device)
+    impls = {"fused": lambda x: mlm_cross_entropy(x, labels, backend="cuda")[0],
+             "torch eager": lambda x: mlm_cross_entropy_ref(x, labels)[0],
+             "torch native": lambda x: mlm_cross_entropy_native(x, labels)[0]}
+    work = {p: mlm_cross_entropy_work(rows, width, logits.element_size(), p) for p in PASSES}
+    return f"({rows}, {width}), {width - vocab} -inf columns", impls, [logits], grad, work
 
 
 def lamb_update_cases(model: str, elements: int | None, device: str):
@@ -231,7 +247,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             add(op, model, shape, impl, pass_, ms, why, work[pass_], "TFLOP/s")
                 continue
             cases = {"layer_norm": layer_norm_cases, "dropout_add_layer_norm": dropout_add_layer_norm_cases,
-                     "bias_gelu": bias_gelu_cases}[op]
+                     "bias_gelu": bias_gelu_cases, "mlm_cross_entropy": mlm_cross_entropy_cases}[op]
             shape, impls, inputs, grad, work = cases(model, args.tokens, dtype, args.device)
             if args.compile:
                 impls["torch.compile"] = torch.compile(impls["torch eager"])

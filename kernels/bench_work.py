@@ -9,8 +9,9 @@ from dataclasses import dataclass
 from typing import Any
 
 # params: BertForPreTraining's parameter count at BERT's 30,522-token vocabulary (bert_ds.model)
-MODELS = {"base": dict(hidden=768, intermediate=3072, heads=12, params=110_106_428),
-          "large": dict(hidden=1024, intermediate=4096, heads=16, params=336_226_108)}
+MODELS = {"base": dict(hidden=768, intermediate=3072, heads=12, params=110_106_428, vocab=30522),
+          "large": dict(hidden=1024, intermediate=4096, heads=16, params=336_226_108, vocab=30522)}
+MASKED_SHARE = 0.15  # BERT's masking rate: the MLM loss's rows per token
 DTYPES = {"bf16": "bfloat16", "fp16": "float16"}  # --dtype: torch's name of each
 PASSES = ("forward", "forward+backward")
 HEAD_DIM = 64
@@ -75,6 +76,17 @@ def attention_work(lengths: list[int], heads: int, head_dim: int, itemsize: int,
     tensor, lse = tokens * heads * head_dim * itemsize, tokens * heads * 4
     forward = Work(flops, 4 * tensor + lse)
     backward = Work(2.5 * flops, 8 * tensor + lse)  # dout, q, k, v, out, lse in; dq, dk, dv out
+    return _per_pass(forward, backward, pass_)
+
+
+def mlm_cross_entropy_work(rows: int, width: int, itemsize: int, pass_: str) -> Work:
+    """The MLM loss over (rows, width) logits: logits and int64 labels in, the summed loss and the
+    count out (8 bytes each); the backward reads the logits, labels, the fp32 gradient of the sum and
+    the forward's fp32 log-sum-exp per row, and writes the logits' gradient. FLOPs per logit: 4
+    forward (compare, subtract, exp, add), 4 backward (subtract, exp, the one-hot's subtract, scale)."""
+    logits, labels = rows * width, 8 * rows
+    forward = Work(4 * logits, logits * itemsize + labels + 16)
+    backward = Work(4 * logits, 2 * logits * itemsize + labels + 4 * rows + 4)
     return _per_pass(forward, backward, pass_)
 
 

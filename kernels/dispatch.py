@@ -44,7 +44,7 @@ from bert_ds.kernels._build import load_extension
 # apex's LayerNorm; torch's varlen FlashAttention; SDPA restricted to one backend around a
 # padded (or, for flash, nested) batch.
 Impl = Literal["native", "fused", "compiled", "apex", "varlen_attn", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn"]
-OPS = ("layer_norm", "dropout_add_layer_norm", "bias_gelu", "varlen_attention", "lamb_update")
+OPS = ("layer_norm", "dropout_add_layer_norm", "bias_gelu", "varlen_attention", "mlm_cross_entropy", "lamb_update")
 
 logger = logging.getLogger(__name__)
 

@@ -12,6 +12,7 @@ from bert_ds.kernels.attention import (
 )
 from bert_ds.kernels.bias_gelu import bias_gelu, bias_gelu_native, bias_gelu_ref
 from bert_ds.kernels.choice import UnknownKernelBackend, check_setting, resolve_backend
+from bert_ds.kernels.cross_entropy import mlm_cross_entropy, mlm_cross_entropy_native, mlm_cross_entropy_ref
 from bert_ds.kernels.dispatch import Backend, KernelSetting, KernelUnavailable, OpPlan
 from bert_ds.kernels.dropout_layer_norm import (
     dropout_add_layer_norm, dropout_add_layer_norm_native, dropout_add_layer_norm_ref,
@@ -36,6 +37,9 @@ __all__ = [
     "layer_norm",
     "layer_norm_native",
     "layer_norm_ref",
+    "mlm_cross_entropy",
+    "mlm_cross_entropy_native",
+    "mlm_cross_entropy_ref",
     "resolve_backend",
     "varlen_attention",
     "varlen_attention_native",

@@ -25,6 +25,7 @@ import torch
 
 from bert_ds.kernels.attention import varlen_attention_fused, varlen_attention_packed_fused, varlen_attention_ref
 from bert_ds.kernels.bias_gelu import bias_gelu_fused, bias_gelu_ref
+from bert_ds.kernels.cross_entropy import IGNORE_INDEX, mlm_cross_entropy_fused, mlm_cross_entropy_ref
 from bert_ds.kernels.dropout_layer_norm import dropout_add_layer_norm_fused, dropout_add_layer_norm_ref
 from bert_ds.kernels.lamb import Chunks, LambScalars, lamb_update_fused, lamb_update_ref
 from bert_ds.kernels.layer_norm import layer_norm_fused, layer_norm_ref
@@ -49,6 +50,7 @@ def fused_checks() -> dict[str, tuple[Callable[..., list[str]], Callable[..., ob
             "bias_gelu": (check_bias_gelu, bias_gelu_fused),
             "varlen_attention": (functools.partial(check_varlen_attention, packed=varlen_attention_packed_fused),
                                  varlen_attention_fused),
+            "mlm_cross_entropy": (check_mlm_cross_entropy, mlm_cross_entropy_fused),
             "lamb_update": (check_lamb_update, lamb_update_fused)}
 
 
@@ -117,6 +119,16 @@ def compare(case: str, fn, fn_ref, leaves: Tensors, grad_out: torch.Tensor, dtyp
         if err > 2.0 * reference_err + atol:
             problems.append(f"{case} {name}: error {err:.3g} > 2 x reference {reference_err:.3g} + {atol:.3g}")
     return problems
+
+
+def exact_problems(case: str, fn, fn_ref, leaves: Tensors) -> list[str]:
+    """``fn(**leaves)`` against ``fn_ref(**leaves)``, which it must equal: for an integer output (a
+    count), where the rule's tolerance would let a wrong one pass."""
+    with torch.no_grad():
+        ours, expected = fn(**leaves), fn_ref(**leaves)
+    if ours.dtype != expected.dtype or not torch.equal(ours, expected):
+        return [f"{case}: {ours.tolist()} where the reference gives {expected.tolist()}"]
+    return []
 
 
 def check_layer_norm(impl: Callable[..., torch.Tensor], device: torch.device,
@@ -229,6 +241,52 @@ def check_packed_attention(packed: Callable[..., torch.Tensor], device: torch.de
                    lambda qkv: packed(qkv, *rest), lambda qkv: varlen_attention_ref(*qkv.unbind(1), *rest),
                    {"qkv": rand(sum(lengths), 3, heads, head_dim, dtype=dtype)},
                    rand(sum(lengths), heads, head_dim, dtype=dtype), dtype)
+
+
+def check_mlm_cross_entropy(impl: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+                            device: torch.device) -> list[str]:
+    """``impl`` (``mlm_cross_entropy_ref``'s signature) against the reference: the summed loss and the
+    logits' gradient by the rule, the count of right predictions exactly (:func:`mlm_rows` says what
+    the rows hold); at BERT's padded vocabulary, and at two widths that no 16-byte vector divides."""
+    problems = []
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for rows, vocab, width in ((48, 30522, 30528), (33, 1000, 1000), (9, 1031, 1031)):
+            logits, labels = mlm_rows(rows, vocab, width, dtype, device)
+            case = f"{dtype} ({rows}, {width})"
+
+            def loss(logits, fn, labels=labels):
+                return fn(logits, labels)[0]
+
+            def count(logits, fn, labels=labels):
+                return fn(logits, labels)[1]
+            problems += compare(case, functools.partial(loss, fn=impl),
+                                functools.partial(loss, fn=mlm_cross_entropy_ref), {"logits": logits},
+                                torch.full((), 0.7, device=device), dtype)
+            problems += exact_problems(f"{case} correct", functools.partial(count, fn=impl),
+                                       functools.partial(count, fn=mlm_cross_entropy_ref), {"logits": logits})
+    return problems
+
+
+def mlm_rows(rows: int, vocab: int, width: int, dtype: torch.dtype, device: torch.device,
+             seed: int = 6) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits (rows, width) of ``dtype``, labels (rows,) int64) as the model's decoder gives them: -inf
+    past ``vocab`` (its padding), labels among the real columns. Row 0's label is the last real column
+    and its maximum; from row 4, every third row's label is its argmax; row 2's maximum is shared by a
+    column before its label (not counted: the first maximal column is the argmax), row 3's by one after
+    (counted); every fourth row from row 1 is ignored; the last row is shifted by +100, where exp of a
+    logit without the row's maximum subtracted overflows fp32. Needs rows >= 5 and vocab >= 10."""
+    rand = _Inputs(seed, device)
+    x = rand(rows, width, dtype=torch.float32, scale=3.0)
+    x[:, vocab:] = float("-inf")
+    x[-1, :vocab] += 100.0
+    labels = torch.randint(0, vocab, (rows,), generator=rand.generator, device=rand.device)
+    labels[0], x[0, vocab - 1] = vocab - 1, 20.0
+    labels[2], x[2, 3], x[2, 7] = 7, 20.0, 20.0
+    labels[3], x[3, 7], x[3, 9] = 7, 20.0, 20.0
+    x = x.to(dtype)
+    labels[4::3] = x[4::3].float().argmax(dim=1)  # after the rounding to dtype, which may tie values
+    labels[1::4] = IGNORE_INDEX
+    return x, labels
 
 
 def check_lamb_update(impl: Callable[..., None], device: torch.device) -> list[str]:

@@ -4,9 +4,9 @@ Candidates per op (:data:`IMPLEMENTATIONS`, native first):
 
 - ``native``: the PyTorch-native op (``<op>_native``), always;
 - ``fused``: our fused kernel, where the extension loads and the op passed its self-check;
-- ``compiled`` (LayerNorm, dropout + LayerNorm, bias + GELU, attention): the op's reference under
-  ``torch.compile`` (``kernels/compiled.py``); not LAMB's update, whose callback between its
-  passes and in-place updates would split the compiled graph;
+- ``compiled`` (LayerNorm, dropout + LayerNorm, bias + GELU, attention, the MLM loss): the op's
+  reference under ``torch.compile`` (``kernels/compiled.py``); not LAMB's update, whose callback
+  between its passes and in-place updates would split the compiled graph;
 - ``apex`` (LayerNorm only): apex's fused LayerNorm, where apex is installed and it passes
   the same self-check;
 - attention only: ``varlen_attn`` (torch's varlen FlashAttention-2 where this torch has it and
@@ -19,9 +19,10 @@ inputs (:func:`bert_ds.kernels.selfcheck.compare`: output and every gradient aga
 reference); one that is wrong there, or raises (a backend that refuses the shapes, a
 ``torch.compile`` that fails), is excluded with the reason (``dropout_add_layer_norm`` is checked
 with dropout off: each candidate draws its mask from its own generator, and the self-check holds
-the fused kernel's mask to the reference). Each correct candidate is then timed forward +
-backward on seeded inputs at the model's shapes, its dropout and the training's sequence
-length (:class:`OpShapes`), on as many tokens as a training micro-batch holds (32,768 by
+the fused kernel's mask to the reference; the MLM loss's count of right predictions must equal
+the reference's). Each correct candidate is then timed forward + backward on seeded inputs at
+the model's shapes, its dropout and the training's sequence length (:class:`OpShapes`), on as
+many tokens as a training micro-batch holds (32,768 by
 default, a BERT-Base micro-batch of 256 x 128), so that launch costs do not decide; on a GPU
 by CUDA events around back-to-back calls. The fastest wins, and :class:`Choice` says by how
 much over the runner-up. A tie goes to ``native``: another candidate is used only when it is
@@ -50,6 +51,8 @@ import torch
 from bert_ds.kernels import attention, lamb, probes, selfcheck
 from bert_ds.kernels.bias_gelu import IMPLEMENTATIONS as BIAS_GELU
 from bert_ds.kernels.bias_gelu import bias_gelu_ref
+from bert_ds.kernels.cross_entropy import IMPLEMENTATIONS as MLM_CROSS_ENTROPY
+from bert_ds.kernels.cross_entropy import mlm_cross_entropy_ref
 from bert_ds.kernels.dispatch import OPS
 from bert_ds.kernels.dropout_layer_norm import IMPLEMENTATIONS as DROPOUT_ADD_LAYER_NORM
 from bert_ds.kernels.dropout_layer_norm import dropout_add_layer_norm_ref
@@ -58,11 +61,13 @@ from bert_ds.kernels.layer_norm import layer_norm_ref
 
 # Per op, its implementations by name (dispatch.Impl), native first, all with its reference's signature.
 IMPLEMENTATIONS = {"layer_norm": LAYER_NORM, "dropout_add_layer_norm": DROPOUT_ADD_LAYER_NORM, "bias_gelu": BIAS_GELU,
-                   "varlen_attention": attention.IMPLEMENTATIONS, "lamb_update": lamb.IMPLEMENTATIONS}
+                   "varlen_attention": attention.IMPLEMENTATIONS, "mlm_cross_entropy": MLM_CROSS_ENTROPY,
+                   "lamb_update": lamb.IMPLEMENTATIONS}
 LAYER_NORM_EPS = 1e-12  # BERT's
 CALLS_PER_SAMPLE = 10  # calls per timed sample, so that one sample is well above the clock's resolution
 SAMPLES = 5
 RACE_TOKENS = 32768  # a BERT-Base micro-batch of the recipe (256 x 128)
+MASKED_SHARE = 0.15  # BERT's masking rate (DataConfig.mask_rate): the MLM decoder's rows per token
 
 Timer = Callable[[Callable[[], Any], torch.device], float]  # (run once, device) -> seconds per run
 
@@ -79,9 +84,10 @@ class OpShapes:
     dtype: str = "bfloat16"  # the training dtype of the bf16 DeepSpeed configs
     tokens: int = RACE_TOKENS  # at least this many tokens per call, as a training micro-batch
     hidden_dropout: float = 0.1  # the model's (BERT's): dropout_add_layer_norm is timed with the training's mask
+    vocab: int = 30522  # the model's vocabulary: mlm_cross_entropy is timed at its decoder's padded width
 
     def __post_init__(self) -> None:
-        for name in ("hidden", "intermediate", "num_heads", "max_seqlen", "tokens"):
+        for name in ("hidden", "intermediate", "num_heads", "max_seqlen", "tokens", "vocab"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
                 raise ValueError(f"OpShapes.{name} must be a positive integer, got {getattr(self, name)!r}")
         if self.hidden % self.num_heads:
@@ -96,6 +102,17 @@ class OpShapes:
     def head_dim(self) -> int:
         return self.hidden // self.num_heads
 
+    @property
+    def masked_rows(self) -> int:
+        """The MLM loss's rows: the masked share of :attr:`tokens`."""
+        return max(1, int(self.tokens * MASKED_SHARE))
+
+    @property
+    def decoder_width(self) -> int:
+        """The MLM logits' width: :attr:`vocab` padded to a multiple of 8 (16 bytes of bf16), -inf
+        past the vocabulary, as the model's decoder pads it (``bert_ds.model.bert.padded_vocab_size``)."""
+        return -(-self.vocab // 8) * 8
+
     def lengths(self) -> list[int]:
         """The pretraining loader's shape: nine sequences in ten full length, the tenth half as
         long, until :attr:`tokens` are reached."""
@@ -108,12 +125,14 @@ class OpShapes:
     def key(self) -> str:
         """Names these shapes in the record: a verdict holds for the shapes it was raced at."""
         return (f"{self.dtype} hidden {self.hidden} ffn {self.intermediate} heads {self.num_heads} "
-                f"seq {self.max_seqlen} tokens {self.tokens} gelu {self.approximate} dropout {self.hidden_dropout:g}")
+                f"seq {self.max_seqlen} tokens {self.tokens} gelu {self.approximate} dropout {self.hidden_dropout:g} "
+                f"vocab {self.vocab}")
 
     def describe(self) -> str:
         lengths = self.lengths()
         return (f"{self.dtype}, {sum(lengths)} tokens in {len(lengths)} sequences of <= {self.max_seqlen}, "
-                f"hidden {self.hidden}, intermediate {self.intermediate}, {self.num_heads} heads of {self.head_dim}")
+                f"hidden {self.hidden}, intermediate {self.intermediate}, {self.num_heads} heads of {self.head_dim}, "
+                f"{self.masked_rows} masked rows of {self.decoder_width} logits")
 
 
 @dataclass
@@ -247,6 +266,9 @@ class _AutogradCase:
     # each from its own generator, so they are compared without one (the self-check compares the
     # fused kernel's mask with the reference's)
     checked: Callable[[Callable, dict[str, torch.Tensor]], torch.Tensor] | None = None
+    # An integer output the candidate must give exactly as the reference does (the MLM loss's count of
+    # right predictions), which the error rule's tolerance would let drift
+    exact: Callable[[Callable, dict[str, torch.Tensor]], torch.Tensor] | None = None
 
     def run(self, fn: Callable) -> None:
         """One call of ``fn``, forward and backward: what is timed."""
@@ -256,8 +278,13 @@ class _AutogradCase:
         """What ``fn`` gets wrong here, output and gradients, against the reference (the self-check's rule)."""
         call = self.checked or self.call
         with selfcheck.clean_context():
-            return selfcheck.compare(str(self.dtype), lambda **t: call(fn, t), lambda **t: call(self.reference, t),
-                                     self.leaves, self.grad, self.dtype)
+            wrong = selfcheck.compare(str(self.dtype), lambda **t: call(fn, t), lambda **t: call(self.reference, t),
+                                      self.leaves, self.grad, self.dtype)
+            if self.exact is not None:
+                exact = self.exact
+                wrong += selfcheck.exact_problems(str(self.dtype), lambda **t: exact(fn, t),
+                                                  lambda **t: exact(self.reference, t), self.leaves)
+        return wrong
 
 
 @dataclass
@@ -310,9 +337,23 @@ def _case(op: str, shapes: OpShapes, device: torch.device) -> _AutogradCase | _L
         return _AutogradCase(lambda fn, t: fn(t["q"], t["k"], t["v"], cu_seqlens, shapes.max_seqlen),
                              leaves, rand(tokens, shapes.num_heads, shapes.head_dim).detach(),
                              attention.varlen_attention_ref, dtype)
+    if op == "mlm_cross_entropy":
+        return _cross_entropy_case(shapes, device, generator, dtype)
     if op == "lamb_update":
         return _LambCase(_lamb_case(shapes, device, generator), device)
     raise ValueError(f"no timing case for op {op!r}")
+
+
+def _cross_entropy_case(shapes: OpShapes, device: torch.device, generator: torch.Generator,
+                        dtype: torch.dtype) -> _AutogradCase:
+    """The MLM loss on the decoder's logits: the masked rows of a micro-batch, at its padded width with
+    -inf past the vocabulary, labels among the real columns (in training no masked row is ignored)."""
+    logits = torch.randn(shapes.masked_rows, shapes.decoder_width, generator=generator, device=device)
+    logits[:, shapes.vocab:] = float("-inf")
+    labels = torch.randint(0, shapes.vocab, (shapes.masked_rows,), generator=generator, device=device)
+    return _AutogradCase(lambda fn, t: fn(t["logits"], labels)[0], {"logits": logits.to(dtype).requires_grad_()},
+                         torch.ones((), device=device), mlm_cross_entropy_ref, dtype,
+                         exact=lambda fn, t: fn(t["logits"], labels)[1])
 
 
 def _lamb_case(shapes: OpShapes, device: torch.device, generator: torch.Generator) -> Callable[[Callable], None]:

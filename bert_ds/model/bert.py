@@ -55,8 +55,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from bert_ds.kernels.ops import (
-    Backend, OpPlan, OpShapes, bias_gelu, dropout_add_layer_norm, layer_norm, resolve_backend, varlen_attention,
-    varlen_attention_packed,
+    Backend, OpPlan, OpShapes, bias_gelu, dropout_add_layer_norm, layer_norm, mlm_cross_entropy, resolve_backend,
+    varlen_attention, varlen_attention_packed,
 )
 from bert_ds.model.config import PRESETS as PRESETS
 from bert_ds.model.config import ModelConfig as ModelConfig
@@ -377,7 +377,8 @@ class BertForPreTraining(nn.Module):
         self.op_shapes = OpShapes(  # kernels=auto races its candidates at these (and the optimizer's LAMB)
             hidden=config.hidden_size, intermediate=config.intermediate_size, num_heads=config.num_heads,
             max_seqlen=train_seq_len or config.max_position_embeddings,
-            approximate=_GELU_APPROXIMATE[config.hidden_act], hidden_dropout=config.hidden_dropout)
+            approximate=_GELU_APPROXIMATE[config.hidden_act], hidden_dropout=config.hidden_dropout,
+            vocab=config.vocab_size)
         self.backend = resolve_backend(config.kernels, self.op_shapes)
         self.bert = BertModel(config, self.backend)
         self.cls = BertPreTrainingHeads(config, self.backend, self.bert.embeddings.word_embeddings.weight)
@@ -456,11 +457,12 @@ class BertForPreTraining(nn.Module):
         if mlm_labels is not None:
             masked = mlm_labels.shape[0]  # a host int: the layout's size, not a device value
             # Sum / count equals HF's mean, but is 0 rather than NaN for a batch with nothing masked.
-            # The losses are taken in fp32: in bf16 a log-softmax over 30k logits loses the
-            # small differences the gradient is made of (the logits themselves stay bf16).
-            # They see the padded logits (contiguous; the -inf columns add exactly nothing).
-            out.mlm_loss = F.cross_entropy(mlm_logits.float(), mlm_labels, reduction="sum") / max(masked, 1)
-            out.mlm_correct = (mlm_logits.detach().argmax(dim=-1) == mlm_labels).sum()
+            # The loss is taken with fp32 math: in bf16 a log-softmax over 30k logits loses the
+            # small differences the gradient is made of (the logits themselves stay bf16; the
+            # fused op reads them as they are, the native one makes an fp32 copy). It sees the
+            # padded logits (contiguous; the -inf columns add exactly nothing).
+            mlm_loss_sum, out.mlm_correct = mlm_cross_entropy(mlm_logits, mlm_labels, backend=self.backend)
+            out.mlm_loss = mlm_loss_sum / max(masked, 1)
             out.mlm_count = _count(masked, mlm_labels.device)
             out.loss = out.mlm_loss
         if next_sentence_label is not None:

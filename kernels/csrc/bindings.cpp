@@ -470,6 +470,73 @@ at::Tensor varlen_attention_bwd_packed(const at::Tensor& dout, const at::Tensor&
   return dqkv;
 }
 
+// ---------------------------------------------------------------- MLM cross-entropy
+
+// logits (rows, cols) of a kernel dtype, labels (rows,) int64, on one device.
+void check_cross_entropy(const at::Tensor& logits, const at::Tensor& labels) {
+  const at::Device device = logits.device();
+  check_cuda(logits, "logits", device);
+  check_cuda(labels, "labels", device);
+  TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0, "logits must be (rows, vocab) with vocab > 0, got shape ",
+              logits.sizes());
+  TORCH_CHECK(labels.scalar_type() == at::kLong && labels.dim() == 1 && labels.size(0) == logits.size(0),
+              "labels must be int64 of shape (", logits.size(0), ",), got ", labels.scalar_type(), " of shape ",
+              labels.sizes());
+}
+
+// Returns (loss, lse, correct), one entry per row: the fp32 loss (0 where the label is
+// ignore_index), the fp32 log-sum-exp the backward reads, and whether the argmax is the label (bool).
+std::vector<at::Tensor> mlm_cross_entropy_fwd(const at::Tensor& logits_in, const at::Tensor& labels_in,
+                                              int64_t ignore_index) {
+  check_cross_entropy(logits_in, labels_in);
+  const c10::cuda::CUDAGuard guard(logits_in.device());
+  const at::Tensor logits = logits_in.contiguous(), labels = labels_in.contiguous();
+  const int64_t rows = logits.size(0);
+  const int cols = checked_int(logits.size(1), "vocab size");
+  const auto per_row = logits.options().dtype(at::kFloat);
+  at::Tensor loss = at::empty({rows}, per_row), lse = at::empty({rows}, per_row);
+  at::Tensor correct = at::empty({rows}, logits.options().dtype(at::kBool));
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  cudaError_t err;
+  {
+    pybind11::gil_scoped_release no_gil;
+    err = bds_mlm_cross_entropy_fwd(logits.data_ptr(), labels.data_ptr<int64_t>(), loss.data_ptr<float>(),
+                                    lse.data_ptr<float>(), reinterpret_cast<uint8_t*>(correct.data_ptr<bool>()), rows,
+                                    cols, ignore_index, dtype_code(logits.scalar_type()), stream);
+  }
+  check_launch(err, "mlm_cross_entropy forward");
+  return {loss, lse, correct};
+}
+
+// dloss: the gradient of the summed loss (one fp32 value, read by the kernel on the device).
+// Returns dlogits, contiguous, of the logits' dtype.
+at::Tensor mlm_cross_entropy_bwd(const at::Tensor& dloss, const at::Tensor& logits_in, const at::Tensor& labels_in,
+                                 const at::Tensor& lse_in, int64_t ignore_index) {
+  check_cross_entropy(logits_in, labels_in);
+  check_cuda(dloss, "dloss", logits_in.device());
+  check_cuda(lse_in, "lse", logits_in.device());
+  TORCH_CHECK(dloss.numel() == 1, "dloss must hold one value (the summed loss's gradient), got shape ", dloss.sizes());
+  TORCH_CHECK(lse_in.scalar_type() == at::kFloat && lse_in.dim() == 1 && lse_in.size(0) == logits_in.size(0),
+              "lse must be float32 of shape (rows,) (the forward's output), got ", lse_in.scalar_type(), " of shape ",
+              lse_in.sizes());
+  const c10::cuda::CUDAGuard guard(logits_in.device());
+  const at::Tensor logits = logits_in.contiguous(), labels = labels_in.contiguous(), lse = lse_in.contiguous();
+  const at::Tensor scale = dloss.to(at::kFloat).contiguous();
+  const int64_t rows = logits.size(0);
+  const int cols = checked_int(logits.size(1), "vocab size");
+  at::Tensor dlogits = at::empty_like(logits);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  cudaError_t err;
+  {
+    pybind11::gil_scoped_release no_gil;
+    err = bds_mlm_cross_entropy_bwd(scale.data_ptr<float>(), logits.data_ptr(), labels.data_ptr<int64_t>(),
+                                    lse.data_ptr<float>(), dlogits.data_ptr(), rows, cols, ignore_index,
+                                    dtype_code(logits.scalar_type()), stream);
+  }
+  check_launch(err, "mlm_cross_entropy backward");
+  return dlogits;
+}
+
 // ---------------------------------------------------------------- LAMB over a chunked flat tensor
 
 struct LambFlat {
@@ -554,7 +621,7 @@ void lamb_apply(const at::Tensor& param, const at::Tensor& exp_avg, const at::Te
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "bert-ds fused CUDA kernels: LayerNorm(x + residual), LayerNorm(dropout(x + bias) + residual), "
-            "gelu(x + bias), varlen attention, LAMB";
+            "gelu(x + bias), varlen attention, MLM cross-entropy, LAMB";
   m.attr("source_hash") = BDS_STRINGIFY(BDS_SOURCE_HASH);
   m.def("layer_norm_fwd", &layer_norm_fwd, "LayerNorm(x + residual) forward -> (y, mean, rstd)", py::arg("x"),
         py::arg("weight"), py::arg("bias"), py::arg("residual"), py::arg("eps"));
@@ -582,6 +649,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "varlen attention backward of a packed (total, 3, heads, head_dim) qkv -> dqkv, laid out alike",
         py::arg("dout"), py::arg("qkv"), py::arg("out"), py::arg("lse"), py::arg("cu_seqlens"),
         py::arg("max_seqlen"), py::arg("softmax_scale"));
+  m.def("mlm_cross_entropy_fwd", &mlm_cross_entropy_fwd,
+        "MLM cross-entropy forward -> per row (loss, lse, correct)", py::arg("logits"), py::arg("labels"),
+        py::arg("ignore_index"));
+  m.def("mlm_cross_entropy_bwd", &mlm_cross_entropy_bwd, "MLM cross-entropy backward -> dlogits", py::arg("dloss"),
+        py::arg("logits"), py::arg("labels"), py::arg("lse"), py::arg("ignore_index"));
   m.def("lamb_moments", &lamb_moments, "LAMB moments in place -> (chunks, 2) squared norms of w and u",
         py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("param"), py::arg("offsets"),
         py::arg("lengths"), py::arg("beta1"), py::arg("beta2"), py::arg("step_size"), py::arg("eps_hat"),

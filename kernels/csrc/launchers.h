@@ -113,6 +113,21 @@ cudaError_t bds_varlen_attention_bwd(const void* dout, const void* q, const void
 // directly, with no atomics, and dq_accum may be NULL.
 int bds_varlen_attention_bwd_accumulates(int head_dim, int max_seqlen);
 
+// ---------------------------------------------------------------- MLM cross-entropy
+// logits: (rows, cols) of `dtype`; labels: (rows,) int64, `ignore_index` where a row has no loss.
+// Forward, per row: loss = logsumexp(x) - x[label] in fp32 (0 where ignored, NaN for a label
+// outside [0, cols)); lse = logsumexp(x) (0 where ignored); correct = 1 where the first column of
+// the row's maximum is the label, else 0. -inf logits (padding columns) are allowed.
+cudaError_t bds_mlm_cross_entropy_fwd(const void* logits, const int64_t* labels, float* loss, float* lse,
+                                      uint8_t* correct, int64_t rows, int cols, int64_t ignore_index, int dtype,
+                                      cudaStream_t stream);
+
+// dlogits (rows, cols) of `dtype` = (exp(x - lse) - onehot(label)) * grad_scale[0], with the forward's
+// lse; zeros in ignored rows. grad_scale: one fp32 on the device (the gradient of the summed loss).
+cudaError_t bds_mlm_cross_entropy_bwd(const float* grad_scale, const void* logits, const int64_t* labels,
+                                      const float* lse, void* dlogits, int64_t rows, int cols, int64_t ignore_index,
+                                      int dtype, cudaStream_t stream);
+
 // ---------------------------------------------------------------- LAMB over a chunked flat tensor
 // grad, exp_avg, exp_avg_sq, param: one flat fp32 tensor each (the same numel); chunk c is
 // elements [offsets[c], offsets[c] + lengths[c]) (int64 arrays on the device, num_chunks each,

@@ -96,6 +96,19 @@ def gelu_same_dtype(x, bias, approximate):
     return F.gelu(x + bias.to(x.dtype), approximate=approximate)
 
 
+# --------------------------------------------------------------------------- MLM cross-entropy
+
+def mlm_cross_entropy_fp64(logits, labels, ignore_index=-100):
+    """(the summed cross-entropy of the rows whose label is not ``ignore_index``, the count of those
+    rows whose first maximal logit is the label), in fp64, from log-softmax."""
+    x = logits.double()
+    scored = labels != ignore_index
+    log_probs = torch.log_softmax(x, dim=1).gather(1, labels.clamp(min=0)[:, None]).squeeze(1)
+    loss = -log_probs.masked_fill(~scored, 0.0).sum()
+    first_max = (x == x.max(dim=1, keepdim=True).values).int().argmax(dim=1)  # argmax of 0/1: its first 1
+    return loss, (scored & (first_max == labels)).sum()
+
+
 # --------------------------------------------------------------------------- attention
 
 def cu_seqlens_of(lengths: list[int], device="cpu") -> torch.Tensor:

@@ -73,6 +73,14 @@ def test_attention_work_counts_useful_flops_of_unpadded_sequences():
     assert bench_work.attention_work([3, 5], 2, 4, 2, "forward+backward") == bench_work.Work(3.5 * 1088, 12 * 128 + 128)
 
 
+def test_mlm_cross_entropy_work_counts_each_input_and_output_once():
+    # 3 x 8 bf16 logits 48 B, int64 labels 24 B, loss and count 16 B; backward: logits read 48 B and
+    # their gradient written 48 B, labels 24 B, lse 12 B, the sum's gradient 4 B
+    assert bench_work.mlm_cross_entropy_work(3, 8, 2, "forward") == bench_work.Work(4 * 24, 48 + 24 + 16)
+    assert bench_work.mlm_cross_entropy_work(3, 8, 2, "forward+backward") == bench_work.Work(
+        8 * 24, 88 + 96 + 24 + 12 + 4)
+
+
 def test_unknown_pass_is_refused():
     with pytest.raises(ValueError, match="backward"):
         bench_work.layer_norm_work(1, 8, 2, "backward")

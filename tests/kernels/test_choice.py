@@ -34,6 +34,7 @@ pytestmark = pytest.mark.lowest  # all of it also runs under the lowest supporte
 layer_norm = importlib.import_module("bert_ds.kernels.layer_norm")
 dropout_layer_norm = importlib.import_module("bert_ds.kernels.dropout_layer_norm")
 bias_gelu = importlib.import_module("bert_ds.kernels.bias_gelu")
+cross_entropy = importlib.import_module("bert_ds.kernels.cross_entropy")
 
 SHAPES = speed.OpShapes(hidden=16, intermediate=64, num_heads=2, max_seqlen=8, tokens=16, dtype="float32")
 PHASE_2 = dataclasses.replace(SHAPES, max_seqlen=16)  # the same model at phase 2's longer sequences
@@ -135,7 +136,7 @@ def _runs(shapes=SHAPES) -> dict[str, str]:
 
 def _takes_anything(monkeypatch) -> None:
     """The CPU tensors of these tests pass for CUDA ones: every candidate takes them."""
-    for module in (layer_norm, dropout_layer_norm, bias_gelu, attention):
+    for module in (layer_norm, dropout_layer_norm, bias_gelu, attention, cross_entropy):
         monkeypatch.setattr(module, "_unsupported", lambda impl, *inputs: "")
 
 
@@ -146,7 +147,8 @@ def test_a_fused_kernel_slower_than_native_is_not_used(auto):
     auto.costs("varlen_attention", native=1.0, fused=1.0)  # a tie is no reason to run a kernel
     plan = resolve_backend("auto", SHAPES)
     assert plan == OpPlan((("layer_norm", "fused"), ("dropout_add_layer_norm", "fused"), ("bias_gelu", "native"),
-                           ("varlen_attention", "native"), ("lamb_update", "fused")), SHAPES.key)
+                           ("varlen_attention", "native"), ("mlm_cross_entropy", "fused"), ("lamb_update", "fused")),
+                          SHAPES.key)
     choices = choice.op_choices(SHAPES)
     assert choices["bias_gelu"].ms == pytest.approx({"native": 2.0, "fused": 3.0, "compiled": 3.0})
     assert len(auto.clock.timed) == TIMED_PER_RACE and set(auto.clock.timed) == {torch.device("cpu")}
@@ -240,6 +242,30 @@ def test_the_race_times_forward_and_backward_at_the_model_s_shapes(auto, monkeyp
     monkeypatch.setitem(layer_norm.IMPLEMENTATIONS, "native", native)
     resolve_backend("auto", SHAPES)
     assert seen and set(seen) == {((sum(SHAPES.lengths()), 16), torch.float32, True)}
+
+
+def test_the_mlm_loss_is_raced_on_the_masked_rows_at_the_decoder_s_padded_width(auto, monkeypatch):
+    seen = []
+
+    def native(logits, labels):
+        seen.append((tuple(logits.shape), bool(torch.isinf(logits[:, 50:]).all()), int(labels.max())))
+        return auto.natives["mlm_cross_entropy"](logits, labels)
+    monkeypatch.setitem(cross_entropy.IMPLEMENTATIONS, "native", native)
+    shapes = dataclasses.replace(SHAPES, tokens=40, vocab=50)
+    resolve_backend("auto", shapes)
+    assert seen and {s[:2] for s in seen} == {((6, 56), True)} and max(s[2] for s in seen) < 50
+
+
+def test_a_candidate_that_miscounts_the_right_predictions_is_not_a_candidate(auto, monkeypatch):
+    # The loss and its gradient right, the count one off: the rule's tolerance would pass it, the race does not.
+    def miscounting(logits, labels):
+        loss, correct = cross_entropy.mlm_cross_entropy_ref(logits, labels)
+        return loss, correct + 1
+    monkeypatch.setitem(cross_entropy.IMPLEMENTATIONS, "fused", auto.clock.charging(0.5, miscounting))
+    resolve_backend("auto", SHAPES)
+    winner = choice.op_choices(SHAPES)["mlm_cross_entropy"]
+    assert winner.runs == "native" and "fused" not in winner.ms
+    assert winner.excluded["fused"].startswith("wrong at these shapes: torch.float32: 1 where the reference gives 0")
 
 
 # --------------------------------------------------------------------------- one plan per model's shapes
@@ -465,7 +491,7 @@ def test_without_the_extension_a_gpu_races_the_other_candidates(auto, monkeypatc
     with caplog.at_level(logging.WARNING, logger="bert_ds.kernels.choice"):
         plan = resolve_backend("auto", SHAPES)
     assert plan.runs == (("layer_norm", "apex"), ("dropout_add_layer_norm", "native"), ("bias_gelu", "compiled"),
-                         ("varlen_attention", "sdpa_cudnn"), ("lamb_update", "native"))
+                         ("varlen_attention", "sdpa_cudnn"), ("mlm_cross_entropy", "native"), ("lamb_update", "native"))
     excluded = choice.op_choices(SHAPES)["bias_gelu"].excluded
     assert excluded["fused"] == "the fused CUDA kernels cannot load: tests build nothing"
     assert "the fused CUDA kernels cannot load (tests build nothing); racing the other candidates" in caplog.text
@@ -496,6 +522,8 @@ def test_the_choice_is_logged_once_per_shapes_with_its_margin_and_timings(auto, 
         "per call)",
         "kernels=auto at seq 8: layer_norm runs fused (2.00x faster than native; native 2.000 ms, fused 1.000 ms, "
         "compiled 3.000 ms per call); apex not a candidate: apex is not installed",
+        "kernels=auto at seq 8: mlm_cross_entropy runs fused (2.00x faster than native; native 2.000 ms, "
+        "fused 1.000 ms, compiled 3.000 ms per call)",
         "kernels=auto at seq 8: varlen_attention runs fused (2.00x faster than native; native 2.000 ms, "
         "fused 1.000 ms, compiled 3.000 ms, varlen_attn 3.000 ms, sdpa_flash 3.000 ms, sdpa_efficient 3.000 ms, "
         "sdpa_cudnn 3.000 ms per call)",
@@ -516,7 +544,7 @@ def test_the_model_has_its_own_shapes_timed(auto):
     record = json.loads(_build.verdict_path().read_text())
     shapes = next(v for k, v in record.items() if k.startswith("choices "))["shapes"]
     assert (shapes["hidden"], shapes["intermediate"], shapes["num_heads"], shapes["max_seqlen"],
-            shapes["approximate"]) == (24, 40, 3, 12, "tanh")
+            shapes["approximate"], shapes["vocab"]) == (24, 40, 3, 12, "tanh", 50)
     BertForPreTraining(config, train_seq_len=6)  # the trainer passes its sequence length: the race runs at it
     record = json.loads(_build.verdict_path().read_text())
     assert sorted(v["shapes"]["max_seqlen"] for k, v in record.items() if k.startswith("choices ")) == [6, 12]
@@ -604,7 +632,7 @@ def test_compiled_attention_compiles_once_for_every_batch():
 def test_the_op_s_candidates_are_compiled_where_torch_compile_makes_sense():
     assert {op: "compiled" in impls for op, impls in speed.IMPLEMENTATIONS.items()} == {
         "layer_norm": True, "dropout_add_layer_norm": True, "bias_gelu": True, "varlen_attention": True,
-        "lamb_update": False}
+        "mlm_cross_entropy": True, "lamb_update": False}
     assert isinstance(attention.IMPLEMENTATIONS["compiled"], CompiledReference)
 
 

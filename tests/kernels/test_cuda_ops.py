@@ -11,6 +11,7 @@ the loader's reason) rather than skipping them.
 """
 
 import dataclasses
+import functools
 import math
 
 import pytest
@@ -19,11 +20,12 @@ import torch
 from bert_ds.kernels import ops as kernels
 from bert_ds.kernels import _build, choice, dispatch
 from bert_ds.kernels.dispatch import KernelUnavailable
+from bert_ds.kernels.selfcheck import mlm_rows
 from bert_ds.model.padding import IGNORE_INDEX
 from tests.kernels.helpers import (
-    assert_close_to_reference, attention_per_sequence, cu_seqlens_of, dropout_keep, dropout_layer_norm_fp64,
+    ATOL, assert_close_to_reference, attention_per_sequence, cu_seqlens_of, dropout_keep, dropout_layer_norm_fp64,
     dropout_layer_norm_same_dtype, gelu_fp64, gelu_same_dtype, layer_norm_fp64, layer_norm_same_dtype, misaligned,
-    non_contiguous, rand, scaled_atol,
+    mlm_cross_entropy_fp64, non_contiguous, rand, scaled_atol,
 )
 
 pytestmark = [
@@ -253,6 +255,49 @@ def test_bias_gelu_with_fp32_bias(dtype):
     _check(f"bias_gelu {dtype} x, fp32 bias", fused, same, truth, dtype)
 
 
+# --------------------------------------------------------------------------- MLM cross-entropy
+
+def _mlm_loss_and_grad(fn, logits, labels, dloss):
+    """fn(logits, labels)'s summed loss and count, and the logits' gradient for dloss; the leaf keeps
+    the logits' layout (strided, misaligned)."""
+    leaf = logits.detach().requires_grad_()
+    loss, correct = fn(leaf, labels)
+    loss.backward(dloss.to(loss.dtype))
+    return loss.detach(), correct, leaf.grad
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,vocab,width", [(4915, 30522, 30528), (257, 1031, 1031), (64, 13, 16)])
+@pytest.mark.parametrize("layout", ["contiguous", "strided", "misaligned"])
+def test_mlm_cross_entropy(dtype, rows, vocab, width, layout):
+    """BERT-Base's masked rows of a 32,768-token micro-batch and two small cases, on selfcheck.mlm_rows'
+    rows (ties, ignored rows, -inf padding, a row shifted by +100): the count equals the reference's
+    (torch.argmax's first maximal column); the loss is within 2x the fp32 reference's error of fp64, the
+    gradient within 2x its rounding to the dtype; padding columns and ignored rows get exactly 0."""
+    logits, labels = mlm_rows(rows, vocab, width, dtype, torch.device("cuda"))
+    if layout == "strided":
+        logits = non_contiguous(logits)
+    elif layout == "misaligned":
+        logits = misaligned(logits)
+    dloss = torch.tensor(1.0 / rows, device="cuda")  # the model's mean over the masked rows
+    fused = _mlm_loss_and_grad(lambda x, y: kernels.mlm_cross_entropy(x, y, backend="cuda"), logits, labels, dloss)
+    same = _mlm_loss_and_grad(kernels.mlm_cross_entropy_ref, logits, labels, dloss)
+    truth = _mlm_loss_and_grad(mlm_cross_entropy_fp64, logits.double(), labels, dloss.double())
+    assert fused[1].dtype == torch.int64 and torch.equal(fused[1], same[1]) and int(fused[1]) == int(truth[1])
+    assert_close_to_reference("loss", fused[0], same[0], truth[0], ATOL[torch.float32] * max(1.0, truth[0].item()))
+    assert fused[2].dtype == dtype
+    assert_close_to_reference("dlogits", fused[2], same[2], truth[2], scaled_atol(dtype, truth[2]))
+    scored = labels != IGNORE_INDEX
+    assert not fused[2][:, vocab:].any() and not fused[2][~scored].any()
+
+
+def test_mlm_cross_entropy_is_deterministic():
+    logits, labels = mlm_rows(4915, 30522, 30528, torch.bfloat16, torch.device("cuda"))
+    dloss = torch.tensor(1.0 / 4915, device="cuda")
+    run = functools.partial(_mlm_loss_and_grad, lambda x, y: kernels.mlm_cross_entropy(x, y, backend="cuda"))
+    assert all(torch.equal(a, b) for a, b in zip(run(logits, labels, dloss), run(logits, labels, dloss)))
+
+
 # --------------------------------------------------------------------------- attention
 
 # The backward's path follows max(lengths): one key tile (at most 128: dQ stored by the kernel)
@@ -365,6 +410,8 @@ def test_binding_rejects_host_tensors_and_wrong_shapes(extension):
         extension.dropout_layer_norm_fwd(x, None, x, x[0], x[0], 1e-5, 0.1, 1, 2, None)
     with pytest.raises(RuntimeError, match="keep_out must be a contiguous bool tensor"):
         extension.dropout_layer_norm_fwd(x, None, x, x[0], x[0], 1e-5, 0.1, 1, 4, x)
+    with pytest.raises(RuntimeError, match="labels must be int64 of shape"):
+        extension.mlm_cross_entropy_fwd(x, torch.zeros(4, dtype=torch.int32, device="cuda"), IGNORE_INDEX)
     q = rand(8, 1, 48, dtype=torch.bfloat16, seed=1, device="cuda")
     with pytest.raises(RuntimeError, match="head_dim 32 or 64"):
         extension.varlen_attention_fwd(q, q, q, cu_seqlens_of([8], device="cuda"), 8, 0.0, 0.1)

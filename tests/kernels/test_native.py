@@ -17,8 +17,11 @@ import torch.nn.functional as F
 from bert_ds.kernels import ops as kernels
 from bert_ds.kernels import attention, dispatch, selfcheck
 from bert_ds.kernels.attention import VarlenAttnApi
+from bert_ds.kernels.cross_entropy import IGNORE_INDEX
 from bert_ds.kernels.dropout_layer_norm import dropout_add_layer_norm_native, dropout_add_layer_norm_ref
 from bert_ds.kernels.layer_norm import layer_norm_native, layer_norm_ref
+from bert_ds.kernels.selfcheck import mlm_rows
+from bert_ds.model import padding
 
 from tests.kernels.helpers import cu_seqlens_of, non_contiguous, rand
 
@@ -65,6 +68,7 @@ DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
     (selfcheck.check_layer_norm, layer_norm_native),
     (selfcheck.check_bias_gelu, kernels.bias_gelu_native),
     (selfcheck.check_varlen_attention, kernels.varlen_attention_native),
+    (selfcheck.check_mlm_cross_entropy, kernels.mlm_cross_entropy_native),
 ])
 def test_the_native_ops_meet_the_rule_the_fused_kernels_are_held_to(device, check, native):
     # Every dtype, odd sizes, forward and every gradient: at most twice the error of the
@@ -139,6 +143,31 @@ def test_native_bias_gelu_in_bfloat16_keeps_the_dtype_and_a_float32_bias_takes_t
     assert torch.equal(kernels.bias_gelu_native(x, fp32_bias, "tanh"), kernels.bias_gelu_ref(x, fp32_bias, "tanh"))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_mlm_cross_entropy_is_the_model_s_former_loss_and_the_reference(dtype):
+    """Bit for bit the lines bert.py ran before the op (loss, count and gradient), on the decoder's
+    layout: -inf padding, ignored rows, a label at the last real column, ties; and the reference's
+    count, loss and gradient to fp32 rounding (one dtype rounding of the gradient in bf16)."""
+    logits, labels = mlm_rows(9, 61, 64, dtype, torch.device("cpu"))
+
+    def former(x, labels):
+        return F.cross_entropy(x.float(), labels, reduction="sum"), (x.detach().argmax(dim=-1) == labels).sum()
+
+    def run(fn):
+        leaf = logits.clone().requires_grad_()
+        loss, correct = fn(leaf, labels)
+        (loss / 7).backward()
+        return loss.detach(), correct, leaf.grad
+
+    native, before, reference = run(kernels.mlm_cross_entropy_native), run(former), run(kernels.mlm_cross_entropy_ref)
+    assert IGNORE_INDEX == padding.IGNORE_INDEX and (labels == IGNORE_INDEX).any()
+    assert all(torch.equal(a, b) for a, b in zip(native, before))
+    assert torch.equal(native[1], reference[1]) and native[1] == 4
+    torch.testing.assert_close(native[0], reference[0], rtol=1e-6, atol=0)
+    rtol = 1e-5 if dtype == torch.float32 else 2 ** -7  # bf16: one rounding apart at most
+    torch.testing.assert_close(native[2].float(), reference[2].float(), rtol=rtol, atol=1e-6)
+
+
 def test_packed_attention_off_a_gpu_is_the_op_on_the_three_views():
     """varlen_attention_packed(qkv) under kernels=torch: the op on qkv's views q, k, v (what a
     candidate without a packed form is handed), and the gradient of qkv in one piece."""
@@ -211,7 +240,8 @@ def test_kernels_torch_runs_the_native_ops(monkeypatch):
     calls = []
     for module, name in ((attention, "varlen_attention"), (sys.modules["bert_ds.kernels.layer_norm"], "layer_norm"),
                          (sys.modules["bert_ds.kernels.bias_gelu"], "bias_gelu"),
-                         (sys.modules["bert_ds.kernels.dropout_layer_norm"], "dropout_add_layer_norm")):
+                         (sys.modules["bert_ds.kernels.dropout_layer_norm"], "dropout_add_layer_norm"),
+                         (sys.modules["bert_ds.kernels.cross_entropy"], "mlm_cross_entropy")):
         native = module.IMPLEMENTATIONS["native"]
         monkeypatch.setitem(module.IMPLEMENTATIONS, "native",
                             lambda *args, native=native, name=name: calls.append(name) or native(*args))
@@ -221,7 +251,8 @@ def test_kernels_torch_runs_the_native_ops(monkeypatch):
     kernels.layer_norm(x, bias, bias, 1e-12, x, backend="torch")
     kernels.bias_gelu(x, bias, "none", backend="torch")
     kernels.dropout_add_layer_norm(x, bias, x, bias, bias, 1e-12, 0.1, backend="torch")
-    assert calls == ["varlen_attention", "layer_norm", "bias_gelu", "dropout_add_layer_norm"]
+    kernels.mlm_cross_entropy(x, torch.arange(8), backend="torch")
+    assert calls == ["varlen_attention", "layer_norm", "bias_gelu", "dropout_add_layer_norm", "mlm_cross_entropy"]
 
 
 def test_the_native_ops_compile_into_one_graph():

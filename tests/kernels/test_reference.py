@@ -17,9 +17,12 @@ from bert_ds.kernels import ops as kernels
 from bert_ds.kernels import choice, dispatch
 from bert_ds.kernels._build import load_extension
 from bert_ds.kernels.choice import UnknownKernelBackend, resolve_backend
+from bert_ds.kernels.cross_entropy import IGNORE_INDEX
 from bert_ds.kernels.dispatch import KernelUnavailable, OpPlan
+from bert_ds.kernels.selfcheck import mlm_rows
 from bert_ds.kernels.speed import OpShapes
 from bert_ds.base.errors import UserError
+from tests.kernels.helpers import mlm_cross_entropy_fp64
 
 pytestmark = pytest.mark.lowest  # all of it also runs under the lowest supported torch (run.sh test-lowest)
 
@@ -299,6 +302,36 @@ def test_varlen_attention_public_op_runs_reference_on_torch():
                        kernels.varlen_attention_ref(q, k, v, cu_seqlens, 5))
 
 
+# --------------------------------------------------------------------------- MLM cross-entropy
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_mlm_cross_entropy_ref_matches_formula(dtype):
+    """On the decoder's layout (-inf padding columns, ignored rows, row 0's label the last real column,
+    ties for the maximum: rows 0, 3 and the two rows whose label is their argmax count, row 2 does not):
+    the summed loss and its gradient against fp64, the count exactly; padding columns and ignored rows
+    get exactly zero gradient."""
+    logits, labels = mlm_rows(9, 61, 64, dtype, torch.device("cpu"))
+    leaf, truth_leaf = logits.clone().requires_grad_(), logits.double().requires_grad_()
+    loss, correct = kernels.mlm_cross_entropy_ref(leaf, labels)
+    truth_loss, truth_correct = mlm_cross_entropy_fp64(truth_leaf, labels)
+    (0.7 * loss).backward()
+    (0.7 * truth_loss).backward()
+    assert loss.dtype == torch.float32 and correct.dtype == torch.int64 and leaf.grad.dtype == dtype
+    assert int(correct) == int(truth_correct) == 4
+    assert _max_err(loss, truth_loss) <= 1e-6 * truth_loss.abs().item()
+    # fp32 arithmetic on logits up to 120 (the shifted row): a few 1e-7 off where the rounding to fp32 is 2e-8
+    assert _max_err(leaf.grad, truth_leaf.grad) <= 2 * _max_err(truth_leaf.grad.to(dtype), truth_leaf.grad) + 2e-6
+    ignored = labels == IGNORE_INDEX
+    assert ignored.sum() == 2 and not leaf.grad[ignored].any() and not leaf.grad[:, 61:].any()
+
+
+def test_mlm_cross_entropy_public_op_runs_the_native_op_on_torch():
+    logits, labels = mlm_rows(6, 20, 24, torch.float32, torch.device("cpu"))
+    ours, native = kernels.mlm_cross_entropy(logits, labels, backend="torch"), kernels.mlm_cross_entropy_native(
+        logits, labels)
+    assert all(torch.equal(a, b) for a, b in zip(ours, native))
+
+
 # --------------------------------------------------------------------------- dispatch
 
 def test_resolve_torch():
@@ -347,6 +380,8 @@ def test_cuda_branch_of_ops_is_never_a_silent_fallback():
     q, k, v, cu_seqlens = _varlen_inputs([2], num_heads=1, head_dim=8, dtype=torch.float32)
     with pytest.raises(KernelUnavailable):
         kernels.varlen_attention(q, k, v, cu_seqlens, 2, backend="cuda")
+    with pytest.raises(KernelUnavailable):
+        kernels.mlm_cross_entropy(x, torch.tensor([1, 7]), backend="cuda")
 
 
 @pytest.mark.parametrize("backend", ["auto", "prefer_cuda"])  # a setting, and the name auto once resolved to

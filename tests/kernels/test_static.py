@@ -1,6 +1,7 @@
 """Static evidence about the compiled kernels, on CPU: no spills, attention on tensor cores
 with ``cp.async``, attention's shared memory and CTAs per SM on A100 and H100 as its design
-says (attention.cu's header), and no global atomics in the one-tile backward.
+says (attention.cu's header), no global atomics in the one-tile backward, and the MLM
+cross-entropy's kernels holding an SM's every thread (cross_entropy.cu's header).
 
 The figures come from bert_ds.kernels.inspect (ptxas -v, the PTX and, where nvdisasm is
 installed, the SASS), compiled once per source and architecture for the whole session.
@@ -308,3 +309,28 @@ def test_lamb_kernels_keep_half_the_sm_busy(compiled, arch):
     short = [f"{k.name}: {k.ctas_per_sm} CTAs of {k.threads} ({k.limiter}: {k.registers} registers)"
              for k in lamb if (k.ctas_per_sm or 0) * (k.threads or 0) < 1024]
     assert not short, "\n".join(short)
+
+
+# What cross_entropy.cu's header designs, per kernel (every dtype and vector width): threads per CTA
+# and CTAs per SM, A100 and H100 alike: 8 CTAs of 256, all 2,048 thread slots of an SM, which allows
+# at most 32 registers a thread.
+CROSS_ENTROPY_DESIGN = {"cross_entropy_fwd_kernel": (256, 8), "cross_entropy_bwd_kernel": (256, 8)}
+
+
+@needs_nvcc
+@pytest.mark.parametrize("arch", sorted(kinspect.DEVICES))
+def test_cross_entropy_kernels_hold_every_thread_of_an_sm(compiled, arch):
+    """The MLM loss streams its logits once a pass, so it wants the most loads in flight: every
+    instantiation at 32 registers or fewer, 8 CTAs of 256 per SM, no spills, and no global atomics
+    (a row's sums merge in a fixed order)."""
+    kernels, _ = compiled
+    ce = [k for k in kernels if k.source == "cross_entropy.cu" and k.arch == arch]
+
+    def base(k):
+        return k.name.split("(")[0].split("<")[0].split("::")[-1]
+    assert {base(k) for k in ce} == set(CROSS_ENTROPY_DESIGN), [k.name for k in ce]
+    off = [f"{k.name} sm_{arch}: {k.registers} registers, {k.ctas_per_sm} CTAs of {k.threads} ({k.limiter}), "
+           f"{k.ptx['atom/red']} atom/red" for k in ce
+           if (k.threads, k.ctas_per_sm) != CROSS_ENTROPY_DESIGN[base(k)] or k.registers > 32 or k.spills
+           or k.ptx["atom/red"]]
+    assert not off, "\n".join(off)
