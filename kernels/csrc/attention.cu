@@ -698,8 +698,12 @@ cudaError_t with_attention_types(int dtype, int head_dim, F&& f) {
     if (head_dim == 64) return f(t, std::integral_constant<int, 64>{});
     return cudaErrorInvalidValue;
   };
-  if (dtype == BDS_FLOAT16) return with_hd(__half{});
-  if (dtype == BDS_BFLOAT16) return with_hd(__nv_bfloat16{});
+  if constexpr (compiled_dtype(BDS_FLOAT16)) {
+    if (dtype == BDS_FLOAT16) return with_hd(__half{});
+  }
+  if constexpr (compiled_dtype(BDS_BFLOAT16)) {
+    if (dtype == BDS_BFLOAT16) return with_hd(__nv_bfloat16{});
+  }
   return cudaErrorInvalidValue;
 }
 

@@ -24,10 +24,11 @@ import torch
 from bert_ds.kernels import ops as kernels
 from bert_ds.model.padding import IGNORE_INDEX
 from tests.kernels import emulation
+from bert_ds.kernels.selfcheck import mlm_rows
 from tests.kernels.helpers import (
     ATOL, assert_close_to_reference, attention_per_sequence, cu_seqlens_of, dropout_keep, dropout_layer_norm_fp64,
     dropout_layer_norm_same_dtype, gelu_fp64, gelu_same_dtype, layer_norm_fp64, layer_norm_same_dtype, misaligned,
-    rand, scaled_atol,
+    mlm_cross_entropy_fp64, rand, scaled_atol,
 )
 
 CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -72,6 +73,8 @@ class Emulated:
             "bds_varlen_attention_fwd": [P, P, P, P, P, P, I, L, L, I, I, I, F, I, P],
             "bds_varlen_attention_bwd": [P, P, P, P, P, P, P, P, P, P, P, P, I, L, L, L, I, I, I, F, I, P],
             "bds_varlen_attention_bwd_accumulates": [I, I],
+            "bds_mlm_cross_entropy_fwd": [P, P, P, P, P, L, I, L, I, P],
+            "bds_mlm_cross_entropy_bwd": [P, P, P, P, P, L, I, L, I, P],
             "bds_lamb_moments": [P, P, P, P, P, P, P, L, F, F, F, F, F, P],
             "bds_lamb_apply": [P, P, P, P, P, P, F, L, F, F, F, F, F, P],
         }
@@ -96,6 +99,12 @@ class Emulated:
 
     def _empty(self, *shape: int, dtype: torch.dtype) -> torch.Tensor:
         return self._guarded(torch.full(shape, float("nan"), dtype=dtype), guard=SENTINEL)
+
+    def _flags(self, n: int) -> torch.Tensor:
+        """n output bytes between guards of 7, each 7 until written: a kernel must leave 0 or 1 in every one."""
+        buffer = torch.full((n + 2 * GUARD,), 7, dtype=torch.uint8)
+        self.guards.append((buffer, buffer[:1].clone()))
+        return buffer[GUARD:GUARD + n]
 
     def _call(self, name, *args):
         err = getattr(self.lib, name)(*[a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args])
@@ -137,11 +146,7 @@ class Emulated:
         rows = x.numel() // hidden
         y = self._empty(*x.shape, dtype=x.dtype)
         mean, rstd = self._empty(rows, dtype=torch.float32), self._empty(rows, dtype=torch.float32)
-        keep = None
-        if keep_out is not None:  # bytes between guards of 7: every element must become 0 or 1, nothing else
-            buffer = torch.full((keep_out.numel() + 2 * GUARD,), 7, dtype=torch.uint8)
-            self.guards.append((buffer, buffer[:1].clone()))
-            keep = buffer[GUARD:GUARD + keep_out.numel()]
+        keep = None if keep_out is None else self._flags(keep_out.numel())
         self._call("bds_dropout_layer_norm_fwd", x, bias, residual, weight, ln_bias, y, mean, rstd, keep, rows, hidden,
                    eps, dropout_p, seed, offset, CODES[x.dtype], CODES[residual.dtype], CODES[weight.dtype], None)
         if keep is not None:
@@ -222,6 +227,23 @@ class Emulated:
         self._call("bds_varlen_attention_bwd", dout, q, k, v, out, lse, cu_seqlens, *grads, dq_accum, dsum,
                    cu_seqlens.numel() - 1, total, qkv_stride, dqkv_stride, heads, head_dim, max_seqlen,
                    softmax_scale, CODES[q.dtype], None)
+
+    def mlm_cross_entropy_fwd(self, logits, labels, ignore_index):
+        logits, labels = self._guarded(logits), labels.contiguous()
+        rows, cols = logits.shape
+        loss, lse = self._empty(rows, dtype=torch.float32), self._empty(rows, dtype=torch.float32)
+        correct = self._flags(rows)
+        self._call("bds_mlm_cross_entropy_fwd", logits, labels, loss, lse, correct, rows, cols, ignore_index,
+                   CODES[logits.dtype], None)
+        assert rows == 0 or int(correct.max()) <= 1, "the forward left correct bytes unwritten or wrote other values"
+        return loss, lse, correct.bool()
+
+    def mlm_cross_entropy_bwd(self, dloss, logits, labels, lse, ignore_index):
+        scale, logits, lse = map(self._guarded, (dloss.float().reshape(1), logits, lse))
+        dlogits = self._empty(*logits.shape, dtype=logits.dtype)
+        self._call("bds_mlm_cross_entropy_bwd", scale, logits, labels.contiguous(), lse, dlogits, *logits.shape,
+                   ignore_index, CODES[logits.dtype], None)
+        return dlogits
 
     def lamb_moments(self, grad, exp_avg, exp_avg_sq, param, offsets, lengths, beta1, beta2, step_size, eps_hat,
                      weight_decay, norms):
@@ -500,7 +522,7 @@ def test_a_planted_mistake_fails_the_dropout_comparison(tmp_path, planted):
     source = sources[file]
     at = source.index(old, source.index(anchor, source.index("namespace bds")))  # in the definition named
     sources[file] = source[:at] + new + source[at + len(old):]
-    library = emulation.build_library(sources, tmp_path)
+    library = emulation.build_library(sources, tmp_path, dtype="BDS_FLOAT32")  # the checks' one dtype
     outcome = emulation.run_python(_RUN_DROPOUT_CHECKS.format(library=str(library)))
     assert outcome.returncode == 0, outcome.stderr[-2000:]
     assert "every comparison passed" not in outcome.stdout, f"{planted}: the planted bug went unnoticed"
@@ -534,6 +556,96 @@ def test_bias_gelu(emu, dtype, approximate, rows, cols, aligned, bias_fp32):
     same = _same_dtype_grads(lambda x, bias: gelu_same_dtype(x, bias, approximate), inputs, grad_out)
     assert_close_to_reference("dx", dx, same["x"], truth["x"], atol)
     assert_close_to_reference("dbias", dbias, same["bias"], truth["bias"], atol * rows)
+
+
+# --------------------------------------------------------------------------- MLM cross-entropy
+
+# (dtype, rows, vocab, width, aligned). The first is the model's layout (-inf padding to a multiple
+# of 8) with more rows than the emulated device's 4 resident blocks (the grid strides); 37 columns
+# and misaligned logits take the scalar path; fp32 takes 4-wide vectors.
+CE_CASES = [(torch.bfloat16, 9, 1000, 1008, True), (torch.bfloat16, 6, 37, 37, True),
+            (torch.bfloat16, 5, 64, 64, False), (torch.float16, 5, 61, 64, True), (torch.float32, 6, 30, 36, True)]
+
+
+def check_mlm_cross_entropy(emu, dtype, rows, vocab, width, aligned):
+    """The kernels on selfcheck.mlm_rows' rows (ties for the maximum, ignored rows, -inf padding, a
+    row shifted by +100) against fp64: the summed loss, the per-row lse, the count exactly, and the
+    gradient for a dloss of 0.7; ignored rows and padding columns give exactly 0. Raises
+    AssertionError on the first difference."""
+    logits, labels = mlm_rows(rows, vocab, width, dtype, torch.device("cpu"))
+    if not aligned:
+        logits = misaligned(logits)
+    dloss = torch.tensor(0.7)
+    loss, lse, correct = emu.mlm_cross_entropy_fwd(logits, labels, IGNORE_INDEX)
+    dlogits = emu.mlm_cross_entropy_bwd(dloss, logits, labels, lse, IGNORE_INDEX)
+
+    truth_leaf, same_leaf = logits.double().requires_grad_(), logits.clone().requires_grad_()
+    truth_loss, truth_correct = mlm_cross_entropy_fp64(truth_leaf, labels)
+    truth_loss.backward(dloss.double())
+    same_loss, same_correct = kernels.mlm_cross_entropy_ref(same_leaf, labels)  # fp32 math, as the kernel's
+    same_loss.backward(dloss)
+    scored = labels != IGNORE_INDEX
+    assert int(correct.sum()) == int(truth_correct) == int(same_correct), \
+        f"correct: {int(correct.sum())} rows, where the argmax gives {int(truth_correct)}"
+    assert not correct[~scored].any() and not loss[~scored].any(), "an ignored row has a loss or is counted"
+    atol = ATOL[torch.float32] * max(1.0, truth_loss.abs().item())
+    assert_close_to_reference("loss", loss.sum(), same_loss.detach(), truth_loss.detach(), atol)
+    assert_close_to_reference("lse", lse[scored], torch.logsumexp(logits.float(), 1)[scored],
+                              torch.logsumexp(logits.double(), 1)[scored], ATOL[torch.float32] * 200)
+    assert_close_to_reference("dlogits", dlogits, same_leaf.grad, truth_leaf.grad, ATOL[dtype])
+    assert not dlogits[:, vocab:].any() and not dlogits[~scored].any(), "padding or an ignored row has a gradient"
+
+
+@pytest.mark.parametrize("dtype,rows,vocab,width,aligned", CE_CASES)
+def test_mlm_cross_entropy(emu, dtype, rows, vocab, width, aligned):
+    check_mlm_cross_entropy(emu, dtype, rows, vocab, width, aligned)
+
+
+def test_mlm_cross_entropy_of_no_rows_and_of_ignored_rows_only(emu):
+    logits = rand(3, 16, dtype=torch.bfloat16, seed=1)
+    loss, lse, correct = emu.mlm_cross_entropy_fwd(logits[:0], torch.zeros(0, dtype=torch.int64), IGNORE_INDEX)
+    assert loss.shape == lse.shape == correct.shape == (0,)
+    ignored = torch.full((3,), IGNORE_INDEX)
+    loss, lse, correct = emu.mlm_cross_entropy_fwd(logits, ignored, IGNORE_INDEX)
+    assert not loss.any() and not correct.any()
+    assert not emu.mlm_cross_entropy_bwd(torch.tensor(1.0), logits, ignored, lse, IGNORE_INDEX).any()
+
+
+# Copies of cross_entropy.cu with one planted mistake: (after this anchor, this text, becomes this,
+# what check_mlm_cross_entropy then reports). Built and run in this process: none of them can
+# end it (the guards turn a stray write into an assertion).
+CE_PLANTED = {
+    "the row's max not subtracted from the terms summed": (
+        "void add_vector(", "p.sum += exp_of_difference(x[j], p.max);", "p.sum += exp2f(x[j] * kLog2e);", "loss"),
+    "argmax ties to the later column across threads": (
+        "Partial merge(", "b.column < a.column", "b.column > a.column", "correct"),
+    "backward column loop one vector past the row": (
+        "cross_entropy_bwd_kernel(", "for (int v = threadIdx.x; v < vecs; v += kThreads) {\n      float x",
+        "for (int v = threadIdx.x; v <= vecs; v += kThreads) {\n      float x", "wrote out of bounds|dlogits"),
+}
+
+
+@pytest.mark.parametrize("planted", sorted(CE_PLANTED))
+def test_a_planted_mistake_fails_the_cross_entropy_comparison(emu, tmp_path, planted):
+    anchor, old, new, report = CE_PLANTED[planted]
+    source = (emulation.CSRC / "cross_entropy.cu").read_text()
+    at = source.index(old, source.index(anchor, source.index("namespace bds")))  # in the definition named
+    sources = {"cross_entropy.cu": source[:at] + new + source[at + len(old):],
+               "common.cuh": (emulation.CSRC / "common.cuh").read_text()}  # it launches a kernel too: rewritten
+    library = emulation.build_library(sources, tmp_path, dtype="BDS_BFLOAT16")  # CE_CASES[0]'s dtype
+    broken = Emulated(ctypes.CDLL(str(library)))
+    with pytest.raises(AssertionError, match=report):
+        check_mlm_cross_entropy(broken, *CE_CASES[0])
+
+
+def test_mlm_cross_entropy_kernels_pass_the_self_check(emulated_cuda):
+    """The GPU's self-check of the op on the emulated kernels, through the fused path's Python (the
+    autograd Function, the sum and the count, dloss handed to the kernel as a tensor): BERT's padded
+    vocabulary among its widths, every dtype."""
+    from bert_ds.kernels import selfcheck
+    from bert_ds.kernels.cross_entropy import mlm_cross_entropy_fused
+
+    assert selfcheck.check_mlm_cross_entropy(mlm_cross_entropy_fused, torch.device("cpu")) == []
 
 
 # --------------------------------------------------------------------------- attention
@@ -688,11 +800,11 @@ def broken_attention(tmp_path_factory):
     def library(broken: str) -> str:
         if broken not in built:
             removed, _ = BROKEN_ATTENTION[broken]
-            sources = {path.name: path.read_text() for path in emulation.csrc_sources()}
-            source = sources["attention.cu"]
+            source = (emulation.CSRC / "attention.cu").read_text()
             assert source.count(removed) == 1, f"{broken}: the line to remove is not in attention.cu exactly once"
-            sources["attention.cu"] = source.replace(removed, "")
-            built[broken] = str(emulation.build_library(sources, tmp_path_factory.mktemp("broken")))
+            sources = {"attention.cu": source.replace(removed, ""), "common.cuh": (emulation.CSRC / "common.cuh").read_text()}
+            # the run's one dtype (bf16) alone: a third of attention.cu's compile
+            built[broken] = str(emulation.build_library(sources, tmp_path_factory.mktemp("broken"), dtype="BDS_BFLOAT16"))
         return built[broken]
     return library
 
@@ -721,7 +833,7 @@ def emulated_cuda(emu, monkeypatch):
     monkeypatch.setattr(choice, "op_verdicts", lambda: passed)
     monkeypatch.setattr(dispatch, "_verdicts", lambda: passed)
     modules = {"layer_norm": "layer_norm", "dropout_add_layer_norm": "dropout_layer_norm", "bias_gelu": "bias_gelu",
-               "varlen_attention": "attention", "lamb_update": "lamb"}
+               "varlen_attention": "attention", "mlm_cross_entropy": "cross_entropy", "lamb_update": "lamb"}
     for op in dispatch.OPS:  # the inputs are on the CPU by design: waive that reason, and only that
         module = importlib.import_module(f"bert_ds.kernels.{modules[op]}")
 
