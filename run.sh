@@ -11,6 +11,7 @@
 #                            supported torch and transformers (pyproject.toml's lower bounds), in
 #                            a second environment, $LOWEST_VENV (CI's second pass)
 #   ./run.sh setup           only create the environment (and build DeepSpeed's JIT ops into it)
+#   ./run.sh setup-lowest    only create test-lowest's environment (CI makes it while the suite runs)
 #   ./run.sh prepare         sample corpus -> $DATA_DIR/{train,heldout} shards
 #   ./run.sh pretrain [ARGS] python -m bert_ds.train on $DATA_DIR; ARGS override the defaults.
 #                            One node: NGPU processes via torchrun --standalone (one plain process
@@ -210,6 +211,7 @@ mode=${1:-main}
 [[ $# -gt 0 ]] && shift
 case "$mode" in
     setup) setup_env ;;
+    setup-lowest) setup_lowest_env ;;
     test)
         setup_env
         export_accelerator
@@ -234,5 +236,5 @@ case "$mode" in
         export_hf
         python_ -m bert_ds.tools.demo "$RUN_DIR" ;;
     -h|--help|help) sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//' ;;
-    *) echo "run.sh: unknown mode '$mode' (modes: main, test, test-lowest, setup, prepare, pretrain, multinode, export, bench, plot, docs; see ./run.sh --help)" >&2; exit 2 ;;
+    *) echo "run.sh: unknown mode '$mode' (modes: main, test, test-lowest, setup, setup-lowest, prepare, pretrain, multinode, export, bench, plot, docs; see ./run.sh --help)" >&2; exit 2 ;;
 esac
