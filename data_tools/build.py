@@ -385,7 +385,9 @@ def _worker_main(conn) -> None:
         tokenize = _Tokenize(Path(path).read_text(encoding="utf-8"))
         while (task := conn.recv()) is not None:
             conn.send(tokenize(*task))
-    except (EOFError, BrokenPipeError):  # the main process is gone: nothing left to do
+    except (EOFError, ConnectionError):  # the main process is gone, or stopped (Ctrl-C): nothing left to do
+        # ConnectionResetError too: the main process closes its end with this worker's last result
+        # unread when it is stopped between results, and the next recv() is then reset, not EOF.
         pass
 
 

@@ -78,6 +78,39 @@ def test_a_stop_signal_to_the_process_group_ends_the_build_cleanly(corpus, tmp_p
             reader.verify()
 
 
+_WORKER_LEFT_WITH_A_RESULT = """
+import multiprocessing, sys, time
+from bert_ds.data_tools import build
+
+if __name__ == "__main__":
+    ctx = multiprocessing.get_context("spawn")  # as the build starts its workers
+    mine, theirs = ctx.Pipe()
+    worker = ctx.Process(target=build._worker_main, args=(theirs,))
+    worker.start()
+    theirs.close()
+    mine.send(sys.argv[1])
+    mine.send(([["Some text here.", "And more."]], [True]))
+    while not mine.poll():
+        time.sleep(0.01)
+    mine.close()  # as a stopped build does: the worker's result unread, so its next recv() is reset
+    worker.join()
+    print("worker exit", worker.exitcode)
+"""
+
+
+def test_a_worker_whose_result_is_left_unread_ends_without_a_traceback(corpus, tmp_path):
+    """The race behind a traceback after Ctrl-C on a loaded machine: the main process is stopped
+    between a worker's result and reading it, closes its end, and the worker's next recv() is a
+    ConnectionResetError, printed unless the worker takes it as the end."""
+    _, vocab = corpus
+    script = tmp_path / "left.py"
+    script.write_text(_WORKER_LEFT_WITH_A_RESULT)
+    proc = subprocess.run([sys.executable, str(script), str(vocab.parent / "tokenizer.json")], cwd=REPO,
+                          env=cli_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "worker exit 0", proc.stdout + proc.stderr
+    assert proc.stderr == ""
+
+
 def test_the_rerun_after_ctrl_c_resumes_to_the_uninterrupted_bytes(corpus, tmp_path):
     out = tmp_path / "data"
     proc = subprocess.Popen([sys.executable, "-m", "bert_ds.data_tools", *_build_args(corpus, out)], cwd=REPO, env=cli_env(),
