@@ -11,7 +11,7 @@
 #                            supported torch and transformers (pyproject.toml's lower bounds), in
 #                            a second environment, $LOWEST_VENV (CI's second pass)
 #   ./run.sh setup           only create the environment (and build DeepSpeed's JIT ops into it)
-#   ./run.sh setup-lowest    only create test-lowest's environment (CI makes it while the suite runs)
+#   ./run.sh setup-lowest    only create test-lowest's environment
 #   ./run.sh prepare         sample corpus -> $DATA_DIR/{train,heldout} shards
 #   ./run.sh pretrain [ARGS] python -m bert_ds.train on $DATA_DIR; ARGS override the defaults.
 #                            One node: NGPU processes via torchrun --standalone (one plain process
