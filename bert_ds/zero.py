@@ -167,6 +167,8 @@ def import_muon_uncompiled() -> None:
     torch.compile = deferred_compile(compile_now)
     try:
         importlib.import_module(MUON_MODULE)
+    except ImportError:  # a DeepSpeed without Muon: nothing to defer, and its engine does without
+        pass
     finally:
         torch.compile = compile_now
 

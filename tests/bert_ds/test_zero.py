@@ -476,6 +476,13 @@ def test_a_deferred_compile_compiles_once_at_the_first_call():
     assert calls == [{"dynamic": False}, {}]
 
 
+def test_a_deepspeed_without_muon_builds_as_before(monkeypatch):
+    compile_now = torch.compile
+    monkeypatch.setattr(zero, "MUON_MODULE", "deepspeed.runtime.zero.no_such_muon")
+    zero.import_muon_uncompiled()  # no error: DeepSpeed's own check takes Muon's absence
+    assert torch.compile is compile_now and "deepspeed.runtime.zero.no_such_muon" not in sys.modules
+
+
 def test_bind_to_engine_binds_nothing_for_another_optimizer():
     from bert_ds.optim.builders import bind_to_engine
 
