@@ -13,6 +13,10 @@
 #   overlap        zero1_bf16.json with overlap_comm on: DeepSpeed's per-parameter gradient
 #                  hooks on every micro-batch, a side stream and its events
 #   torch-ops      kernels=torch: PyTorch's own ops in the same engine
+#   compiled       --compile-layers: each encoder layer under torch.compile, Inductor fusing
+#                  PyTorch's elementwise ops in place of the hand-fused kernels, the attention
+#                  as kernels=auto picks it (the fused kernel as one custom op); its first
+#                  step compiles (outside the profiled steps)
 #   bf16-accum     zero1_bf16.json without data_types.grad_accum_dtype: gradients summed over
 #                  the micro-batches in bf16 by DeepSpeedZeroOptimizer (the step checking them
 #                  itself), against the shipped fp32 sums of BF16_Optimizer: what fp32 costs
@@ -55,11 +59,12 @@ declare -A args=(
     [base-mb1024]="--micro-batch-size 1024"
     [overlap]="--micro-batch-size 512 --ds-config $scratch/zero1_bf16_overlap.json"
     [torch-ops]="--micro-batch-size 512 --kernels torch"
+    [compiled]="--micro-batch-size 512 --compile-layers"
     [bf16-accum]="--micro-batch-size 512 --ds-config $scratch/zero1_bf16_accum16.json"
     [zero2]="--micro-batch-size 512 --ds-config zero2_bf16.json"
 )
 failed=0
-for variant in ${VARIANTS:-base-mb512 base-mb256 base-mb1024 overlap torch-ops bf16-accum zero2}; do
+for variant in ${VARIANTS:-base-mb512 base-mb256 base-mb1024 overlap torch-ops compiled bf16-accum zero2}; do
     [[ -n ${args[$variant]:-} ]] || { echo "engine_sweep.sh: unknown variant $variant" >&2; exit 2; }
     echo "== $variant: ${args[$variant]}"
     run=$scratch/$variant

@@ -13,8 +13,8 @@
 #                    against its reference
 #   kernels_bench    python -m bert_ds.kernels.bench: each op against eager, compile,      64 s
 #                    SDPA, varlen_attn, with its roofline
-#   bench            python -m bert_ds.tools.bench: (a) fused, (b) torch, (c) transformers  42 s
-#                    at BERT-Base seq 128 and 512, goals and projection
+#   bench            python -m bert_ds.tools.bench: (a) fused, (b) torch, (c) transformers, ~42 s
+#                    (d) layers compiled, at BERT-Base seq 128 and 512, goals and projection
 #   profile          python -m bert_ds.tools.profile_step: one BERT-Base step of (a) under  15 s
 #                    torch.profiler: busy and idle time, syncs, top kernels
 #   main_job         ./run.sh: the main job on the GPU (ZeRO-1 bf16, LAMB, export,          90 s
@@ -24,15 +24,16 @@
 #                    the recipe's micro-batch of 512 at seq 128, 2 accumulation steps;
 #                    its last 3 steps profiled (--profile-steps): where the engine's step goes
 #   train_base512    the same at seq 512, phase 2 of the recipe (micro-batch 128, 2 a step)  ~63 s
-#   engine_sweep     benchmarks/engine_sweep.sh: the engine path at micro-batch 512 and    176 s
-#                    1,024, on PyTorch's ops, with bf16 gradient accumulation, on ZeRO-2
-#                    (~45 s more, not run there); 20 steps
+#   engine_sweep     benchmarks/engine_sweep.sh: the engine path at micro-batch 512 and   ~176 s
+#                    1,024, on PyTorch's ops, with its layers compiled, on ZeRO-2; 20 steps
 #                    each, each step split by stage (GPU busy and idle while the host
 #                    loads, runs forward, backward, the update)
 #   summary          python -m bert_ds.tools.gpu_summary: SUMMARY.md, the run in one page     6 s
 #
 # The times are the H100 run's (benchmarks/results/H100-2026-11-27, each a first build or
-# first start; ~ marks a step run there in another form: train_base512 at micro-batch 32).
+# first start; ~ marks a step run there in another form: train_base512 at micro-batch 32,
+# bench without (d), engine_sweep with bf16 gradient sums in place of the compiled layers and
+# without ZeRO-2).
 # All steps take about 10 minutes, more than the device tool's 10 minutes a command: that
 # run took two calls on one warm machine, 4 and 6.5 minutes, with the same OUT_DIR,
 #   ONLY="kernels_build kernels_inspect test_cuda_ops kernels_bench bench profile summary"
@@ -179,8 +180,8 @@ if ((rehearse)); then
           --num-workers 0)
     base512=(--preset tiny --seq-len 512 --micro-batch-size 2 --global-batch-size 4 --ds-config zero1_fp32.json
              --num-workers 0)
-    # one variant, the one whose engine config the sweep writes itself (tiny, so bf16 is cheap here too)
-    sweep=(STEPS=4 VARIANTS="bf16-accum" EXTRA_ARGS="--preset tiny --seq-len 64 --micro-batch-size 8
+    # one variant of the GPU's list: the compiled layers (tiny, so bf16 is cheap here too)
+    sweep=(STEPS=4 VARIANTS="compiled" EXTRA_ARGS="--preset tiny --seq-len 64 --micro-batch-size 8
            --global-batch-size 16 --num-workers 0")
 else
     kbench=()
@@ -194,8 +195,8 @@ else
     base512=(--preset base --seq-len 512 --micro-batch-size 128 --global-batch-size 256 --ds-config zero1_bf16.json
              --num-workers 4)
     # the shipped micro-batch (512) and its variants; overlap_comm and micro-batch 256 were
-    # settled on the H200 of 2026-11-26
-    sweep=(STEPS=20 BUDGET_S=80 VARIANTS="base-mb512 base-mb1024 torch-ops bf16-accum zero2")
+    # settled on the H200 of 2026-11-26, bf16 gradient sums on it and the H100 of 2026-11-27
+    sweep=(STEPS=20 BUDGET_S=100 VARIANTS="base-mb512 base-mb1024 torch-ops compiled zero2")
 fi
 if ((rehearse)); then  # no GPU to build for: the smallest source through nvcc (the suite compiles every one)
     step kernels_build 240 "$python" -m bert_ds.kernels.compile_check --sources lamb.cu
@@ -240,7 +241,7 @@ else
     }
     engine_run train_base 300 "${base[@]}"
     engine_run train_base512 240 "${base512[@]}"
-    step engine_sweep 360 env "${sweep[@]}" PYTHON="$python" bash benchmarks/engine_sweep.sh "$run_dir/data30522" \
+    step engine_sweep 420 env "${sweep[@]}" PYTHON="$python" bash benchmarks/engine_sweep.sh "$run_dir/data30522" \
         "$out/engine_sweep"
 fi
 step summary 60 "$python" -m bert_ds.tools.gpu_summary "$out"

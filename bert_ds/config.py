@@ -271,6 +271,11 @@ def deepspeed_config(cfg: TrainConfig, plan: BatchPlan) -> dict[str, Any]:
     if cfg.optim.name == "lamb" and stage == 3:
         raise ConfigError(f"{path}: LAMB with per-parameter trust ratios supports ZeRO stages 0-2, not 3; "
                           "use --optimizer adamw or a stage 0-2 config")
+    if cfg.model.compile_layers and stage == 3:
+        # ZeRO-3 gathers each Linear's weight in hooks around its forward: collectives that a
+        # compiled layer (fullgraph) cannot hold
+        raise ConfigError(f"{path}: --compile-layers supports ZeRO stages 0-2, not 3; "
+                          "use a stage 0-2 config or leave the layers uncompiled")
     if cfg.optim.name == "lamb" and stage == 0 and precision_of(ds) != "fp32":
         # DeepSpeed's stage-0 bf16/fp16 wrapper steps the optimizer once with zero gradients
         # at start-up; for LAMB that step is w -= lr * w wherever weight decay is on.

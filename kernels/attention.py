@@ -294,7 +294,7 @@ def varlen_attention_packed_fused(
     softmax_scale: float | None = None,
 ) -> torch.Tensor:
     """:func:`varlen_attention_fused` of ``qkv.unbind(1)``, read in place (:func:`varlen_attention_packed`)."""
-    return FusedVarlenAttentionPacked.apply(qkv, cu_seqlens, max_seqlen, _fused_scale(qkv, dropout_p, softmax_scale))
+    return packed_attention_fwd(qkv, cu_seqlens, max_seqlen, _fused_scale(qkv, dropout_p, softmax_scale))[0]
 
 
 def _fused_scale(q: torch.Tensor, dropout_p: float, softmax_scale: float | None) -> float:
@@ -416,21 +416,50 @@ class FusedVarlenAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
-class FusedVarlenAttentionPacked(torch.autograd.Function):
-    """:class:`FusedVarlenAttention` of a packed projection ``qkv`` (T, 3, nh, hd): the kernels
-    read q, k and v from it in place and write dq, dk and dv into one gradient laid out alike."""
+# The packed fused attention is a torch.library custom op, forward and backward, with their
+# output shapes declared (register_fake) and the backward registered as the forward's
+# gradient: torch.compile then keeps it as one opaque node of its graph, with symbolic token
+# counts, and compiles what lies around it (the model's ``compile_layers``). An
+# autograd.Function around the extension would break the graph in two at every layer. The
+# ops call the extension on whatever device their inputs are on; off CUDA it does not load.
 
-    @staticmethod
-    def forward(ctx, qkv, cu_seqlens, max_seqlen, softmax_scale):
-        q, k, v = qkv.unbind(1)
-        out, lse = fused_extension().varlen_attention_fwd(q, k, v, cu_seqlens, max_seqlen, 0.0, softmax_scale)
-        ctx.save_for_backward(qkv, out, lse, cu_seqlens)
-        ctx.max_seqlen, ctx.softmax_scale = max_seqlen, softmax_scale
-        return out
+@torch.library.custom_op("bert_ds::packed_attention_fwd", mutates_args=())
+def packed_attention_fwd(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
+                         softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``qkv`` (T, 3, nh, hd) -> (out (T, nh, hd), lse (nh, T) float32), q, k, v read in place."""
+    q, k, v = qkv.unbind(1)
+    return tuple(fused_extension().varlen_attention_fwd(q, k, v, cu_seqlens, max_seqlen, 0.0, softmax_scale))
 
-    @staticmethod
-    def backward(ctx, dout):
-        qkv, out, lse, cu_seqlens = ctx.saved_tensors
-        dqkv = fused_extension().varlen_attention_bwd_packed(dout, qkv, out, lse, cu_seqlens, ctx.max_seqlen,
-                                                             ctx.softmax_scale)
-        return dqkv, None, None, None
+
+@packed_attention_fwd.register_fake
+def _packed_attention_fwd_shapes(qkv, cu_seqlens, max_seqlen, softmax_scale):
+    total, _, heads, head_dim = qkv.shape
+    return qkv.new_empty(total, heads, head_dim), qkv.new_empty(heads, total, dtype=torch.float32)
+
+
+@torch.library.custom_op("bert_ds::packed_attention_bwd", mutates_args=())
+def packed_attention_bwd(dout: torch.Tensor, qkv: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                         cu_seqlens: torch.Tensor, max_seqlen: int, softmax_scale: float) -> torch.Tensor:
+    """The gradient of ``qkv`` (T, 3, nh, hd), in one contiguous piece laid out like it."""
+    return fused_extension().varlen_attention_bwd_packed(dout, qkv, out, lse, cu_seqlens, max_seqlen, softmax_scale)
+
+
+@packed_attention_bwd.register_fake
+def _packed_attention_bwd_shapes(dout, qkv, out, lse, cu_seqlens, max_seqlen, softmax_scale):
+    return torch.empty_like(qkv, memory_format=torch.contiguous_format)
+
+
+def _save_for_packed_backward(ctx, inputs, output) -> None:
+    qkv, cu_seqlens, max_seqlen, softmax_scale = inputs
+    out, lse = output
+    ctx.save_for_backward(qkv, out, lse, cu_seqlens)
+    ctx.max_seqlen, ctx.softmax_scale = max_seqlen, softmax_scale
+
+
+def _packed_attention_grad(ctx, dout, dlse):  # lse is saved for the backward, never differentiated
+    qkv, out, lse, cu_seqlens = ctx.saved_tensors
+    dqkv = packed_attention_bwd(dout.contiguous(), qkv, out, lse, cu_seqlens, ctx.max_seqlen, ctx.softmax_scale)
+    return dqkv, None, None, None
+
+
+packed_attention_fwd.register_autograd(_packed_attention_grad, setup_context=_save_for_packed_backward)

@@ -24,8 +24,8 @@ STEPS = ("kernels_build", "kernels_inspect", "test_cuda_ops", "kernels_bench", "
 RESULT_FILES = ("steps.txt", "SUMMARY.md", "kernels_bench.json", "bench.json", "bench.md", "profile.json",
                 "profile.md", "train_base_summary.json", "train_base_metrics.jsonl", "train_base_profile.json",
                 "train_base_profile.md", "train_base512_summary.json", "train_base512_profile.json",
-                "engine_sweep/engine_sweep.md", "engine_sweep/bf16-accum/rank0.json",
-                "engine_sweep/bf16-accum/summary.json",
+                "engine_sweep/engine_sweep.md", "engine_sweep/compiled/rank0.json",
+                "engine_sweep/compiled/summary.json",
                 *(f"{step}.log" for step in STEPS))
 
 
@@ -123,7 +123,7 @@ def test_the_rehearsal_runs_every_step_and_writes_every_result(kit, tmp_path):
     summary = (out / "SUMMARY.md").read_text()
     for section in ("## Steps", "## Fused kernels", "## Training throughput", "## One step, profiled",
                     "## The engine path a user runs", "### Steps 1-3 profiled",
-                    "## The engine path, variant by variant", "### bf16-accum: a profiled step by stage",
+                    "## The engine path, variant by variant", "### compiled: a profiled step by stage", "| (d) bert-ds, layers compiled |",
                     "## The shipped config's step by bucket", "- at seq 512 (`train_base512.log`): ",
                     "| stage of the step |"):
         assert section in summary

@@ -59,6 +59,7 @@ FIELDS: dict[str, FieldClass] = {
     "model.initializer_range": RECORDED,  # used only by a fresh start
     "model.kernels": RECORDED,
     "model.activation_checkpointing": RECORDED,
+    "model.compile_layers": RECORDED,
     # The sample stream the data cursor points into, and the training objective.
     "data.train": RECORDED,  # a dataset may move; its vocabulary is checked through model.vocab_size
     "data.weights": REFUSED,

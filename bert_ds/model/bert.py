@@ -39,6 +39,12 @@ Design choices, and why:
   normalises each sublayer's input instead and adds a final
   ``bert.encoder.LayerNorm``: stabler at depth or with high learning rates, but
   ``transformers.BertForPreTraining`` has no such layout, so it cannot be exported.
+- **Two ways to fuse the elementwise work.** By hand (the fused ops of :mod:`kernels`), or with
+  ``compile_layers`` by Inductor: each encoder layer under ``torch.compile`` (whole, no graph
+  break) on PyTorch's ops, the attention as the kernels setting picks it, the fused kernel as a
+  custom op. The token count is symbolic and every batch up to training's length is handed that
+  length as its longest, so the layers compile once. Which is faster is measured per GPU (the
+  bench's variant (d), the engine sweep's ``compiled``); the hand-fused path is the default.
 - **Kernels are resolved once**, at construction, from ``ModelConfig.kernels`` and the
   model's shapes at the training's sequence length; the ops in :mod:`kernels` receive the
   resolved backend on every call (under ``kernels=auto`` the plan of the winners at these
@@ -183,9 +189,9 @@ class BertSublayerOutput(nn.Module):
 
 
 class BertAttention(nn.Module):
-    def __init__(self, config: ModelConfig, backend: Backend) -> None:
+    def __init__(self, config: ModelConfig, backend: Backend, attention_backend: Backend) -> None:
         super().__init__()
-        self.self = BertSelfAttention(config, backend)
+        self.self = BertSelfAttention(config, attention_backend)
         self.output = BertSublayerOutput(config.hidden_size, config, backend)
         self.pre_layernorm = config.pre_layernorm
 
@@ -209,9 +215,10 @@ class BertIntermediate(nn.Module):
 
 
 class BertLayer(nn.Module):
-    def __init__(self, config: ModelConfig, backend: Backend) -> None:
+    def __init__(self, config: ModelConfig, backend: Backend, attention_backend: Backend | None = None) -> None:
+        """``attention_backend``: the attention's, where it differs from the other ops' ``backend``."""
         super().__init__()
-        self.attention = BertAttention(config, backend)
+        self.attention = BertAttention(config, backend, attention_backend or backend)
         self.intermediate = BertIntermediate(config, backend)
         self.output = BertSublayerOutput(config.intermediate_size, config, backend)
         self.pre_layernorm = config.pre_layernorm
@@ -224,15 +231,35 @@ class BertLayer(nn.Module):
 
 
 class BertEncoder(nn.Module):
-    def __init__(self, config: ModelConfig, backend: Backend) -> None:
+    def __init__(self, config: ModelConfig, backend: Backend, train_seq_len: int) -> None:
         super().__init__()
-        self.layer = nn.ModuleList(BertLayer(config, backend) for _ in range(config.num_layers))
+        if config.compile_layers:
+            # Inductor fuses the layer's elementwise work (bias adds, GELU, dropout, residuals,
+            # LayerNorm) into kernels of its own, which it can only do with PyTorch's ops: the
+            # fused ones are opaque to it. The attention runs what ``backend`` picks for it, the
+            # fused kernel as one custom op of the graph (kernels/attention.py).
+            self.layer = nn.ModuleList(BertLayer(config, "torch", backend) for _ in range(config.num_layers))
+            for layer in self.layer:
+                layer.compile(fullgraph=True)  # fullgraph: a graph break is an error, not a slow layer
+        else:
+            self.layer = nn.ModuleList(BertLayer(config, backend) for _ in range(config.num_layers))
+        self.compiled = config.compile_layers
+        self.train_seq_len = train_seq_len
         # Pre-LN leaves the residual stream unnormalised; the heads expect normalised input.
         self.LayerNorm = (LayerNorm(config.hidden_size, config.layer_norm_eps, backend)
                           if config.pre_layernorm else None)
         self.activation_checkpointing = config.activation_checkpointing
 
     def forward(self, hidden: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
+        if self.compiled:
+            # The token count and the batch size change from batch to batch: symbolic from the first
+            # compilation on, so that a new size is no new compilation. max_seqlen only bounds the
+            # sequences (module doc of kernels/attention.py), so every batch of training's length or
+            # shorter is handed that length: one value, no compilation for another (a longer batch,
+            # in evaluation, compiles once more; a second such value makes it symbolic).
+            torch._dynamo.maybe_mark_dynamic(hidden, 0)
+            torch._dynamo.maybe_mark_dynamic(cu_seqlens, 0)
+            max_seqlen = max(max_seqlen, self.train_seq_len)
         for layer in self.layer:
             # Recomputation only pays off when a backward pass will follow.
             if self.activation_checkpointing and torch.is_grad_enabled():
@@ -255,10 +282,10 @@ class BertPooler(nn.Module):
 
 
 class BertModel(nn.Module):
-    def __init__(self, config: ModelConfig, backend: Backend) -> None:
+    def __init__(self, config: ModelConfig, backend: Backend, train_seq_len: int | None = None) -> None:
         super().__init__()
         self.embeddings = BertEmbeddings(config, backend)
-        self.encoder = BertEncoder(config, backend)
+        self.encoder = BertEncoder(config, backend, train_seq_len or config.max_position_embeddings)
         self.pooler = BertPooler(config)
 
     def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor, position_ids: torch.Tensor,
@@ -380,7 +407,7 @@ class BertForPreTraining(nn.Module):
             approximate=_GELU_APPROXIMATE[config.hidden_act], hidden_dropout=config.hidden_dropout,
             vocab=config.vocab_size)
         self.backend = resolve_backend(config.kernels, self.op_shapes)
-        self.bert = BertModel(config, self.backend)
+        self.bert = BertModel(config, self.backend, self.op_shapes.max_seqlen)
         self.cls = BertPreTrainingHeads(config, self.backend, self.bert.embeddings.word_embeddings.weight)
         self._init_weights()
 

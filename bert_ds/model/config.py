@@ -37,6 +37,7 @@ class ModelConfig:
     pre_layernorm: bool = False  # False: post-LN, the original BERT; True: pre-LN (stabler, not HF-exportable)
     kernels: KernelSetting = "auto"  # "cuda": fused kernels or an error; "auto": per op the fastest correct (logged)
     activation_checkpointing: bool = False  # recompute layers in backward: less activation memory, ~1/3 more compute
+    compile_layers: bool = False  # torch.compile each encoder layer: Inductor fuses its elementwise ops (bert.py)
     pad_token_id: int = 0  # id of [PAD]; its embedding row gets no gradient (HF padding_idx)
 
     def __post_init__(self) -> None:
@@ -54,7 +55,7 @@ class ModelConfig:
         for name in ("layer_norm_eps", "initializer_range"):
             value = getattr(self, name)
             require(_is_number(value) and value > 0.0, f"{_PREFIX}{name}", f"must be a positive number, got {value!r}")
-        for name in ("pre_layernorm", "activation_checkpointing"):
+        for name in ("pre_layernorm", "activation_checkpointing", "compile_layers"):
             value = getattr(self, name)
             require(isinstance(value, bool), f"{_PREFIX}{name}", f"must be true or false, got {value!r}")
         require(self.kernels in _KERNEL_SETTINGS, f"{_PREFIX}kernels",

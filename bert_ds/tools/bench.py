@@ -1,10 +1,10 @@
 """Training throughput of bert_ds against Hugging Face transformers, on the same device in one run.
 
     python -m bert_ds.tools.bench [--device cpu|cuda] [--preset base[,large]] [--seq-len 128[,512]]
-                                  [--variants a,b,c] [--steps N] [--warmup N] [--data DIR]
+                                  [--variants a,b,c,d] [--steps N] [--warmup N] [--data DIR]
                                   [--json FILE] [--markdown FILE]
 
-For every (preset, sequence length) it times three ways to train the same BERT on the
+For every (preset, sequence length) it times four ways to train the same BERT on the
 same batches, one after the other, each a loop of loader -> host-to-device copy ->
 forward -> backward -> optimizer step:
 
@@ -14,20 +14,24 @@ forward -> backward -> optimizer step:
   (``bert_ds.optim.flat.FlatLamb``, its update fused); on a CPU, ``kernels=auto``;
 - (b) bert_ds with ``kernels=torch``: the same model on the PyTorch-native ops (varlen_attn on CUDA);
 - (c) ``transformers.BertForPreTraining`` with SDPA attention and torch's fused AdamW,
-  fed the padded batch and dense labels: what a user would otherwise run.
+  fed the padded batch and dense labels: what a user would otherwise run;
+- (d) bert_ds with its encoder layers under ``torch.compile`` (``--compile-layers`` of the
+  trainer): Inductor's fusion of the PyTorch ops in place of the hand-fused kernels, the
+  attention as ``kernels=auto`` picks it (the fused kernel as one custom op). Against (a) it
+  says which of the two fusions is faster on the device; its first step compiles (warm-up).
 
 It prints a markdown table per configuration and the projection of the anchor run
 (:mod:`bert_ds.tools.projection`); ``--json`` and ``--markdown`` keep every figure.
 
 Design choices, and why:
 
-- **Same work, checked.** All three start from the same weights (bert_ds's, loaded
+- **Same work, checked.** All four start from the same weights (bert_ds's, loaded
   into transformers by name: the names are Hugging Face's) and see the same batches.
   Before timing, each computes the loss of the first batch without dropout; the losses
   are printed side by side, so a mismatch in weights or inputs cannot hide behind a
-  speed-up. No DeepSpeed engine wraps any of them: its cost is the same for all three.
+  speed-up. No DeepSpeed engine wraps any of them: its cost is the same for all four.
 - **Precision.** bf16 autocast with fp32 weights and optimizer state on CUDA, the usual
-  way to run transformers in bf16, given to all three alike; fp32 on CPU. ``--precision``
+  way to run transformers in bf16, given to all four alike; fp32 on CPU. ``--precision``
   overrides.
 - **Batches.** ``--data DIR`` reads real shards through the training loader itself
   (``PretrainingDataset`` + ``PretrainingLoader``, ``--workers`` processes, pinned memory
@@ -48,7 +52,7 @@ Design choices, and why:
   compute. Per-step compute times come from CUDA events (no synchronization between
   steps) or, on CPU, the host clock; the process CPU time is recorded too.
 - **One FLOPs accounting.** Useful FLOPs are :func:`bert_ds.model.flops.training_flops` for all
-  three variants (the work a step must do, not what transformers spends on padding and
+  variants (the work a step must do, not what transformers spends on padding and
   unmasked logits), so MFU and tokens/s rank alike. MFU is against the datasheet dense
   bf16 peak (known GPUs) and against a matmul measured in the same run (the best of one
   probe before and one after the variants; :mod:`bert_ds.kernels.probes`), next to a copy probe.

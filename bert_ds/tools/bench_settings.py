@@ -21,12 +21,15 @@ class Variant:
     kernels: str  # bert_ds's kernels setting; "fused": every op fused on CUDA (see build_variant)
     optimizer: Literal["lamb", "adamw"]
     description: str
+    compile_layers: bool = False  # bert_ds's encoder layers under torch.compile (ModelConfig.compile_layers)
 
 
 VARIANTS = {v.key: v for v in (
     Variant("a", "bert_ds", "fused", "lamb", "bert_ds: fused kernels, unpadded, sparse MLM decoder, LAMB"),
     Variant("b", "bert_ds", "torch", "lamb", "bert_ds: PyTorch-native ops, unpadded, sparse MLM decoder, LAMB"),
     Variant("c", "transformers", "", "adamw", "transformers BertForPreTraining: SDPA, padded, fused AdamW"),
+    Variant("d", "bert_ds", "auto", "lamb", "bert_ds: layers under torch.compile (Inductor's fusion), attention "
+            "as kernels=auto picks, LAMB", compile_layers=True),
 )}
 BASELINE = "c"
 

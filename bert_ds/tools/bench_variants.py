@@ -1,5 +1,5 @@
 """The measuring half of :mod:`bert_ds.tools.bench`: its batches (synthetic, or real shards through
-the training loader), the three variants built from the same weights, and their timed loops.
+the training loader), the variants built from the same weights, and their timed loops.
 
 The module docstring of :mod:`bert_ds.tools.bench` gives the design. The command imports this
 module once its command line is read: it imports torch, the model and transformers, which
@@ -136,13 +136,16 @@ def build_variant(v: Variant, cfg: ModelConfig, weights: dict[str, torch.Tensor]
     kernels, shapes = "auto", None
     if v.family == "bert_ds":
         kernels = v.kernels if v.kernels != "fused" else "cuda" if device.type == "cuda" else "auto"
-        model = BertForPreTraining(dataclasses.replace(cfg, kernels=kernels), train_seq_len=seq_len)
+        model = BertForPreTraining(dataclasses.replace(cfg, kernels=kernels, compile_layers=v.compile_layers),
+                                   train_seq_len=seq_len)
         model.load_state_dict(weights)
         shapes, loss_fn = model.op_shapes, bert_ds_loss
         ran = (model.backend.describe() if isinstance(model.backend, OpPlan)
                else {"cuda": "fused (all ops)", "torch": "torch"}[model.backend])
         if v.kernels == "fused" and device.type != "cuda":
             ran = "torch (no CUDA device)"
+        if v.compile_layers:  # the layers' other ops are PyTorch's, for Inductor to fuse
+            ran = f"layers compiled; attention: {ran}"
     else:
         import transformers
 

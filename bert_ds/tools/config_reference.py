@@ -48,6 +48,7 @@ _FLAG_FIELDS = {
     "--val-data": "data.val",
     "--whole-word-mask": "data.whole_word_mask",
     "--activation-checkpointing": "model.activation_checkpointing",
+    "--compile-layers": "model.compile_layers",
     "--dropout": "model.hidden_dropout",
     "--init-from": "init_from",
     "--ds-config": "ds_config",

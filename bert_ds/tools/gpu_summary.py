@@ -43,7 +43,8 @@ from typing import Any
 
 from bert_ds.base.errors import UserError, guarded
 
-BENCH_VARIANTS = {"a": "bert-ds fused", "b": "bert-ds, PyTorch ops", "c": "transformers (SDPA)"}
+BENCH_VARIANTS = {"a": "bert-ds fused", "b": "bert-ds, PyTorch ops", "c": "transformers (SDPA)",
+                  "d": "bert-ds, layers compiled"}
 VERDICT = re.compile(r"^\s+(\w+)\s+runs (\w+) \((.*?)\)(.*)$")
 PYTEST_CLOSING = re.compile(r"\b\d+ (passed|failed|skipped|errors?|deselected)\b.* in [\d.]+s")
 

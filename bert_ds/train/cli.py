@@ -98,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
                         f"else {DEFAULT_PRESET})")
     p.add_argument("--kernels", default=m.kernels, choices=["auto", "cuda", "torch"], help="fused CUDA kernels or the PyTorch path")
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute layer activations in backward")
+    p.add_argument("--compile-layers", action="store_true",
+                   help="torch.compile each encoder layer: Inductor fuses its elementwise ops, attention as --kernels picks")
     p.add_argument("--dropout", type=float, default=None,
                    help="hidden dropout (default: the model's 0.1); 0 makes a world-size change exact, see R8")
     p.add_argument("--steps", type=int, default=t.steps, help="optimizer steps")
@@ -160,7 +162,8 @@ def model_from_args(args: argparse.Namespace, vocab_size: int, saved_model: dict
     absent; a different size or vocabulary (which comes from the data) is then a refused
     change (bert_ds.checkpoint.resume), not a silent one. Starting from ``init`` (--init-from), the
     architecture is the source's (bert_ds.checkpoint.hf_import)."""
-    given = dict(vocab_size=vocab_size, kernels=args.kernels, activation_checkpointing=args.activation_checkpointing)
+    given = dict(vocab_size=vocab_size, kernels=args.kernels, activation_checkpointing=args.activation_checkpointing,
+                 compile_layers=args.compile_layers)
     if args.dropout is not None:
         given["hidden_dropout"] = args.dropout
     if saved_model is None and init is not None and init.model is not None:

@@ -52,7 +52,7 @@ from bert_ds.model.config import PRESETS, model_preset
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 _MERGED = ("data", "optim")  # sections a phase overrides key by key
 _SET_BY_PHASES = ("model", "output", "steps", "init_from")  # a phase's TrainConfig gets these from the plan
-_PHASE_MODEL_KEYS = ("activation_checkpointing", "kernels")  # all a phase may change about the model
+_PHASE_MODEL_KEYS = ("activation_checkpointing", "compile_layers", "kernels")  # all a phase may change about the model
 
 
 @dataclass

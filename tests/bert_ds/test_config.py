@@ -1,3 +1,4 @@
+import dataclasses
 import json
 
 import pytest
@@ -104,6 +105,15 @@ def test_lamb_refuses_engine_layouts_it_cannot_be_exact_under(ds_config, message
         deepspeed_config(cfg, BatchPlan.resolve(32, 32, 1))
     cfg.optim = OptimConfig(name="adamw")
     assert deepspeed_config(cfg, BatchPlan.resolve(32, 32, 1))["zero_allow_untested_optimizer"] is True
+
+
+def test_compiled_layers_refuse_zero3():
+    cfg = _cfg(ds_config="zero3_bf16.json", optim=OptimConfig(name="adamw"))
+    cfg.model = dataclasses.replace(cfg.model, compile_layers=True)
+    with pytest.raises(ConfigError, match="--compile-layers supports ZeRO stages 0-2, not 3"):
+        deepspeed_config(cfg, BatchPlan.resolve(32, 32, 1))
+    cfg.ds_config = "zero2_bf16.json"
+    assert deepspeed_config(cfg, BatchPlan.resolve(32, 32, 1))["zero_optimization"]["stage"] == 2
 
 
 @pytest.mark.parametrize("name,owned", [("zero1_bf16.json", False), ("zero2_bf16.json", True),

@@ -433,6 +433,30 @@ def test_training_forward_compiles_whole_and_matches_eager():
         _compiled_keeping_graphs(model)[0](input_ids, token_type_ids, attention_mask, labels)
 
 
+def test_compiled_layers_train_as_eager_layers_do_and_compile_once():
+    """``compile_layers``: each encoder layer under torch.compile (Inductor, as a training run
+    compiles it). Loss and gradients are eager's within rounding (Inductor fuses the fp32 sums
+    in its own order); batches of other token counts, batch sizes and longest sequences compile
+    nothing new; the parameters keep their names (checkpoints and the export do not change)."""
+    from torch._dynamo.utils import counters
+
+    config = _config(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64)
+    torch.manual_seed(0)
+    eager = BertForPreTraining(config).train()  # dropout 0: both compute the same function
+    compiled = BertForPreTraining(dataclasses.replace(config, compile_layers=True)).train()
+    assert list(compiled.state_dict()) == list(eager.state_dict())
+    compiled.load_state_dict(eager.state_dict())
+    torch._dynamo.reset()
+    graphs_before = counters["stats"]["unique_graphs"]
+    for seed, lengths in enumerate(([SEQ, 1, 7, 11], [5, SEQ, SEQ], [3, 9, 2, 12, 4])):  # the last: max 12 < SEQ
+        (compiled_loss, compiled_grads), (eager_loss, eager_grads) = (
+            _loss_and_grads(model, _batch(seed=seed, lengths=lengths), seed=0) for model in (compiled, eager))
+        torch.testing.assert_close(compiled_loss, eager_loss, rtol=0, atol=1e-5)
+        for name, grad in eager_grads.items():
+            torch.testing.assert_close(compiled_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    assert counters["stats"]["unique_graphs"] - graphs_before == 1  # the two layers share it
+
+
 @pytest.mark.parametrize("options", [{}, {"activation_checkpointing": True, "pre_layernorm": True}])
 def test_training_step_runs_on_the_meta_device(options):
     """The eager training step, as train.py runs it, reads no device value on the host:
@@ -476,6 +500,7 @@ def test_rejects_sequences_longer_than_position_table():
     ("pre_layernorm", "yes"),
     ("kernels", "triton"),
     ("activation_checkpointing", 1),
+    ("compile_layers", "no"),
     ("pad_token_id", VOCAB),
 ])
 def test_config_rejects_bad_values(field, value):
