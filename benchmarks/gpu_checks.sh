@@ -208,7 +208,8 @@ fi
 step test_cuda_ops 240 "$python" -m pytest -q -rs -p no:cacheprovider tests/kernels/test_cuda_ops.py
 step kernels_bench 240 "$python" -m bert_ds.kernels.bench --json "$out/kernels_bench.json" "${kbench[@]}"
 # shellcheck disable=SC2086  # BENCH_ARGS is a list of words
-step bench 360 "$python" -m bert_ds.tools.bench --json "$out/bench.json" --markdown "$out/bench.md" "${bench[@]}" \
+step bench 360 "$python" -m bert_ds.tools.bench --json "$out/bench.json" --markdown "$out/bench.md" --variants a,b,c,d \
+    "${bench[@]}" \
     ${BENCH_ARGS:-}
 step profile 180 "$python" -m bert_ds.tools.profile_step --json "$out/profile.json" --markdown "$out/profile.md" \
     "${profile[@]}"

@@ -320,8 +320,21 @@ IMPLEMENTATIONS: dict[Impl, Callable[..., torch.Tensor]] = {
 
 
 # The candidates that take a packed (T, 3, nh, hd) projection as it is; the others are handed its
-# three views (:func:`varlen_attention_packed`).
+# three views (:func:`packed_form`).
 PACKED_IMPLEMENTATIONS: dict[Impl, Callable[..., torch.Tensor]] = {"fused": varlen_attention_packed_fused}
+
+
+def packed_form(impl: str, fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """Candidate ``impl`` (``fn``: its form with q, k and v) on a packed projection ``qkv`` (T, 3, nh, hd):
+    its packed kernel where it has one, else ``fn`` on the three views of ``qkv``. What the model
+    runs (:func:`varlen_attention_packed`), and so what ``kernels=auto`` times."""
+    packed = PACKED_IMPLEMENTATIONS.get(impl)
+    if packed is not None:
+        return packed
+
+    def on_views(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None):
+        return fn(*qkv.unbind(1), cu_seqlens, max_seqlen, dropout_p, softmax_scale)
+    return on_views
 
 
 def varlen_attention(
@@ -358,9 +371,7 @@ def varlen_attention_packed(
     q, k, v = qkv.unbind(1)
     impl = choose("varlen_attention", backend,
                   lambda name: _unsupported(name, q, k, v, cu_seqlens, dropout_p, softmax_scale))
-    if impl in PACKED_IMPLEMENTATIONS:
-        return PACKED_IMPLEMENTATIONS[impl](qkv, cu_seqlens, max_seqlen, dropout_p, softmax_scale)
-    return IMPLEMENTATIONS[impl](q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale)
+    return packed_form(impl, IMPLEMENTATIONS[impl])(qkv, cu_seqlens, max_seqlen, dropout_p, softmax_scale)
 
 
 def _unsupported(impl: Impl, q, k, v, cu_seqlens, dropout_p, softmax_scale) -> str:

@@ -160,7 +160,8 @@ def op_choices(shapes: OpShapes | None = None) -> dict[str, Choice]:
     meets these shapes on this device under this :func:`~bert_ds.kernels._build.device_key`,
     and recorded under the shapes with the candidates' names: a later process with the same
     shapes reads it, one with other shapes (another model, the next phase's sequence length)
-    races them, and a record made with other candidates is raced again
+    races them, and a record made with other candidates, or by another version of the race
+    (``speed.RACE_VERSION``), is raced again
     (``python -m bert_ds.kernels.build --recheck`` races again in any case).
     """
     fused = _fused_problems()  # before the record's lock: the self-check takes it too
@@ -173,12 +174,12 @@ def op_choices(shapes: OpShapes | None = None) -> dict[str, Choice]:
                     shapes.describe())
         choices = speed.race(shapes, device, timed, excluded, race_timer or speed.best_seconds_per_call)
         return {"shapes": dataclasses.asdict(shapes), "candidates": speed.candidate_names(),
-                "ops": {op: c.to_json() for op, c in choices.items()}}
+                "race": speed.RACE_VERSION, "ops": {op: c.to_json() for op, c in choices.items()}}
 
-    def same_candidates(section: dict[str, Any]) -> bool:
-        return section.get("candidates") == speed.candidate_names()
+    def same_race(section: dict[str, Any]) -> bool:
+        return section.get("candidates") == speed.candidate_names() and section.get("race") == speed.RACE_VERSION
 
-    section = recorded(f"choices {shapes.key}", run_race, holds=same_candidates)
+    section = recorded(f"choices {shapes.key}", run_race, holds=same_race)
     return {op: Choice.from_json(c) for op, c in section["ops"].items()}
 
 

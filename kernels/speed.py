@@ -23,7 +23,9 @@ the fused kernel's mask to the reference; the MLM loss's count of right predicti
 the reference's). Each correct candidate is then timed forward + backward on seeded inputs at
 the model's shapes, its dropout and the training's sequence length (:class:`OpShapes`), on as
 many tokens as a training micro-batch holds (32,768 by
-default, a BERT-Base micro-batch of 256 x 128), so that launch costs do not decide; on a GPU
+default, a BERT-Base micro-batch of 256 x 128), so that launch costs do not decide (attention as
+the model runs it: on one (T, 3, nh, hd) Q/K/V projection, which the fused kernel reads in place
+and the others take as three views, ``attention.packed_form``, their copies timed); on a GPU
 by CUDA events around back-to-back calls. The fastest wins, and :class:`Choice` says by how
 much over the runner-up. A tie goes to ``native``: another candidate is used only when it is
 faster than every other, so ``kernels=auto`` is never slower than the native path.
@@ -70,6 +72,9 @@ RACE_TOKENS = 32768  # a BERT-Base micro-batch of the recipe (256 x 128)
 MASKED_SHARE = 0.15  # BERT's masking rate (DataConfig.mask_rate): the MLM decoder's rows per token
 
 Timer = Callable[[Callable[[], Any], torch.device], float]  # (run once, device) -> seconds per run
+# What the race times, by version; a record of another version is raced again (kernels/choice.py).
+# 2: attention on one Q/K/V projection, as the model runs it (1: on three separate tensors).
+RACE_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -213,6 +218,8 @@ def candidates(fused_problems: Mapping[str, str], apex_problem: str,
             problems["apex"] = apex_problem
         timed[op] = {"native": IMPLEMENTATIONS[op]["native"]}
         timed[op].update((name, fn) for name, fn in IMPLEMENTATIONS[op].items() if not problems.get(name, ""))
+        if op == "varlen_attention":  # timed on the model's one Q/K/V projection (_case)
+            timed[op] = {name: attention.packed_form(name, fn) for name, fn in timed[op].items()}
         excluded[op] = {name: why for name, why in problems.items() if why}
     return timed, excluded
 
@@ -332,11 +339,13 @@ def _case(op: str, shapes: OpShapes, device: torch.device) -> _AutogradCase | _L
         return _AutogradCase(lambda fn, t: fn(t["x"], t["bias"], shapes.approximate),
                              leaves, rand(tokens, shapes.intermediate).detach(), bias_gelu_ref, dtype)
     if op == "varlen_attention":
+        # As the model runs it: q, k and v as one (T, 3, nh, hd) projection, which a candidate reads in
+        # place or as three views (attention.packed_form), and its gradient in one piece
         cu_seqlens = torch.tensor([0, *lengths], device=device).cumsum(0).to(torch.int32)
-        leaves = {name: rand(tokens, shapes.num_heads, shapes.head_dim) for name in ("q", "k", "v")}
-        return _AutogradCase(lambda fn, t: fn(t["q"], t["k"], t["v"], cu_seqlens, shapes.max_seqlen),
+        leaves = {"qkv": rand(tokens, 3, shapes.num_heads, shapes.head_dim)}
+        return _AutogradCase(lambda fn, t: fn(t["qkv"], cu_seqlens, shapes.max_seqlen),
                              leaves, rand(tokens, shapes.num_heads, shapes.head_dim).detach(),
-                             attention.varlen_attention_ref, dtype)
+                             attention.packed_form("reference", attention.varlen_attention_ref), dtype)
     if op == "mlm_cross_entropy":
         return _cross_entropy_case(shapes, device, generator, dtype)
     if op == "lamb_update":

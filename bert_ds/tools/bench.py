@@ -1,7 +1,7 @@
 """Training throughput of bert_ds against Hugging Face transformers, on the same device in one run.
 
     python -m bert_ds.tools.bench [--device cpu|cuda] [--preset base[,large]] [--seq-len 128[,512]]
-                                  [--variants a,b,c,d] [--steps N] [--warmup N] [--data DIR]
+                                  [--variants a,b,c] [--steps N] [--warmup N] [--data DIR]
                                   [--json FILE] [--markdown FILE]
 
 For every (preset, sequence length) it times four ways to train the same BERT on the
@@ -18,7 +18,8 @@ forward -> backward -> optimizer step:
 - (d) bert_ds with its encoder layers under ``torch.compile`` (``--compile-layers`` of the
   trainer): Inductor's fusion of the PyTorch ops in place of the hand-fused kernels, the
   attention as ``kernels=auto`` picks it (the fused kernel as one custom op). Against (a) it
-  says which of the two fusions is faster on the device; its first step compiles (warm-up).
+  says which of the two fusions is faster on the device; its first step compiles (warm-up), so
+  it runs when asked for (``--variants a,b,c,d``; ``benchmarks/gpu_checks.sh`` asks).
 
 It prints a markdown table per configuration and the projection of the anchor run
 (:mod:`bert_ds.tools.projection`); ``--json`` and ``--markdown`` keep every figure.
@@ -78,7 +79,7 @@ from typing import Any
 from bert_ds.base.errors import ConfigError, guarded
 from bert_ds.model.config import PRESETS, model_preset
 from bert_ds.model.flops import training_flops
-from bert_ds.tools.bench_settings import BASELINE, VARIANTS, BenchSettings
+from bert_ds.tools.bench_settings import BASELINE, DEFAULT_VARIANTS, VARIANTS, BenchSettings
 from bert_ds.tools.projection import ANCHOR, anchor_mfu, hours_minutes, project
 
 BERT_VOCAB_SIZE = 30522  # bert-base-uncased: the vocabulary of the published models
@@ -273,8 +274,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help=f"sets the batch size when --batch-size is not given (default: {TOKENS_PER_STEP})")
     p.add_argument("--steps", type=int, default=None, help=f"timed steps per variant (default: {DEFAULT_STEPS})")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps per variant before the timed ones")
-    p.add_argument("--variants", default=",".join(VARIANTS),
-                   help="comma-separated subset: " + "; ".join(f"{k}: {v.description}" for k, v in VARIANTS.items()))
+    p.add_argument("--variants", default=DEFAULT_VARIANTS,
+                   help=f"comma-separated subset (default {DEFAULT_VARIANTS}; d compiles first, seconds to minutes): "
+                   + "; ".join(f"{k}: {v.description}" for k, v in VARIANTS.items()))
     p.add_argument("--lr", type=float, default=1e-4, help="learning rate of every optimizer")
     p.add_argument("--data", default=None, help="dataset folder (data_tools build): batches from real shards")
     p.add_argument("--workers", type=int, default=None, help="loader worker processes (default: 2 on cuda, 0 on cpu)")

@@ -32,6 +32,7 @@ VARIANTS = {v.key: v for v in (
             "as kernels=auto picks, LAMB", compile_layers=True),
 )}
 BASELINE = "c"
+DEFAULT_VARIANTS = "a,b,c"  # (d) compiles the model first: asked for by name
 
 
 @dataclass

@@ -106,10 +106,11 @@ def auto(monkeypatch, tmp_path):
             for name, cost in per_impl.items():
                 native = Auto.natives[op]
                 fn = native if name == "native" else _stand_in(op, name, native, Auto.calls)
-                monkeypatch.setitem(speed.IMPLEMENTATIONS[op], name, clock.charging(cost, fn))
+                charged = clock.charging(cost, fn)
+                monkeypatch.setitem(speed.IMPLEMENTATIONS[op], name, charged)
                 if op == "varlen_attention" and name in attention.PACKED_IMPLEMENTATIONS:  # the model's QKV layout
                     monkeypatch.setitem(attention.PACKED_IMPLEMENTATIONS, name,
-                                        lambda qkv, *rest, fn=fn: fn(*qkv.unbind(1), *rest))
+                                        lambda qkv, *rest, fn=charged: fn(*qkv.unbind(1), *rest))
 
         @staticmethod
         def new_process() -> None:
@@ -167,6 +168,26 @@ def test_every_candidate_is_timed_and_the_fastest_wins(auto):
     assert _runs()["layer_norm"] == "compiled" and _runs()["bias_gelu"] == "native"
 
 
+def test_the_race_times_attention_on_the_models_one_projection(auto, monkeypatch):
+    """The model hands attention q, k and v as views of one (T, 3, nh, hd) projection, which the
+    fused kernel reads in place through its packed form: the race times every candidate so
+    (one given three separate tensors is charged 100 times its cost here)."""
+    def on_one_projection(cost):
+        def charge(q, k, v, *rest):
+            one_projection = k.data_ptr() - q.data_ptr() == q.shape[1] * q.shape[2] * q.element_size()
+            return cost if one_projection else 100 * cost
+        return charge
+    auto.costs("varlen_attention", native=on_one_projection(2.0), fused=on_one_projection(1.0))
+    packed = []
+    fused = attention.PACKED_IMPLEMENTATIONS["fused"]
+    monkeypatch.setitem(attention.PACKED_IMPLEMENTATIONS, "fused",
+                        lambda qkv, *rest: packed.append(tuple(qkv.shape[1:])) or fused(qkv, *rest))
+    resolve_backend("auto", SHAPES)
+    ms = choice.op_choices(SHAPES)["varlen_attention"].ms
+    assert ms["native"] == pytest.approx(2.0) and ms["fused"] == pytest.approx(1.0)
+    assert packed and set(packed) == {(3, SHAPES.num_heads, SHAPES.head_dim)}
+
+
 def test_the_record_says_what_won_and_by_how_much(auto):
     auto.costs("varlen_attention", fused=2.5, sdpa_efficient=1.25, sdpa_cudnn=1.5)
     resolve_backend("auto", SHAPES)
@@ -216,7 +237,7 @@ def test_a_fused_kernel_that_failed_its_self_check_is_not_a_candidate(auto, monk
 def test_a_candidate_that_raises_at_the_model_s_shapes_is_not_a_candidate(auto, monkeypatch):
     def broken(*args):
         raise RuntimeError("no kernel for this head dim\nmore detail")
-    monkeypatch.setitem(attention.IMPLEMENTATIONS, "fused", broken)
+    monkeypatch.setitem(attention.PACKED_IMPLEMENTATIONS, "fused", broken)  # what the race times: the model's form
     resolve_backend("auto", SHAPES)
     winner = choice.op_choices(SHAPES)["varlen_attention"]
     assert winner.runs == "native" and winner.excluded["fused"] == "raised RuntimeError: no kernel for this head dim"
@@ -398,6 +419,17 @@ def test_a_race_recorded_with_other_candidates_is_raced_again(auto):
     path.write_text(json.dumps(record))
     assert _raced_again(auto)
     assert json.loads(path.read_text())[RECORDED]["candidates"] == speed.candidate_names()
+
+
+def test_a_race_recorded_by_an_earlier_version_of_the_race_is_raced_again(auto):
+    # Same candidates, timed another way (attention on three tensors before RACE_VERSION 2).
+    resolve_backend("auto", SHAPES)
+    path = _build.verdict_path()
+    record = json.loads(path.read_text())
+    del record[RECORDED]["race"]
+    path.write_text(json.dumps(record))
+    assert _raced_again(auto)
+    assert json.loads(path.read_text())[RECORDED]["race"] == speed.RACE_VERSION
 
 
 def test_the_race_runs_on_a_training_micro_batch_of_tokens():
