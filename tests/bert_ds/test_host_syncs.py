@@ -26,7 +26,7 @@ import pytest
 from tests.conftest import REPO, cli_env, run_cli
 
 COUNTER = r'''
-import collections, json, os, traceback
+import collections, json, os, sys, traceback
 import torch
 import bert_ds.train.step as step_module
 
@@ -70,6 +70,8 @@ def counted_step(self, state):
         if state.step == LAST:
             with open(os.environ["SYNC_COUNTS"], "w") as out:
                 json.dump({k: v / (LAST - FIRST + 1) for k, v in counts.items()}, out)
+            with open(os.environ["SYNC_COUNTS"] + ".dynamo", "w") as out:  # bert_ds.base.dynamo
+                out.write(str("torch._dynamo" in sys.modules))
 
 
 step_module.TrainStep.__call__ = counted_step
@@ -91,6 +93,8 @@ def test_a_training_step_reads_the_device_once(sample_data, tmp_path, ds_config)
     # The all-reduce's copy to the host (its .tolist() then reads host memory): nothing else of ours.
     ours = {"cpu in bert_ds/train/step.py all_reduce": 1.0, "tolist in bert_ds/train/step.py all_reduce": 1.0}
     assert per_step == {**ours, **DEEPSPEEDS.get(ds_config, {})}, per_step
+    # and a rank that compiles nothing never imports TorchDynamo (2-2.5 s of CPU at its start)
+    assert (tmp_path / "counts.json.dynamo").read_text() == "False"
 
 
 # ZeRO-1 in bf16 accumulates in fp32 through DeepSpeed's BF16_Optimizer, which measures,
