@@ -172,7 +172,9 @@ echo "== modules missing: ${missing:-none}"
 # ------------------------------------------------------------------ the steps
 if ((rehearse)); then
     kbench=(--device cpu --models base --tokens 256 --lamb-elements 100000 --reps 1 --no-compile)
-    bench=(--device cpu --preset tiny --seq-len 64 --batch-size 8 --vocab-size 2048 --steps 2 --warmup 1 --no-probes)
+    # (d) compiles for a minute of this CPU: tests/bert_ds/test_bench.py runs it, the sweep's compiled here
+    bench=(--device cpu --preset tiny --seq-len 64 --batch-size 8 --vocab-size 2048 --steps 2 --warmup 1 --no-probes
+           --variants a,b,c)
     profile=(--device cpu --preset tiny --seq-len 64 --steps 1)
     main_steps=${MAIN_STEPS:-3}
     base_steps=${BASE_STEPS:-3}

@@ -14,7 +14,11 @@
 //     released, and raises a RuntimeError naming the CUDA error if a launch fails.
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
-#include <torch/extension.h>
+// ATen and the Python binding alone: <torch/extension.h> adds the whole C++ frontend
+// (torch/all.h: nn, optim, data), which nothing here uses and which took a third of the
+// file's compile (69 -> 44 s on a 2-core CPU)
+#include <ATen/ATen.h>
+#include <torch/python.h>
 
 #include <cmath>
 #include <limits>
