@@ -124,6 +124,7 @@ def test_the_rehearsal_runs_every_step_and_writes_every_result(kit, tmp_path):
     for section in ("## Steps", "## Fused kernels", "## Training throughput", "## One step, profiled",
                     "## The engine path a user runs", "### Steps 1-3 profiled",
                     "## The engine path, variant by variant", "### compiled: a profiled step by stage",
+                    "## Hand-fused kernels or the layers compiled", "- engine path, micro-batch 512: ",
                     "## The shipped config's step by bucket", "- at seq 512 (`train_base512.log`): ",
                     "| stage of the step |"):
         assert section in summary
@@ -145,6 +146,24 @@ def test_the_summary_splits_the_step_by_bucket_at_both_sequence_lengths(tmp_path
     assert "| GEMM | 3.00 | 66.7% | 4.50 | 78.3% |" in lines and "| idle | 0.50 | 11.1% | 0.25 | 4.3% |" in lines
     (tmp_path / "train_base512_profile.json").unlink()
     assert "`train_base512_profile.json` is missing: its step did not write it." in step_buckets(tmp_path)
+
+
+def test_the_summary_says_which_fusion_is_faster(tmp_path):
+    from bert_ds.tools.gpu_summary import fusions
+
+    (tmp_path / "bench.json").write_text(json.dumps({"configs": [
+        {"preset": "base", "seq_len": 128, "results": {"a": {"real_tokens_per_s": 300000.0},
+                                                       "d": {"real_tokens_per_s": 360000.0}}},
+        {"preset": "base", "seq_len": 512, "results": {"a": {"real_tokens_per_s": 200000.0}}}]}))
+    for name, rate in (("base-mb512", 650000.0), ("compiled", 500000.0)):
+        (tmp_path / "engine_sweep" / name).mkdir(parents=True)
+        (tmp_path / "engine_sweep" / name / "summary.json").write_text(json.dumps({"tokens_per_s": rate}))
+    lines = fusions(tmp_path)
+    assert ("- bench loop, base at seq 128: (d) compiled 360,000 real tokens/s against (a) fused 300,000: "
+            "**(d) compiled**, 1.20x") in lines
+    assert "- bench loop, base at seq 512: not both measured ((a) fused: 200000.0, (d) compiled: - real tokens/s)" in lines
+    assert ("- engine path, micro-batch 512: base-mb512 650,000 real tokens/s against compiled 500,000: "
+            "**base-mb512**, 1.30x") in lines
 
 
 def test_a_run_split_over_calls_keeps_the_other_steps_lines(tmp_path):

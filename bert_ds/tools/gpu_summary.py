@@ -23,7 +23,9 @@ Reads what the steps wrote (``steps.txt``, the logs, ``kernels_bench.json``, ``b
   ``train_base512``) by bucket: GEMM, attention, normalization, elementwise, reductions,
   copies, idle;
 - the engine path's variants side by side (``engine_sweep/``, :mod:`bert_ds.tools.engine_sweep`):
-  micro-batch sizes, ``overlap_comm``, PyTorch's ops, each step split by stage.
+  micro-batch sizes, ``overlap_comm``, PyTorch's ops, the layers compiled, each step split by stage;
+- the hand-fused kernels against the layers compiled (``--compile-layers``), in the bench loop
+  and through the engine: which is faster on the device.
 
 A file that a failed step did not write is named as missing: nothing here fails because
 a step did, so the page is written on every run.
@@ -262,11 +264,34 @@ def sweep(results: Path) -> list[str]:
     return ["", *table(folder)]
 
 
+def fusions(results: Path) -> list[str]:
+    """The hand-fused kernels against Inductor's fusion of PyTorch's ops (``--compile-layers``),
+    in the bench loop ((a) against (d)) and through the engine (``base-mb512`` against
+    ``compiled``): which is faster on this device, and by how much."""
+    lines = ["## Hand-fused kernels or the layers compiled", ""]
+    bench = _json(results / "bench.json") or {}
+    for config in bench.get("configs", []):
+        a, d = (config["results"].get(key, {}).get("real_tokens_per_s") for key in ("a", "d"))
+        lines.append(f"- bench loop, {config['preset']} at seq {config['seq_len']}: {_faster(a, d, '(a) fused', '(d) compiled')}")
+    runs = {name: _json(results / "engine_sweep" / name / "summary.json") for name in ("base-mb512", "compiled")}
+    fused, compiled = ((run or {}).get("tokens_per_s") for run in runs.values())
+    lines.append(f"- engine path, micro-batch 512: {_faster(fused, compiled, 'base-mb512', 'compiled')}")
+    return lines + ["", "The faster one is the one to run on this device: the hand-fused path is the default, "
+                    "`--compile-layers` the other.", ""]
+
+
+def _faster(first: float | None, second: float | None, first_name: str, second_name: str) -> str:
+    if not first or not second:
+        return f"not both measured ({first_name}: {first or '-'}, {second_name}: {second or '-'} real tokens/s)"
+    (fast, fast_rate), (slow, slow_rate) = sorted(((first_name, first), (second_name, second)), key=lambda x: -x[1])
+    return f"{fast} {fast_rate:,.0f} real tokens/s against {slow} {slow_rate:,.0f}: **{fast}**, {fast_rate / slow_rate:.2f}x"
+
+
 def write_summary(results: Path) -> str:
     if not results.is_dir():
         raise UserError(f"{results} is not a folder of gpu_checks.sh results")
     lines = []
-    for section in (header, steps_table, kernels, throughput, profile, engine_path, step_buckets, sweep):
+    for section in (header, steps_table, kernels, throughput, profile, engine_path, step_buckets, sweep, fusions):
         try:
             lines += section(results)
         except (KeyError, TypeError, ValueError, IndexError) as error:  # a file of another shape: say so, go on
