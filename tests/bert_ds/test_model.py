@@ -433,13 +433,25 @@ def test_training_forward_compiles_whole_and_matches_eager():
         _compiled_keeping_graphs(model)[0](input_ids, token_type_ids, attention_mask, labels)
 
 
-def test_compiled_layers_train_as_eager_layers_do_and_compile_once():
+def test_compiled_layers_train_as_eager_layers_do_and_compile_once(monkeypatch):
     """``compile_layers``: each encoder layer under torch.compile (Inductor, as a training run
-    compiles it). Loss and gradients are eager's within rounding (Inductor fuses the fp32 sums
-    in its own order); batches of other token counts, batch sizes and longest sequences compile
-    nothing new; the parameters keep their names (checkpoints and the export do not change)."""
+    compiles it), with the attention on the fused kernel as a GPU's plan would have it (a
+    stand-in extension computes it here, through the op's real dispatch and custom op).
+    Loss and gradients are eager's within rounding (Inductor fuses the fp32 sums in its own
+    order); batches of other token counts, batch sizes and longest sequences compile nothing
+    new; the parameters keep their names (checkpoints and the export do not change)."""
     from torch._dynamo.utils import counters
 
+    from bert_ds.kernels import attention
+    from bert_ds.kernels.dispatch import OPS
+    from bert_ds.model import bert
+    from tests.kernels.helpers import StandInAttentionExtension
+
+    extension = StandInAttentionExtension()
+    monkeypatch.setattr(attention, "fused_extension", lambda: extension)
+    monkeypatch.setattr(attention, "_unsupported", lambda impl, *inputs: "")  # CPU tensors pass for CUDA ones
+    plan = OpPlan(tuple((op, "fused" if op == "varlen_attention" else "native") for op in OPS), "test")
+    monkeypatch.setattr(bert, "resolve_backend", lambda setting, shapes: plan)
     config = _config(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64)
     torch.manual_seed(0)
     eager = BertForPreTraining(config).train()  # dropout 0: both compute the same function
@@ -455,6 +467,7 @@ def test_compiled_layers_train_as_eager_layers_do_and_compile_once():
         for name, grad in eager_grads.items():
             torch.testing.assert_close(compiled_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
     assert counters["stats"]["unique_graphs"] - graphs_before == 1  # the two layers share it
+    assert extension.calls == 3 * 2 * 2  # three batches, two layers, both models: the fused op ran
 
 
 @pytest.mark.parametrize("options", [{}, {"activation_checkpointing": True, "pre_layernorm": True}])

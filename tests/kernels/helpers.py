@@ -179,3 +179,43 @@ def dropout_keep(shape: tuple[int, ...], dropout_p: float, seed: int, offset: in
     uniform = (words >> np.uint32(8)).astype(np.float64) / 2.0 ** 24
     keep_probability = float(np.float32(1.0) - np.float32(dropout_p))
     return torch.from_numpy(uniform < keep_probability).reshape(shape)
+
+
+def _sequences(cu_seqlens: torch.Tensor):
+    bounds = cu_seqlens.tolist()
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+class StandInAttentionExtension:
+    """The binding's attention entry points (kernels/csrc/bindings.cpp), in fp32 math on the CPU:
+    ``varlen_attention_fwd`` -> (out (T, nh, hd), lse (nh, T) float32), and the packed backward.
+    Attention written out per sequence, independently of the reference's padded SDPA (which
+    tests/kernels/test_attention_op.py checks it against); ``calls`` counts the forwards."""
+
+    transpose_lse = False  # a planted mistake: lse as (T, nh), not the layout the op declares
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def varlen_attention_fwd(self, q, k, v, cu_seqlens, max_seqlen, dropout_p, scale):
+        self.calls += 1
+        out, lse = torch.empty_like(q, memory_format=torch.contiguous_format), []
+        for lo, hi in _sequences(cu_seqlens):
+            scores = torch.einsum("qhd,khd->hqk", q[lo:hi].float(), k[lo:hi].float()) * scale
+            lse.append(torch.logsumexp(scores, dim=-1))
+            out[lo:hi] = torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v[lo:hi].float()).to(q.dtype)
+        lse = torch.cat(lse, dim=1)  # (nh, T)
+        return out, (lse.t().contiguous() if self.transpose_lse else lse)
+
+    def varlen_attention_bwd_packed(self, dout, qkv, out, lse, cu_seqlens, max_seqlen, scale):
+        dqkv = torch.zeros(qkv.shape, dtype=torch.float32)
+        for lo, hi in _sequences(cu_seqlens):
+            q, k, v = qkv[lo:hi].float().unbind(1)
+            do = dout[lo:hi].float()
+            p = torch.softmax(torch.einsum("qhd,khd->hqk", q, k) * scale, dim=-1)
+            dp = torch.einsum("qhd,khd->hqk", do, v)
+            ds = p * (dp - (dp * p).sum(-1, keepdim=True))  # the softmax's gradient
+            dqkv[lo:hi, 0] = torch.einsum("hqk,khd->qhd", ds, k) * scale
+            dqkv[lo:hi, 1] = torch.einsum("hqk,qhd->khd", ds, q) * scale
+            dqkv[lo:hi, 2] = torch.einsum("hqk,qhd->khd", p, do)
+        return dqkv.to(qkv.dtype)

@@ -18,7 +18,7 @@ from torch._functorch.aot_autograd import make_boxed_func
 from torch.library import opcheck
 
 from bert_ds.kernels import attention
-from tests.kernels.helpers import cu_seqlens_of, rand
+from tests.kernels.helpers import StandInAttentionExtension, cu_seqlens_of, rand
 
 pytestmark = pytest.mark.lowest  # all of it also runs under the lowest supported torch (run.sh test-lowest)
 
@@ -26,43 +26,9 @@ HEADS, HEAD_DIM = 2, 8
 SCALE = 1 / math.sqrt(HEAD_DIM)
 
 
-def _sequences(cu_seqlens: torch.Tensor):
-    bounds = cu_seqlens.tolist()
-    return list(zip(bounds[:-1], bounds[1:]))
-
-
-class StandInExtension:
-    """The binding's attention entry points (kernels/csrc/bindings.cpp), in fp32 math on the CPU:
-    ``varlen_attention_fwd`` -> (out (T, nh, hd), lse (nh, T) float32), and the packed backward."""
-
-    transpose_lse = False  # a planted mistake: lse as (T, nh), not the layout the op declares
-
-    def varlen_attention_fwd(self, q, k, v, cu_seqlens, max_seqlen, dropout_p, scale):
-        out, lse = torch.empty_like(q, memory_format=torch.contiguous_format), []
-        for lo, hi in _sequences(cu_seqlens):
-            scores = torch.einsum("qhd,khd->hqk", q[lo:hi].float(), k[lo:hi].float()) * scale
-            lse.append(torch.logsumexp(scores, dim=-1))
-            out[lo:hi] = torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v[lo:hi].float()).to(q.dtype)
-        lse = torch.cat(lse, dim=1)  # (nh, T)
-        return out, (lse.t().contiguous() if self.transpose_lse else lse)
-
-    def varlen_attention_bwd_packed(self, dout, qkv, out, lse, cu_seqlens, max_seqlen, scale):
-        dqkv = torch.zeros(qkv.shape, dtype=torch.float32)
-        for lo, hi in _sequences(cu_seqlens):
-            q, k, v = qkv[lo:hi].float().unbind(1)
-            do = dout[lo:hi].float()
-            p = torch.softmax(torch.einsum("qhd,khd->hqk", q, k) * scale, dim=-1)
-            dp = torch.einsum("qhd,khd->hqk", do, v)
-            ds = p * (dp - (dp * p).sum(-1, keepdim=True))  # the softmax's gradient
-            dqkv[lo:hi, 0] = torch.einsum("hqk,khd->qhd", ds, k) * scale
-            dqkv[lo:hi, 1] = torch.einsum("hqk,qhd->khd", ds, q) * scale
-            dqkv[lo:hi, 2] = torch.einsum("hqk,qhd->khd", p, do)
-        return dqkv.to(qkv.dtype)
-
-
 @pytest.fixture
 def stand_in(monkeypatch):
-    extension = StandInExtension()
+    extension = StandInAttentionExtension()
     monkeypatch.setattr(attention, "fused_extension", lambda: extension)
     return extension
 
