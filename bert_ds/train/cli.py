@@ -53,7 +53,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from bert_ds.base.errors import ConfigError
+from bert_ds.base.errors import EXIT_OK, ConfigError, guarded
 from bert_ds.config import (
     BF16_CPU_FLAGS, CPU_FP32_DS_CONFIG, DataConfig, OptimConfig, TrainConfig, check_writable, deepspeed_config,
     machine_ds_config,
@@ -214,9 +214,27 @@ def config_from_args(args: argparse.Namespace, vocab_size: int, saved_model: dic
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+
+    def check_paths() -> None:  # a wrong --output or --data is said before torch is imported: at once
+        _data_and_vocabulary(args)
+
+    status = guarded(check_paths)
+    if status != EXIT_OK:
+        return status
     from bert_ds.train.session import entry  # torch and the run's modules: once the command line is read
 
     return entry(lambda: _train(args))
+
+
+def _data_and_vocabulary(args: argparse.Namespace) -> tuple[Path, int]:
+    """--data's dataset folder (a parent's first part) and its vocabulary size, once --output is
+    known to be writable (a file, a read-only place: before anything is read). No torch."""
+    from bert_ds.data_tools.manifest import Manifest
+    from bert_ds.data_tools.partition import dataset_folders
+
+    check_writable(args.output, "--output", folder=True)
+    data = dataset_folders(args.data[0])[0]
+    return data, Manifest.load(data).vocab_size
 
 
 def _train(args: argparse.Namespace) -> None:
@@ -244,16 +262,12 @@ def prepare(args: argparse.Namespace) -> tuple[TrainConfig, RunOptions] | None:
     from bert_ds.checkpoint import hf_import
     from bert_ds.checkpoint import resume as resuming
     from bert_ds.checkpoint import store as checkpoint
-    from bert_ds.data_tools.manifest import Manifest
-    from bert_ds.data_tools.partition import dataset_folders
     from bert_ds.kernels.choice import check_setting
     from bert_ds.loader.pretraining import check_tokenizers
     from bert_ds.train.loop import RunOptions, batch_plan
     from bert_ds.train.profiling import StepRange
 
-    check_writable(args.output, "--output", folder=True)  # a file, a read-only place: before anything is read
-    data = dataset_folders(args.data[0])[0]  # a dataset folder, or a parent's first part
-    vocab_size = Manifest.load(data).vocab_size
+    data, vocab_size = _data_and_vocabulary(args)
     found = checkpoint.find_latest(Path(args.output) / "checkpoints") if args.resume == "auto" else None
     init = hf_import.open_source(Path(args.init_from)) if args.init_from and found is None else None
     if init is not None:

@@ -5,6 +5,8 @@ import errno
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +17,7 @@ from bert_ds.config import BatchPlan, DataConfig
 from bert_ds.loader.pretraining import PretrainingDataset, PretrainingLoader
 from bert_ds.base.errors import ShardError
 from bert_ds.data_tools.manifest import Manifest
+from tests.conftest import REPO, cli_env
 
 
 def _damaged_copy(sample_data, tmp_path: Path, offsets: slice | int, token_id: int) -> Path:
@@ -268,3 +271,19 @@ def test_r18_an_output_folder_that_cannot_be_written_is_refused(tmp_path, monkey
     (tmp_path / "file").write_text("x")
     with pytest.raises(ConfigError, match="exists and is not a folder"):
         check_writable(tmp_path / "file", "--output", folder=True)
+
+
+@pytest.mark.parametrize("flag", ["--data", "--output"])
+def test_a_wrong_data_or_output_is_refused_before_torch_is_imported(tmp_path, flag):
+    """The commonest slip, a mistyped path, is said at once: before the seconds torch takes to import."""
+    (tmp_path / "file").write_text("x")
+    paths = {"--data": str(tmp_path / "missing"), "--output": str(tmp_path / "run")}
+    paths[flag] = str(tmp_path / "missing") if flag == "--data" else str(tmp_path / "file")
+    script = ("import sys\nfrom bert_ds.train.cli import main\n"
+              f"status = main(['--data', {paths['--data']!r}, '--output', {paths['--output']!r}, '--steps', '1'])\n"
+              "print(status, 'torch' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, env=cli_env(),
+                          timeout=120)
+    assert proc.stdout.split() == ["2", "False"], proc.stdout + proc.stderr[-2000:]
+    assert proc.stderr.startswith(f"error: {paths[flag]}") or proc.stderr.startswith(f"error: {flag} {paths[flag]}"), \
+        proc.stderr
