@@ -386,6 +386,17 @@ def test_packed_attention_reads_and_writes_the_projection_in_place(max_extra):
     assert torch.equal(dqkv, torch.stack(grads, dim=1))
 
 
+@pytest.mark.parametrize("max_extra", [0, 1])
+def test_the_packed_attention_op_declares_what_the_kernels_return(max_extra):
+    """torch.library.opcheck on the real kernels: the shapes and strides declared for
+    torch.compile (register_fake) are the outputs', and the registered gradient is the kernels'."""
+    lengths, heads, head_dim = [1, 5, 70, 128, 33], 12, 64
+    qkv = rand(sum(lengths), 3, heads, head_dim, dtype=torch.bfloat16, seed=1, device="cuda").requires_grad_()
+    args = (qkv, cu_seqlens_of(lengths, device="cuda"), 128 + max_extra, 1 / math.sqrt(head_dim))
+    results = torch.library.opcheck(torch.ops.bert_ds.packed_attention_fwd.default, args)
+    assert set(results.values()) == {"SUCCESS"}, results
+
+
 def test_varlen_attention_refuses_dropout():
     q, k, v = (rand(8, 1, 64, dtype=torch.bfloat16, seed=s, device="cuda") for s in (1, 2, 3))
     cu_seqlens = cu_seqlens_of([8], device="cuda")
