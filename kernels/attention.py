@@ -293,8 +293,16 @@ def varlen_attention_packed_fused(
     dropout_p: float = 0.0,
     softmax_scale: float | None = None,
 ) -> torch.Tensor:
-    """:func:`varlen_attention_fused` of ``qkv.unbind(1)``, read in place (:func:`varlen_attention_packed`)."""
-    return packed_attention_fwd(qkv, cu_seqlens, max_seqlen, _fused_scale(qkv, dropout_p, softmax_scale))[0]
+    """:func:`varlen_attention_fused` of ``qkv.unbind(1)``, read in place (:func:`varlen_attention_packed`).
+
+    Compiled, it is the custom op :func:`packed_attention_fwd`, one node of the graph; eager, the
+    same two kernel calls through :class:`FusedVarlenAttentionPacked`, whose dispatch costs less
+    host time: 110-140 against 260 us per forward and backward on a CPU host (2026-11-28), 12
+    of each per BERT-Base micro-batch, and the bench loop is host-bound."""
+    scale = _fused_scale(qkv, dropout_p, softmax_scale)
+    if torch.compiler.is_compiling():
+        return packed_attention_fwd(qkv, cu_seqlens, max_seqlen, scale)[0]
+    return FusedVarlenAttentionPacked.apply(qkv, cu_seqlens, max_seqlen, scale)
 
 
 def _fused_scale(q: torch.Tensor, dropout_p: float, softmax_scale: float | None) -> float:
@@ -427,19 +435,45 @@ class FusedVarlenAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
-# The packed fused attention is a torch.library custom op, forward and backward, with their
-# output shapes declared (register_fake) and the backward registered as the forward's
-# gradient: torch.compile then keeps it as one opaque node of its graph, with symbolic token
-# counts, and compiles what lies around it (the model's ``compile_layers``). An
-# autograd.Function around the extension would break the graph in two at every layer. The
-# ops call the extension on whatever device their inputs are on; off CUDA it does not load.
+# The packed fused attention, compiled, is a torch.library custom op, forward and backward,
+# with their output shapes declared (register_fake) and the backward registered as the
+# forward's gradient: torch.compile then keeps it as one opaque node of its graph, with
+# symbolic token counts, and compiles what lies around it (the model's ``compile_layers``).
+# An autograd.Function around the extension would break the graph in two at every layer; in
+# eager mode it dispatches faster, and both make the same two calls (_packed_forward,
+# _packed_backward). The extension is called on whatever device the inputs are on; off CUDA
+# it does not load.
 
-@torch.library.custom_op("bert_ds::packed_attention_fwd", mutates_args=())
-def packed_attention_fwd(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
-                         softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _packed_forward(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
+                    softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``qkv`` (T, 3, nh, hd) -> (out (T, nh, hd), lse (nh, T) float32), q, k, v read in place."""
     q, k, v = qkv.unbind(1)
     return tuple(fused_extension().varlen_attention_fwd(q, k, v, cu_seqlens, max_seqlen, 0.0, softmax_scale))
+
+
+def _packed_backward(dout: torch.Tensor, qkv: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                     cu_seqlens: torch.Tensor, max_seqlen: int, softmax_scale: float) -> torch.Tensor:
+    """The gradient of ``qkv`` (T, 3, nh, hd), in one contiguous piece laid out like it."""
+    return fused_extension().varlen_attention_bwd_packed(dout, qkv, out, lse, cu_seqlens, max_seqlen, softmax_scale)
+
+
+class FusedVarlenAttentionPacked(torch.autograd.Function):
+    """:class:`FusedVarlenAttention` of a packed projection ``qkv`` (T, 3, nh, hd), in eager mode."""
+
+    @staticmethod
+    def forward(ctx, qkv, cu_seqlens, max_seqlen, softmax_scale):
+        out, lse = _packed_forward(qkv, cu_seqlens, max_seqlen, softmax_scale)
+        ctx.save_for_backward(qkv, out, lse, cu_seqlens)
+        ctx.max_seqlen, ctx.softmax_scale = max_seqlen, softmax_scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        qkv, out, lse, cu_seqlens = ctx.saved_tensors
+        return _packed_backward(dout, qkv, out, lse, cu_seqlens, ctx.max_seqlen, ctx.softmax_scale), None, None, None
+
+
+packed_attention_fwd = torch.library.custom_op("bert_ds::packed_attention_fwd", _packed_forward, mutates_args=())
 
 
 @packed_attention_fwd.register_fake
@@ -448,11 +482,7 @@ def _packed_attention_fwd_shapes(qkv, cu_seqlens, max_seqlen, softmax_scale):
     return qkv.new_empty(total, heads, head_dim), qkv.new_empty(heads, total, dtype=torch.float32)
 
 
-@torch.library.custom_op("bert_ds::packed_attention_bwd", mutates_args=())
-def packed_attention_bwd(dout: torch.Tensor, qkv: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                         cu_seqlens: torch.Tensor, max_seqlen: int, softmax_scale: float) -> torch.Tensor:
-    """The gradient of ``qkv`` (T, 3, nh, hd), in one contiguous piece laid out like it."""
-    return fused_extension().varlen_attention_bwd_packed(dout, qkv, out, lse, cu_seqlens, max_seqlen, softmax_scale)
+packed_attention_bwd = torch.library.custom_op("bert_ds::packed_attention_bwd", _packed_backward, mutates_args=())
 
 
 @packed_attention_bwd.register_fake
