@@ -463,14 +463,12 @@ class FusedVarlenAttentionPacked(torch.autograd.Function):
     @staticmethod
     def forward(ctx, qkv, cu_seqlens, max_seqlen, softmax_scale):
         out, lse = _packed_forward(qkv, cu_seqlens, max_seqlen, softmax_scale)
-        ctx.save_for_backward(qkv, out, lse, cu_seqlens)
-        ctx.max_seqlen, ctx.softmax_scale = max_seqlen, softmax_scale
+        _save_for_packed_backward(ctx, (qkv, cu_seqlens, max_seqlen, softmax_scale), (out, lse))
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        qkv, out, lse, cu_seqlens = ctx.saved_tensors
-        return _packed_backward(dout, qkv, out, lse, cu_seqlens, ctx.max_seqlen, ctx.softmax_scale), None, None, None
+        return _packed_gradient(ctx, dout, _packed_backward)
 
 
 packed_attention_fwd = torch.library.custom_op("bert_ds::packed_attention_fwd", _packed_forward, mutates_args=())
@@ -491,16 +489,19 @@ def _packed_attention_bwd_shapes(dout, qkv, out, lse, cu_seqlens, max_seqlen, so
 
 
 def _save_for_packed_backward(ctx, inputs, output) -> None:
+    """What both forms keep for the backward (the custom op's ``setup_context``)."""
     qkv, cu_seqlens, max_seqlen, softmax_scale = inputs
     out, lse = output
     ctx.save_for_backward(qkv, out, lse, cu_seqlens)
     ctx.max_seqlen, ctx.softmax_scale = max_seqlen, softmax_scale
 
 
-def _packed_attention_grad(ctx, dout, dlse):  # lse is saved for the backward, never differentiated
+def _packed_gradient(ctx, dout, backward):
+    """The gradients of (qkv, cu_seqlens, max_seqlen, softmax_scale) by ``backward``, the kernel
+    call itself (eager) or its custom op (compiled)."""
     qkv, out, lse, cu_seqlens = ctx.saved_tensors
-    dqkv = packed_attention_bwd(dout.contiguous(), qkv, out, lse, cu_seqlens, ctx.max_seqlen, ctx.softmax_scale)
-    return dqkv, None, None, None
+    return backward(dout, qkv, out, lse, cu_seqlens, ctx.max_seqlen, ctx.softmax_scale), None, None, None
 
 
-packed_attention_fwd.register_autograd(_packed_attention_grad, setup_context=_save_for_packed_backward)
+packed_attention_fwd.register_autograd(  # lse is saved for the backward, never differentiated: its gradient unused
+    lambda ctx, dout, dlse: _packed_gradient(ctx, dout, packed_attention_bwd), setup_context=_save_for_packed_backward)

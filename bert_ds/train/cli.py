@@ -214,16 +214,18 @@ def config_from_args(args: argparse.Namespace, vocab_size: int, saved_model: dic
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    data, vocab_size = Path(), 0
 
-    def check_paths() -> None:  # a wrong --output or --data is said before torch is imported: at once
-        _data_and_vocabulary(args)
+    def read_data() -> None:  # a wrong --output or --data is said before torch is imported: at once
+        nonlocal data, vocab_size
+        data, vocab_size = _data_and_vocabulary(args)
 
-    status = guarded(check_paths)
+    status = guarded(read_data)
     if status != EXIT_OK:
         return status
     from bert_ds.train.session import entry  # torch and the run's modules: once the command line is read
 
-    return entry(lambda: _train(args))
+    return entry(lambda: _train(args, data, vocab_size))
 
 
 def _data_and_vocabulary(args: argparse.Namespace) -> tuple[Path, int]:
@@ -237,12 +239,12 @@ def _data_and_vocabulary(args: argparse.Namespace) -> tuple[Path, int]:
     return data, Manifest.load(data).vocab_size
 
 
-def _train(args: argparse.Namespace) -> None:
+def _train(args: argparse.Namespace, data: Path, vocab_size: int) -> None:
     from bert_ds.train.loop import run
     from bert_ds.train.session import locked_session
     from bert_ds.train.summary import print_summary
 
-    prepared = prepare(args)
+    prepared = prepare(args, data, vocab_size)
     if prepared is None:
         return
     cfg, options = prepared
@@ -254,9 +256,10 @@ def _train(args: argparse.Namespace) -> None:
             print_summary(summary)
 
 
-def prepare(args: argparse.Namespace) -> tuple[TrainConfig, RunOptions] | None:
+def prepare(args: argparse.Namespace, data: Path, vocab_size: int) -> tuple[TrainConfig, RunOptions] | None:
     """The run's validated config and options, checked without a process group so that bad
-    input fails fast; None when the run in OUTPUT is finished already (said on rank 0)."""
+    input fails fast; None when the run in OUTPUT is finished already (said on rank 0).
+    ``data``, ``vocab_size``: what :func:`_data_and_vocabulary` read before torch was imported."""
     import torch
 
     from bert_ds.checkpoint import hf_import
@@ -267,7 +270,6 @@ def prepare(args: argparse.Namespace) -> tuple[TrainConfig, RunOptions] | None:
     from bert_ds.train.loop import RunOptions, batch_plan
     from bert_ds.train.profiling import StepRange
 
-    data, vocab_size = _data_and_vocabulary(args)
     found = checkpoint.find_latest(Path(args.output) / "checkpoints") if args.resume == "auto" else None
     init = hf_import.open_source(Path(args.init_from)) if args.init_from and found is None else None
     if init is not None:
