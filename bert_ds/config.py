@@ -307,20 +307,29 @@ def deepspeed_config(cfg: TrainConfig, plan: BatchPlan) -> dict[str, Any]:
 
 
 def step_owns_gradients(ds: dict[str, Any]) -> bool:
-    """Whether the training step itself checks, measures and clips the gradients, rather than
-    DeepSpeed's ZeRO-1/2 wrapper (``DeepSpeedZeroOptimizer``, in bf16 or fp32): where the
-    engine config turns DeepSpeed's norm (``zero_optimization.compute_grad_norm``) and, in
-    bf16, its overflow check (``bf16.check_grad_overflow``) off, as :func:`deepspeed_config`
-    does unless the user's JSON sets either key.
+    """Whether the training step itself checks, measures and clips the gradients, and skips a
+    non-finite step: under ZeRO-0 in fp32 (the engine steps the client optimizer, and
+    :func:`deepspeed_config` turns the engine's clipping off) and under ZeRO-1/2's wrapper
+    (``DeepSpeedZeroOptimizer``, in bf16 or fp32) where the engine config turns DeepSpeed's norm
+    (``zero_optimization.compute_grad_norm``) and, in bf16, its overflow check
+    (``bf16.check_grad_overflow``) off, as :func:`deepspeed_config` does unless the user's JSON
+    sets either key.
 
     DeepSpeed's way costs, per step, about a dozen small kernels per gradient for the overflow
     check, two more per gradient for the norm, and four device reads (about 2,600 launches and
     the reads in a BERT-Base step). The step does all three with one fused norm over the
-    partition's gradients, summed in the all-reduce it makes anyway (bert_ds.train.step), and
-    DeepSpeed's check runs only on a step found non-finite (bert_ds.zero.checked_step).
+    gradients, summed in the all-reduce it makes anyway, and decides the skip and the clipping
+    factor on the device (bert_ds.train.step): no device read at all.
     """
+    if _steps_directly(ds):
+        return True
     return (_can_own_gradients(ds) and ds["zero_optimization"].get("compute_grad_norm") is False
             and (precision_of(ds) != "bf16" or ds["bf16"].get("check_grad_overflow") is False))
+
+
+def _steps_directly(ds: dict[str, Any]) -> bool:
+    """ZeRO-0 in fp32: no DeepSpeed wrapper, the engine steps the client optimizer itself."""
+    return ds.get("zero_optimization", {}).get("stage", 0) == 0 and precision_of(ds) == "fp32"
 
 
 def _can_own_gradients(ds: dict[str, Any]) -> bool:

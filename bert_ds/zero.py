@@ -15,10 +15,11 @@ What this module owns, and why each part needs something DeepSpeed does not publ
   links are made again here (``lazy_init_hp_params_optimizer_state``, per group, found through
   ``_hp_mapping.param_group_index``), and a freshly built engine gets its state created in
   the layout DeepSpeed's first step would give it.
-- **Skipping a step where no DeepSpeed wrapper checks the gradients** (:func:`direct_step`):
-  under ZeRO-0 in fp32 the engine steps the client optimizer itself. The engine skips a step
-  (no LR-schedule step, ``skipped_steps`` counted) when its optimizer's ``overflow`` is set:
-  the attribute DeepSpeed's own wrappers set, read with ``hasattr`` in ``engine.step()``.
+- **Which layouts leave the gradients to the training step** (:func:`step_owns_gradients`):
+  ZeRO-0 in fp32, where the engine steps the client optimizer itself and checks nothing, and
+  ZeRO-1/2 (``DeepSpeedZeroOptimizer``) with its overflow check, norm and clipping off. The
+  step checks, measures and clips there, and skips a non-finite step on the device through
+  the optimizer (:mod:`bert_ds.optim.device_skip`): DeepSpeed sees every step applied.
 - **Skipped steps and the loss scale** (:func:`skipped_steps`, :func:`loss_scale`): the
   engine's counter and the wrappers' ``cur_scale``; DeepSpeed has no public getter for either.
 - **An engine without Muon's compiler** (:func:`initialize`): the engine imports DeepSpeed's
@@ -49,11 +50,10 @@ import it. DeepSpeed is imported inside the functions, so that importing bert-ds
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib
 import sys
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -91,8 +91,7 @@ RELIED_ON: tuple[Field, ...] = (
     Field(_ENGINE, "skipped_steps", "int", "counts steps skipped on overflow; no getter"),
     Field(_ENGINE, "module", "the model", "the model, whose parameters carry the fragments"),
     Field(_ENGINE, "zero_optimization_stage", "method", "ZeRO-3 has no full-weight path here"),
-    Field(_ENGINE, "overflow", "skip protocol",
-          "engine.step() skips the update (and the LR step) when its optimizer's `overflow` is true"),
+    Field(_ENGINE, "gradient_clipping", "method", "DeepSpeed's clipping threshold: 0 where the step clips"),
     # ---- ZeRO-1/2 and bf16 wrappers: the groups, the flat partitions, the data-parallel groups
     Field(_ZERO, "optimizer", "client optimizer", "the optimizer bert-ds built; it steps the flat partitions"),
     Field(_ZERO, "bit16_groups", "parameters per group", "model parameters of group i, in flat-partition order"),
@@ -100,7 +99,7 @@ RELIED_ON: tuple[Field, ...] = (
     Field(_ZERO, "real_dp_process_group", "process group per group", "the ranks holding group i's other slices"),
     Field(_ZERO, "cur_scale", "loss scale", "the loss scale (1.0 without fp16); no public getter"),
     Field(_ZERO, "check_grad_overflow", "bool",
-          "DeepSpeed's per-gradient overflow check, read at each step(): off unless fp16; on for one step to skip it"),
+          "DeepSpeed's per-gradient overflow check, read at each step(): off where the step owns the gradients"),
     Field(_ZERO, "compute_grad_norm", "bool", "off: DeepSpeed neither measures nor clips the gradients"),
     Field(_ZERO, "clip_grad", "float", "DeepSpeed's own clipping threshold; 0 where the step clips"),
     Field(_ZERO, "averaged_gradients", "gradients per group",
@@ -206,7 +205,7 @@ def is_partitioned(engine) -> bool:
 
 def steps_directly(engine, optimizer: torch.optim.Optimizer) -> bool:
     """True where the engine steps ``optimizer`` itself on the model's parameters (ZeRO-0 in fp32):
-    no DeepSpeed wrapper checks the gradients, so the caller does (and skips with :func:`direct_step`)."""
+    no DeepSpeed wrapper checks the gradients, so the training step does (:func:`step_owns_gradients`)."""
     return engine.optimizer is optimizer
 
 
@@ -360,38 +359,18 @@ def _link_fragments(opt: torch.optim.Optimizer, params: Iterable[torch.nn.Parame
 # --------------------------------------------------------------------------- the step: skips and loss scale
 
 
-@contextlib.contextmanager
-def direct_step(optimizer: torch.optim.Optimizer, skip: bool) -> Iterator[None]:
-    """Around ``engine.step()`` where the engine steps ``optimizer`` itself (:func:`steps_directly`).
-
-    A skipped step steps the optimizer over no parameters, so weights and optimizer state stay
-    as they were, and reports ``overflow`` the way DeepSpeed's own wrappers do, so that the
-    engine holds the LR schedule and counts the skip. (The non-finite gradients are left for
-    DeepSpeed's clipping, which needs some, and its zero_grad.)
-    """
-    optimizer.overflow = skip
-    if not skip:
-        yield
-        return
-    held = [group["params"] for group in optimizer.param_groups]
-    for group in optimizer.param_groups:
-        group["params"] = []
-    try:
-        yield
-    finally:
-        for group, params in zip(optimizer.param_groups, held):
-            group["params"] = params
-
-
 def step_owns_gradients(engine) -> bool:
-    """True where the ZeRO-1/2 wrapper neither checks gradients for overflow nor measures or
-    clips them (``check_grad_overflow`` and ``compute_grad_norm`` off, ``clip_grad`` 0), as
-    :func:`bert_ds.config.step_owns_gradients` configures it: the training step then does all
-    three over :func:`partition_gradients`, and asks for DeepSpeed's check on a step it found
-    non-finite (:func:`checked_step`)."""
+    """True where DeepSpeed neither checks the gradients for overflow nor measures or clips them,
+    as :func:`bert_ds.config.step_owns_gradients` configures it: ZeRO-0 in fp32 with the engine's
+    clipping off, and the ZeRO-1/2 wrapper with ``check_grad_overflow`` and ``compute_grad_norm``
+    off and ``clip_grad`` 0. The training step then does all three, over the model's gradients
+    (:func:`steps_directly`) or :func:`partition_gradients`, and skips a non-finite step on the
+    device through the client optimizer."""
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     wrapper = engine.optimizer
+    if isinstance(wrapper, torch.optim.Optimizer):  # ZeRO-0 in fp32: the client itself
+        return engine.gradient_clipping() == 0.0
     return (isinstance(wrapper, DeepSpeedZeroOptimizer) and not wrapper.check_grad_overflow
             and not wrapper.compute_grad_norm and wrapper.clip_grad == 0.0)
 
@@ -402,22 +381,10 @@ def partition_gradients(engine) -> list[torch.Tensor]:
     return [g for grads in engine.optimizer.averaged_gradients.values() if grads for g in grads if g is not None]
 
 
-@contextlib.contextmanager
-def checked_step(engine) -> Iterator[None]:
-    """Around an ``engine.step()`` whose gradients are known to be non-finite: DeepSpeed's own
-    overflow check runs for this step, finds them, and skips the update as it skips an fp16
-    overflow (weights, optimizer state and LR schedule unchanged; ``skipped_steps`` + 1)."""
-    wrapper = engine.optimizer
-    wrapper.check_grad_overflow = True
-    try:
-        yield
-    finally:
-        wrapper.check_grad_overflow = False
-
-
 def skipped_steps(engine) -> int:
-    """Optimizer steps the engine skipped so far (an overflow, or :func:`direct_step` with skip);
-    a step was skipped when this grew across its last ``engine.step()``."""
+    """Optimizer steps the engine skipped so far (DeepSpeed's overflow checks); a step was
+    skipped when this grew across its last ``engine.step()``. A step that the training step
+    skips on the device (:func:`step_owns_gradients`) is not counted here."""
     return engine.skipped_steps
 
 

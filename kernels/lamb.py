@@ -13,7 +13,11 @@ optimizer sums them into parameters, all-reduces, and takes lr * ||w|| / ||u||):
 
 with the bias corrections folded into ``step_size`` and ``eps_hat`` (:meth:`LambScalars.at_step`).
 A float instead of a callback is one multiplier for every element, with no norms (LAMB's
-plain-Adam groups).
+plain-Adam groups). ``skip``: a one-element float32 tensor on the tensor's device, or None;
+where it is non-zero nothing changes (w, m and v stay bitwise as they were, whatever the
+gradient holds), and the fast paths never read it to the host: a training step skips a
+non-finite step that way without waiting for the device (:mod:`bert_ds.optim.device_skip`).
+The callback is called either way, so that every rank makes the same collectives.
 
 Implementations:
 
@@ -96,6 +100,30 @@ class LambScalars:
         return cls(beta1, beta2, sqrt_c2 / (1 - beta1 ** step), eps * sqrt_c2, weight_decay)
 
 
+@dataclass(frozen=True)
+class SkipFactors:
+    """The moments' and the update's factors under a device skip flag, for the PyTorch-op paths:
+    without a flag (or with it clear) the floats of the plain step, so the figures are bitwise
+    the same; with it set, factors that keep m, v and w as they are, once the gradient is zeroed
+    (:meth:`grad`; a multiply would keep its NaNs). Made on the device: nothing is read."""
+
+    skipped: torch.Tensor | None  # 0-d bool, or None without a flag
+    beta1_weight: float | torch.Tensor  # m = lerp(m, g, beta1_weight)
+    beta2_keep: float | torch.Tensor  # v = beta2_keep v + (1 - b2) g^2
+    apply: float | torch.Tensor  # the update's multiplier times this
+
+    @classmethod
+    def of(cls, skip: torch.Tensor | None, beta1: float, beta2: float) -> SkipFactors:
+        if skip is None:
+            return cls(None, 1 - beta1, beta2, 1.0)
+        skipped = skip.reshape(()) != 0
+        return cls(skipped, torch.where(skipped, 0.0, 1 - beta1), torch.where(skipped, 1.0, beta2),
+                   torch.where(skipped, 0.0, 1.0))
+
+    def grad(self, g: torch.Tensor) -> torch.Tensor:
+        return g if self.skipped is None else torch.where(self.skipped, 0.0, g)
+
+
 FUSED_DTYPES = (torch.float32,)
 
 
@@ -105,8 +133,13 @@ def _direction(param, exp_avg, exp_avg_sq, s: LambScalars) -> torch.Tensor:
 
 @torch.no_grad()
 def lamb_update_ref(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                    chunks: Chunks, s: LambScalars, scales: ChunkScales | float) -> None:
-    """The definition (module docstring), in place on 1-D tensors of ``chunks.numel`` elements."""
+                    chunks: Chunks, s: LambScalars, scales: ChunkScales | float, skip: torch.Tensor | None = None) -> None:
+    """The definition (module docstring), in place on 1-D tensors of ``chunks.numel`` elements.
+    The definition reads ``skip`` on the host."""
+    if skip is not None and bool(skip.reshape(()) != 0):
+        if callable(scales):
+            scales(torch.zeros(chunks.lengths.numel(), 2, dtype=torch.float32, device=param.device))
+        return
     exp_avg.mul_(s.beta1).add_(grad, alpha=1 - s.beta1)
     exp_avg_sq.mul_(s.beta2).add_(grad * grad, alpha=1 - s.beta2)
     update = _direction(param, exp_avg, exp_avg_sq, s)
@@ -122,11 +155,19 @@ def lamb_update_ref(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tens
 
 @torch.no_grad()
 def lamb_update_native(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                       chunks: Chunks, s: LambScalars, scales: ChunkScales | float) -> None:
+                       chunks: Chunks, s: LambScalars, scales: ChunkScales | float,
+                       skip: torch.Tensor | None = None) -> None:
     """:func:`lamb_update_ref` in PyTorch ops that spare passes: lerp for the first moment,
-    fused multiply-adds, chunk sums by segment reduction, norms in fp32 per chunk."""
-    exp_avg.lerp_(grad, 1 - s.beta1)  # m + (1 - b1)(g - m): one pass instead of two
-    exp_avg_sq.mul_(s.beta2).addcmul_(grad, grad, value=1 - s.beta2)
+    fused multiply-adds, chunk sums by segment reduction, norms in fp32 per chunk.
+
+    With ``skip``, on the device: the gradient zeroed where it is set (one more pass; a multiply
+    would keep its NaNs), and the moments' blend weights and the update's multiplier zeroed with
+    it, so m, v and w stay as they were; where it is clear, the figures are bitwise those
+    without it (the same float weights, as tensors)."""
+    f = SkipFactors.of(skip, s.beta1, s.beta2)
+    grad, beta1_weight, beta2_keep, apply = f.grad(grad), f.beta1_weight, f.beta2_keep, f.apply
+    exp_avg.lerp_(grad, beta1_weight)  # m + (1 - b1)(g - m): one pass instead of two
+    exp_avg_sq.mul_(beta2_keep).addcmul_(grad, grad, value=1 - s.beta2)
     denom = exp_avg_sq.sqrt().add_(s.eps_hat)
     if s.weight_decay != 0:
         update = param.mul(s.weight_decay).addcdiv_(exp_avg, denom, value=s.step_size)
@@ -134,34 +175,37 @@ def lamb_update_native(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.T
         update = exp_avg.div(denom).mul_(s.step_size)
     if callable(scales):
         squares = torch.stack([chunks.sums(param.square()), chunks.sums(update.square())], dim=1)  # (K, 2)
-        update.mul_(chunks.expand(scales(squares)))
+        update.mul_(chunks.expand(scales(squares) * apply))
     else:
-        update.mul_(scales)
+        update.mul_(scales * apply)
     param.sub_(update)
 
 
 @torch.no_grad()
 def lamb_update_fused(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                      chunks: Chunks, s: LambScalars, scales: ChunkScales | float) -> None:
-    """:func:`lamb_update_ref` on the fused kernels: two launches and the callback between them."""
+                      chunks: Chunks, s: LambScalars, scales: ChunkScales | float,
+                      skip: torch.Tensor | None = None) -> None:
+    """:func:`lamb_update_ref` on the fused kernels: two launches and the callback between them;
+    both kernels read ``skip`` themselves."""
     extension = fused_extension()
     scalars = (s.beta1, s.beta2, s.step_size, s.eps_hat, s.weight_decay)
     adapt = callable(scales)
     squares = extension.lamb_moments(grad, exp_avg, exp_avg_sq, param, chunks.offsets, chunks.lengths, *scalars,
-                                     adapt)
+                                     adapt, skip)
     per_chunk = scales(squares).float() if adapt else None
     extension.lamb_apply(param, exp_avg, exp_avg_sq, chunks.offsets, chunks.lengths, per_chunk,
-                         0.0 if adapt else float(scales), *scalars)
+                         0.0 if adapt else float(scales), *scalars, skip)
 
 
 IMPLEMENTATIONS: dict[Impl, Callable[..., None]] = {"native": lamb_update_native, "fused": lamb_update_fused}
 
 
 def lamb_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                chunks: Chunks, s: LambScalars, scales: ChunkScales | float, *, backend: Backend) -> None:
+                chunks: Chunks, s: LambScalars, scales: ChunkScales | float, *, backend: Backend,
+                skip: torch.Tensor | None = None) -> None:
     """:func:`lamb_update_ref` on the resolved ``backend``."""
     impl = choose("lamb_update", backend, lambda name: _unsupported(param, grad, exp_avg, exp_avg_sq))
-    IMPLEMENTATIONS[impl](param, grad, exp_avg, exp_avg_sq, chunks, s, scales)
+    IMPLEMENTATIONS[impl](param, grad, exp_avg, exp_avg_sq, chunks, s, scales, skip)
 
 
 def _unsupported(*tensors: torch.Tensor) -> str:

@@ -321,4 +321,29 @@ def check_lamb_update(impl: Callable[..., None], device: torch.device) -> list[s
                 problems.append(f"{case} {key}: wrong shape or non-finite values")
             elif ours.numel() and (ours - truth).abs().max().item() > 1e-5 * max(1.0, truth.abs().max().item()):
                 problems.append(f"{case} {key}: off by {(ours - truth).abs().max().item():.3g}")
+    problems += _check_lamb_skip(impl, rand, chunks)
+    return problems
+
+
+def _check_lamb_skip(impl: Callable[..., None], rand: _Inputs, chunks: Chunks) -> list[str]:
+    """A step skipped by its device flag, over a gradient of NaN and inf: the weights and both
+    moments bitwise as they were, per-chunk multipliers or one; a flag of 0 steps as usual."""
+    problems = []
+    device = chunks.offsets.device
+    s = LambScalars.at_step((0.9, 0.999), 1e-6, 0.01, step=3)
+    state = {"param": rand(chunks.numel, dtype=torch.float32), "exp_avg": rand(chunks.numel, dtype=torch.float32),
+             "exp_avg_sq": rand(chunks.numel, dtype=torch.float32).abs()}
+    grad = rand(chunks.numel, dtype=torch.float32)
+    grad[::7], grad[1::7] = float("nan"), float("inf")
+    for flag, adapt in ((1.0, True), (1.0, False), (0.0, True)):
+        tensors = {k: t.clone() for k, t in state.items()}
+        impl(tensors["param"], grad, tensors["exp_avg"], tensors["exp_avg_sq"], chunks, s,
+             (lambda squares: torch.full_like(squares[:, 0], 1e-2)) if adapt else 1e-2,
+             torch.full((), flag, dtype=torch.float32, device=device))
+        unchanged = [k for k in state if torch.equal(tensors[k], state[k])]
+        if flag and len(unchanged) < len(state):
+            problems.append(f"skip flag set ({'per-chunk scales' if adapt else 'one scale'}): "
+                            f"{', '.join(sorted(set(state) - set(unchanged)))} changed")
+        if not flag and unchanged:
+            problems.append(f"skip flag 0: {', '.join(unchanged)} not stepped")
     return problems

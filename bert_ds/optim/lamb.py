@@ -61,7 +61,7 @@ import torch
 import torch.distributed as dist
 
 from bert_ds.kernels.ops import Backend, KernelSetting, OpShapes, resolve_backend
-from bert_ds.kernels.lamb import ChunkScales, Chunks, LambScalars, lamb_update
+from bert_ds.kernels.lamb import ChunkScales, Chunks, LambScalars, SkipFactors, lamb_update
 
 
 LambVariant = Literal["nvidia", "paper"]
@@ -248,6 +248,9 @@ class Lamb(torch.optim.Optimizer):
         self._resolved: Backend | None = None
         self._given: set[int] = set()               # ids of tensors stepped with one ratio each
         self._layouts: dict[int, _FlatLayout] = {}  # id of a bound flat tensor -> its layout
+        # bert_ds.optim.device_skip: a one-element float32 device tensor; non-zero: step() leaves
+        # the weights and moments as they are, without reading it (the step counts move on)
+        self.skip_if: torch.Tensor | None = None
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
 
     def add_param_group(self, param_group: dict) -> None:
@@ -309,13 +312,14 @@ class Lamb(torch.optim.Optimizer):
 
     def _step_plain(self, group: dict, params: list[torch.Tensor]) -> None:
         """Separate tensors, one trust ratio each, in foreach ops."""
-        updates = self._adam_updates(group, params)
+        f = SkipFactors.of(self.skip_if, *group["betas"])
+        updates = self._adam_updates(group, params, f)
         lr = group["lr"]
         if _adapts(group["weight_decay"], self.variant):
             ratio = _trust_ratio(torch.stack(torch._foreach_norm(params)), torch.stack(torch._foreach_norm(updates)))
-            torch._foreach_mul_(updates, list((ratio * lr).unbind(0)))
+            torch._foreach_mul_(updates, list((ratio * lr * f.apply).unbind(0)))
         else:
-            torch._foreach_mul_(updates, lr)
+            torch._foreach_mul_(updates, lr * f.apply)
         torch._foreach_sub_(params, updates)
 
     def _step_flat(self, group: dict, flat: torch.Tensor) -> None:
@@ -327,7 +331,7 @@ class Lamb(torch.optim.Optimizer):
         # all-reduce the others skip.
         scales = layout.chunk_scales(group["lr"]) if _adapts(group["weight_decay"], self.variant) else group["lr"]
         lamb_update(flat, flat.grad, state["exp_avg"], state["exp_avg_sq"], layout.chunks, scalars, scales,
-                    backend=self._backend(flat))
+                    backend=self._backend(flat), skip=self.skip_if)
 
     def _backend(self, flat: torch.Tensor) -> Backend:
         """The kernels setting, resolved at the first step of a flat tensor at the model's shapes
@@ -341,18 +345,18 @@ class Lamb(torch.optim.Optimizer):
             raise RuntimeError("Lamb does not support sparse gradients")
         return _advanced_state(self.state[p], p)
 
-    def _adam_updates(self, group: dict, params: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Advance the moments of ``params``; returns the updates (weight decay included), new tensors."""
-        beta1, beta2 = group["betas"]
+    def _adam_updates(self, group: dict, params: list[torch.Tensor], f: SkipFactors) -> list[torch.Tensor]:
+        """Advance the moments of ``params`` (as ``f`` says: not at all when skipped); returns the
+        updates (weight decay included), new tensors."""
         states = [self._state(p) for p in params]
-        grads = [p.grad for p in params]
+        grads = [f.grad(p.grad) for p in params]
         exp_avgs, exp_avg_sqs = [st["exp_avg"] for st in states], [st["exp_avg_sq"] for st in states]
         scalars = [LambScalars.at_step(group["betas"], group["eps"], group["weight_decay"], st["step"])
                    for st in states]
 
-        torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)  # m + (1 - b1)(g - m): one pass instead of two
-        torch._foreach_mul_(exp_avg_sqs, beta2)
-        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+        torch._foreach_lerp_(exp_avgs, grads, f.beta1_weight)  # m + (1 - b1)(g - m): one pass instead of two
+        torch._foreach_mul_(exp_avg_sqs, f.beta2_keep)
+        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - group["betas"][1])
         denom = torch._foreach_sqrt(exp_avg_sqs)
         torch._foreach_add_(denom, [s.eps_hat for s in scalars])
         step_sizes = [s.step_size for s in scalars]

@@ -47,8 +47,11 @@ class Checkpointer:
         final checkpoint, due unless this step's is committed already (its folder is returned)."""
         if last and self.saved_at == state.step:
             return self.root / checkpoint.step_dir_name(state.step)
-        due = self.save_every and state.step % self.save_every == 0 and state.bad_streak == 0
-        return self._commit(state) if last or due else None
+        return self._commit(state) if last or (self.due(state.step) and state.bad_streak == 0) else None
+
+    def due(self, step: int) -> bool:
+        """Whether ``step`` is on the save schedule (its save may still not be made: a bad step)."""
+        return bool(self.save_every) and step % self.save_every == 0
 
     def newest(self) -> Path | None:
         """The newest committed checkpoint (of this run or an earlier one), if any."""

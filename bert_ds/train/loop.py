@@ -1,6 +1,7 @@
-"""The training loop: open the data, build the engine, resume, then per step: train, log,
-maybe validate, save. Each of these is one call here; what it does lives in its own module
-(:mod:`.step`, :mod:`.validation`, :mod:`.checkpointer`, :mod:`.summary`, :mod:`.session`)."""
+"""The training loop: open the data, build the engine, resume, then per step: launch it, read
+and log the step before it, maybe validate, save. Each of these is one call here; what it does
+lives in its own module (:mod:`.step`, :mod:`.validation`, :mod:`.checkpointer`,
+:mod:`.summary`, :mod:`.session`)."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from bert_ds.train.profiling import StepProfiler, StepRange
 from bert_ds.train.sample_log import SampleLog
 from bert_ds.train.session import peer_failures, pid_file
 from bert_ds.train.signals import StopRequest
-from bert_ds.train.step import RunState, StepResult, TrainStep, check_bad_streak, ratio
+from bert_ds.train.step import LaunchedStep, RunState, StepResult, TrainStep, check_bad_streak, ratio
 from bert_ds.train.summary import Progress
 from bert_ds.train.validation import validate
 
@@ -60,21 +61,41 @@ def run(cfg: TrainConfig, resume: bool, rank: int, world: int, device: torch.dev
     step_log = _StepLog(log, progress, cfg, start.plan, rank, world, device, options.log_samples)
     validation = _Validation(engine, start.val_set, cfg, rank, world, device, stop, log, progress)
     profiler = StepProfiler(options.profile, Path(cfg.output), device, rank)
+    launched = state.step  # the newest step whose work is queued; state.step: the newest one read
     try:
-        with pid_file(Path(cfg.output), rank), peer_failures(rank, world, cfg.collective_timeout,
-                                                             lambda: state.step + 1):
+        with pid_file(Path(cfg.output), rank), peer_failures(rank, world, cfg.collective_timeout, lambda: launched):
             last_step = min(cfg.steps, state.step + cfg.exit_after) if cfg.exit_after else cfg.steps
             stop.begin_steps()
-            while state.step < last_step:
-                profiler.before(state.step + 1)
-                result = train_step(state)
-                _profiled(log, profiler.after(state.step))
-                step_log.write(result, state, engine, loader)
+            pending: LaunchedStep | None = None  # launched, not yet read
+
+            def finish(step: LaunchedStep) -> int:
+                """Read and log ``step``; its stop votes."""
+                result = train_step.finish(step, state)
+                step_log.write(result, state)
                 check_bad_streak(state, cfg.max_bad_steps, checkpointer.newest)
-                if result.outcome.stop_votes:
+                return result.outcome.stop_votes
+
+            while launched < last_step:
+                launched += 1
+                profiler.before(launched)
+                current = train_step.launch(launched)
+                _profiled(log, profiler.after(launched))
+                # Each step is read after the next one is queued, so that the GPU works while the
+                # host reads; a step that a checkpoint, validation or the run's end needs is read
+                # at once. The same on every rank: the boundaries depend on the step number alone.
+                boundary = launched == last_step or validation.due(launched) or checkpointer.due(launched)
+                ready = [step for step in (pending, current if boundary else None) if step is not None]
+                pending = None if boundary else current
+                votes = max((finish(step) for step in ready), default=0)
+                if votes:
+                    if pending is not None:  # launched before the votes were read: it runs to its end
+                        finish(pending)
+                        pending = None
                     stop.acknowledge()
-                    progress.stopped_by = _stopping(log, stop, state, f"{result.outcome.stop_votes} rank(s)")
+                    progress.stopped_by = _stopping(log, stop, state, f"{votes} rank(s)")
                     break
+                if not boundary:
+                    continue
                 if validation.due(state.step) and not validation.run(state):
                     break
                 if checkpointer.save(state) and stop.agreed(device):  # a signal during the save
@@ -222,15 +243,13 @@ class _StepLog:
         self.peak = datasheet_peak_tflops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
         self.samples = SampleLog(Path(log_samples)) if log_samples else None
 
-    def write(self, result: StepResult, state: RunState, engine, loader: PretrainingLoader) -> None:
+    def write(self, result: StepResult, state: RunState) -> None:
         s, step_s = result.outcome.sums, result.step_s
         record = {
             "step": state.step, "loss": result.outcome.loss, "mlm_acc": ratio(s["mlm_correct"], s["mlm_count"]),
             "nsp_acc": ratio(s["nsp_correct"], s["nsp_count"]), "lr": result.lr,
-            # the step's own norm where it computed one (no device read here); else DeepSpeed's
-            "grad_norm": _float(engine.get_global_grad_norm()) if result.grad_norm is None else result.grad_norm,
-            "loss_scale": zero.loss_scale(engine),
-            "skipped_steps": state.skipped_steps, "tokens": state.tokens, "samples": loader.consumed_samples,
+            "grad_norm": _float(result.grad_norm), "loss_scale": result.loss_scale,
+            "skipped_steps": state.skipped_steps, "tokens": state.tokens, "samples": result.samples,
             "tokens_per_s": s["tokens"] / step_s, "step_time_s": step_s, "data_wait_s": result.data_s,
         }
         if self.peak is not None:

@@ -33,7 +33,7 @@ def validate(engine, dataset: PretrainingDataset, cfg: TrainConfig, rank: int, w
     finally:
         engine.train()
     totals[AT["stop"]] = float(stop.requested)  # a signal after the last check: the closing all-reduce tells
-    *sums, mlm_loss_sum = all_reduce(totals)
+    *sums, mlm_loss_sum = all_reduce(totals).tolist()  # after the pass: one read
     s = dict(zip(STATS, sums))
     if s["stop"] > 0:
         stop.acknowledge()

@@ -573,11 +573,21 @@ LambFlat check_lamb(const std::vector<const at::Tensor*>& state, const at::Tenso
   return {offsets.contiguous(), lengths.contiguous(), offsets.numel()};
 }
 
+// The skip flag: none, or one float32 on the state's device (read by the kernels, never here).
+at::Tensor check_skip(const c10::optional<at::Tensor>& skip, const at::Device device) {
+  if (!skip) return at::Tensor();
+  check_cuda(*skip, "skip", device);
+  TORCH_CHECK(skip->scalar_type() == at::kFloat && skip->numel() == 1, "skip must be one float32 value, got ",
+              skip->scalar_type(), " of ", skip->numel());
+  return skip->contiguous();
+}
+
 at::Tensor lamb_moments(const at::Tensor& grad, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
                         const at::Tensor& param, const at::Tensor& offsets, const at::Tensor& lengths,
                         double beta1, double beta2, double step_size, double eps_hat, double weight_decay,
-                        bool norms) {
+                        bool norms, const c10::optional<at::Tensor>& skip_in) {
   const LambFlat flat = check_lamb({&param, &exp_avg, &exp_avg_sq, &grad}, offsets, lengths);
+  const at::Tensor skip = check_skip(skip_in, param.device());
   const c10::cuda::CUDAGuard guard(param.device());
   at::Tensor squares = at::empty({norms ? flat.num_chunks : 0, 2}, param.options());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
@@ -587,7 +597,7 @@ at::Tensor lamb_moments(const at::Tensor& grad, const at::Tensor& exp_avg, const
     err = bds_lamb_moments(grad.data_ptr<float>(), exp_avg.data_ptr<float>(), exp_avg_sq.data_ptr<float>(),
                            param.data_ptr<float>(), flat.offsets.data_ptr<int64_t>(),
                            flat.lengths.data_ptr<int64_t>(), norms ? squares.data_ptr<float>() : nullptr,
-                           flat.num_chunks, (float)beta1, (float)beta2, (float)step_size, (float)eps_hat,
+                           skip.defined() ? skip.data_ptr<float>() : nullptr, flat.num_chunks, (float)beta1, (float)beta2, (float)step_size, (float)eps_hat,
                            (float)weight_decay, stream);
   }
   check_launch(err, "lamb moments");
@@ -597,8 +607,9 @@ at::Tensor lamb_moments(const at::Tensor& grad, const at::Tensor& exp_avg, const
 void lamb_apply(const at::Tensor& param, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
                 const at::Tensor& offsets, const at::Tensor& lengths, const c10::optional<at::Tensor>& scales_in,
                 double uniform_scale, double beta1, double beta2, double step_size, double eps_hat,
-                double weight_decay) {
+                double weight_decay, const c10::optional<at::Tensor>& skip_in) {
   const LambFlat flat = check_lamb({&param, &exp_avg, &exp_avg_sq}, offsets, lengths);
+  const at::Tensor skip = check_skip(skip_in, param.device());
   at::Tensor scales;
   if (scales_in) {
     check_cuda(*scales_in, "scales", param.device());
@@ -614,7 +625,8 @@ void lamb_apply(const at::Tensor& param, const at::Tensor& exp_avg, const at::Te
     pybind11::gil_scoped_release no_gil;
     err = bds_lamb_apply(exp_avg.data_ptr<float>(), exp_avg_sq.data_ptr<float>(), param.data_ptr<float>(),
                          flat.offsets.data_ptr<int64_t>(), flat.lengths.data_ptr<int64_t>(),
-                         scales.defined() ? scales.data_ptr<float>() : nullptr, (float)uniform_scale,
+                         scales.defined() ? scales.data_ptr<float>() : nullptr,
+                         skip.defined() ? skip.data_ptr<float>() : nullptr, (float)uniform_scale,
                          flat.num_chunks, (float)beta1, (float)beta2, (float)step_size, (float)eps_hat,
                          (float)weight_decay, stream);
   }
@@ -661,9 +673,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lamb_moments", &lamb_moments, "LAMB moments in place -> (chunks, 2) squared norms of w and u",
         py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("param"), py::arg("offsets"),
         py::arg("lengths"), py::arg("beta1"), py::arg("beta2"), py::arg("step_size"), py::arg("eps_hat"),
-        py::arg("weight_decay"), py::arg("norms"));
+        py::arg("weight_decay"), py::arg("norms"), py::arg("skip") = py::none());
   m.def("lamb_apply", &lamb_apply, "LAMB update in place: param -= scale * u", py::arg("param"),
         py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("offsets"), py::arg("lengths"), py::arg("scales"),
         py::arg("uniform_scale"), py::arg("beta1"), py::arg("beta2"), py::arg("step_size"), py::arg("eps_hat"),
-        py::arg("weight_decay"));
+        py::arg("weight_decay"), py::arg("skip") = py::none());
 }

@@ -22,6 +22,9 @@
 // - The bias corrections ride on two scalars (step_size = sqrt(1 - b2^t) / (1 - b1^t) and
 //   eps_hat = eps sqrt(1 - b2^t)): u = step_size m / (sqrt(v) + eps_hat) + wd w, the same
 //   algebra as the foreach path.
+// - A step found non-finite is skipped on the device: both passes read a flag (`skip`, one
+//   float written by the training step's checks) and return before writing anything but zero
+//   squares. The host never reads it: on a GPU that read would wait for the whole step.
 #include "common.cuh"
 
 namespace bds {
@@ -65,14 +68,24 @@ __device__ __forceinline__ float block_sum(float v, float (&shared)[kWarps]) {
   return total;
 }
 
+// Whether the step is skipped: a flag the device wrote (null: never).
+__device__ __forceinline__ bool skipped(const float* __restrict__ skip) { return skip != nullptr && *skip != 0.f; }
+
 // m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g^2, in place; squares[2c], squares[2c + 1] =
-// sum over chunk c of w^2 and of u^2 (when squares is not null).
+// sum over chunk c of w^2 and of u^2 (when squares is not null). Skipped: zero squares only.
 __global__ void __launch_bounds__(kThreads)
 lamb_moments_kernel(const float* __restrict__ g, float* __restrict__ m, float* __restrict__ v,
                     const float* __restrict__ w, const int64_t* __restrict__ offsets,
-                    const int64_t* __restrict__ lengths, float* __restrict__ squares, int64_t num_chunks,
-                    LambScalars s) {
+                    const int64_t* __restrict__ lengths, float* __restrict__ squares,
+                    const float* __restrict__ skip, int64_t num_chunks, LambScalars s) {
   __shared__ float sums[2][kWarps];
+  if (skipped(skip)) {
+    for (int64_t c = blockIdx.x; c < num_chunks && squares != nullptr && threadIdx.x == 0; c += gridDim.x) {
+      squares[2 * c] = 0.f;
+      squares[2 * c + 1] = 0.f;
+    }
+    return;  // the whole block: no barrier below is reached by some threads only
+  }
   for (int64_t c = blockIdx.x; c < num_chunks; c += gridDim.x) {
     const int64_t start = offsets[c];
     const int64_t length = lengths[c];
@@ -107,11 +120,14 @@ lamb_moments_kernel(const float* __restrict__ g, float* __restrict__ m, float* _
   }
 }
 
-// w -= scale * u, with scale = scales[c] for chunk c, or `uniform` when scales is null.
+// w -= scale * u, with scale = scales[c] for chunk c, or `uniform` when scales is null; nothing
+// when skipped.
 __global__ void __launch_bounds__(kThreads)
 lamb_apply_kernel(const float* __restrict__ m, const float* __restrict__ v, float* __restrict__ w,
                   const int64_t* __restrict__ offsets, const int64_t* __restrict__ lengths,
-                  const float* __restrict__ scales, float uniform, int64_t num_chunks, LambScalars s) {
+                  const float* __restrict__ scales, const float* __restrict__ skip, float uniform,
+                  int64_t num_chunks, LambScalars s) {
+  if (skipped(skip)) return;
   for (int64_t c = blockIdx.x; c < num_chunks; c += gridDim.x) {
     const int64_t start = offsets[c];
     const int64_t length = lengths[c];
@@ -147,25 +163,26 @@ using namespace bds;
 
 extern "C" cudaError_t bds_lamb_moments(const float* grad, float* exp_avg, float* exp_avg_sq, const float* param,
                                         const int64_t* offsets, const int64_t* lengths, float* squares,
-                                        int64_t num_chunks, float beta1, float beta2, float step_size,
-                                        float eps_hat, float weight_decay, cudaStream_t stream) {
+                                        const float* skip, int64_t num_chunks, float beta1, float beta2,
+                                        float step_size, float eps_hat, float weight_decay, cudaStream_t stream) {
   if (num_chunks < 0) return cudaErrorInvalidValue;
   if (num_chunks == 0) return cudaSuccess;
   const dim3 grid(chunk_blocks<lamb_moments_kernel>(num_chunks));
   lamb_moments_kernel<<<grid, kThreads, 0, stream>>>(grad, exp_avg, exp_avg_sq, param, offsets, lengths, squares,
-                                                     num_chunks, scalars(beta1, beta2, step_size, eps_hat,
-                                                                         weight_decay));
+                                                     skip, num_chunks, scalars(beta1, beta2, step_size, eps_hat,
+                                                                               weight_decay));
   return cudaGetLastError();
 }
 
 extern "C" cudaError_t bds_lamb_apply(const float* exp_avg, const float* exp_avg_sq, float* param,
                                       const int64_t* offsets, const int64_t* lengths, const float* scales,
-                                      float uniform_scale, int64_t num_chunks, float beta1, float beta2,
-                                      float step_size, float eps_hat, float weight_decay, cudaStream_t stream) {
+                                      const float* skip, float uniform_scale, int64_t num_chunks, float beta1,
+                                      float beta2, float step_size, float eps_hat, float weight_decay,
+                                      cudaStream_t stream) {
   if (num_chunks < 0) return cudaErrorInvalidValue;
   if (num_chunks == 0) return cudaSuccess;
   const dim3 grid(chunk_blocks<lamb_apply_kernel>(num_chunks));
-  lamb_apply_kernel<<<grid, kThreads, 0, stream>>>(exp_avg, exp_avg_sq, param, offsets, lengths, scales,
+  lamb_apply_kernel<<<grid, kThreads, 0, stream>>>(exp_avg, exp_avg_sq, param, offsets, lengths, scales, skip,
                                                    uniform_scale, num_chunks,
                                                    scalars(beta1, beta2, step_size, eps_hat, weight_decay));
   return cudaGetLastError();

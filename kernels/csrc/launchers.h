@@ -134,18 +134,20 @@ cudaError_t bds_mlm_cross_entropy_bwd(const float* grad_scale, const void* logit
 // chunks disjoint). With u = step_size * m / (sqrt(v) + eps_hat) + weight_decay * w:
 // moments: m = beta1 m + (1 - beta1) g, v = beta2 v + (1 - beta2) g^2 in place, and, when
 // squares (2 * num_chunks floats) is not NULL, squares[2c] = sum of w^2 and squares[2c + 1] =
-// sum of u^2 over chunk c (fp32, in a fixed order).
+// sum of u^2 over chunk c (fp32, in a fixed order). skip: NULL, or one float on the device; where
+// it is non-zero both passes leave m, v and param as they are (and squares are zeros): the step's
+// skip of a non-finite step, decided on the device without a read.
 cudaError_t bds_lamb_moments(const float* grad, float* exp_avg, float* exp_avg_sq, const float* param,
-                             const int64_t* offsets, const int64_t* lengths, float* squares, int64_t num_chunks,
-                             float beta1, float beta2, float step_size, float eps_hat, float weight_decay,
-                             cudaStream_t stream);
+                             const int64_t* offsets, const int64_t* lengths, float* squares, const float* skip,
+                             int64_t num_chunks, float beta1, float beta2, float step_size, float eps_hat,
+                             float weight_decay, cudaStream_t stream);
 
 // apply (after moments, with the same scalars): param -= scale * u, scale = scales[c] over chunk c
 // (num_chunks floats on the device), or uniform_scale everywhere when scales is NULL.
 cudaError_t bds_lamb_apply(const float* exp_avg, const float* exp_avg_sq, float* param, const int64_t* offsets,
-                           const int64_t* lengths, const float* scales, float uniform_scale, int64_t num_chunks,
-                           float beta1, float beta2, float step_size, float eps_hat, float weight_decay,
-                           cudaStream_t stream);
+                           const int64_t* lengths, const float* scales, const float* skip, float uniform_scale,
+                           int64_t num_chunks, float beta1, float beta2, float step_size, float eps_hat,
+                           float weight_decay, cudaStream_t stream);
 
 #ifdef __cplusplus
 }

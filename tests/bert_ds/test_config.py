@@ -117,16 +117,19 @@ def test_compiled_layers_refuse_zero3():
 
 
 @pytest.mark.parametrize("name,owned", [("zero1_bf16.json", False), ("zero2_bf16.json", True),
-                                        ("zero1_fp32.json", True), ("zero0_fp32.json", False),
+                                        ("zero1_fp32.json", True), ("zero0_fp32.json", True),
                                         ("zero1_fp16.json", False), ("zero3_bf16.json", False)])
 def test_deepspeed_config_turns_off_the_per_step_syncs(name, owned):
     ds = deepspeed_config(_cfg(ds_config=name, optim=OptimConfig(name="adamw", grad_clip=0.5)),
                           BatchPlan.resolve(32, 32, 1))
     # DeepSpeed's throughput timer synchronises the device twice a step; bert-ds times itself.
     assert ds["timers"] == {"throughput": {"enabled": False}}
-    # ZeRO-1/2 in bf16 or fp32: the step checks, measures and clips the gradients itself
+    # ZeRO-0 in fp32, ZeRO-1/2 in bf16 or fp32: the step checks, measures and clips the gradients itself
     assert step_owns_gradients(ds) is owned
     assert ds["gradient_clipping"] == (0.0 if owned else 0.5)
+    if ds["zero_optimization"]["stage"] == 0:  # no DeepSpeed wrapper: nothing of its own to turn off
+        assert "compute_grad_norm" not in ds["zero_optimization"] and "bf16" not in ds
+        return
     assert ds["zero_optimization"].get("compute_grad_norm", True) is not owned
     if precision_of(ds) == "bf16":
         assert ds["bf16"].get("check_grad_overflow", True) is not owned

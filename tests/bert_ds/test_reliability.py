@@ -105,13 +105,16 @@ def _tensors_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bo
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def _optimizer_meta(path: Path) -> dict:
+    """optimizer.safetensors' step counts (per param group) and LR schedule."""
+    with safe_open(str(path / checkpoint.OPTIMIZER), framework="pt") as f:
+        return json.loads(f.metadata()["bert_ds"])
+
+
 def _optimizer_equal(a: Path, b: Path) -> bool:
     """optimizer.safetensors: every tensor bitwise, and the step counts and LR schedule."""
-    meta = []
-    for path in (a, b):
-        with safe_open(str(path / checkpoint.OPTIMIZER), framework="pt") as f:
-            meta.append(json.loads(f.metadata()["bert_ds"]))
-    return _tensors_equal(load_file(a / checkpoint.OPTIMIZER), load_file(b / checkpoint.OPTIMIZER)) and meta[0] == meta[1]
+    return (_tensors_equal(load_file(a / checkpoint.OPTIMIZER), load_file(b / checkpoint.OPTIMIZER))
+            and _optimizer_meta(a) == _optimizer_meta(b))
 
 
 def _deepspeed_optimizer_equal(a: Path, b: Path) -> bool:
@@ -339,20 +342,25 @@ def test_r3_load_verifies_before_loading(tmp_path):
 # --------------------------------------------------------------------------- R7
 
 def test_r7_a_bad_step_is_skipped_on_every_rank(sample_data, tmp_path):
-    """ZeRO-0 fp32 on two ranks (DeepSpeed does not check gradients there; the trainer does):
-    rank 0's loss is NaN at step 3, and neither rank's parameters or optimizer state move."""
+    """ZeRO-0 fp32 on two ranks (DeepSpeed does not check gradients there; the trainer does, and
+    skips on the device): rank 0's loss is NaN at step 3, and neither rank's parameters or
+    optimizer moments move; the step counts and the LR schedule move on, as they do under
+    PyTorch's GradScaler."""
     out = tmp_path / "run"
     run_cli(*_args(sample_data, out, "--ds-config", "zero0_fp32.json", "--steps", "8", "--exit-after", "3",
                    "--save-every", "1", "--keep-last", "10", "--debug-inject-nan-at", "3"), nproc=2)
     logged = _steps_logged(out)
     before, after = _ckpt(out, 2), _ckpt(out, 3)
     weights = _tensors_equal(load_file(before / checkpoint.WEIGHTS), load_file(after / checkpoint.WEIGHTS))
-    optim = _optimizer_equal(before, after)
+    moments = _tensors_equal(load_file(before / checkpoint.OPTIMIZER), load_file(after / checkpoint.OPTIMIZER))
+    meta = _optimizer_meta(before), _optimizer_meta(after)
     print(f"R7: NaN loss on rank 0 at step 3 of 2 ranks: loss {logged[2]['loss']}, skipped_steps "
           f"{[r['skipped_steps'] for r in logged]}, weights {'unchanged' if weights else 'CHANGED'}, "
-          f"optimizer state {'unchanged' if optim else 'CHANGED'}")
+          f"optimizer moments {'unchanged' if moments else 'CHANGED'}, LR schedule "
+          f"{meta[0]['lr_scheduler'].get('last_epoch')} -> {meta[1]['lr_scheduler'].get('last_epoch')}")
     assert math.isnan(logged[2]["loss"]) and [r["skipped_steps"] for r in logged] == [0, 0, 1]
-    assert weights and optim
+    assert weights and moments
+    assert meta[1]["lr_scheduler"]["last_epoch"] == meta[0]["lr_scheduler"]["last_epoch"] + 1
 
 
 def test_r7_k_bad_steps_in_a_row_stop_the_run_without_checkpointing_them(sample_data, tmp_path):
@@ -416,8 +424,10 @@ def test_r11_a_hung_rank_fails_the_job_within_the_timeout(sample_data, tmp_path)
     log = tmp_path / "hang.log"
     proc = _start(_args(sample_data, out, "--steps", "20", "--collective-timeout", str(timeout),
                         "--debug-hang-at", "1:3"), nproc=2, log=log)
-    _wait_for_step(out, 2, proc)
-    hung = time.monotonic()  # rank 1 hangs as it starts step 3
+    # step 1 is logged once step 2 is queued (steps are read one late): rank 1 then finishes
+    # step 2 and hangs as it starts step 3, and step 2 is never logged
+    _wait_for_step(out, 1, proc)
+    hung = time.monotonic()
     rc = proc.wait(timeout=120)
     elapsed = time.monotonic() - hung
     text = log.read_text()

@@ -75,8 +75,8 @@ class Emulated:
             "bds_varlen_attention_bwd_accumulates": [I, I],
             "bds_mlm_cross_entropy_fwd": [P, P, P, P, P, L, I, L, I, P],
             "bds_mlm_cross_entropy_bwd": [P, P, P, P, P, L, I, L, I, P],
-            "bds_lamb_moments": [P, P, P, P, P, P, P, L, F, F, F, F, F, P],
-            "bds_lamb_apply": [P, P, P, P, P, P, F, L, F, F, F, F, F, P],
+            "bds_lamb_moments": [P, P, P, P, P, P, P, P, L, F, F, F, F, F, P],
+            "bds_lamb_apply": [P, P, P, P, P, P, P, F, L, F, F, F, F, F, P],
         }
         for name, argtypes in signatures.items():
             if not hasattr(lib, name):  # a library of some of the sources (an edited copy of one kernel)
@@ -246,18 +246,18 @@ class Emulated:
         return dlogits
 
     def lamb_moments(self, grad, exp_avg, exp_avg_sq, param, offsets, lengths, beta1, beta2, step_size, eps_hat,
-                     weight_decay, norms):
-        grad, m, v, param = map(self._guarded, (grad, exp_avg, exp_avg_sq, param))
+                     weight_decay, norms, skip=None):
+        grad, m, v, param, skip = map(self._guarded, (grad, exp_avg, exp_avg_sq, param, skip))
         squares = self._empty(offsets.numel() if norms else 0, 2, dtype=torch.float32)
-        self._call("bds_lamb_moments", grad, m, v, param, offsets, lengths, squares if norms else None,
+        self._call("bds_lamb_moments", grad, m, v, param, offsets, lengths, squares if norms else None, skip,
                    offsets.numel(), beta1, beta2, step_size, eps_hat, weight_decay, None)
         exp_avg.copy_(m), exp_avg_sq.copy_(v)  # in place, as the binding: the kernel wrote the guarded copies
         return squares
 
     def lamb_apply(self, param, exp_avg, exp_avg_sq, offsets, lengths, scales, uniform_scale, beta1, beta2,
-                   step_size, eps_hat, weight_decay):
-        w, m, v, scales_g = map(self._guarded, (param, exp_avg, exp_avg_sq, scales))
-        self._call("bds_lamb_apply", m, v, w, offsets, lengths, scales_g, uniform_scale, offsets.numel(), beta1,
+                   step_size, eps_hat, weight_decay, skip=None):
+        w, m, v, scales_g, skip = map(self._guarded, (param, exp_avg, exp_avg_sq, scales, skip))
+        self._call("bds_lamb_apply", m, v, w, offsets, lengths, scales_g, skip, uniform_scale, offsets.numel(), beta1,
                    beta2, step_size, eps_hat, weight_decay, None)
         param.copy_(w)
 
@@ -979,6 +979,31 @@ def test_lamb_kernels_pass_the_self_check(emulated_cuda):
     from bert_ds.kernels.lamb import lamb_update_fused
 
     assert selfcheck.check_lamb_update(lamb_update_fused, torch.device("cpu")) == []
+
+
+# Copies of lamb.cu with the skip flag ignored in one pass: (after this anchor, this text, becomes
+# this, what check_lamb_update then names as changed).
+LAMB_PLANTED = {
+    "the moments pass ignores the flag": ("lamb_moments_kernel(", "  if (skipped(skip)) {", "  if (false) {",
+                                          "exp_avg"),
+    "the apply pass ignores the flag": ("lamb_apply_kernel(", "  if (skipped(skip)) return;", "", "param"),
+}
+
+
+@pytest.mark.parametrize("planted", sorted(LAMB_PLANTED))
+def test_a_planted_mistake_fails_the_lamb_skip_check(emulated_cuda, monkeypatch, tmp_path, planted):
+    from bert_ds.kernels import dispatch, selfcheck
+    from bert_ds.kernels.lamb import lamb_update_fused
+
+    anchor, old, new, changed = LAMB_PLANTED[planted]
+    source = (emulation.CSRC / "lamb.cu").read_text()
+    at = source.index(old, source.index(anchor, source.index("namespace bds")))
+    sources = {"lamb.cu": source[:at] + new + source[at + len(old):],
+               "common.cuh": (emulation.CSRC / "common.cuh").read_text()}
+    broken = Emulated(ctypes.CDLL(str(emulation.build_library(sources, tmp_path, dtype="BDS_FLOAT32"))))
+    monkeypatch.setattr(dispatch, "load_extension", lambda: (broken, ""))
+    problems = selfcheck.check_lamb_update(lamb_update_fused, torch.device("cpu"))
+    assert any(p.startswith("skip flag set") and changed in p for p in problems), problems
 
 
 def test_lamb_optimizer_on_the_emulated_kernels_follows_the_native_path(emulated_cuda):

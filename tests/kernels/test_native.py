@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from bert_ds.kernels import ops as kernels
 from bert_ds.kernels import attention, dispatch, selfcheck
 from bert_ds.kernels.attention import VarlenAttnApi
+from bert_ds.kernels.lamb import lamb_update_native
 from bert_ds.kernels.cross_entropy import IGNORE_INDEX
 from bert_ds.kernels.dropout_layer_norm import dropout_add_layer_norm_native, dropout_add_layer_norm_ref
 from bert_ds.kernels.layer_norm import layer_norm_native, layer_norm_ref
@@ -69,6 +70,7 @@ DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
     (selfcheck.check_bias_gelu, kernels.bias_gelu_native),
     (selfcheck.check_varlen_attention, kernels.varlen_attention_native),
     (selfcheck.check_mlm_cross_entropy, kernels.mlm_cross_entropy_native),
+    (selfcheck.check_lamb_update, lamb_update_native),
 ])
 def test_the_native_ops_meet_the_rule_the_fused_kernels_are_held_to(device, check, native):
     # Every dtype, odd sizes, forward and every gradient: at most twice the error of the
@@ -80,6 +82,21 @@ def test_every_op_has_a_fused_self_check():
     # kernels=auto and kernels=cuda decide per op from these checks: an op without one would
     # have no verdict (and the GPU test of the verdicts would fail only on a GPU)
     assert tuple(selfcheck.fused_checks()) == dispatch.OPS
+
+
+def test_the_lamb_skip_check_catches_a_path_that_ignores_its_flag():
+    def ignores_the_flag(param, grad, exp_avg, exp_avg_sq, chunks, s, scales, skip=None):
+        lamb_update_native(param, grad, exp_avg, exp_avg_sq, chunks, s, scales)
+
+    def skips_the_weights_only(param, grad, exp_avg, exp_avg_sq, chunks, s, scales, skip=None):
+        held = param.clone()
+        lamb_update_native(param, grad, exp_avg, exp_avg_sq, chunks, s, scales)
+        if skip is not None:
+            param.copy_(torch.where(skip != 0, held, param))
+
+    assert any("skip flag set" in p for p in selfcheck.check_lamb_update(ignores_the_flag, torch.device("cpu")))
+    found = selfcheck.check_lamb_update(skips_the_weights_only, torch.device("cpu"))
+    assert found and all("exp_avg" in p and "param" not in p for p in found), found
 
 
 def test_a_rule_that_can_fail():
