@@ -18,11 +18,11 @@ line), never a silently skipped example.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from bert_ds.base.errors import UserError
+from bert_ds.eval import hf_tables
 
 
 class GlueDataError(UserError):
@@ -99,12 +99,11 @@ def read_split(data: Path, task: Task, split: str) -> Examples:
         (file, hf) for name, file, hf in task.evals if name == split)
     if (folder / tsv).is_file():
         return _read_tsv(folder / tsv, task)
-    if (folder / "dataset_dict.json").is_file():
-        return _read_arrow(folder, task, hf_split)
-    parquet = sorted(p for p in folder.glob("*.parquet")
-                     if p.name == f"{hf_split}.parquet" or p.name.startswith(f"{hf_split}-"))
+    if hf_tables.is_saved_dataset(folder):
+        return _read_table(hf_tables.read_saved_split(folder, hf_split, GlueDataError), task, folder / hf_split)
+    parquet = hf_tables.parquet_files(folder, hf_split)
     if parquet:
-        return _read_table(_parquet(parquet), task, folder / f"{hf_split}*.parquet")
+        return _read_table(hf_tables.read_parquet(parquet, GlueDataError), task, folder / f"{hf_split}*.parquet")
     raise GlueDataError(f"{folder}: no {tsv}, no {hf_split}*.parquet and no dataset_dict.json "
                         f"({task.name} needs its {split} split)")
 
@@ -162,40 +161,6 @@ def _read_tsv(path: Path, task: Task) -> Examples:
 
 
 # --------------------------------------------------------------------------- Hugging Face layouts
-
-def _parquet(files: list[Path]):
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    try:
-        return pa.concat_tables([pq.read_table(f) for f in files])
-    except (OSError, pa.ArrowException) as e:
-        raise GlueDataError(f"{files[0].parent}: unreadable Parquet ({e})") from None
-
-
-def _read_arrow(folder: Path, task: Task, split: str) -> Examples:
-    """A ``DatasetDict.save_to_disk`` folder: ``dataset_dict.json`` and ``SPLIT/data-*.arrow``."""
-    import pyarrow as pa
-
-    try:
-        splits = json.loads((folder / "dataset_dict.json").read_text())["splits"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise GlueDataError(f"{folder / 'dataset_dict.json'}: unreadable ({e})") from None
-    if split not in splits:
-        raise GlueDataError(f"{folder}: no {split} split (it has {', '.join(splits)})")
-    files = sorted((folder / split).glob("data-*.arrow"))
-    if not files:
-        raise GlueDataError(f"{folder / split}: no data-*.arrow files")
-    try:
-        tables = []
-        for file in files:
-            with pa.memory_map(str(file)) as source:
-                tables.append(pa.ipc.open_stream(source).read_all())
-        table = pa.concat_tables(tables)
-    except (OSError, pa.ArrowException) as e:
-        raise GlueDataError(f"{folder / split}: unreadable Arrow files ({e})") from None
-    return _read_table(table, task, folder / split)
-
 
 def _read_table(table, task: Task, source: Path) -> Examples:
     missing = [c for c in (*task.columns, "label") if c not in table.column_names]
