@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import glob
+import json
 import re
 import subprocess
 import sys
@@ -88,6 +89,52 @@ def _planted(text: str, old: str, new: str) -> list[str]:
                 planted.append((command, t))
     assert planted, f"{new!r} did not land in a command"
     return problems(planted)
+
+
+# A documented command that runs a phase of the shipped recipe (its steps and global batch)
+# quotes the recipe's other figures: the docs tests check flags exist, this checks the numbers.
+RECIPE = REPO / "bert_ds" / "recipes" / "bert_base_two_phase.json"
+PHASE_FLAGS = {"--steps": ("steps",), "--global-batch-size": ("global_batch_size",),
+               "--micro-batch-size": ("micro_batch_size",), "--lr": ("optim", "lr"),
+               "--warmup-steps": ("optim", "warmup_steps"), "--seq-len": ("data", "max_seq_length")}
+
+
+def _flag_values(argv: list[str]) -> dict[str, str]:
+    values = {}
+    for i, arg in enumerate(argv):
+        if arg.startswith("--"):
+            name, _, value = arg.partition("=")
+            values[name] = value or (argv[i + 1] if i + 1 < len(argv) else "")
+    return values
+
+
+def recipe_figures(found) -> tuple[int, list[str]]:
+    """(commands quoting a phase, the figures they quote wrong)."""
+    phases = json.loads(RECIPE.read_text())["phases"]
+    quoting, wrong = 0, []
+    for command, _ in found:
+        flags = _flag_values(command.argv)
+        for phase in phases:
+            if flags.get("--steps") != str(phase["steps"]) or flags.get("--global-batch-size") != str(
+                    phase["global_batch_size"]):
+                continue
+            quoting += 1
+            for flag, keys in PHASE_FLAGS.items():
+                want = functools.reduce(lambda d, k: d[k], keys, phase)
+                if flag in flags and float(flags[flag]) != float(want):
+                    wrong.append(f"{command.where}: {flag} {flags[flag]}, but {phase['name']} of {RECIPE.name} "
+                                 f"holds {want}")
+    return quoting, wrong
+
+
+def test_commands_quoting_the_recipe_quote_its_figures():
+    quoting, wrong = recipe_figures(docs.documented_commands())
+    assert quoting >= 4, f"only {quoting} documented commands run a phase of {RECIPE.name}: is the match broken?"
+    assert not wrong, "\n".join(wrong)
+    path = REPO / "docs" / "multi-node.md"
+    planted = path.read_text(encoding="utf-8").replace("--micro-batch-size 512", "--micro-batch-size 256", 1)
+    found = [(c, t) for b in docs.blocks(path, planted) for c in docs.commands(b) if (t := docs.target(c.argv))]
+    assert any("--micro-batch-size 256, but phase1" in w for w in recipe_figures(found)[1])
 
 
 def test_a_planted_wrong_flag_module_or_mode_is_caught():

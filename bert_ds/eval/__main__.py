@@ -1,22 +1,26 @@
-"""``python -m bert_ds.eval glue ...`` (also ``bert-ds-eval glue ...``)."""
+"""``python -m bert_ds.eval glue|squad|ner ...`` (also ``bert-ds-eval ...``)."""
 
 import argparse
 import sys
 
 from bert_ds.base.errors import guarded
-from bert_ds.eval import glue
+from bert_ds.eval import glue, ner, squad
+
+COMMANDS = {"glue": (glue, "fine-tune on the GLUE tasks and report their dev scores"),
+            "squad": (squad, "fine-tune on SQuAD v1.1 or v2.0 and report its dev scores"),
+            "ner": (ner, "fine-tune on CoNLL-style named entities and report entity F1")}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bert_ds.eval", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
-    glue.add_arguments(commands.add_parser("glue", help="fine-tune on the GLUE tasks and report their dev scores",
-                                           description=glue.__doc__.split("\n\n")[0]))
+    for name, (module, summary) in COMMANDS.items():
+        module.add_arguments(commands.add_parser(name, help=summary, description=module.__doc__.split("\n\n")[0]))
     args = parser.parse_args(argv)
 
     def body() -> int | None:
         try:
-            glue.run(args)
+            COMMANDS[args.command][0].run(args)
         except KeyboardInterrupt:  # finished runs are on disk already: say how to go on
             done = len(list(args.output.glob("*/seed*.json")))
             print(f"\ninterrupted: {done} finished run(s) kept in {args.output}; the same command goes on from them",

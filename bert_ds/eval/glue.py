@@ -22,15 +22,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from bert_ds.base.atomic import atomic_write
 from bert_ds.base.errors import ConfigError, UserError
-from bert_ds.config import check_writable
-from bert_ds.eval import metrics, recipe as recipes
+from bert_ds.eval import metrics, recipe as recipes, runs
 from bert_ds.eval.glue_data import EXCLUDED, TASKS, Examples, Task, read_split
 
 
@@ -77,15 +75,7 @@ def prepare(args: argparse.Namespace, *, model_exists: bool = True) -> Prepared:
     """Every input checked and every task's data read (``model_exists=False``: the model is
     still to be trained, by a phase plan that ends with this evaluation)."""
     tasks = parse_tasks(args.tasks)
-    if args.seeds < 1:
-        raise ConfigError(f"--seeds must be >= 1, got {args.seeds}")
-    if model_exists and not (args.model / "config.json").is_file():
-        raise UserError(f"--model {args.model}: not a Hugging Face model folder (no config.json); export a "
-                        "checkpoint with python -m bert_ds.checkpoint.export")
-    if not args.data.is_dir():
-        raise UserError(f"--data {args.data}: no such folder")
-    check_writable(args.output, "--output", folder=True)
-    _ours_or_empty(args.output)
+    runs.check_inputs(args, _ours_or_empty, model_exists=model_exists)
     recipe = recipes.load(args.recipe).with_overrides(
         learning_rate=args.lr, epochs=args.epochs, batch_size=args.batch_size, max_seq_length=args.max_seq_length)
     data = {task.name: (read_split(args.data, task, "train"),
@@ -102,9 +92,9 @@ def run(args: argparse.Namespace, prepared: Prepared | None = None) -> dict[str,
     p = prepared or prepare(args)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     # Every kept result is checked before anything trains: a refusal must not come after hours.
-    kept = {(t.name, s): _kept(args.output, t, s, p.identity, p.recipe.for_task(t.name)) for t in p.tasks
-            for s in p.seeds}
-    runs: dict[str, list[dict[str, Any]]] = {}
+    kept = {(t.name, s): runs.kept(args.output, t.name, s, p.identity, p.recipe.for_task(t.name).to_dict())
+            for t in p.tasks for s in p.seeds}
+    done: dict[str, list[dict[str, Any]]] = {}
     for task in p.tasks:
         recipe = p.recipe.for_task(task.name)
         train, evals = p.data[task.name]
@@ -116,10 +106,10 @@ def run(args: argparse.Namespace, prepared: Prepared | None = None) -> dict[str,
                 result = finetune(args.model, task, train, evals, recipe, seed, device, progress=not args.no_progress)
                 result.update(p.identity, recipe=recipe.to_dict())
                 (args.output / task.name).mkdir(parents=True, exist_ok=True)
-                atomic_write(_seed_file(args.output, task, seed), json.dumps(result, indent=2) + "\n")
+                atomic_write(runs.seed_file(args.output, task.name, seed), json.dumps(result, indent=2) + "\n")
                 print(_line(task, result), flush=True)
-            runs.setdefault(task.name, []).append(result)
-    report = {**p.identity, "recipe": p.recipe.to_dict(), "seeds": p.seeds, **summarize(p.tasks, runs)}
+            done.setdefault(task.name, []).append(result)
+    report = {**p.identity, "recipe": p.recipe.to_dict(), "seeds": p.seeds, **summarize(p.tasks, done)}
     atomic_write(args.output / "results.json", json.dumps(report, indent=2) + "\n")
     text = markdown(report)
     atomic_write(args.output / "results.md", text)
@@ -131,31 +121,11 @@ def stage_args(values: Any, model: Path, output: Path) -> argparse.Namespace:
     """A phase plan's ``"evaluate": {"glue": {...}}`` as this command's arguments: ``data``
     required; ``tasks`` (a list), ``seeds``, ``seed``, ``recipe``, ``lr``, ``epochs``,
     ``batch_size``, ``max_seq_length`` as the flags; the model and output come from the plan."""
-    if not isinstance(values, dict) or not isinstance(values.get("data"), str):
-        raise ConfigError('phase plan: evaluate.glue must be an object with "data" (the GLUE folder)')
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    args = parser.parse_args(["--model", str(model), "--data", values["data"], "--output", str(output),
-                              "--no-progress"])
-    allowed = {"data", "tasks", "seeds", "seed", "recipe", "lr", "epochs", "batch_size", "max_seq_length"}
-    unknown = sorted(set(values) - allowed)
-    if unknown:
-        raise ConfigError(f"phase plan: evaluate.glue: unknown key(s) {', '.join(unknown)}; allowed: "
-                          f"{', '.join(sorted(allowed))}")
-    kinds = {"seeds": int, "seed": int, "batch_size": int, "max_seq_length": int, "lr": (int, float),
-             "epochs": (int, float), "recipe": str}
-    for key, value in values.items():
-        if key in kinds and (not isinstance(value, kinds[key]) or isinstance(value, bool)):
-            raise ConfigError(f"phase plan: evaluate.glue.{key} must be {'an integer' if kinds[key] is int else 'a number' if isinstance(kinds[key], tuple) else 'a string'}, "
-                              f"got {value!r}")
-        if key == "tasks":
-            if not isinstance(value, list) or not all(isinstance(t, str) for t in value):
-                raise ConfigError("phase plan: evaluate.glue.tasks must be a list of task names")
-            value = ",".join(value)
-        elif key == "data":
-            value = Path(value)
-        setattr(args, key, value)
-    return args
+    return runs.stage_args("glue", add_arguments, values, model, output, STAGE_KEYS, lists=("tasks",))
+
+
+STAGE_KEYS = {"seeds": int, "seed": int, "batch_size": int, "max_seq_length": int, "lr": (int, float),
+              "epochs": (int, float), "recipe": str}
 
 
 def _ours_or_empty(output: Path) -> None:
@@ -173,42 +143,20 @@ def _ours_or_empty(output: Path) -> None:
         raise UserError(f"--output {output} exists and holds no GLUE results; give a new or empty folder")
 
 
-def _seed_file(output: Path, task: Task, seed: int) -> Path:
-    return output / task.name / f"seed{seed}.json"
-
-
-def _kept(output: Path, task: Task, seed: int, identity: dict[str, str], recipe: recipes.Recipe) -> dict | None:
-    """A finished run of the same model, data and recipe, or None; a different one is refused."""
-    path = _seed_file(output, task, seed)
-    if not path.is_file():
-        return None
-    try:
-        result = json.loads(path.read_text())
-        same = all(result[k] == v for k, v in identity.items()) and result["recipe"] == recipe.to_dict()
-    except (OSError, ValueError, KeyError, TypeError):
-        raise UserError(f"{path}: unreadable; move it away to run {task.name} seed {seed} again") from None
-    if not same:
-        raise UserError(f"--output {output}: {path.name} of {task.name} was made from another model, data or "
-                        "recipe; give another --output (results are never mixed or overwritten)")
-    return result
-
-
 def _line(task: Task, result: dict[str, Any]) -> str:
     scores = ", ".join(f"{name} {s['score']:.2f}" for name, s in result["scores"].items())
     return (f"{task.name} seed {result['seed']}: {scores} ({task.metric}; {result['steps']} steps, "
             f"{result['seconds']:.0f} s)")
 
 
-def summarize(tasks: list[Task], runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+def summarize(tasks: list[Task], done: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     """Per dev set: median, min and max over seeds of each figure; the paper's average of the medians."""
     columns: dict[str, dict[str, Any]] = {}
     for task in tasks:
         for name, _, _ in task.evals:
-            per_seed = [r["scores"][name] for r in runs[task.name]]
-            figures = {key: {"median": statistics.median(s[key] for s in per_seed),
-                             "min": min(s[key] for s in per_seed), "max": max(s[key] for s in per_seed)}
-                       for key in per_seed[0]}
-            columns[name] = {"task": task.name, "metric": task.metric, "seeds": len(per_seed), "figures": figures}
+            per_seed = [r["scores"][name] for r in done[task.name]]
+            columns[name] = {"task": task.name, "metric": task.metric, "seeds": len(per_seed),
+                             "figures": runs.figures(per_seed)}
     value, missing = metrics.average({name: c["figures"]["score"]["median"] for name, c in columns.items()})
     return {"columns": columns, "average": None if math.isnan(value) else value, "average_missing": missing}
 

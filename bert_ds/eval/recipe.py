@@ -1,5 +1,6 @@
-"""A fine-tuning recipe: a JSON file in ``bert_ds/recipes/glue/`` (by name) or anywhere, typed
-and checked, with per-task overrides (``"per_task": {"rte": {"batch_size": 16}}``)."""
+"""A fine-tuning recipe: a JSON file in ``bert_ds/recipes/glue/``, ``squad/`` or ``ner/`` (by
+name) or anywhere, typed and checked, with per-task overrides (``"per_task": {"rte":
+{"batch_size": 16}}``; SQuAD's tasks are ``squad`` and ``squad_v2``)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from typing import Any
 from bert_ds.base.errors import ConfigError, require
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes" / "glue"
+SQUAD_RECIPES = RECIPES.parent / "squad"
+NER_RECIPES = RECIPES.parent / "ner"
 DEFAULT = "bert_paper"
 _TUNABLE = ("learning_rate", "batch_size", "epochs", "warmup_ratio", "weight_decay", "max_seq_length")
 
@@ -61,15 +64,15 @@ class Recipe:
         return dataclasses.asdict(self)
 
 
-def load(name_or_path: str) -> Recipe:
-    """A recipe by name (``bert_paper``: ``bert_ds/recipes/glue/bert_paper.json``) or path."""
+def load(name_or_path: str, folder: Path = RECIPES) -> Recipe:
+    """A recipe by name (``bert_paper``: ``FOLDER/bert_paper.json``, GLUE's by default) or path."""
     path = Path(name_or_path)
     if not path.suffix and not path.exists():
-        path = RECIPES / f"{name_or_path}.json"
+        path = folder / f"{name_or_path}.json"
     try:
         values = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        known = ", ".join(sorted(p.stem for p in RECIPES.glob("*.json")))
+        known = ", ".join(sorted(p.stem for p in folder.glob("*.json")))
         raise ConfigError(f"--recipe {name_or_path}: no such recipe file (built in: {known})") from None
     except (OSError, ValueError) as e:
         raise ConfigError(f"--recipe {path}: unreadable ({e})") from None

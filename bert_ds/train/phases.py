@@ -24,9 +24,11 @@ Design choices:
 - Rerunning the same command resumes: a phase whose final checkpoint exists is not rerun,
   and a phase with checkpoints resumes from its newest one (its weights come from there,
   not from the previous phase). A stop signal ends the command after the phase's checkpoint.
-- An optional last stage, ``"evaluate": {"glue": {"data": "DIR", "tasks": [...], "seeds": 3}}``,
-  exports the final weights to ``OUTPUT/hf`` and fine-tunes them on GLUE into ``OUTPUT/glue``
-  (``python -m bert_ds.eval glue``; its data is read and checked before the first phase).
+- An optional last stage, ``"evaluate": {"glue": {"data": "DIR", "tasks": [...], "seeds": 3},
+  "squad": {"data": "DIR"}, "ner": {"data": "DIR"}}`` (any of them), exports the final weights
+  to ``OUTPUT/hf`` and fine-tunes them into ``OUTPUT/glue``, ``OUTPUT/squad``, ``OUTPUT/ner``
+  (``python -m bert_ds.eval glue``, ``squad``, ``ner``; their data is read and checked before the
+  first phase).
 - Exit statuses are those of ``bert_ds.train``.
 - The plan is read and checked by torch-free modules; the training's (torch, DeepSpeed) are
   imported once the command line is read, so ``--help`` answers at once.
@@ -46,12 +48,23 @@ from typing import Any
 
 from bert_ds.base.errors import ConfigError
 from bert_ds.config import TrainConfig
-from bert_ds.eval import glue
+from bert_ds.eval import glue, ner, squad
 from bert_ds.model.config import PRESETS, model_preset
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 _MERGED = ("data", "optim")  # sections a phase overrides key by key
 _SET_BY_PHASES = ("model", "output", "steps", "init_from")  # a phase's TrainConfig gets these from the plan
+EVALUATIONS = {"glue": glue, "squad": squad, "ner": ner}  # the evaluation stage's commands, in the order they run
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """One command of the evaluation stage, checked and its data read."""
+
+    name: str
+    module: Any  # bert_ds.eval.glue, .squad or .ner: stage_args, prepare, run
+    args: argparse.Namespace
+    prepared: Any
 _PHASE_MODEL_KEYS = ("activation_checkpointing", "compile_layers", "kernels")  # all a phase may change about the model
 
 
@@ -91,8 +104,8 @@ class PhasePlan:
     phases: list[Phase]
     # The commands that make the plan's datasets (optional): named when they are missing.
     prepare: list[str] = dataclasses.field(default_factory=list)
-    # What follows the last phase (optional): {"glue": {"data": DIR, ...}} exports the final
-    # weights to OUTPUT/hf and fine-tunes them on GLUE into OUTPUT/glue (bert_ds.eval.glue).
+    # What follows the last phase (optional): {"glue": {"data": DIR, ...}, "squad": {...}} exports
+    # the final weights to OUTPUT/hf and fine-tunes them into OUTPUT/glue, OUTPUT/squad (bert_ds.eval).
     evaluate: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @classmethod
@@ -122,8 +135,8 @@ class PhasePlan:
         if not isinstance(prepare, list) or not all(isinstance(c, str) for c in prepare):
             raise ConfigError('phase plan: "prepare" must be a list of commands (strings)')
         evaluate = d.get("evaluate", {})
-        if not isinstance(evaluate, dict) or set(evaluate) - {"glue"}:
-            raise ConfigError('phase plan: "evaluate" must be an object whose only key is "glue"')
+        if not isinstance(evaluate, dict) or set(evaluate) - set(EVALUATIONS):
+            raise ConfigError(f'phase plan: "evaluate" must be an object whose keys are of {", ".join(EVALUATIONS)}')
         return cls(str(d["output"]), dict(d["model"]), dict(d["base"]), phases, prepare, dict(evaluate))
 
     @classmethod
@@ -142,12 +155,15 @@ class PhasePlan:
             raise ConfigError('phase plan: base.data.train must name the training dataset folder(s)')
         return Path(first)
 
-    def glue(self) -> tuple[argparse.Namespace, glue.Prepared] | None:
-        """The GLUE stage's arguments, checked and its data read (before any phase trains), or None."""
-        if "glue" not in self.evaluate:
-            return None
-        args = glue.stage_args(self.evaluate["glue"], Path(self.output) / "hf", Path(self.output) / "glue")
-        return args, glue.prepare(args, model_exists=False)
+    def evaluations(self) -> list[Evaluation]:
+        """The evaluation stage's commands, their arguments checked and their data read (before
+        any phase trains), in the order of EVALUATIONS."""
+        found = []
+        for name, module in EVALUATIONS.items():
+            if name in self.evaluate:
+                args = module.stage_args(self.evaluate[name], Path(self.output) / "hf", Path(self.output) / name)
+                found.append(Evaluation(name, module, args, module.prepare(args, model_exists=False)))
+        return found
 
     def train_configs(self, vocab_size: int) -> list[TrainConfig]:
         """Each phase's validated TrainConfig (init_from still unset: it is known once the previous phase ends)."""
@@ -203,23 +219,24 @@ def main(argv: list[str] | None = None) -> int:
                 raise
             raise ConfigError(f"{e}; this plan's data is made by: {' && '.join(plan.prepare)}") from None
         configs = plan.train_configs(manifest.vocab_size)
-        evaluation = plan.glue()  # a typo in the last stage fails before the first phase trains
+        evaluations = plan.evaluations()  # a typo in the last stage fails before the first phase trains
         if args.check:
             for phase, cfg in zip(plan.phases, configs):
                 print(f"{phase.name}: {cfg.steps} steps, seq {cfg.data.max_seq_length}, batch "
                       f"{cfg.global_batch_size} (micro {cfg.micro_batch_size}), lr {cfg.optim.lr:g}, "
                       f"warm-up {cfg.optim.warmup_steps}, {cfg.ds_config} -> {cfg.output}")
-            if evaluation is not None:
-                glue_args, prepared = evaluation
-                print(f"then GLUE: {', '.join(t.name for t in prepared.tasks)}, seeds {prepared.seeds}, recipe "
-                      f"{prepared.recipe.name}, export {glue_args.model} -> {glue_args.output}")
+            for e in evaluations:
+                what = (", ".join(t.name for t in e.prepared.tasks) if e.name == "glue" else
+                        f"v{e.prepared.layout.version}" if e.name == "squad" else ", ".join(e.prepared.data.splits))
+                print(f"then {e.name}: {what}, seeds {e.prepared.seeds}, recipe {e.prepared.recipe.name}, export "
+                      f"{e.args.model} -> {e.args.output}")
             return
         # the phases' folders are inside plan.output: its lock covers them
         with locked_session(plan.output, "bert_ds.train.phases", configs[0].collective_timeout) as (
                 rank, world, device, stop):
             final = _run_phases(plan, configs, rank, world, device, stop)
-        if final is not None and evaluation is not None and rank == 0:
-            _evaluate(final, *evaluation, device)
+        if final is not None and evaluations and rank == 0:
+            _evaluate(final, evaluations, device)
 
     return entry(body)
 
@@ -258,15 +275,17 @@ def _run_phases(plan: PhasePlan, configs: list[TrainConfig], rank: int, world: i
     return previous
 
 
-def _evaluate(final: Path, glue_args: argparse.Namespace, prepared: glue.Prepared, device) -> None:
-    """The plan's GLUE stage, on rank 0 once every phase is done: the final weights exported to
-    OUTPUT/hf, then fine-tuned; a rerun keeps the GLUE runs already finished."""
+def _evaluate(final: Path, evaluations: list[Evaluation], device) -> None:
+    """The plan's evaluation stage, on rank 0 once every phase is done: the final weights exported
+    to OUTPUT/hf, then fine-tuned by each command; a rerun keeps the runs already finished."""
     from bert_ds.checkpoint.export import export_checkpoint
 
-    print(f"[bert_ds.train.phases] glue: exporting {final} to {glue_args.model}", file=sys.stderr, flush=True)
-    export_checkpoint(final, glue_args.model)
-    glue_args.device = str(device)
-    glue.run(glue_args, prepared)
+    model = evaluations[0].args.model
+    print(f"[bert_ds.train.phases] evaluate: exporting {final} to {model}", file=sys.stderr, flush=True)
+    export_checkpoint(final, model)
+    for e in evaluations:
+        e.args.device = str(device)
+        e.module.run(e.args, e.prepared)
 
 
 if __name__ == "__main__":

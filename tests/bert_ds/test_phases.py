@@ -177,34 +177,48 @@ def test_two_phases_run_and_a_crash_in_phase_two_resumes_phase_two(sample_data, 
     assert lr2[0] == pytest.approx(1e-2 / 4) and max(lr2) == pytest.approx(1e-2)  # warm-up again, 4 steps
 
 
-def test_a_plan_ending_with_glue_exports_and_fine_tunes_after_its_last_phase(sample_data, tmp_path):
-    """phase 1 -> phase 2 -> GLUE is one command with one results folder; its GLUE data is checked
-    before the first phase, and a rerun keeps what is done."""
+def test_a_plan_ending_with_glue_and_squad_exports_and_fine_tunes_after_its_last_phase(sample_data, tmp_path):
+    """phase 1 -> phase 2 -> GLUE and SQuAD is one command with one results folder; the stage's
+    data is checked before the first phase, and a rerun keeps what is done."""
     from tests.bert_ds.test_glue import learnable_sst2
+    from tests.bert_ds.test_squad import learnable_squad
 
     learnable_sst2(tmp_path / "glue")
+    learnable_squad(tmp_path / "squad", version="2.0")  # a quarter of its questions unanswerable
     root, config = tmp_path / "run", tmp_path / "plan.json"
     plan = _tiny_plan(sample_data, root)
-    plan["evaluate"] = {"glue": {"data": str(tmp_path / "glue"), "tasks": ["rte"], "seeds": 1}}
+    plan["evaluate"] = {"glue": {"data": str(tmp_path / "glue"), "tasks": ["rte"], "seeds": 1},
+                        "squad": {"data": str(tmp_path / "squad"), "version": "1.1"}}
     config.write_text(json.dumps(plan))
     proc = run_cli("bert_ds.train.phases", "--config", str(config), check=False)
     assert proc.returncode == 2 and "no folder for rte" in proc.stderr and not root.exists()  # before phase 1
-
     plan["evaluate"]["glue"].update(tasks=["sst2"], lr=1e-3, epochs=1)
     config.write_text(json.dumps(plan))
-    assert "then GLUE: sst2, seeds [1], recipe bert_paper" in run_cli(
-        "bert_ds.train.phases", "--config", str(config), "--check").stdout
+    proc = run_cli("bert_ds.train.phases", "--config", str(config), check=False)
+    assert proc.returncode == 2 and "no SQuAD data" in proc.stderr and not root.exists()  # v1.1 asked, v2.0 there
+
+    plan["evaluate"]["squad"] = {"data": str(tmp_path / "squad"), "seeds": 1, "epochs": 1, "max_seq_length": 48,
+                                 "doc_stride": 8}
+    config.write_text(json.dumps(plan))
+    checked = run_cli("bert_ds.train.phases", "--config", str(config), "--check").stdout
+    assert "then glue: sst2, seeds [1], recipe bert_paper" in checked and "then squad: v2.0, seeds [1]" in checked
     run_cli("bert_ds.train.phases", "--config", str(config))
     assert (root / "hf" / "config.json").is_file()
     report = json.loads((root / "glue" / "results.json").read_text())
     assert report["model"] == str((root / "hf").resolve()) and report["columns"]["sst2"]["seeds"] == 1
+    squad = json.loads((root / "squad" / "results.json").read_text())
+    assert squad["model"] == str((root / "hf").resolve()) and squad["version"] == "2.0"
+    assert {"exact", "f1", "HasAns_exact", "NoAns_exact", "best_f1", "best_f1_thresh"} <= set(squad["figures"])
     again = run_cli("bert_ds.train.phases", "--config", str(config))
-    assert "kept from an earlier run" in again.stdout and "finished" in again.stderr
+    assert again.stdout.count("kept from an earlier run") == 2 and "finished" in again.stderr
 
 
 @pytest.mark.parametrize("evaluate,message", [
     ({"glue": {"tasks": ["sst2"]}}, 'evaluate.glue must be an object with "data"'),
-    ({"squad": {}}, 'whose only key is "glue"'),
+    ({"squad": {}}, 'evaluate.squad must be an object with "data"'),
+    ({"mlm": {"data": "x"}}, '"evaluate" must be an object whose keys are of glue, squad, ner'),
+    ({"ner": {"data": "x", "tasks": ["a"]}}, "evaluate.ner: unknown key(s) tasks"),
+    ({"squad": {"data": "x", "version": "3"}}, 'evaluate.squad.version must be "1.1" or "2.0"'),
     ({"glue": {"data": "x", "seedz": 3}}, "evaluate.glue: unknown key(s) seedz"),
     ({"glue": {"data": "x", "seeds": "3"}}, "evaluate.glue.seeds must be an integer, got '3'"),
 ])
@@ -212,4 +226,4 @@ def test_a_bad_evaluate_stage_is_a_config_error(evaluate, message):
     d = json.loads((RECIPES / "tiny_two_phase.json").read_text())
     d["evaluate"] = evaluate
     with pytest.raises(ConfigError, match=re.escape(message)):
-        PhasePlan.from_dict(d).glue()
+        PhasePlan.from_dict(d).evaluations()

@@ -1,0 +1,146 @@
+"""What every evaluation command does with its fine-tuning runs: one JSON file per (task, seed)
+under ``--output``, kept by a rerun when it was made from the same model, data and recipe (and
+refused, never mixed in, when not), and the figures over seeds that the results table shows."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from bert_ds.base.atomic import atomic_write
+from bert_ds.base.errors import ConfigError, UserError
+
+
+def seed_file(output: Path, task: str, seed: int) -> Path:
+    return output / task / f"seed{seed}.json"
+
+
+def kept(output: Path, task: str, seed: int, identity: Mapping[str, str], recipe: dict[str, Any]) -> dict | None:
+    """The finished run of ``task`` and ``seed`` made from the same ``identity`` (model, data)
+    and ``recipe``, or None where there is none; one made from others is refused."""
+    path = seed_file(output, task, seed)
+    if not path.is_file():
+        return None
+    try:
+        result = json.loads(path.read_text())
+        same = all(result[k] == v for k, v in identity.items()) and result["recipe"] == recipe
+    except (OSError, ValueError, KeyError, TypeError):
+        raise UserError(f"{path}: unreadable; move it away to run {task} seed {seed} again") from None
+    if not same:
+        raise UserError(f"--output {output}: {path.name} of {task} was made from another model, data or "
+                        "recipe; give another --output (results are never mixed or overwritten)")
+    return result
+
+
+def run_seeds(output: Path, task: str, seeds: Sequence[int], identity: Mapping[str, str], recipe: dict[str, Any],
+              finetune: Callable[[int], dict[str, Any]], line: Callable[[dict[str, Any]], str]) -> list[dict[str, Any]]:
+    """Each seed's run of ``task``: kept from an earlier run, or ``finetune(seed)`` written to its
+    file as soon as it ends (an interrupted evaluation goes on from there). Every kept run is
+    checked before anything trains: a refusal must not come after hours."""
+    kept_runs = {seed: kept(output, task, seed, identity, recipe) for seed in seeds}
+    done = []
+    for seed in seeds:
+        result = kept_runs[seed]
+        if result is not None:
+            print(f"{line(result)}: kept from an earlier run", flush=True)
+        else:
+            result = {**finetune(seed), **identity, "recipe": recipe}
+            (output / task).mkdir(parents=True, exist_ok=True)
+            atomic_write(seed_file(output, task, seed), json.dumps(result, indent=2) + "\n")
+            print(line(result), flush=True)
+        done.append(result)
+    return done
+
+
+def write_report(output: Path, report: dict[str, Any], markdown: str) -> None:
+    """``results.json`` and ``results.md``, the table printed too."""
+    atomic_write(output / "results.json", json.dumps(report, indent=2) + "\n")
+    atomic_write(output / "results.md", markdown)
+    print(markdown, end="")
+
+
+def figures(per_seed: Sequence[Mapping[str, float]]) -> dict[str, dict[str, float]]:
+    """Per figure: the median, min and max over the seeds' runs."""
+    return {key: {"median": statistics.median(s[key] for s in per_seed), "min": min(s[key] for s in per_seed),
+                  "max": max(s[key] for s in per_seed)} for key in per_seed[0]}
+
+
+def stage_args(command: str, add_arguments: Callable[[argparse.ArgumentParser], None], values: Any, model: Path,
+               output: Path, kinds: Mapping[str, type | tuple[type, ...]], lists: Sequence[str] = ()) -> argparse.Namespace:
+    """A phase plan's ``"evaluate": {COMMAND: {...}}`` as the command's arguments: ``data``
+    required, the keys of ``kinds`` as the flags of those names (typed as given; those in
+    ``lists`` a list of strings, joined by commas); the model and output come from the plan."""
+    where = f"phase plan: evaluate.{command}"
+    if not isinstance(values, dict) or not isinstance(values.get("data"), str):
+        raise ConfigError(f'{where} must be an object with "data" (the {command} data folder)')
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--model", str(model), "--data", values["data"], "--output", str(output),
+                              "--no-progress"])
+    allowed = {"data", *kinds, *lists}
+    unknown = sorted(set(values) - allowed)
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(sorted(allowed))}")
+    for key, value in values.items():
+        if key in lists:
+            if not isinstance(value, list) or not all(isinstance(t, str) for t in value):
+                raise ConfigError(f"{where}.{key} must be a list of names")
+            value = ",".join(value)
+        elif key == "data":
+            value = Path(value)
+        elif not isinstance(value, kinds[key]) or isinstance(value, bool):
+            kind = ("an integer" if kinds[key] is int else "a number" if isinstance(kinds[key], tuple)
+                    else "a string")
+            raise ConfigError(f"{where}.{key} must be {kind}, got {value!r}")
+        setattr(args, key, value)
+    return args
+
+
+def ours_or_empty(output: Path, tasks: str | Sequence[str], what: str) -> None:
+    """An --output that exists must be empty or an earlier evaluation of ``tasks``: its files
+    are rewritten, and another folder's files of those names are not ours to replace."""
+    tasks = (tasks,) if isinstance(tasks, str) else tuple(tasks)
+    if not output.is_dir() or not any(output.iterdir()):
+        return
+    earlier = any((output / name).is_dir() for name in tasks)
+    try:
+        results = output / "results.json"
+        earlier = earlier and (not results.is_file() or json.loads(results.read_text()).get("task") in tasks)
+    except (OSError, ValueError, AttributeError):
+        earlier = False
+    if not earlier:
+        raise UserError(f"--output {output} exists and holds no {what} results; give a new or empty folder")
+
+
+def check_fast_tokenizer(model: Path, why: str) -> None:
+    """``model``'s tokenizer loads and is a fast one (``why``: what needs it)."""
+    import transformers
+
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(model)
+    except (OSError, ValueError) as e:
+        raise UserError(f"--model {model}: no tokenizer to load ({str(e).splitlines()[0]})") from None
+    if not getattr(tokenizer, "is_fast", False):
+        raise UserError(f"--model {model}: its tokenizer ({type(tokenizer).__name__}) is not a fast one; {why} "
+                        "(save one with tokenizer.json in the folder)")
+
+
+def check_inputs(args: argparse.Namespace, ours_or_empty: Callable[[Path], None], *, model_exists: bool) -> None:
+    """What every evaluation command checks first: ``--seeds``, the model folder (unless a phase
+    plan is still to make it), the data folder, and an ``--output`` it may write
+    (``ours_or_empty``: an earlier evaluation of its own, or nothing)."""
+    from bert_ds.config import check_writable
+
+    if args.seeds < 1:
+        raise ConfigError(f"--seeds must be >= 1, got {args.seeds}")
+    if model_exists and not (args.model / "config.json").is_file():
+        raise UserError(f"--model {args.model}: not a Hugging Face model folder (no config.json); export a "
+                        "checkpoint with python -m bert_ds.checkpoint.export")
+    if not args.data.is_dir():
+        raise UserError(f"--data {args.data}: no such folder")
+    check_writable(args.output, "--output", folder=True)
+    ours_or_empty(args.output)

@@ -1,0 +1,70 @@
+"""``python -m bert_ds.eval ner`` end to end on CPU: a tiny export learns a made-up tagging task
+well above chance, a rerun keeps its results, and bad input is one line that trains nothing."""
+
+from __future__ import annotations
+
+import json
+import random
+
+from tests.bert_ds.test_glue import WORDS, tiny_export  # noqa: F401 (a fixture)
+from tests.conftest import run_cli
+
+ENTITIES = {"PER": [["john"], ["king", "john"]], "LOC": [["new", "york"], ["river"]]}
+
+
+def learnable_conll(folder, seed=0):
+    """CoNLL column files (BIO) whose entities are a few fixed names among filler words."""
+    rng = random.Random(seed)
+    folder.mkdir(parents=True)
+    for name, n in (("train.txt", 300), ("valid.txt", 60), ("test.txt", 60)):
+        lines = ["-DOCSTART- -X- -X- O", ""]
+        for _ in range(n):
+            words = [(w, "O") for w in rng.choices(WORDS, k=rng.randint(4, 10))]
+            for _ in range(rng.randint(1, 2)):
+                kind = rng.choice(sorted(ENTITIES))
+                entity = rng.choice(ENTITIES[kind])
+                at = rng.randrange(len(words) + 1)
+                words[at:at] = [(w, ("B-" if i == 0 else "I-") + kind) for i, w in enumerate(entity)]
+            lines += [f"{w} NN O {tag}" for w, tag in words] + [""]
+        (folder / name).write_text("\n".join(lines))
+
+
+def _eval(model, data, out, *extra, check=True):
+    return run_cli("bert_ds.eval", "ner", "--model", str(model), "--data", str(data), "--output", str(out),
+                   "--no-progress", "--max-seq-length", "32", *extra, check=check)
+
+
+def test_a_tiny_export_learns_a_tagging_task_and_a_rerun_keeps_its_results(tiny_export, tmp_path):  # noqa: F811
+    data, out = tmp_path / "conll", tmp_path / "results"
+    learnable_conll(data)
+    args = ("--seeds", "1", "--lr", "3e-3", "--epochs", "8")
+    _eval(tiny_export, data, out, *args)
+    report = json.loads((out / "results.json").read_text())
+    run = json.loads((out / "ner" / "seed1.json").read_text())
+    print(f"NER made-up tagging task, tiny export: dev F1 {run['scores']['dev']['f1']:.1f}, test F1 "
+          f"{run['scores']['test']['f1']:.1f}, {run['steps']} steps, {run['seconds']:.0f} s")
+    assert report["labels"] == ["O", "B-LOC", "B-PER", "I-LOC", "I-PER"]
+    for split in ("dev", "test"):  # chance: an entity's exact span and type by luck, near 0
+        assert report["columns"][split]["figures"]["f1"]["min"] >= 60.0, report["columns"][split]
+    assert set(run["scores"]["dev"]["per_type"]) == {"LOC", "PER"}
+    assert "| dev | 60 |" in (out / "results.md").read_text()
+    before = (out / "ner" / "seed1.json").read_text()
+    again = _eval(tiny_export, data, out, *args)
+    assert "kept from an earlier run" in again.stdout and (out / "ner" / "seed1.json").read_text() == before
+
+
+def test_bad_data_and_folders_are_one_line_and_train_nothing(tiny_export, tmp_path):  # noqa: F811
+    data = tmp_path / "conll"
+    learnable_conll(data)
+    lines = (data / "valid.txt").read_text().splitlines()
+    lines[2] = lines[2].rsplit(" ", 1)[0] + " B-ORG"  # a tag the training set never uses
+    (data / "valid.txt").write_text("\n".join(lines))
+    proc = _eval(tiny_export, data, tmp_path / "a", check=False)
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(err) == 1 and "valid.txt:3: tag 'B-ORG' is not among" in err[0], proc.stderr
+    assert not (tmp_path / "a").exists()
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "results.json").write_text("{}")
+    proc = _eval(tiny_export, data, mine, check=False)
+    assert proc.returncode == 2 and "holds no NER results" in proc.stderr

@@ -1,0 +1,93 @@
+"""``python -m bert_ds.eval squad`` end to end on CPU: a tiny export learns a made-up span task
+well above chance, a rerun keeps its results, and bad input is one line that trains nothing."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from tests.bert_ds.test_glue import WORDS, tiny_export  # noqa: F401 (a fixture)
+from tests.bert_ds.test_squad_data import _official
+from tests.conftest import run_cli
+
+COLORS = ("red", "black", "white")
+
+
+def learnable_squad(root, version="1.1", seed=0):
+    """SQuAD whose answer is the one color word in a context of filler words; under v2.0 a
+    quarter of the questions have no color word and no answer."""
+    rng = random.Random(seed)
+
+    def questions(_version, split):
+        rows = []
+        for i in range(320 if split == "train" else 80):
+            words = rng.choices(WORDS, k=rng.randint(8, 20))
+            answerable = version == "1.1" or rng.random() > 0.25
+            if answerable:
+                words.insert(rng.randrange(len(words)), rng.choice(COLORS))
+            at = next((k for k, w in enumerate(words) if w in COLORS), None)
+            start = len(" ".join(words[:at])) + (1 if at else 0) if at is not None else None
+            rows.append({"id": f"{split}{i}", "title": f"t{i // 10}", "context": " ".join(words),
+                         "question": "what color is it ?", "text": [] if at is None else [words[at]],
+                         "start": [] if at is None else [start]})
+        return rows
+
+    _official(root, version, rows_of=questions)
+
+
+def _eval(model, data, out, *extra, check=True):
+    return run_cli("bert_ds.eval", "squad", "--model", str(model), "--data", str(data), "--output", str(out),
+                   "--no-progress", "--max-seq-length", "48", "--doc-stride", "8", *extra, check=check)
+
+
+def test_a_tiny_export_learns_a_span_task_and_a_rerun_keeps_its_results(tiny_export, tmp_path):  # noqa: F811
+    data, out = tmp_path / "squad", tmp_path / "results"
+    learnable_squad(data)
+    args = ("--seeds", "1", "--lr", "2e-3", "--epochs", "4")
+    _eval(tiny_export, data, out, *args)
+    report = json.loads((out / "results.json").read_text())
+    run = json.loads((out / "squad" / "seed1.json").read_text())
+    print(f"SQuAD made-up span task, tiny export: {run['scores']}, {run['steps']} steps, {run['seconds']:.0f} s")
+    assert report["task"] == "squad" and report["figures"]["exact_match"]["min"] >= 60.0  # chance: about 7
+    assert run["train_questions"] == 320 and run["recipe"]["learning_rate"] == 2e-3
+    assert "| exact_match |" in (out / "results.md").read_text()
+    before = (out / "squad" / "seed1.json").read_text()
+    again = _eval(tiny_export, data, out, *args)
+    assert "kept from an earlier run" in again.stdout and (out / "squad" / "seed1.json").read_text() == before
+
+
+def _moved_answer(folder):
+    path = folder / "dev-v1.1.json"
+    data = json.loads(path.read_text())
+    data["data"][0]["paragraphs"][0]["qas"][0]["answers"][0]["answer_start"] += 1
+    path.write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize("change, message", [
+    (_moved_answer, "dev-v1.1.json: question 'dev0': the answer"),
+    (lambda d: (d / "train-v1.1.json").write_text('{"data": []}'), "train-v1.1.json: no questions"),
+])
+def test_bad_data_is_one_line_and_trains_nothing(tiny_export, tmp_path, change, message):  # noqa: F811
+    data, out = tmp_path / "squad", tmp_path / "results"
+    learnable_squad(data)
+    change(data)
+    proc = _eval(tiny_export, data, out, check=False)
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(err) == 1 and err[0].startswith("error:") and message in err[0], proc.stderr
+    assert not out.exists()
+
+
+def test_bad_flags_and_folders_are_one_line(tiny_export, tmp_path):  # noqa: F811
+    data = tmp_path / "squad"
+    learnable_squad(data)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    for extra, out, message in ((("--seeds", "0"), tmp_path / "a", "--seeds must be >= 1"),
+                                (("--doc-stride", "30"), tmp_path / "b", "--doc-stride 30 must be under half"),
+                                ((), mine, "exists and holds no SQuAD results")):
+        proc = _eval(tiny_export, data, out, *extra, check=False)
+        assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"]
