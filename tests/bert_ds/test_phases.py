@@ -184,7 +184,7 @@ def test_a_plan_ending_with_glue_and_squad_exports_and_fine_tunes_after_its_last
     from tests.bert_ds.test_squad import learnable_squad
 
     learnable_sst2(tmp_path / "glue")
-    learnable_squad(tmp_path / "squad", version="2.0")  # a quarter of its questions unanswerable
+    learnable_squad(tmp_path / "squad", version="2.0", sizes=(64, 32))  # a quarter of them unanswerable
     root, config = tmp_path / "run", tmp_path / "plan.json"
     plan = _tiny_plan(sample_data, root)
     plan["evaluate"] = {"glue": {"data": str(tmp_path / "glue"), "tasks": ["rte"], "seeds": 1},

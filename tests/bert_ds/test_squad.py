@@ -15,14 +15,14 @@ from tests.conftest import run_cli
 COLORS = ("red", "black", "white")
 
 
-def learnable_squad(root, version="1.1", seed=0):
+def learnable_squad(root, version="1.1", seed=0, sizes=(320, 80)):
     """SQuAD whose answer is the one color word in a context of filler words; under v2.0 a
     quarter of the questions have no color word and no answer."""
     rng = random.Random(seed)
 
     def questions(_version, split):
         rows = []
-        for i in range(320 if split == "train" else 80):
+        for i in range(sizes[0] if split == "train" else sizes[1]):
             words = rng.choices(WORDS, k=rng.randint(8, 20))
             answerable = version == "1.1" or rng.random() > 0.25
             if answerable:
