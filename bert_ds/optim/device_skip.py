@@ -35,17 +35,23 @@ def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
 
 def skip_next_step_if(optimizer: torch.optim.Optimizer, flag: torch.Tensor | None) -> None:
     """From now on, ``optimizer.step()`` changes nothing where ``flag`` (a one-element float32
-    tensor on the parameters' device) is non-zero; None: steps as usual. The flag is read on the
-    device at each step, so the caller may write it before every step or hand a new one."""
+    tensor on the parameters' device, 0 or 1) is 1; None: steps as usual. The flag is read on the
+    device at each step, so the caller may write it before every step or hand a new one. Lamb
+    skips on any non-zero value; torch's fused Adam/AdamW skip on exactly 1 and take the flag off
+    their step counts, so other values would step them (and miscount)."""
     if not skips_on_device(optimizer):
         raise ValueError(f"{type(optimizer).__name__} cannot skip a step on the device (bert-ds's Lamb and "
                          "torch's fused Adam/AdamW can)")
     if flag is not None and (flag.dtype != torch.float32 or flag.numel() != 1):
         raise ValueError(f"the skip flag must be one float32 value, got {flag.dtype} of {flag.numel()}")
+    if flag is not None:
+        elsewhere = {p.device for group in optimizer.param_groups for p in group["params"]} - {flag.device}
+        if elsewhere:
+            raise ValueError(f"the skip flag is on {flag.device}, parameters on {', '.join(map(str, elsewhere))}")
     if isinstance(optimizer, Lamb):
         optimizer.skip_if = flag
-    else:
-        optimizer.found_inf = flag  # torch's fused Adam/AdamW read it (GradScaler's protocol)
+    else:  # torch's fused Adam/AdamW read it (GradScaler's protocol), 0-d as the step counts they take it off
+        optimizer.found_inf = None if flag is None else flag.reshape(())
 
 
 __all__ = ["skip_next_step_if", "skips_on_device"]

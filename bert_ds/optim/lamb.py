@@ -354,7 +354,10 @@ class Lamb(torch.optim.Optimizer):
         scalars = [LambScalars.at_step(group["betas"], group["eps"], group["weight_decay"], st["step"])
                    for st in states]
 
-        torch._foreach_lerp_(exp_avgs, grads, f.beta1_weight)  # m + (1 - b1)(g - m): one pass instead of two
+        # A device tensor goes in as one weight per tensor: passed alone it would be taken as a
+        # Scalar, which torch reads to the host (a wait for the device's queue on a GPU).
+        beta1_weights = f.beta1_weight if f.skipped is None else [f.beta1_weight] * len(grads)
+        torch._foreach_lerp_(exp_avgs, grads, beta1_weights)  # m + (1 - b1)(g - m): one pass instead of two
         torch._foreach_mul_(exp_avg_sqs, f.beta2_keep)
         torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - group["betas"][1])
         denom = torch._foreach_sqrt(exp_avg_sqs)

@@ -8,6 +8,7 @@ import contextlib
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from bert_ds.optim import device_skip
 from bert_ds.optim.lamb import Lamb
@@ -51,6 +52,16 @@ def _snapshot(opt, params) -> list[torch.Tensor]:
     return [p.detach().clone() for p in params] + state
 
 
+class _RefuseScalarReads(TorchDispatchMode):
+    """Refuses ``aten._local_scalar_dense``, where every read of a value to the host ends, those
+    torch makes itself in C++ too (a 0-d tensor taken as a Scalar argument)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            raise AssertionError("the step read a tensor to the host")
+        return func(*args, **(kwargs or {}))
+
+
 @contextlib.contextmanager
 def _no_host_reads():
     """Every way of reading a tensor's value to the host raises while the optimizer steps."""
@@ -62,18 +73,19 @@ def _no_host_reads():
     try:
         for name in names:
             setattr(torch.Tensor, name, refuse)
-        yield
+        with _RefuseScalarReads():
+            yield
     finally:
         for name, fn in saved.items():
             setattr(torch.Tensor, name, fn)
 
 
-def _run(make, flags: list[float | None]) -> tuple[list[list[torch.Tensor]], list[torch.Tensor]]:
-    """A step per flag (None: no flag given), the flagged steps with poisoned gradients; the
-    snapshot before each step, and the end."""
+def _run(make, flags: list[float | None], shape: tuple[int, ...] = ()) -> tuple[list[list[torch.Tensor]], list]:
+    """A step per flag (None: no flag given) of shape ``shape``, the flagged steps with poisoned
+    gradients; the snapshot before each step, and the end."""
     params = _params()
     opt = make(params)
-    flag = torch.zeros((), dtype=torch.float32)
+    flag = torch.zeros(shape, dtype=torch.float32)
     seen = []
     for step, value in enumerate(flags):
         for p, grad in zip(params, _grads(step, poisoned=bool(value))):
@@ -87,9 +99,10 @@ def _run(make, flags: list[float | None]) -> tuple[list[list[torch.Tensor]], lis
     return seen, _snapshot(opt, params)
 
 
+@pytest.mark.parametrize("shape", [(), (1,)])
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-def test_a_flagged_step_changes_nothing_and_reads_nothing(name):
-    seen, end = _run(OPTIMIZERS[name], [None, 1.0, 0.0])
+def test_a_flagged_step_changes_nothing_and_reads_nothing(name, shape):
+    seen, end = _run(OPTIMIZERS[name], [None, 1.0, 0.0], shape)
     after_skip = seen[2]
     assert all(torch.equal(a, b) for a, b in zip(seen[1], after_skip)), "the skipped step changed a weight or moment"
     assert not all(torch.equal(a, b) for a, b in zip(after_skip, end)), "the step after it did not step"
@@ -112,3 +125,5 @@ def test_an_optimizer_that_cannot_skip_on_the_device_is_refused():
         device_skip.skip_next_step_if(foreach, torch.zeros(()))
     with pytest.raises(ValueError, match="one float32 value"):
         device_skip.skip_next_step_if(_adamw(params), torch.zeros(2))
+    with pytest.raises(ValueError, match="the skip flag is on meta"):
+        device_skip.skip_next_step_if(_adamw(params), torch.zeros((), device="meta"))
