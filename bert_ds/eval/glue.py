@@ -33,19 +33,9 @@ from bert_ds.eval.glue_data import EXCLUDED, TASKS, Examples, Task, read_split
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, type=Path, help="an export or Hugging Face BERT folder (config.json)")
-    p.add_argument("--data", required=True, type=Path, help="the folder holding the tasks' folders (SST-2/ or sst2/)")
-    p.add_argument("--output", required=True, type=Path, help="results folder (a rerun keeps what is done)")
+    runs.add_common_arguments(p, data="the folder holding the tasks' folders (SST-2/ or sst2/)", recipes="glue",
+                              length="sequence length")
     p.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated, of {', '.join(TASKS)}")
-    p.add_argument("--seeds", type=int, default=3, help="fine-tuning runs per task (seeds SEED..SEED+N-1)")
-    p.add_argument("--seed", type=int, default=1, help="the first seed")
-    p.add_argument("--recipe", default=recipes.DEFAULT, help="a recipe name (bert_ds/recipes/glue/NAME.json) or a file")
-    p.add_argument("--lr", type=float, default=None, help="override the recipe's learning rate")
-    p.add_argument("--epochs", type=float, default=None, help="override the recipe's epochs")
-    p.add_argument("--batch-size", type=int, default=None, help="override the recipe's batch size")
-    p.add_argument("--max-seq-length", type=int, default=None, help="override the recipe's sequence length")
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda where available)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
 def parse_tasks(text: str) -> list[Task]:
@@ -124,8 +114,7 @@ def stage_args(values: Any, model: Path, output: Path) -> argparse.Namespace:
     return runs.stage_args("glue", add_arguments, values, model, output, STAGE_KEYS, lists=("tasks",))
 
 
-STAGE_KEYS = {"seeds": int, "seed": int, "batch_size": int, "max_seq_length": int, "lr": (int, float),
-              "epochs": (int, float), "recipe": str}
+STAGE_KEYS = runs.STAGE_KEYS
 
 
 def _ours_or_empty(output: Path) -> None:

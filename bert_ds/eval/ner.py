@@ -18,6 +18,7 @@ over entities, and per entity type. Results go to ``OUTPUT/ner/seedN.json``, ``r
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import tempfile
 import time
@@ -32,23 +33,11 @@ TASK = "ner"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, type=Path, help="an export or Hugging Face BERT folder (config.json)")
-    p.add_argument("--data", required=True, type=Path, help="the folder holding CoNLL column files, or Hugging Face's "
-                                                            "conll2003 as Parquet or save_to_disk")
-    p.add_argument("--output", required=True, type=Path, help="results folder (a rerun keeps what is done)")
-    p.add_argument("--seeds", type=int, default=3, help="fine-tuning runs (seeds SEED..SEED+N-1)")
-    p.add_argument("--seed", type=int, default=1, help="the first seed")
-    p.add_argument("--recipe", default=recipes.DEFAULT, help="a recipe name (bert_ds/recipes/ner/NAME.json) or a file")
-    p.add_argument("--lr", type=float, default=None, help="override the recipe's learning rate")
-    p.add_argument("--epochs", type=float, default=None, help="override the recipe's epochs")
-    p.add_argument("--batch-size", type=int, default=None, help="override the recipe's batch size")
-    p.add_argument("--max-seq-length", type=int, default=None, help="override the recipe's sentence length (128)")
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda where available)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    runs.add_common_arguments(p, data="the folder holding CoNLL column files, or Hugging Face's conll2003 as "
+                                      "Parquet or save_to_disk", recipes="ner", length="sentence length (128)")
 
 
-STAGE_KEYS = {"seeds": int, "seed": int, "batch_size": int, "max_seq_length": int, "lr": (int, float),
-              "epochs": (int, float), "recipe": str}
+STAGE_KEYS = runs.STAGE_KEYS
 
 
 def stage_args(values: Any, model: Path, output: Path) -> argparse.Namespace:
@@ -88,8 +77,9 @@ def run(args: argparse.Namespace, prepared: Prepared | None = None) -> dict[str,
     p = prepared or prepare(args)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     recipe = p.recipe.to_dict()
+    encoded = functools.cache(lambda: _encoded(args.model, p))  # once, for the seeds that train
     done = runs.run_seeds(args.output, TASK, p.seeds, p.identity, recipe,
-                          lambda seed: finetune(args.model, p, seed, device, not args.no_progress), _line)
+                          lambda seed: finetune(args.model, p, seed, device, not args.no_progress, encoded()), _line)
     evals = [s for s in ("dev", "test") if s in p.data.splits]
     report = {**p.identity, "task": TASK, "labels": list(p.data.labels), "recipe": recipe, "seeds": p.seeds,
               "columns": {s: {"sentences": len(p.data.splits[s].tokens),
@@ -126,7 +116,23 @@ def encode(tokenizer, split: NerSplit, labels: tuple[str, ...], max_seq_length: 
     return features, firsts
 
 
-def finetune(model_dir: Path, p: Prepared, seed: int, device, progress: bool) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Encoded:
+    """The model's tokenizer and every split encoded (features, first sub-tokens): the same for every seed."""
+
+    tokenizer: Any
+    splits: dict[str, tuple[list[dict], list]]
+
+
+def _encoded(model_dir: Path, p: Prepared) -> Encoded:
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    return Encoded(tokenizer, {name: encode(tokenizer, split, p.data.labels, p.recipe.max_seq_length)
+                               for name, split in p.data.splits.items()})
+
+
+def finetune(model_dir: Path, p: Prepared, seed: int, device, progress: bool, encoded: Encoded) -> dict[str, Any]:
     """One fine-tuning run on the train split, scored on dev (and test)."""
     import transformers
 
@@ -136,10 +142,9 @@ def finetune(model_dir: Path, p: Prepared, seed: int, device, progress: bool) ->
     start = time.perf_counter()
     labels = p.data.labels
     transformers.set_seed(seed)  # the new tagging layer's initialisation
-    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
     model = load_quietly(transformers.AutoModelForTokenClassification, model_dir, num_labels=len(labels),
                          id2label=dict(enumerate(labels)), label2id={t: i for i, t in enumerate(labels)})
-    train, _ = encode(tokenizer, p.data.splits["train"], labels, p.recipe.max_seq_length)
+    tokenizer, (train, _) = encoded.tokenizer, encoded.splits["train"]
     with tempfile.TemporaryDirectory(prefix="bert_ds-ner-") as scratch:
         settings = training_arguments(p.recipe, seed, device, progress, scratch)
         trainer = transformers.Trainer(model=model, args=settings, train_dataset=train,
@@ -150,7 +155,7 @@ def finetune(model_dir: Path, p: Prepared, seed: int, device, progress: bool) ->
         if name not in p.data.splits:
             continue
         split = p.data.splits[name]
-        features, firsts = encode(tokenizer, split, labels, p.recipe.max_seq_length)
+        features, firsts = encoded.splits[name]
         predicted = _tag(trainer.model, features, firsts, labels, tokenizer, device, 2 * p.recipe.batch_size,
                          settings.bf16)
         scores[name] = entity_scores(split.tags, predicted)

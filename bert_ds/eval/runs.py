@@ -13,6 +13,30 @@ from typing import Any
 
 from bert_ds.base.atomic import atomic_write
 from bert_ds.base.errors import ConfigError, UserError
+from bert_ds.eval import recipe
+
+
+def add_common_arguments(p: argparse.ArgumentParser, *, data: str, recipes: str, length: str) -> None:
+    """The flags every evaluation command takes (``data``: what --data holds; ``recipes``: the
+    built-in recipes' folder under bert_ds/recipes; ``length``: what --max-seq-length bounds)."""
+    p.add_argument("--model", required=True, type=Path, help="an export or Hugging Face BERT folder (config.json)")
+    p.add_argument("--data", required=True, type=Path, help=data)
+    p.add_argument("--output", required=True, type=Path, help="results folder (a rerun keeps what is done)")
+    p.add_argument("--seeds", type=int, default=3, help="fine-tuning runs (per task; seeds SEED..SEED+N-1)")
+    p.add_argument("--seed", type=int, default=1, help="the first seed")
+    p.add_argument("--recipe", default=recipe.DEFAULT, help=f"a recipe name (bert_ds/recipes/{recipes}/NAME.json) or a file")
+    p.add_argument("--lr", type=float, default=None, help="override the recipe's learning rate")
+    p.add_argument("--epochs", type=float, default=None, help="override the recipe's epochs")
+    p.add_argument("--batch-size", type=int, default=None, help="override the recipe's batch size")
+    p.add_argument("--max-seq-length", type=int, default=None, help=f"override the recipe's {length}")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda where available)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+# The common flags as keys of a phase plan's "evaluate" stage, with their types.
+STAGE_KEYS: dict[str, type | tuple[type, ...]] = {
+    "seeds": int, "seed": int, "batch_size": int, "max_seq_length": int, "lr": (int, float), "epochs": (int, float),
+    "recipe": str}
 
 
 def seed_file(output: Path, task: str, seed: int) -> Path:

@@ -21,6 +21,7 @@ model, data and recipe; a folder of other results is refused, never overwritten.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import tempfile
 import time
@@ -37,24 +38,13 @@ HEADLINE = {"1.1": ("exact_match", "f1"), "2.0": ("exact", "f1")}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, type=Path, help="an export or Hugging Face BERT folder (config.json)")
-    p.add_argument("--data", required=True, type=Path, help="the folder holding SQuAD (official JSON, Parquet or "
-                                                            "save_to_disk)")
-    p.add_argument("--output", required=True, type=Path, help="results folder (a rerun keeps what is done)")
+    runs.add_common_arguments(p, data="the folder holding SQuAD (official JSON, Parquet or save_to_disk)",
+                              recipes="squad", length="window length (384)")
     p.add_argument("--version", choices=("1.1", "2.0"), default=None,
                    help="which SQuAD, where --data holds both (default: the one there)")
-    p.add_argument("--seeds", type=int, default=3, help="fine-tuning runs (seeds SEED..SEED+N-1)")
-    p.add_argument("--seed", type=int, default=1, help="the first seed")
-    p.add_argument("--recipe", default=recipes.DEFAULT, help="a recipe name (bert_ds/recipes/squad/NAME.json) or a file")
-    p.add_argument("--lr", type=float, default=None, help="override the recipe's learning rate")
-    p.add_argument("--epochs", type=float, default=None, help="override the recipe's epochs")
-    p.add_argument("--batch-size", type=int, default=None, help="override the recipe's batch size")
-    p.add_argument("--max-seq-length", type=int, default=None, help="override the recipe's window length (384)")
     p.add_argument("--doc-stride", type=int, default=128, help="context tokens shared by consecutive windows")
     p.add_argument("--max-answer-length", type=int, default=30, help="the longest answer predicted, in tokens")
     p.add_argument("--n-best", type=int, default=20, help="start and end candidates paired per window")
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda where available)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
 @dataclass
@@ -83,9 +73,7 @@ def stage_args(values: Any, model: Path, output: Path) -> argparse.Namespace:
     return args
 
 
-STAGE_KEYS = {"version": str, "seeds": int, "seed": int, "batch_size": int, "max_seq_length": int,
-              "lr": (int, float), "epochs": (int, float), "recipe": str, "doc_stride": int,
-              "max_answer_length": int, "n_best": int}
+STAGE_KEYS = {**runs.STAGE_KEYS, "version": str, "doc_stride": int, "max_answer_length": int, "n_best": int}
 
 
 def prepare(args: argparse.Namespace, *, model_exists: bool = True) -> Prepared:
@@ -118,35 +106,55 @@ def run(args: argparse.Namespace, prepared: Prepared | None = None) -> dict[str,
     p = prepared or prepare(args)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     recipe = p.recipe.to_dict()
+    windows = functools.cache(lambda: _windows(args.model, p, args.doc_stride))  # once, for the seeds that train
     done = runs.run_seeds(args.output, p.task, p.seeds, p.identity, recipe,
-                          lambda seed: finetune(args.model, p, seed, device, args), lambda r: _line(p.task, r))
+                          lambda seed: finetune(args.model, p, seed, device, args, windows()),
+                          lambda r: _line(p.task, r))
     report = {**p.identity, "task": p.task, "version": p.layout.version, "recipe": recipe, "seeds": p.seeds,
               "dev_questions": len(p.dev.examples), "figures": runs.figures([r["scores"] for r in done])}
     runs.write_report(args.output, report, markdown(report))
     return report
 
 
-def finetune(model_dir: Path, p: Prepared, seed: int, device, args: argparse.Namespace) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Encoded:
+    """The model's tokenizer and both splits' windows: the same for every seed."""
+
+    tokenizer: Any
+    train: Any  # squad_features.Windows, with labels
+    dev: Any  # squad_features.Windows
+
+
+def _windows(model_dir: Path, p: Prepared, doc_stride: int) -> Encoded:
+    import transformers
+
+    from bert_ds.eval.squad_features import make_windows
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    length = p.recipe.max_seq_length
+    return Encoded(tokenizer, make_windows(tokenizer, p.train.examples, length, doc_stride, labels=True),
+                   make_windows(tokenizer, p.dev.examples, length, doc_stride, labels=False))
+
+
+def finetune(model_dir: Path, p: Prepared, seed: int, device, args: argparse.Namespace,
+             encoded: Encoded) -> dict[str, Any]:
     """One fine-tuning run on the train split, scored on the dev split."""
     import torch
     import transformers
 
     from bert_ds.eval.finetune import load_quietly, training_arguments
-    from bert_ds.eval.squad_features import make_windows, predict_answers
+    from bert_ds.eval.squad_features import predict_answers
     from bert_ds.eval.squad_metrics import Question, evaluate
 
     start = time.perf_counter()
     transformers.set_seed(seed)  # the new span head's initialisation
-    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
     model = load_quietly(transformers.AutoModelForQuestionAnswering, model_dir)
-    length = p.recipe.max_seq_length
-    train = make_windows(tokenizer, p.train.examples, length, args.doc_stride, labels=True)
+    tokenizer, train, dev = encoded.tokenizer, encoded.train, encoded.dev
     with tempfile.TemporaryDirectory(prefix="bert_ds-squad-") as scratch:
         settings = training_arguments(p.recipe, seed, device, not args.no_progress, scratch)
         trainer = transformers.Trainer(model=model, args=settings, train_dataset=train.features,
                                        data_collator=transformers.DataCollatorWithPadding(tokenizer))
         outcome = trainer.train()
-    dev = make_windows(tokenizer, p.dev.examples, length, args.doc_stride, labels=False)
     starts, ends = _span_scores(trainer.model, dev.features, tokenizer, device, 2 * p.recipe.batch_size, settings.bf16)
     predicted = predict_answers(p.dev.examples, dev, starts, ends, version=p.layout.version, n_best=args.n_best,
                                 max_answer_length=args.max_answer_length)
