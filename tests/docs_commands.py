@@ -19,6 +19,7 @@ from tests.conftest import REPO
 
 DOC_FILES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 RUN_MARK = "<!-- docs-test: run -->"  # before a ```bash block: the docs test runs it end to end
+OUTPUT_MARK = "<!-- docs-test: output -->"  # before a ```text block: what the last command above it prints
 
 SCRIPTS = {"bert-ds-train": "bert_ds.train", "bert-ds-data": "bert_ds.data_tools",
            "bert-ds-export": "bert_ds.checkpoint.export", "bert-ds-eval": "bert_ds.eval"}
@@ -68,6 +69,61 @@ def blocks(path: Path, text: str | None = None) -> list[Block]:
             out.append(Block(path, start + 1, "\n".join(body), runnable))
         i += 1
     return out
+
+
+@dataclass
+class Shown:
+    """A ```text block marked as the output of the last command of the ```bash block above it."""
+
+    where: str  # file:line of the ```text fence
+    argv: list[str]  # the command it is the output of
+    text: str
+
+
+def shown_outputs(path: Path, text: str | None = None) -> list[Shown]:
+    """Every marked output block of ``path``; a mark with no ```text block after it, or no
+    command above it, is an error."""
+    text = path.read_text(encoding="utf-8") if text is None else text
+    lines, out = text.splitlines(), []
+    for i, line in enumerate(lines):
+        if line.strip() != OUTPUT_MARK:
+            continue
+        above = [b for b in blocks(path, text) if b.line < i + 1]
+        if i + 1 >= len(lines) or lines[i + 1].strip() != "```text" or not above or not commands(above[-1]):
+            raise ValueError(f"{path.name}:{i + 1}: {OUTPUT_MARK} must come between a ```bash block and a ```text "
+                             "block")
+        end = next((j for j in range(i + 2, len(lines)) if lines[j].strip() == "```"), len(lines))
+        out.append(Shown(f"{path.name}:{i + 2}", commands(above[-1])[-1].argv, "\n".join(lines[i + 2:end])))
+    return out
+
+
+# What may differ between a shown output and a run of its command: numbers and absolute paths;
+# a [list] of numbers may be longer, and a line repeated (one per seed) may come more often.
+_PATH = re.compile(r"(?<![\w.])/(?:[\w.@+-]+/)*[\w.@+-]+")
+_NUMBER = re.compile(r"\d+(?:\.\d+)?(?:e[-+]?\d+)?")
+
+
+def shape(text: str) -> list[str]:
+    """``text``'s lines with numbers and paths masked, blank lines and repeats in a row dropped."""
+    out: list[str] = []
+    for line in text.splitlines():
+        line = _NUMBER.sub("N", _PATH.sub("PATH", line))
+        line = " ".join(re.sub(r"\[N(?:, N)+\]", "[N]", line).split())
+        if line and (not out or out[-1] != line):
+            out.append(line)
+    return out
+
+
+def unshown(printed: str, shown: str) -> list[str]:
+    """The lines of ``shown`` (masked by :func:`shape`) that ``printed`` lacks, in order: a
+    shown output may leave lines out, not add or reorder them."""
+    printed_lines, at, missing = shape(printed), 0, []
+    for line in shape(shown):
+        try:
+            at = printed_lines.index(line, at) + 1
+        except ValueError:
+            missing.append(line)
+    return missing
 
 
 def commands(block: Block) -> list[Command]:

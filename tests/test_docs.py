@@ -16,6 +16,7 @@ import functools
 import glob
 import json
 import re
+import shutil
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -236,16 +237,21 @@ TINY = {
                               "--warmup-steps", "1", "--ds-config", "zero0_fp32.json", "--num-workers", "0",
                               "--no-progress", "--no-tensorboard", "--val-samples", "8"],
     ("-m", "bert_ds.data_tools", "build"): ["--workers", "1"],
+    ("-m", "bert_ds.eval", "squad"): ["--seeds", "1", "--no-progress"],  # the recipe as it is: the data is tiny
+    ("-m", "bert_ds.eval", "ner"): ["--seeds", "1", "--no-progress"],
 }
 
 
 def _workspace(root: Path) -> Path:
     """What the recipes expect to find: text in domain/ and corpus/, a Hugging Face BERT in
-    bert-base-uncased/ (made here: nothing is downloaded)."""
+    bert-base-uncased/ and an export of one in runs/domain/hf/, made-up SQuAD v1.1 in squad/ and
+    CoNLL-2003 in conll/ (all made here: nothing is downloaded)."""
     import torch
     import transformers
 
     from bert_ds.data_tools.tokenizer import Normalization, install_tokenizer, train_vocab, vocab_entries
+    from tests.bert_ds.test_ner import learnable_conll
+    from tests.bert_ds.test_squad import learnable_squad
 
     lines = (SAMPLE / "valid.txt").read_text(encoding="utf-8").splitlines(keepends=True)[:2400]
     for folder in ("domain", "corpus"):
@@ -260,6 +266,9 @@ def _workspace(root: Path) -> Path:
     config = transformers.BertConfig(vocab_size=len(vocab_entries(vocab)), hidden_size=32, num_hidden_layers=2,
                                      num_attention_heads=2, intermediate_size=64, max_position_embeddings=128)
     transformers.BertForPreTraining(config).save_pretrained(hf)
+    shutil.copytree(hf, root / "runs" / "domain" / "hf")
+    learnable_squad(root / "squad", sizes=(64, 32))
+    learnable_conll(root / "conll")
     return root
 
 
@@ -267,9 +276,17 @@ def _runnable():
     return [pytest.param(b, id=f"{b.path.name}:{b.line}") for p in docs.DOC_FILES for b in docs.blocks(p) if b.runnable]
 
 
+@pytest.fixture(scope="session")
+def workspace(tmp_path_factory) -> Path:
+    """One :func:`_workspace` per test process (a vocabulary and two models: seconds), copied
+    for each recipe."""
+    return _workspace(tmp_path_factory.mktemp("docs-workspace"))
+
+
 @pytest.mark.parametrize("block", _runnable())
-def test_a_marked_recipe_runs_end_to_end_on_tiny_data(block, tmp_path):
-    root = _workspace(tmp_path)
+def test_a_marked_recipe_runs_end_to_end_on_tiny_data(block, workspace, tmp_path):
+    root = tmp_path / "workspace"
+    shutil.copytree(workspace, root)
     for command in docs.commands(block):
         argv = command.argv
         t = docs.target(argv)
@@ -285,7 +302,35 @@ def test_a_marked_recipe_runs_end_to_end_on_tiny_data(block, tmp_path):
         finally:
             end(child)
         assert child.returncode == 0, f"{command.where}: {' '.join(command.argv)} exited {child.returncode}\n{out[-4000:]}"
+        for shown in _shown():
+            if shown.argv == command.argv:
+                assert not docs.unshown(out, shown.text), (f"{shown.where}: lines {command.where} does not print:\n"
+                                                           + "\n".join(docs.unshown(out, shown.text)) + f"\n{out}")
+
+
+def _shown() -> list[docs.Shown]:
+    return [shown for p in docs.DOC_FILES for shown in docs.shown_outputs(p)]
 
 
 def test_some_recipe_is_marked_to_run():
     assert len(_runnable()) >= 2
+
+
+def test_every_shown_output_is_of_a_command_a_marked_recipe_runs():
+    ran = [c.argv for p in docs.DOC_FILES for b in docs.blocks(p) if b.runnable for c in docs.commands(b)]
+    shown = _shown()
+    assert shown and all(s.argv in ran for s in shown), [s.where for s in shown if s.argv not in ran]
+
+
+def test_a_shown_output_may_differ_in_figures_and_paths_but_not_in_lines():
+    printed = ("{'train_runtime': '0.2'}\nsquad seed 1: f1 18.17 (2 steps, 7 s)\n# results: /tmp/x/hf\n\n"
+               "Recipe (lr 5e-05, 3 epochs); seeds [1]\n| f1 | 18.17 | 18.17-18.17 |\n")
+    shown = ("squad seed 1: f1 81.50 (120 steps, 93 s)\nsquad seed 2: f1 80.90 (120 steps, 92 s)\n"
+             "# results: /home/me/runs/hf\nRecipe (lr 5e-05, 3 epochs); seeds [1, 2, 3]\n| f1 | 81.20 | 80.90-81.50 |")
+    assert docs.unshown(printed, shown) == []
+    assert docs.unshown(printed, shown.replace("| f1 |", "| exact |")) == ["| exact | N | N-N |"]
+    assert docs.unshown(printed, shown.replace("epochs", "epoch")) == ["Recipe (lr N, N epoch); seeds [N]"]
+    swapped = "| f1 | 1.0 | 1.0-1.0 |\nsquad seed 1: f1 1.0 (1 steps, 1 s)"
+    assert docs.unshown(printed, swapped) == ["squad seed N: fN N (N steps, N s)"]  # out of order
+    with pytest.raises(ValueError, match="must come between"):
+        docs.shown_outputs(Path("x.md"), f"text\n{docs.OUTPUT_MARK}\n```text\nout\n```\n")

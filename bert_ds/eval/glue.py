@@ -153,8 +153,7 @@ def summarize(tasks: list[Task], done: dict[str, list[dict[str, Any]]]) -> dict[
 def markdown(report: dict[str, Any]) -> str:
     r = report["recipe"]
     lines = [f"# GLUE dev results: {report['model']}", "",
-             f"Recipe {r['name']} (lr {r['learning_rate']:g}, batch {r['batch_size']}, {r['epochs']:g} epochs, "
-             f"warm-up {r['warmup_ratio']:g}, weight decay {r['weight_decay']:g}, max length {r['max_seq_length']}"
+             f"Recipe {r['name']} ({runs.recipe_summary(r)}, max length {r['max_seq_length']}"
              + (f"; per task: {json.dumps(r['per_task'])}" if r["per_task"] else "") + f"); seeds {report['seeds']}.",
              "Each cell: the median over seeds of the task's score, (min-max) over seeds. Scores in percent: "
              "CoLA Matthews correlation, MRPC and QQP F1, STS-B Spearman, accuracy elsewhere.", "",

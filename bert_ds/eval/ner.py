@@ -196,8 +196,7 @@ def _line(result: dict[str, Any]) -> str:
 def markdown(report: dict[str, Any]) -> str:
     r = report["recipe"]
     lines = [f"# NER results: {report['model']}", "",
-             f"Recipe {r['name']} (lr {r['learning_rate']:g}, batch {r['batch_size']}, {r['epochs']:g} epochs, "
-             f"warm-up {r['warmup_ratio']:g}, weight decay {r['weight_decay']:g}, max length {r['max_seq_length']}); "
+             f"Recipe {r['name']} ({runs.recipe_summary(r)}, max length {r['max_seq_length']}); "
              f"seeds {report['seeds']}; tags {', '.join(report['labels'])}.",
              "Entity-level scores in percent, by conlleval's rules: the median over seeds, (min-max) over seeds.", "",
              "| split | sentences | F1 | min-max | precision | recall | F1 per type (median) |",

@@ -87,6 +87,13 @@ def write_report(output: Path, report: dict[str, Any], markdown: str) -> None:
     print(markdown, end="")
 
 
+def recipe_summary(r: Mapping[str, Any]) -> str:
+    """A recipe's settings as a results table's heading names them."""
+    epochs = f"{r['epochs']:g} epoch{'' if r['epochs'] == 1 else 's'}"
+    return (f"lr {r['learning_rate']:g}, batch {r['batch_size']}, {epochs}, warm-up {r['warmup_ratio']:g}, "
+            f"weight decay {r['weight_decay']:g}")
+
+
 def figures(per_seed: Sequence[Mapping[str, float]]) -> dict[str, dict[str, float]]:
     """Per figure: the median, min and max over the seeds' runs."""
     return {key: {"median": statistics.median(s[key] for s in per_seed), "min": min(s[key] for s in per_seed),

@@ -3,7 +3,8 @@
     python -m bert_ds.eval squad --model DIR --data DIR --output DIR
                                  [--version 1.1|2.0] [--seeds 3] [--recipe bert_paper]
                                  [--lr X] [--epochs N] [--batch-size N] [--max-seq-length 384]
-                                 [--doc-stride 128] [--max-answer-length 30] [--n-best 20]
+                                 [--doc-stride 128] [--max-query-length 64] [--max-answer-length 30]
+                                 [--n-best 20]
 
 ``--model`` is a bert_ds export or any Hugging Face BERT folder with a fast tokenizer (its
 character offsets map answers to tokens); ``--data`` holds SQuAD v1.1 or v2.0 in one of the
@@ -43,6 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--version", choices=("1.1", "2.0"), default=None,
                    help="which SQuAD, where --data holds both (default: the one there)")
     p.add_argument("--doc-stride", type=int, default=128, help="context tokens shared by consecutive windows")
+    p.add_argument("--max-query-length", type=int, default=64,
+                   help="a longer question keeps its first N tokens (BERT's run_squad.py)")
     p.add_argument("--max-answer-length", type=int, default=30, help="the longest answer predicted, in tokens")
     p.add_argument("--n-best", type=int, default=20, help="start and end candidates paired per window")
 
@@ -66,21 +69,23 @@ class Prepared:
 def stage_args(values: Any, model: Path, output: Path) -> argparse.Namespace:
     """A phase plan's ``"evaluate": {"squad": {...}}`` as this command's arguments: ``data``
     required; ``version``, ``seeds``, ``seed``, ``recipe``, ``lr``, ``epochs``, ``batch_size``,
-    ``max_seq_length``, ``doc_stride``, ``max_answer_length``, ``n_best`` as the flags."""
+    ``max_seq_length``, ``doc_stride``, ``max_query_length``, ``max_answer_length``, ``n_best`` as the
+    flags."""
     args = runs.stage_args("squad", add_arguments, values, model, output, STAGE_KEYS)
     if args.version not in (None, "1.1", "2.0"):
         raise ConfigError(f'phase plan: evaluate.squad.version must be "1.1" or "2.0", got {args.version!r}')
     return args
 
 
-STAGE_KEYS = {**runs.STAGE_KEYS, "version": str, "doc_stride": int, "max_answer_length": int, "n_best": int}
+STAGE_KEYS = {**runs.STAGE_KEYS, "version": str, "doc_stride": int, "max_query_length": int,
+              "max_answer_length": int, "n_best": int}
 
 
 def prepare(args: argparse.Namespace, *, model_exists: bool = True) -> Prepared:
     """Every input checked and both splits read (``model_exists=False``: the model is still to be
     trained, by a phase plan that ends with this evaluation; its export has a fast tokenizer)."""
-    for flag, value in (("--doc-stride", args.doc_stride), ("--max-answer-length", args.max_answer_length),
-                        ("--n-best", args.n_best)):
+    for flag, value in (("--doc-stride", args.doc_stride), ("--max-query-length", args.max_query_length),
+                        ("--max-answer-length", args.max_answer_length), ("--n-best", args.n_best)):
         if value < 1:
             raise ConfigError(f"{flag} must be >= 1, got {value}")
     runs.check_inputs(args, _ours_or_empty, model_exists=model_exists)
@@ -95,8 +100,8 @@ def prepare(args: argparse.Namespace, *, model_exists: bool = True) -> Prepared:
     if model_exists:
         runs.check_fast_tokenizer(args.model, "SQuAD needs a fast tokenizer's character offsets")  # last
     identity = {"model": str(args.model.resolve()), "data": str(layout.folder.resolve()),
-                "windows": f"doc_stride {args.doc_stride}, max_answer_length {args.max_answer_length}, "
-                           f"n_best {args.n_best}"}
+                "windows": f"doc_stride {args.doc_stride}, max_query_length {args.max_query_length}, "
+                           f"max_answer_length {args.max_answer_length}, n_best {args.n_best}"}
     return Prepared(layout, train, dev, recipe, list(range(args.seed, args.seed + args.seeds)), identity)
 
 
@@ -106,7 +111,7 @@ def run(args: argparse.Namespace, prepared: Prepared | None = None) -> dict[str,
     p = prepared or prepare(args)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     recipe = p.recipe.to_dict()
-    windows = functools.cache(lambda: _windows(args.model, p, args.doc_stride))  # once, for the seeds that train
+    windows = functools.cache(lambda: _windows(args.model, p, args))  # once, for the seeds that train
     done = runs.run_seeds(args.output, p.task, p.seeds, p.identity, recipe,
                           lambda seed: finetune(args.model, p, seed, device, args, windows()),
                           lambda r: _line(p.task, r))
@@ -125,15 +130,15 @@ class Encoded:
     dev: Any  # squad_features.Windows
 
 
-def _windows(model_dir: Path, p: Prepared, doc_stride: int) -> Encoded:
+def _windows(model_dir: Path, p: Prepared, args: argparse.Namespace) -> Encoded:
     import transformers
 
     from bert_ds.eval.squad_features import make_windows
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
-    length = p.recipe.max_seq_length
-    return Encoded(tokenizer, make_windows(tokenizer, p.train.examples, length, doc_stride, labels=True),
-                   make_windows(tokenizer, p.dev.examples, length, doc_stride, labels=False))
+    return Encoded(tokenizer, *(make_windows(tokenizer, split.examples, p.recipe.max_seq_length, args.doc_stride,
+                                             labels=split is p.train, max_query_length=args.max_query_length,
+                                             source=split.source) for split in (p.train, p.dev)))
 
 
 def finetune(model_dir: Path, p: Prepared, seed: int, device, args: argparse.Namespace,
@@ -163,7 +168,8 @@ def finetune(model_dir: Path, p: Prepared, seed: int, device, args: argparse.Nam
                       no_answer_probability=predicted.no_answer_score if p.layout.version == "2.0" else None)
     return {"task": p.task, "seed": seed, "scores": {k: float(v) for k, v in scores.items()},
             "train_questions": len(p.train.examples), "train_windows": len(train.features),
-            "dev_windows": len(dev.features), "steps": outcome.global_step,
+            "dev_windows": len(dev.features), "questions_cut": {"train": train.questions_cut, "dev": dev.questions_cut},
+            "steps": outcome.global_step,
             "mean_train_loss": outcome.training_loss if math.isfinite(outcome.training_loss) else None,
             "seconds": time.perf_counter() - start, "device": str(device), "bf16": settings.bf16,
             "torch": torch.__version__}
@@ -203,8 +209,7 @@ def _line(task: str, result: dict[str, Any]) -> str:
 def markdown(report: dict[str, Any]) -> str:
     r, version = report["recipe"], report["version"]
     lines = [f"# SQuAD v{version} dev results: {report['model']}", "",
-             f"Recipe {r['name']} (lr {r['learning_rate']:g}, batch {r['batch_size']}, {r['epochs']:g} epochs, "
-             f"warm-up {r['warmup_ratio']:g}, weight decay {r['weight_decay']:g}, windows of {r['max_seq_length']} "
+             f"Recipe {r['name']} ({runs.recipe_summary(r)}, windows of {r['max_seq_length']} "
              f"tokens, {report['windows']}); seeds {report['seeds']}; {report['dev_questions']} dev questions.",
              "Scores in percent, as the official evaluation script computes them: the median over seeds, "
              "(min-max) over seeds.", "", "| figure | median | min-max |", "|---|---:|---:|"]

@@ -12,11 +12,14 @@ from tests.conftest import run_cli
 ENTITIES = {"PER": [["john"], ["king", "john"]], "LOC": [["new", "york"], ["river"]]}
 
 
-def learnable_conll(folder, seed=0):
-    """CoNLL column files (BIO) whose entities are a few fixed names among filler words."""
+def learnable_conll(folder, seed=0, sizes=(300, 60, 60)):
+    """CoNLL column files (BIO) whose entities are a few fixed names among filler words;
+    ``sizes``: sentences in train, valid and test (0: no such file)."""
     rng = random.Random(seed)
     folder.mkdir(parents=True)
-    for name, n in (("train.txt", 300), ("valid.txt", 60), ("test.txt", 60)):
+    for name, n in zip(("train.txt", "valid.txt", "test.txt"), sizes):
+        if not n:
+            continue
         lines = ["-DOCSTART- -X- -X- O", ""]
         for _ in range(n):
             words = [(w, "O") for w in rng.choices(WORDS, k=rng.randint(4, 10))]

@@ -177,14 +177,16 @@ def test_two_phases_run_and_a_crash_in_phase_two_resumes_phase_two(sample_data, 
     assert lr2[0] == pytest.approx(1e-2 / 4) and max(lr2) == pytest.approx(1e-2)  # warm-up again, 4 steps
 
 
-def test_a_plan_ending_with_glue_and_squad_exports_and_fine_tunes_after_its_last_phase(sample_data, tmp_path):
-    """phase 1 -> phase 2 -> GLUE and SQuAD is one command with one results folder; the stage's
-    data is checked before the first phase, and a rerun keeps what is done."""
+def test_a_plan_ending_with_glue_squad_and_ner_exports_and_fine_tunes_after_its_last_phase(sample_data, tmp_path):
+    """phase 1 -> phase 2 -> GLUE, SQuAD and NER is one command with one results folder; the
+    stage's data is checked before the first phase, and a rerun keeps what is done."""
     from tests.bert_ds.test_glue import learnable_sst2
+    from tests.bert_ds.test_ner import learnable_conll
     from tests.bert_ds.test_squad import learnable_squad
 
     learnable_sst2(tmp_path / "glue")
     learnable_squad(tmp_path / "squad", version="2.0", sizes=(64, 32))  # a quarter of them unanswerable
+    learnable_conll(tmp_path / "conll", sizes=(64, 16, 0))  # no test split: it is optional
     root, config = tmp_path / "run", tmp_path / "plan.json"
     plan = _tiny_plan(sample_data, root)
     plan["evaluate"] = {"glue": {"data": str(tmp_path / "glue"), "tasks": ["rte"], "seeds": 1},
@@ -199,9 +201,11 @@ def test_a_plan_ending_with_glue_and_squad_exports_and_fine_tunes_after_its_last
 
     plan["evaluate"]["squad"] = {"data": str(tmp_path / "squad"), "seeds": 1, "epochs": 1, "max_seq_length": 48,
                                  "doc_stride": 8}
+    plan["evaluate"]["ner"] = {"data": str(tmp_path / "conll"), "seeds": 1, "epochs": 1, "max_seq_length": 32}
     config.write_text(json.dumps(plan))
     checked = run_cli("bert_ds.train.phases", "--config", str(config), "--check").stdout
     assert "then glue: sst2, seeds [1], recipe bert_paper" in checked and "then squad: v2.0, seeds [1]" in checked
+    assert "then ner" in checked
     run_cli("bert_ds.train.phases", "--config", str(config))
     assert (root / "hf" / "config.json").is_file()
     report = json.loads((root / "glue" / "results.json").read_text())
@@ -209,8 +213,10 @@ def test_a_plan_ending_with_glue_and_squad_exports_and_fine_tunes_after_its_last
     squad = json.loads((root / "squad" / "results.json").read_text())
     assert squad["model"] == str((root / "hf").resolve()) and squad["version"] == "2.0"
     assert {"exact", "f1", "HasAns_exact", "NoAns_exact", "best_f1", "best_f1_thresh"} <= set(squad["figures"])
+    ner = json.loads((root / "ner" / "results.json").read_text())
+    assert ner["model"] == str((root / "hf").resolve()) and set(ner["columns"]) == {"dev"}
     again = run_cli("bert_ds.train.phases", "--config", str(config))
-    assert again.stdout.count("kept from an earlier run") == 2 and "finished" in again.stderr
+    assert again.stdout.count("kept from an earlier run") == 3 and "finished" in again.stderr
 
 
 @pytest.mark.parametrize("evaluate,message", [

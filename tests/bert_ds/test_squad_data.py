@@ -104,6 +104,8 @@ def _broken(version: str, split: str, change) -> list[dict]:
                                                     r"is not at answer_start 3"),
     ("1.1", lambda rows: rows[2].update(text=[], start=[]), r"question 'dev-1-0': no answer, which SQuAD v1.1"),
     ("2.0", lambda rows: rows.clear(), r"dev-v2.0.json: no questions"),
+    ("2.0", lambda rows: rows[3].update(question=" "), r"dev-v2.0.json: question 'dev-1-1': its question is empty"),
+    ("2.0", lambda rows: rows[3].update(context="\n"), r"question 'dev-1-1': its context is empty"),
 ])
 def test_bad_input_is_one_error_naming_file_and_question(tmp_path, version, change, message):
     _official(tmp_path, version, rows_of=lambda v, split: _broken(v, split, change))

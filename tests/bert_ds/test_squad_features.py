@@ -101,3 +101,30 @@ def test_a_tokenizer_without_offsets_is_refused():
 
     with pytest.raises(ValueError, match="need a fast tokenizer.*PythonTokenizer"):
         make_windows(PythonTokenizer(), [_example()], labels=False)
+
+
+def test_a_long_question_keeps_its_first_tokens_and_one_that_fills_the_window_is_refused(tokenizer):
+    from bert_ds.base.errors import UserError
+
+    long = SquadExample("long", " ".join(["who won super bowl 50 ?"] * 4), CONTEXT, ())  # 24 tokens
+    windows = make_windows(tokenizer, [long], max_seq_length=40, doc_stride=10, labels=False, max_query_length=6)
+    assert windows.questions_cut == 1
+    first_sep = windows.features[0]["input_ids"].index(tokenizer.sep_token_id)
+    assert windows.features[0]["input_ids"][1:first_sep] == tokenizer(QUESTION, add_special_tokens=False).input_ids
+    assert make_windows(tokenizer, [_example()], 40, 10, labels=False).questions_cut == 0
+    with pytest.raises(UserError, match=r"dev.json: question 'long': its 24 tokens, \[CLS\], two \[SEP\] and the 10 "
+                                        r"tokens of --doc-stride fill the window of 36"):
+        make_windows(tokenizer, [long], max_seq_length=36, doc_stride=10, labels=False, source="dev.json")
+
+
+def test_a_window_whose_top_scores_pair_no_span_is_searched_whole(tokenizer):
+    """An untrained head that scores the question's tokens highest still answers from the
+    context, with a finite no-answer score (the v2.0 threshold search needs one)."""
+    example = _example()
+    windows = make_windows(tokenizer, [example], max_seq_length=40, doc_stride=10, labels=False)
+    starts, ends = _scores(windows, span_score=4.0, null_score=0.0)
+    for w, offsets in enumerate(windows.offsets):
+        question = [i for i, o in enumerate(offsets) if o is None][1:-1]  # between [CLS] and the last [SEP]
+        starts[w, question] = ends[w, question] = 50.0
+    got = predict_answers([example], windows, starts, ends, version="2.0", n_best=3)
+    assert got.answers == {"q": "Denver Broncos"} and got.no_answer_score["q"] == pytest.approx(-4.0)
