@@ -147,6 +147,9 @@ def ours_or_empty(output: Path, tasks: str | Sequence[str], what: str) -> None:
         raise UserError(f"--output {output} exists and holds no {what} results; give a new or empty folder")
 
 
+TOKENIZER_FILES = ("tokenizer.json", "vocab.txt")  # a BERT tokenizer's, fast or WordPiece
+
+
 def check_fast_tokenizer(model: Path, why: str) -> None:
     """``model``'s tokenizer loads and is a fast one (``why``: what needs it)."""
     import transformers
@@ -171,6 +174,10 @@ def check_inputs(args: argparse.Namespace, ours_or_empty: Callable[[Path], None]
     if model_exists and not (args.model / "config.json").is_file():
         raise UserError(f"--model {args.model}: not a Hugging Face model folder (no config.json); export a "
                         "checkpoint with python -m bert_ds.checkpoint.export")
+    if model_exists and not any((args.model / name).is_file() for name in TOKENIZER_FILES):
+        # transformers would make a tokenizer of the special tokens alone, and fine-tune on [UNK]s
+        raise UserError(f"--model {args.model}: no tokenizer ({' or '.join(TOKENIZER_FILES)}); copy in the "
+                        "tokenizer the model was trained with")
     if not args.data.is_dir():
         raise UserError(f"--data {args.data}: no such folder")
     check_writable(args.output, "--output", folder=True)

@@ -91,3 +91,26 @@ def test_bad_flags_and_folders_are_one_line(tiny_export, tmp_path):  # noqa: F81
         proc = _eval(tiny_export, data, out, *extra, check=False)
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr
     assert [p.name for p in mine.iterdir()] == ["notes.txt"]
+
+
+@pytest.mark.parametrize("command", ["squad", "ner", "glue"])
+def test_a_model_folder_without_a_tokenizer_is_one_line_and_trains_nothing(tiny_export, tmp_path, command):  # noqa: F811
+    """(transformers would make a tokenizer of the special tokens alone and train on [UNK]s)"""
+    import shutil
+
+    from tests.bert_ds.test_glue import learnable_sst2
+    from tests.bert_ds.test_ner import learnable_conll
+
+    model, data, out = tmp_path / "model", tmp_path / "data", tmp_path / "results"
+    shutil.copytree(tiny_export, model)
+    for path in model.iterdir():
+        if "token" in path.name or path.name == "vocab.txt":
+            path.unlink()
+    {"squad": lambda: learnable_squad(data, sizes=(8, 8)), "ner": lambda: learnable_conll(data, sizes=(8, 8, 0)),
+     "glue": lambda: learnable_sst2(data)}[command]()
+    proc = run_cli("bert_ds.eval", command, "--model", str(model), "--data", str(data), "--output", str(out),
+                   check=False)
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(err) == 1 and err[0].startswith(f"error: --model {model}: no tokenizer"), \
+        proc.stderr
+    assert not out.exists()
