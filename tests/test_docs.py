@@ -237,6 +237,7 @@ TINY = {
                               "--warmup-steps", "1", "--ds-config", "zero0_fp32.json", "--num-workers", "0",
                               "--no-progress", "--no-tensorboard", "--val-samples", "8"],
     ("-m", "bert_ds.data_tools", "build"): ["--workers", "1"],
+    ("-m", "bert_ds.tools.bench"): ["--seq-len", "64", "--batch-size", "8", "--vocab-size", "2048", "--no-probes"],
     ("-m", "bert_ds.eval", "squad"): ["--seeds", "1", "--no-progress"],  # the recipe as it is: the data is tiny
     ("-m", "bert_ds.eval", "ner"): ["--seeds", "1", "--no-progress"],
 }
@@ -273,7 +274,11 @@ def _workspace(root: Path) -> Path:
 
 
 def _runnable():
-    return [pytest.param(b, id=f"{b.path.name}:{b.line}") for p in docs.DOC_FILES for b in docs.blocks(p) if b.runnable]
+    """Each marked recipe once: the same commands marked in two pages run once, named by both."""
+    same: dict[tuple, list[docs.Block]] = {}
+    for block in (b for p in docs.DOC_FILES for b in docs.blocks(p) if b.runnable):
+        same.setdefault(tuple(tuple(c.argv) for c in docs.commands(block)), []).append(block)
+    return [pytest.param(blocks[0], id="+".join(f"{b.path.name}:{b.line}" for b in blocks)) for blocks in same.values()]
 
 
 @pytest.fixture(scope="session")
