@@ -21,14 +21,14 @@ FIGURES = [
 def test_scale_bench_prints_every_figure_and_builds_once_per_cold_start(tmp_path):
     out = tmp_path / "bench.json"
     keep = tmp_path / "data"
-    proc = run_cli("bert_ds.loader.bench", "--scale", "300k", "600k", "--keep", str(keep), "--loader-seconds", "0.3",
+    proc = run_cli("bert_ds.loader.bench", "--scale", "200k", "400k", "--keep", str(keep), "--loader-seconds", "0.3",
                    "--draw-seconds", "0.5", "--json", str(out), timeout=300)
     result = json.loads(out.read_text())
     r, larger = result["runs"]
     assert [f["name"] for f in r["figures"]] == FIGURES
-    assert 300_000 <= r["totals"]["tokens"] < 300_000 + 60 * 48  # stops at the document that reaches the scale
-    assert 600_000 <= larger["totals"]["tokens"] < 600_000 + 60 * 48
-    assert (keep / "tokens-300000" / "manifest.json").is_file()  # --keep: the datasets stay for the next run
+    assert 200_000 <= r["totals"]["tokens"] < 200_000 + 60 * 48  # stops at the document that reaches the scale
+    assert 400_000 <= larger["totals"]["tokens"] < 400_000 + 60 * 48
+    assert (keep / "tokens-200000" / "manifest.json").is_file()  # --keep: the datasets stay for the next run
     g = result["growth"]
     assert (g["from_tokens"], g["to_tokens"]) == (r["totals"]["tokens"], larger["totals"]["tokens"])
     step = (g["to_tokens"] - g["from_tokens"]) / 1e9
@@ -50,7 +50,7 @@ def test_scale_bench_prints_every_figure_and_builds_once_per_cold_start(tmp_path
     map_row = next(line for line in proc.stdout.splitlines() if line.startswith("8. "))
     assert "8.0" in map_row and map_row.endswith("yes")
 
-    again = run_cli("bert_ds.loader.bench", "--scale", "300k", "--keep", str(keep), "--loader-seconds", "0.1",
+    again = run_cli("bert_ds.loader.bench", "--scale", "200k", "--keep", str(keep), "--loader-seconds", "0.1",
                     "--draw-seconds", "0.1", timeout=300)
     assert "reusing the synthetic dataset" in again.stderr
 
