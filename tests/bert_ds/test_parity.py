@@ -6,7 +6,7 @@ import json
 import pytest
 
 from bert_ds.tools.parity import verdicts
-from tests.conftest import run_cli
+from tests.conftest import SAMPLE, run_cli
 
 
 def _summary(ours: list[float], theirs: list[float]) -> dict:
@@ -23,7 +23,13 @@ def test_the_verdict_allows_the_seed_spread_and_no_more():
 @pytest.mark.long
 def test_a_tiny_parity_run_trains_both_on_the_same_budget(tmp_path):
     out = tmp_path / "parity"
-    args = ["bert_ds.tools.parity", "--output", str(out), "--preset", "tiny", "--steps", "8", "--seeds", "2",
+    texts = {}
+    for name in ("valid", "test"):  # the sample's first 1,500 lines: 8 steps of 8 x 64 need no more
+        texts[name] = tmp_path / f"{name}.txt"
+        lines = (SAMPLE / f"{name}.txt").read_text(encoding="utf-8").splitlines(keepends=True)
+        texts[name].write_text("".join(lines[:1500]), encoding="utf-8")
+    args = ["bert_ds.tools.parity", "--output", str(out), "--train-text", str(texts["valid"]), "--heldout-text",
+            str(texts["test"]), "--preset", "tiny", "--steps", "8", "--seeds", "2",
             "--seq-len", "64", "--batch-size", "8", "--eval-batches", "3", "--warmup-steps", "2",
             "--vocab-size", "1024"]
     run_cli(*args, timeout=900)
