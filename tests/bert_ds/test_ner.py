@@ -12,15 +12,14 @@ from tests.conftest import run_cli
 ENTITIES = {"PER": [["john"], ["king", "john"]], "LOC": [["new", "york"], ["river"]]}
 
 
-def learnable_conll(folder, seed=0, sizes=(300, 60, 60)):
-    """CoNLL column files (BIO) whose entities are a few fixed names among filler words;
-    ``sizes``: sentences in train, valid and test (0: no such file)."""
+def learnable_conll(folder, seed=0, sizes=(300, 60, 60), layout="conll"):
+    """CoNLL-2003 whose entities are a few fixed names among filler words (BIO); ``sizes``:
+    sentences in train, valid and test (0: no such split); ``layout``: column files ("conll") or
+    Hugging Face's ``save_to_disk`` with the tag names in its features ("saved")."""
     rng = random.Random(seed)
-    folder.mkdir(parents=True)
-    for name, n in zip(("train.txt", "valid.txt", "test.txt"), sizes):
-        if not n:
-            continue
-        lines = ["-DOCSTART- -X- -X- O", ""]
+    splits = {}
+    for name, n in zip(("train", "validation", "test"), sizes):
+        sentences = []
         for _ in range(n):
             words = [(w, "O") for w in rng.choices(WORDS, k=rng.randint(4, 10))]
             for _ in range(rng.randint(1, 2)):
@@ -28,8 +27,27 @@ def learnable_conll(folder, seed=0, sizes=(300, 60, 60)):
                 entity = rng.choice(ENTITIES[kind])
                 at = rng.randrange(len(words) + 1)
                 words[at:at] = [(w, ("B-" if i == 0 else "I-") + kind) for i, w in enumerate(entity)]
+            sentences.append(words)
+        if n:
+            splits[name] = sentences
+    if layout == "saved":
+        import datasets
+
+        names = ["O", *(f"{p}-{kind}" for kind in sorted(ENTITIES) for p in "BI")]
+        features = datasets.Features({"tokens": datasets.Sequence(datasets.Value("string")),
+                                      "ner_tags": datasets.Sequence(datasets.ClassLabel(names=names))})
+        datasets.DatasetDict({name: datasets.Dataset.from_dict(
+            {"tokens": [[w for w, _ in s] for s in sentences],
+             "ner_tags": [[names.index(t) for _, t in s] for s in sentences]}, features)
+            for name, sentences in splits.items()}).save_to_disk(str(folder))
+        return
+    folder.mkdir(parents=True)
+    for name, sentences in splits.items():
+        lines = ["-DOCSTART- -X- -X- O", ""]
+        for words in sentences:
             lines += [f"{w} NN O {tag}" for w, tag in words] + [""]
-        (folder / name).write_text("\n".join(lines))
+        (folder / {"train": "train.txt", "validation": "valid.txt", "test": "test.txt"}[name]).write_text(
+            "\n".join(lines))
 
 
 def _eval(model, data, out, *extra, check=True):
@@ -38,15 +56,15 @@ def _eval(model, data, out, *extra, check=True):
 
 
 def test_a_tiny_export_learns_a_tagging_task_and_a_rerun_keeps_its_results(tiny_export, tmp_path):  # noqa: F811
-    data, out = tmp_path / "conll", tmp_path / "results"
-    learnable_conll(data)
+    data, out = tmp_path / "conll2003", tmp_path / "results"
+    learnable_conll(data, layout="saved")  # the column files run in the docs and phase-plan tests
     args = ("--seeds", "1", "--lr", "3e-3", "--epochs", "8")
     _eval(tiny_export, data, out, *args)
     report = json.loads((out / "results.json").read_text())
     run = json.loads((out / "ner" / "seed1.json").read_text())
     print(f"NER made-up tagging task, tiny export: dev F1 {run['scores']['dev']['f1']:.1f}, test F1 "
           f"{run['scores']['test']['f1']:.1f}, {run['steps']} steps, {run['seconds']:.0f} s")
-    assert report["labels"] == ["O", "B-LOC", "B-PER", "I-LOC", "I-PER"]
+    assert report["labels"] == ["O", "B-LOC", "I-LOC", "B-PER", "I-PER"]  # the dataset's ids, in its order
     for split in ("dev", "test"):  # chance: an entity's exact span and type by luck, near 0
         assert report["columns"][split]["figures"]["f1"]["min"] >= 60.0, report["columns"][split]
     assert set(run["scores"]["dev"]["per_type"]) == {"LOC", "PER"}

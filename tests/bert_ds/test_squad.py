@@ -9,15 +9,16 @@ import random
 import pytest
 
 from tests.bert_ds.test_glue import WORDS, tiny_export  # noqa: F401 (a fixture)
-from tests.bert_ds.test_squad_data import _official
+from tests.bert_ds.test_squad_data import _official, _parquet
 from tests.conftest import run_cli
 
 COLORS = ("red", "black", "white")
 
 
-def learnable_squad(root, version="1.1", seed=0, sizes=(320, 80)):
+def learnable_squad(root, version="1.1", seed=0, sizes=(320, 80), layout="official"):
     """SQuAD whose answer is the one color word in a context of filler words; under v2.0 a
-    quarter of the questions have no color word and no answer."""
+    quarter of the questions have no color word and no answer. ``layout``: the official JSON, or
+    Hugging Face's Parquet files in the hub's folder ("parquet")."""
     rng = random.Random(seed)
 
     def questions(_version, split):
@@ -34,7 +35,10 @@ def learnable_squad(root, version="1.1", seed=0, sizes=(320, 80)):
                          "start": [] if at is None else [start]})
         return rows
 
-    _official(root, version, rows_of=questions)
+    if layout == "parquet":
+        _parquet(root / ("squad_v2" if version == "2.0" else "plain_text"), version, rows_of=questions)
+    else:
+        _official(root, version, rows_of=questions)
 
 
 def _eval(model, data, out, *extra, check=True):
@@ -44,7 +48,7 @@ def _eval(model, data, out, *extra, check=True):
 
 def test_a_tiny_export_learns_a_span_task_and_a_rerun_keeps_its_results(tiny_export, tmp_path):  # noqa: F811
     data, out = tmp_path / "squad", tmp_path / "results"
-    learnable_squad(data)
+    learnable_squad(data, layout="parquet")  # the official JSON runs in the docs and phase-plan tests
     args = ("--seeds", "1", "--lr", "2e-3", "--epochs", "4")
     _eval(tiny_export, data, out, *args)
     report = json.loads((out / "results.json").read_text())

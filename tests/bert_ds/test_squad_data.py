@@ -51,11 +51,11 @@ def _table(rows):
                      "answers": [{"text": r["text"], "answer_start": r["start"]} for r in rows]})
 
 
-def _parquet(folder: Path, version: str) -> None:
+def _parquet(folder: Path, version: str, rows_of=_questions) -> None:
     import pyarrow.parquet as pq
     folder.mkdir(parents=True)
     for split, hf in (("train", "train"), ("dev", "validation")):
-        pq.write_table(_table(_questions(version, split)), folder / f"{hf}-00000-of-00001.parquet")
+        pq.write_table(_table(rows_of(version, split)), folder / f"{hf}-00000-of-00001.parquet")
 
 
 def _saved(folder: Path, version: str) -> None:
