@@ -89,3 +89,36 @@ def test_bad_data_and_folders_are_one_line_and_train_nothing(tiny_export, tmp_pa
     (mine / "results.json").write_text("{}")
     proc = _eval(tiny_export, data, mine, check=False)
     assert proc.returncode == 2 and "holds no NER results" in proc.stderr
+
+
+def test_ctrl_c_keeps_the_finished_runs_and_says_so_in_one_line(tiny_export, tmp_path):  # noqa: F811
+    """Ctrl-C (SIGINT to the terminal's process group) after the first of three seeds: exit 130,
+    one line naming what is kept, no traceback; the first seed's file is whole."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import REPO, cli_env, end, spawn
+
+    data, out = tmp_path / "conll", tmp_path / "results"
+    learnable_conll(data, sizes=(64, 16, 0))
+    child = spawn([sys.executable, "-m", "bert_ds.eval", "ner", "--model", str(tiny_export), "--data", str(data),
+                   "--output", str(out), "--no-progress", "--max-seq-length", "32", "--epochs", "40"],
+                  env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        deadline = time.monotonic() + 300
+        while not (out / "ner" / "seed1.json").is_file() and child.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert (out / "ner" / "seed1.json").is_file(), "the first seed did not finish"
+        os.killpg(child.pid, signal.SIGINT)
+        _, stderr = child.communicate(timeout=120)
+    finally:
+        end(child)
+    assert child.returncode == 130, stderr[-3000:]
+    assert "Traceback" not in stderr
+    assert stderr.strip().splitlines()[-1] == (f"interrupted: 1 finished run(s) kept in {out}; the same command goes "
+                                               "on from them")
+    assert json.loads((out / "ner" / "seed1.json").read_text())["seed"] == 1
+    assert not (out / "ner" / "seed2.json").exists()
