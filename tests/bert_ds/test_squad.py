@@ -118,3 +118,19 @@ def test_a_model_folder_without_a_tokenizer_is_one_line_and_trains_nothing(tiny_
     assert proc.returncode == 2 and len(err) == 1 and err[0].startswith(f"error: --model {model}: no tokenizer"), \
         proc.stderr
     assert not out.exists()
+
+
+def test_a_tokenizer_that_is_not_a_fast_one_is_refused_in_one_line(tmp_path, monkeypatch):
+    """(transformers 5 makes every BERT tokenizer a fast one; a folder's custom class may not be)"""
+    import transformers
+
+    from bert_ds.base.errors import UserError
+    from bert_ds.eval import runs
+
+    class SlowTokenizer:
+        is_fast = False
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: SlowTokenizer())
+    with pytest.raises(UserError, match=r"--model .*: its tokenizer \(SlowTokenizer\) is not a fast one; SQuAD needs "
+                                        r"offsets \(save one with tokenizer.json in the folder\)"):
+        runs.check_fast_tokenizer(tmp_path, "SQuAD needs offsets")
