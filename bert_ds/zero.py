@@ -26,6 +26,11 @@ What this module owns, and why each part needs something DeepSpeed does not publ
   Muon optimizer to ask whether the client optimizer is one; that module wraps its kernels in
   ``torch.compile`` as it is imported, which loads TorchDynamo's and Inductor's compilers:
   about 2 s of CPU in every process that builds an engine, for an optimizer bert-ds never makes.
+- **Two warnings that say nothing true of a bert-ds run** (:func:`name_cpu_accelerator`,
+  :func:`initialize`): DeepSpeed, finding no GPU, warns that it "was unable to detect" one (on
+  a CPU machine, where there is none to detect); and it warns of "an untested optimizer" for any
+  client optimizer it did not write, while bert-ds's LAMB (the one such optimizer, ZeRO-0 to 2
+  only) is held to a single-process reference under ZeRO (``tests/bert_ds/test_lamb.py``).
 - **The collective timeout of ZeRO's own group** (:func:`world_group_with_timeout`): DeepSpeed
   runs ZeRO's collectives on a clone of the world group, ``deepspeed.utils.groups._WORLD_GROUP``,
   which it makes with torch's default timeout (30 min) unless one is already there.
@@ -52,6 +57,8 @@ from __future__ import annotations
 
 import functools
 import importlib
+import logging
+import os
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -129,6 +136,8 @@ RELIED_ON: tuple[Field, ...] = (
           "link fragments to the optimizer state; DeepSpeed does it for group 0 only"),
     Field("deepspeed.utils", "groups", "module", "holds DeepSpeed's process groups"),
     Field("deepspeed", "initialize", "method", "builds the engine (public API), after import_muon_uncompiled"),
+    Field("deepspeed.utils", "logger", "logger",
+          "DeepSpeed's logger: its untested-optimizer warning is filtered out while the engine is built"),
     Field("deepspeed.runtime.compiler", "compile", "returns torch.compile",
           "how Muon's module wraps its kernels as it is imported; import_muon_uncompiled defers them"),
     Field("deepspeed.utils.groups", "_WORLD_GROUP", "process group or None",
@@ -141,13 +150,42 @@ RELIED_ON: tuple[Field, ...] = (
 MUON_MODULE = "deepspeed.runtime.zero.muon.muon_optimizer"
 
 
+UNTESTED_OPTIMIZER = "You are using ZeRO with an untested optimizer"  # DeepSpeed's warning, as it begins
+
+
 def initialize(**kwargs):
     """``deepspeed.initialize(**kwargs)``, with DeepSpeed's Muon imported first without its
-    compiler (:func:`import_muon_uncompiled`)."""
+    compiler (:func:`import_muon_uncompiled`), and without its untested-optimizer warning (the
+    module docstring says why)."""
     import deepspeed
+    from deepspeed.utils import logger
 
     import_muon_uncompiled()
-    return deepspeed.initialize(**kwargs)
+    quiet = _Without(UNTESTED_OPTIMIZER)
+    logger.addFilter(quiet)
+    try:
+        return deepspeed.initialize(**kwargs)
+    finally:
+        logger.removeFilter(quiet)
+
+
+class _Without(logging.Filter):
+    """Drops the records whose message contains ``text``."""
+
+    def __init__(self, text: str):
+        super().__init__()
+        self.text = text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.text not in record.getMessage()
+
+
+def name_cpu_accelerator() -> None:
+    """Where torch sees no CUDA device, tell DeepSpeed it runs on the CPU (``DS_ACCELERATOR=cpu``,
+    as run.sh does) before DeepSpeed is imported and looks for itself: it would find the same,
+    and say so in a warning that it "was unable to detect" a GPU. A value already set is kept."""
+    if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
+        os.environ["DS_ACCELERATOR"] = "cpu"
 
 
 def import_muon_uncompiled() -> None:

@@ -19,6 +19,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     def body() -> int | None:
+        from bert_ds import zero
+
+        zero.name_cpu_accelerator()  # before transformers' Trainer imports DeepSpeed
         try:
             COMMANDS[args.command][0].run(args)
         except KeyboardInterrupt:  # finished runs are on disk already: say how to go on

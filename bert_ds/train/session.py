@@ -44,6 +44,7 @@ def entry(body: Callable[[], object]) -> int:
     15 two-rank runs). So the exit handlers run (logging, the loader workers' end), the streams
     are flushed, and the process exits with its status there."""
     import_dynamo_when_compiling()  # a rank compiles only with --compile-layers: 2-2.5 s of CPU less to start
+    zero.name_cpu_accelerator()  # before anything imports DeepSpeed (checking the engine's JSON does)
     status = guarded(body, cleanup=_end_process)
     if _had_peers:
         atexit._run_exitfuncs()
