@@ -8,6 +8,7 @@ machine lacks; a broken step, flag, writer or budget fails here.
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -129,6 +130,9 @@ def test_the_rehearsal_runs_every_step_and_writes_every_result(kit, tmp_path):
                     "| stage of the step |"):
         assert section in summary
     assert "could not be summarized" not in summary and "is missing" not in summary
+    build = (out / "kernels_build.log").read_text()  # compile_check's report on a kernel source
+    for arch, std in (("sm_80", "c\\+\\+17"), ("sm_90", "c\\+\\+20")):
+        assert re.search(rf"lamb\.cu\s+{arch} {std}\s+ok\s+2 kernels, max \d+ registers", build), (arch, build)
     assert "| train_base | ok |" in summary
 
 
