@@ -97,10 +97,11 @@ def shown_outputs(path: Path, text: str | None = None) -> list[Shown]:
     return out
 
 
-# What may differ between a shown output and a run of its command: numbers and absolute paths;
-# a [list] of numbers may be longer, and a line repeated (one per seed) may come more often.
+# What may differ between a shown output and a run of its command: figures and absolute paths;
+# a [list] of figures may be longer, and a line repeated (one per seed) may come more often. A
+# number inside a word (v1.1, F1, seed1) is a name, not a figure: it must match.
 _PATH = re.compile(r"(?<![\w.])/(?:[\w.@+-]+/)*[\w.@+-]+")
-_NUMBER = re.compile(r"\d+(?:\.\d+)?(?:e[-+]?\d+)?")
+_NUMBER = re.compile(r"(?<![\w.])\d+(?:\.\d+)?(?:e[-+]?\d+)?(?!\w|\.\d)")
 
 
 def shape(text: str) -> list[str]:

@@ -336,6 +336,8 @@ def test_a_shown_output_may_differ_in_figures_and_paths_but_not_in_lines():
     assert docs.unshown(printed, shown.replace("| f1 |", "| exact |")) == ["| exact | N | N-N |"]
     assert docs.unshown(printed, shown.replace("epochs", "epoch")) == ["Recipe (lr N, N epoch); seeds [N]"]
     swapped = "| f1 | 1.0 | 1.0-1.0 |\nsquad seed 1: f1 1.0 (1 steps, 1 s)"
-    assert docs.unshown(printed, swapped) == ["squad seed N: fN N (N steps, N s)"]  # out of order
+    assert docs.unshown(printed, swapped) == ["squad seed N: f1 N (N steps, N s)"]  # out of order
+    assert docs.unshown("# SQuAD v1.1 dev results: /a/b", "# SQuAD v2.0 dev results: /c") == [
+        "# SQuAD v2.0 dev results: PATH"]  # a version is a name, not a figure
     with pytest.raises(ValueError, match="must come between"):
         docs.shown_outputs(Path("x.md"), f"text\n{docs.OUTPUT_MARK}\n```text\nout\n```\n")
