@@ -84,16 +84,17 @@ def shown_outputs(path: Path, text: str | None = None) -> list[Shown]:
     """Every marked output block of ``path``; a mark with no ```text block after it, or no
     command above it, is an error."""
     text = path.read_text(encoding="utf-8") if text is None else text
-    lines, out = text.splitlines(), []
+    lines, bash, out = text.splitlines(), blocks(path, text), []
     for i, line in enumerate(lines):
         if line.strip() != OUTPUT_MARK:
             continue
-        above = [b for b in blocks(path, text) if b.line < i + 1]
-        if i + 1 >= len(lines) or lines[i + 1].strip() != "```text" or not above or not commands(above[-1]):
+        above = [b for b in bash if b.line < i + 1]
+        ran = commands(above[-1]) if above else []
+        if i + 1 >= len(lines) or lines[i + 1].strip() != "```text" or not ran:
             raise ValueError(f"{path.name}:{i + 1}: {OUTPUT_MARK} must come between a ```bash block and a ```text "
                              "block")
         end = next((j for j in range(i + 2, len(lines)) if lines[j].strip() == "```"), len(lines))
-        out.append(Shown(f"{path.name}:{i + 2}", commands(above[-1])[-1].argv, "\n".join(lines[i + 2:end])))
+        out.append(Shown(f"{path.name}:{i + 2}", ran[-1].argv, "\n".join(lines[i + 2:end])))
     return out
 
 

@@ -307,12 +307,12 @@ def test_a_marked_recipe_runs_end_to_end_on_tiny_data(block, workspace, tmp_path
         finally:
             end(child)
         assert child.returncode == 0, f"{command.where}: {' '.join(command.argv)} exited {child.returncode}\n{out[-4000:]}"
-        for shown in _shown():
-            if shown.argv == command.argv:
-                assert not docs.unshown(out, shown.text), (f"{shown.where}: lines {command.where} does not print:\n"
-                                                           + "\n".join(docs.unshown(out, shown.text)) + f"\n{out}")
+        for shown in (s for s in _shown() if s.argv == command.argv):
+            missing = docs.unshown(out, shown.text)
+            assert not missing, f"{shown.where}: lines {command.where} does not print:\n" + "\n".join(missing) + f"\n{out}"
 
 
+@functools.cache
 def _shown() -> list[docs.Shown]:
     return [shown for p in docs.DOC_FILES for shown in docs.shown_outputs(p)]
 

@@ -119,8 +119,9 @@ def _check(example: SquadExample, version: str, path: Path) -> None:
     if not isinstance(example.question, str) or not isinstance(example.context, str):
         raise SquadDataError(f"{where}: its question and context must be text, got {type(example.question).__name__} "
                              f"and {type(example.context).__name__}")
-    if not example.question.strip() or not example.context.strip():
-        raise SquadDataError(f"{where}: its {'question' if not example.question.strip() else 'context'} is empty")
+    for name, text in (("question", example.question), ("context", example.context)):
+        if not text.strip():
+            raise SquadDataError(f"{where}: its {name} is empty")
     if not example.answers and version == "1.1":
         raise SquadDataError(f"{where}: no answer, which SQuAD v1.1 does not have (a v2.0 file? pass --version 2.0)")
     for answer in example.answers:

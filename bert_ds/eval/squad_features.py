@@ -4,7 +4,8 @@
 of at most ``max_seq_length`` tokens (384), the context cut by the fast tokenizer into windows
 that overlap by ``doc_stride`` tokens (128), each token with its character offsets in the
 context. A question longer than ``max_query_length`` tokens (64) keeps its first 64, as BERT's
-``run_squad.py`` does; one that still leaves no room for ``doc_stride`` context tokens is refused. A training window's labels are the answer's first and last token where the whole
+``run_squad.py`` does; one that still leaves no room for ``doc_stride`` context tokens is
+refused. A training window's labels are the answer's first and last token where the whole
 answer lies inside the window, else ``[CLS]`` (position 0), as for an unanswerable question.
 Only the first answer of a training question is a label (the training sets hold one).
 
@@ -13,11 +14,11 @@ scores are paired (the end not before the start, at most ``max_answer_length`` t
 inside the context) and the best pair's text is cut from the context by the offsets. Where no
 such pair is among a window's top scores (an untrained head may rank only the question's tokens
 high), every pair of its context tokens is searched, so every question has a best span and a
-finite no-answer score. The null
-answer scores ``start[0] + end[0]``, its lowest over the windows. For SQuAD v2.0 the question
-is answered "" where the null score exceeds the best span's by more than the threshold (0 by
-default, BERT's), and the difference is the question's no-answer score, the ``na_prob`` the
-official script searches its best threshold over (:mod:`bert_ds.eval.squad_metrics`).
+finite no-answer score. The null answer scores ``start[0] + end[0]``, its lowest over the
+windows. For SQuAD v2.0 the question is answered "" where the null score exceeds the best span's
+by more than the threshold (0 by default, BERT's), and the difference is the question's
+no-answer score, the ``na_prob`` the official script searches its best threshold over
+(:mod:`bert_ds.eval.squad_metrics`).
 """
 
 from __future__ import annotations

@@ -4,10 +4,15 @@ well above chance, a rerun keeps its results, and bad input is one line that tra
 from __future__ import annotations
 
 import json
+import os
 import random
+import signal
+import subprocess
+import sys
+import time
 
 from tests.bert_ds.test_glue import WORDS, tiny_export  # noqa: F401 (a fixture)
-from tests.conftest import run_cli
+from tests.conftest import REPO, cli_env, end, run_cli, spawn
 
 ENTITIES = {"PER": [["john"], ["king", "john"]], "LOC": [["new", "york"], ["river"]]}
 
@@ -94,14 +99,6 @@ def test_bad_data_and_folders_are_one_line_and_train_nothing(tiny_export, tmp_pa
 def test_ctrl_c_keeps_the_finished_runs_and_says_so_in_one_line(tiny_export, tmp_path):  # noqa: F811
     """Ctrl-C (SIGINT to the terminal's process group) after the first of three seeds: exit 130,
     one line naming what is kept, no traceback; the first seed's file is whole."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-
-    from tests.conftest import REPO, cli_env, end, spawn
-
     data, out = tmp_path / "conll", tmp_path / "results"
     learnable_conll(data, sizes=(64, 16, 0))
     child = spawn([sys.executable, "-m", "bert_ds.eval", "ner", "--model", str(tiny_export), "--data", str(data),
