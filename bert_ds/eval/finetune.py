@@ -74,6 +74,23 @@ def training_arguments(recipe: Recipe, seed: int, device: torch.device, progress
         disable_tqdm=not progress)
 
 
+def quiet_trainer(model, args, train_dataset, data_collator=None):
+    """transformers' ``Trainer`` on these settings, without the dict of run statistics
+    (``{'train_runtime': ...}``) it prints at the end of every run, between the command's own
+    lines; the progress bar stays when ``args`` asks for it."""
+    import transformers
+
+    class ProgressBar(transformers.ProgressCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            pass
+
+    built = transformers.Trainer(model=model, args=args, train_dataset=train_dataset, data_collator=data_collator)
+    built.remove_callback(transformers.PrinterCallback)  # the logs' printer when the bar is off
+    if built.pop_callback(transformers.ProgressCallback) is not None:
+        built.add_callback(ProgressBar)
+    return built
+
+
 def finetune(model_dir: Path, task: Task, train: Examples, evals: dict[str, Examples], recipe: Recipe, seed: int,
              device: torch.device, progress: bool = True) -> dict[str, Any]:
     """One fine-tuning run: its dev scores per eval set, and what it did."""
@@ -88,14 +105,13 @@ def finetune(model_dir: Path, task: Task, train: Examples, evals: dict[str, Exam
     train_set = encode(tokenizer, train, recipe.max_seq_length)
     with tempfile.TemporaryDirectory(prefix="bert_ds-glue-") as scratch:
         args = training_arguments(recipe, seed, device, progress, scratch)
-        trainer = transformers.Trainer(model=model, args=args, train_dataset=train_set,
-                                       data_collator=transformers.DataCollatorWithPadding(tokenizer))
-        outcome = trainer.train()
+        tuner = quiet_trainer(model, args, train_set, transformers.DataCollatorWithPadding(tokenizer))
+        outcome = tuner.train()
         scores = {}
         for name, examples in evals.items():
             # group_by_length orders the dev set too: each prediction is scored against the label
             # the Trainer returns beside it, never against the file's order
-            output = trainer.predict(encode(tokenizer, examples, recipe.max_seq_length))
+            output = tuner.predict(encode(tokenizer, examples, recipe.max_seq_length))
             logits = torch.as_tensor(output.predictions)
             predictions = logits[:, 0] if regression else logits.argmax(dim=-1)
             labels = torch.as_tensor(output.label_ids).tolist()

@@ -136,7 +136,7 @@ def finetune(model_dir: Path, p: Prepared, seed: int, device, progress: bool, en
     """One fine-tuning run on the train split, scored on dev (and test)."""
     import transformers
 
-    from bert_ds.eval.finetune import load_quietly, training_arguments
+    from bert_ds.eval.finetune import load_quietly, quiet_trainer, training_arguments
     from bert_ds.eval.ner_metrics import entity_scores
 
     start = time.perf_counter()
@@ -147,16 +147,15 @@ def finetune(model_dir: Path, p: Prepared, seed: int, device, progress: bool, en
     tokenizer, (train, _) = encoded.tokenizer, encoded.splits["train"]
     with tempfile.TemporaryDirectory(prefix="bert_ds-ner-") as scratch:
         settings = training_arguments(p.recipe, seed, device, progress, scratch)
-        trainer = transformers.Trainer(model=model, args=settings, train_dataset=train,
-                                       data_collator=transformers.DataCollatorForTokenClassification(tokenizer))
-        outcome = trainer.train()
+        tuner = quiet_trainer(model, settings, train, transformers.DataCollatorForTokenClassification(tokenizer))
+        outcome = tuner.train()
     scores, cut = {}, {}
     for name in ("dev", "test"):
         if name not in p.data.splits:
             continue
         split = p.data.splits[name]
         features, firsts = encoded.splits[name]
-        predicted = _tag(trainer.model, features, firsts, labels, tokenizer, device, 2 * p.recipe.batch_size,
+        predicted = _tag(tuner.model, features, firsts, labels, tokenizer, device, 2 * p.recipe.batch_size,
                          settings.bf16)
         scores[name] = entity_scores(split.tags, predicted)
         cut[name] = sum(position is None for first in firsts for position in first)

@@ -96,6 +96,10 @@ def prepare(args: argparse.Namespace, *, model_exists: bool = True) -> Prepared:
     if args.doc_stride >= recipe.max_seq_length // 2:
         raise ConfigError(f"--doc-stride {args.doc_stride} must be under half the window ({recipe.max_seq_length} "
                           "tokens): the question and the overlap must leave context to move on by")
+    if args.max_query_length >= recipe.max_seq_length - 3 - args.doc_stride:  # checked here, before any training
+        raise ConfigError(f"--max-query-length {args.max_query_length}, [CLS], two [SEP] and the {args.doc_stride} "
+                          f"tokens of --doc-stride fill the window of {recipe.max_seq_length}; lower "
+                          "--max-query-length or --doc-stride, or raise --max-seq-length")
     train, dev = read_split(layout, "train"), read_split(layout, "dev")
     if model_exists:
         runs.check_fast_tokenizer(args.model, "SQuAD needs a fast tokenizer's character offsets")  # last
@@ -147,7 +151,7 @@ def finetune(model_dir: Path, p: Prepared, seed: int, device, args: argparse.Nam
     import torch
     import transformers
 
-    from bert_ds.eval.finetune import load_quietly, training_arguments
+    from bert_ds.eval.finetune import load_quietly, quiet_trainer, training_arguments
     from bert_ds.eval.squad_features import predict_answers
     from bert_ds.eval.squad_metrics import Question, evaluate
 
@@ -157,10 +161,9 @@ def finetune(model_dir: Path, p: Prepared, seed: int, device, args: argparse.Nam
     tokenizer, train, dev = encoded.tokenizer, encoded.train, encoded.dev
     with tempfile.TemporaryDirectory(prefix="bert_ds-squad-") as scratch:
         settings = training_arguments(p.recipe, seed, device, not args.no_progress, scratch)
-        trainer = transformers.Trainer(model=model, args=settings, train_dataset=train.features,
-                                       data_collator=transformers.DataCollatorWithPadding(tokenizer))
-        outcome = trainer.train()
-    starts, ends = _span_scores(trainer.model, dev.features, tokenizer, device, 2 * p.recipe.batch_size, settings.bf16)
+        tuner = quiet_trainer(model, settings, train.features, transformers.DataCollatorWithPadding(tokenizer))
+        outcome = tuner.train()
+    starts, ends = _span_scores(tuner.model, dev.features, tokenizer, device, 2 * p.recipe.batch_size, settings.bf16)
     predicted = predict_answers(p.dev.examples, dev, starts, ends, version=p.layout.version, n_best=args.n_best,
                                 max_answer_length=args.max_answer_length)
     questions = [Question(e.id, tuple(a.text for a in e.answers)) for e in p.dev.examples]

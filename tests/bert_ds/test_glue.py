@@ -11,7 +11,7 @@ import torch
 
 from bert_ds.checkpoint.export import export_hf
 from bert_ds.data_tools.manifest import Manifest
-from bert_ds.eval import metrics
+from bert_ds.eval import finetune, metrics
 from bert_ds.eval.glue_data import TASKS, GlueDataError, read_split
 from bert_ds.eval.recipe import load as load_recipe
 from bert_ds.model.bert import BertForPreTraining, model_preset
@@ -171,7 +171,8 @@ def test_a_tiny_export_learns_a_task_and_a_rerun_keeps_its_results(tiny_export, 
     data, out = tmp_path / "glue", tmp_path / "results"
     learnable_sst2(data)
     args = ("--tasks", "sst2", "--seeds", "2", "--lr", "1e-3", "--epochs", "3")
-    _eval(tiny_export, data, out, *args)
+    first = _eval(tiny_export, data, out, *args)
+    assert "train_runtime" not in first.stdout + first.stderr  # the Trainer's own summary dict
     report = json.loads((out / "results.json").read_text())
     column = report["columns"]["sst2"]
     assert column["seeds"] == 2 and column["figures"]["score"]["min"] >= 80.0  # chance: 50
@@ -188,6 +189,26 @@ def test_a_tiny_export_learns_a_task_and_a_rerun_keeps_its_results(tiny_export, 
                   check=False)
     assert other.returncode == 2 and "made from another model, data or recipe" in other.stderr
     assert {p.name: p.read_text() for p in (out / "sst2").iterdir()} == before
+
+
+@pytest.mark.lowest
+@pytest.mark.parametrize("progress", [True, False])
+def test_the_trainer_keeps_its_bar_and_prints_no_summary_dict(tmp_path, capsys, progress):
+    """transformers' Trainer prints ``{'train_runtime': ...}`` at the end of a run, through its
+    progress bar or, without one, its printer callback; ``quiet_trainer`` prints neither."""
+    import transformers
+
+    config = transformers.BertConfig(vocab_size=16, hidden_size=8, num_hidden_layers=1, num_attention_heads=1,
+                                     intermediate_size=8)
+    recipe = load_recipe("bert_paper").with_overrides(batch_size=2, epochs=1)
+    args = finetune.training_arguments(recipe, 1, torch.device("cpu"), progress, str(tmp_path))
+    data = [{"input_ids": [1, 2, 3], "labels": 0}] * 4
+    for build, summary in ((transformers.Trainer, True), (finetune.quiet_trainer, False)):
+        tuner = build(model=transformers.BertForSequenceClassification(config), args=args, train_dataset=data)
+        tuner.train()
+        printed = capsys.readouterr()
+        assert ("train_runtime" in printed.out + printed.err) is summary, build
+    assert [type(c).__name__ for c in tuner.callback_handler.callbacks].count("ProgressBar") == progress  # the bar
 
 
 def test_sts_b_regression_and_mnli_two_dev_sets_run_end_to_end(tiny_export, tmp_path):

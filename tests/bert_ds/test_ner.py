@@ -64,7 +64,8 @@ def test_a_tiny_export_learns_a_tagging_task_and_a_rerun_keeps_its_results(tiny_
     data, out = tmp_path / "conll2003", tmp_path / "results"
     learnable_conll(data, layout="saved")  # the column files run in the docs and phase-plan tests
     args = ("--seeds", "1", "--lr", "3e-3", "--epochs", "8")
-    _eval(tiny_export, data, out, *args)
+    first = _eval(tiny_export, data, out, *args)
+    assert "train_runtime" not in first.stdout + first.stderr  # the Trainer's own summary dict
     report = json.loads((out / "results.json").read_text())
     run = json.loads((out / "ner" / "seed1.json").read_text())
     print(f"NER made-up tagging task, tiny export: dev F1 {run['scores']['dev']['f1']:.1f}, test F1 "

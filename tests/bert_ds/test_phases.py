@@ -201,6 +201,10 @@ def test_a_plan_ending_with_glue_squad_and_ner_exports_and_fine_tunes_after_its_
 
     plan["evaluate"]["squad"] = {"data": str(tmp_path / "squad"), "seeds": 1, "epochs": 1, "max_seq_length": 48,
                                  "doc_stride": 8}
+    config.write_text(json.dumps(plan))
+    proc = run_cli("bert_ds.train.phases", "--config", str(config), check=False)
+    assert proc.returncode == 2 and "--max-query-length 64" in proc.stderr and not root.exists()  # 64 + 3 + 8 > 48
+    plan["evaluate"]["squad"]["max_query_length"] = 24
     plan["evaluate"]["ner"] = {"data": str(tmp_path / "conll"), "seeds": 1, "epochs": 1, "max_seq_length": 32}
     config.write_text(json.dumps(plan))
     checked = run_cli("bert_ds.train.phases", "--config", str(config), "--check").stdout

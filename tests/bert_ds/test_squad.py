@@ -43,14 +43,15 @@ def learnable_squad(root, version="1.1", seed=0, sizes=(320, 80), layout="offici
 
 def _eval(model, data, out, *extra, check=True):
     return run_cli("bert_ds.eval", "squad", "--model", str(model), "--data", str(data), "--output", str(out),
-                   "--no-progress", "--max-seq-length", "48", "--doc-stride", "8", *extra, check=check)
+                   "--no-progress", "--max-seq-length", "48", "--doc-stride", "8", "--max-query-length", "24", *extra, check=check)
 
 
 def test_a_tiny_export_learns_a_span_task_and_a_rerun_keeps_its_results(tiny_export, tmp_path):  # noqa: F811
     data, out = tmp_path / "squad", tmp_path / "results"
     learnable_squad(data, layout="parquet")  # the official JSON runs in the docs and phase-plan tests
     args = ("--seeds", "1", "--lr", "2e-3", "--epochs", "4")
-    _eval(tiny_export, data, out, *args)
+    first = _eval(tiny_export, data, out, *args)
+    assert "train_runtime" not in first.stdout + first.stderr  # the Trainer's own summary dict
     report = json.loads((out / "results.json").read_text())
     run = json.loads((out / "squad" / "seed1.json").read_text())
     print(f"SQuAD made-up span task, tiny export: {run['scores']}, {run['steps']} steps, {run['seconds']:.0f} s")
@@ -91,6 +92,9 @@ def test_bad_flags_and_folders_are_one_line(tiny_export, tmp_path):  # noqa: F81
     (mine / "notes.txt").write_text("mine")
     for extra, out, message in ((("--seeds", "0"), tmp_path / "a", "--seeds must be >= 1"),
                                 (("--doc-stride", "30"), tmp_path / "b", "--doc-stride 30 must be under half"),
+                                (("--max-query-length", "37"), tmp_path / "c",
+                                 "--max-query-length 37, [CLS], two [SEP] and the 8 tokens of --doc-stride fill the "
+                                 "window of 48"),
                                 ((), mine, "exists and holds no SQuAD results")):
         proc = _eval(tiny_export, data, out, *extra, check=False)
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr
