@@ -580,6 +580,24 @@ class _Existing:
     sources: list | None = None  # a dataset's recorded sources
     shards: int = 0
     tokens: int = 0
+    options: dict = field(default_factory=dict)  # a dataset's recorded build options (its manifest's "build")
+
+    def built_otherwise(self, sources: list[dict], opts: BuildOptions) -> bool:
+        """A dataset of other inputs, or of options known to differ before any vocabulary
+        exists; an option the record lacks (an older manifest) is left to the plan key."""
+        return self.kind == "dataset" and (self.sources != sources or any(
+            name in self.options and self.options[name] != value for name, value in _known_options(opts).items()))
+
+
+def _known_options(opts: BuildOptions) -> dict:
+    """The options a manifest records (``_manifest``'s "build") that do not depend on the
+    vocabulary; a trained one's size and case are known before it is trained."""
+    known = {"split_sentences": opts.split_sentences, "documents": opts.documents, "join_wrapped": opts.join_wrapped,
+             "shard_tokens": opts.shard_tokens, "piece_bytes": opts.piece_bytes,
+             **({"text_field": opts.text_field} if opts.has_records else {})}
+    if opts.vocab is None:
+        known.update(vocab={"train": opts.train_vocab}, lowercase=True if opts.lowercase is None else opts.lowercase)
+    return known
 
 
 def _existing(directory: Path, overwrite: bool) -> _Existing:
@@ -590,7 +608,7 @@ def _existing(directory: Path, overwrite: bool) -> _Existing:
         try:
             manifest = Manifest.load(directory)
             return _Existing("dataset", manifest.build.get("plan_key"), manifest.sources, len(manifest.shards),
-                             manifest.totals.get("tokens", 0))
+                             manifest.totals.get("tokens", 0), manifest.build)
         except ShardError:
             return _Existing("dataset")  # damaged: no record to match, so only --overwrite replaces it
     try:
@@ -723,9 +741,9 @@ def _build(opts: BuildOptions, plan: _Plan, workers: _Workers, t0: float) -> Bui
         # so a failed build never spoils a dataset already there.
         sources = share_sources(opts.inputs, plan.share) if plan.share else [source_info(p) for p in opts.inputs]
         existing = _existing(directory, opts.overwrite)
-        if existing.kind == "dataset" and existing.sources != sources and not opts.overwrite:
+        if existing.built_otherwise(sources, opts) and not opts.overwrite:
             _refuse_other(directory, existing)  # decided before a vocabulary is trained
-        vocab, normalization = plan.tokenizer()
+        vocab, normalization = _reused_vocab(directory, existing, opts, plan) or plan.tokenizer()
         key, partition = _keys(opts, plan, sources, vocab, normalization)
         with FolderLock(directory, "a data_tools build"):
             # Again under the lock, which decides: another build may have finished meanwhile.
@@ -751,6 +769,21 @@ def _build(opts: BuildOptions, plan: _Plan, workers: _Workers, t0: float) -> Bui
         raise UserError(f"{directory}: build failed: {e}") from None
     return BuildResult(directory, manifest, time.perf_counter() - t0, t_vocab, len(records),
                        label=plan.part.label if partition else "")
+
+
+def _reused_vocab(directory: Path, existing: _Existing, opts: BuildOptions,
+                  plan: _Plan) -> tuple[bytes, Normalization] | None:
+    """A rerun of a finished build that trained its vocabulary from these inputs with these
+    options: that vocabulary, read from the folder rather than trained again (training is
+    deterministic, so the plan key still decides, and the rerun is found done at once).
+    None where it must be loaded or trained as the build says."""
+    if opts.vocab is not None or opts.overwrite or plan.part.partitioned or existing.kind != "dataset":
+        return None
+    try:
+        vocab, normalization = load_vocabulary(str(directory))
+    except (UserError, OSError, ValueError):  # damaged: train, and let the plan key decide
+        return None
+    return None if normalization is None else (vocab, normalization)
 
 
 def _clear(directory: Path) -> None:

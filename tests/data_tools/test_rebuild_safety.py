@@ -80,13 +80,22 @@ def test_other_options_into_a_finished_dataset_are_refused(copy, capsys):
     assert snapshot(copy) == before
 
 
-def test_other_inputs_are_refused_before_a_vocabulary_is_trained(copy, small, monkeypatch):
+@pytest.mark.parametrize("change", [
+    "inputs", "split_sentences", "documents", "join_wrapped", "shard_tokens", "train_vocab", "lowercase"])
+def test_other_inputs_or_options_are_refused_before_a_vocabulary_is_trained(copy, small, monkeypatch, change):
+    """A vocabulary of 30,522 on a large corpus takes long: a build that will be refused is
+    refused first; the same build is found done without training one."""
     def no_training(*args, **kwargs):
         raise AssertionError("a vocabulary was trained before the refusal")
 
     monkeypatch.setattr(build_module, "train_vocab", no_training)
+    changed = {"inputs": {"inputs": [str(small)]}, "split_sentences": {"split_sentences": False},
+               "documents": {"documents": "file"}, "join_wrapped": {"join_wrapped": True},
+               "shard_tokens": {"shard_tokens": 50_000}, "train_vocab": {"train_vocab": 1024},
+               "lowercase": {"lowercase": False}}[change]
     with pytest.raises(build_module.UserError, match="already holds a finished dataset"):
-        build(BuildOptions(inputs=[str(small)], output=str(copy), **OPTS))
+        build(BuildOptions(**{"inputs": [str(SAMPLE)], "output": str(copy), **OPTS, **changed}))
+    assert build(BuildOptions(inputs=[str(SAMPLE)], output=str(copy), **OPTS)).already_built
 
 
 def test_overwrite_replaces_the_dataset(copy, small, capsys):
