@@ -191,9 +191,12 @@ class BatchPlan:
     def resolve(cls, global_batch_size: int, micro_batch_size: int, world_size: int) -> BatchPlan:
         per_step = micro_batch_size * world_size
         if global_batch_size % per_step:
+            per_rank, fits = divmod(global_batch_size, world_size)
+            hint = (f"; a micro_batch_size that fits: {max(d for d in range(1, micro_batch_size + 1) if per_rank % d == 0)}"
+                    f" (--micro-batch-size)" if per_rank and not fits else "")
             raise ConfigError(
                 f"global_batch_size {global_batch_size} is not a multiple of micro_batch_size {micro_batch_size}"
-                f" x world_size {world_size} = {per_step}"
+                f" x world_size {world_size} = {per_step}{hint}"
             )
         return cls(global_batch_size, micro_batch_size, world_size, global_batch_size // per_step)
 

@@ -20,9 +20,17 @@ def test_batch_plan_holds_the_identity(gbs, micro, world, accum):
     assert plan.global_batch_size == plan.micro_batch_size * plan.grad_accum * plan.world_size
 
 
-def test_batch_plan_rejects_indivisible():
-    with pytest.raises(ConfigError, match="not a multiple"):
-        BatchPlan.resolve(30, 4, 2)
+@pytest.mark.parametrize("gbs, micro, world, hint", [
+    (30, 4, 2, "a micro_batch_size that fits: 3 (--micro-batch-size)"),  # 15 per rank
+    (16, 32, 1, "a micro_batch_size that fits: 16 (--micro-batch-size)"),
+    (30, 4, 4, None),  # no micro-batch fits: the world size does not divide the batch
+])
+def test_batch_plan_rejects_indivisible_and_names_a_micro_batch_that_fits(gbs, micro, world, hint):
+    with pytest.raises(ConfigError, match="not a multiple") as caught:
+        BatchPlan.resolve(gbs, micro, world)
+    assert (hint in str(caught.value)) if hint else "fits" not in str(caught.value)
+    if hint:
+        BatchPlan.resolve(gbs, int(hint.split(": ")[1].split()[0]), world)  # the hint holds
 
 
 def test_deepspeed_config_gets_batch_and_clip_from_train_config():
