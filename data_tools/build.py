@@ -757,11 +757,14 @@ def _build(opts: BuildOptions, plan: _Plan, workers: _Workers, t0: float) -> Bui
             try:
                 manifest, records, t_vocab = _build_locked(opts, directory, workers, sources,
                                                            (vocab, normalization), key, t0, (plan.share, partition))
-            except EmptyCorpus:
-                if existing.kind == "nothing":  # the folder held nothing: leave it as it was
+            except UserError:
+                # Bad input found while reading (a JSONL line, a Parquet row, an empty corpus) in
+                # a folder that held nothing: with no shard finished there is nothing to resume,
+                # so the folder is left as it was and the fixed input's rerun starts clean.
+                if existing.kind == "nothing" and _journaled(directory, default=1) == 0:
                     _clear(directory)
                 raise
-    except EmptyCorpus:
+    except UserError:
         if not existed:  # made by this build; the lock's file went with the lock
             _remove_if_empty(directory)
         raise

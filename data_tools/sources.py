@@ -97,7 +97,8 @@ def _hf_dataset(path: str):
                             f"give one split's folder, e.g. {os.path.join(path, splits[0] if splits else 'train')}")
         if not any(os.path.isfile(os.path.join(path, n)) for n in _HF_DISK_MARKERS):
             raise UserError(f"input is a folder but not a datasets save_to_disk folder "
-                            f"(no {' or '.join(_HF_DISK_MARKERS)}): {path}")
+                            f"(no {' or '.join(_HF_DISK_MARKERS)}): {path}; to read the files in it, give "
+                            f"them: {os.path.join(path, '*')}")
         try:
             ds = datasets.load_from_disk(path)  # cheap: memory-maps the Arrow files
         except Exception as e:  # datasets raises many types for a damaged folder

@@ -235,10 +235,10 @@ def test_interrupted_build_of_records_resumes(reference, tmp_path, monkeypatch):
 
 # -- bad inputs: one line naming the input --------------------------------------------------------
 
-def _one_line_error(capsys, src, tmp_path, *extra):
+def _one_line_error(capsys, src, tmp_path, *extra, train_vocab=True):
     capsys.readouterr()  # the fixture's own output (datasets' progress bars)
-    rc = main(["build", "--input", src, "--output", str(tmp_path / "o"), "--train-vocab", "100", "--no-progress",
-               "--workers", "1", *extra])
+    rc = main(["build", "--input", src, "--output", str(tmp_path / "o"), *(["--train-vocab", "100"] * train_vocab),
+               "--no-progress", "--workers", "1", *extra])
     err = capsys.readouterr().err.strip().split("\n")
     assert rc == 2
     assert len(err) == 1 and err[0].startswith("error: ")
@@ -248,9 +248,40 @@ def _one_line_error(capsys, src, tmp_path, *extra):
 def test_invalid_json_line_is_named(tmp_path, capsys):
     src = tmp_path / "bad.jsonl"
     src.write_text('{"text": "fine."}\n\n{"text": "cut off\n{"text": "never read."}\n')
-    msg = _one_line_error(capsys, str(src), tmp_path)
+    msg = _one_line_error(capsys, str(src), tmp_path)  # found by the vocabulary's pass, before any write
     assert msg.startswith(f"error: {src}: line 3: not valid JSON (")
-    assert not (tmp_path / "o" / "manifest.json").exists()
+    assert not (tmp_path / "o").exists()
+
+
+def _vocab(tmp_path):
+    path = tmp_path / "vocab.txt"
+    path.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *"abcdefghijklmnopqrstuvwxyz.!?"]) + "\n")
+    return str(path)
+
+
+@pytest.mark.parametrize("finished_shards", [False, True])
+def test_bad_input_found_while_writing_leaves_a_new_folder_as_it_was_unless_shards_finished(
+        tmp_path, capsys, monkeypatch, finished_shards):
+    """Found by the shard pass (a given vocabulary): with no shard finished the new folder is
+    removed, so the mended file's rerun needs no --overwrite; finished shards stay journaled
+    (a read error may pass, and the rerun resumes from them)."""
+    import bert_ds.data_tools.build as build_module
+
+    if finished_shards:
+        monkeypatch.setattr(build_module, "CHUNK_CHARS", 64)  # the bad line read long after the first shards
+    src = tmp_path / "bad.jsonl"
+    src.write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS * 8) + "{not json\n")
+    msg = _one_line_error(capsys, str(src), tmp_path, "--vocab", _vocab(tmp_path), "--shard-tokens",
+                          str(SHARD_TOKENS), train_vocab=False)
+    assert msg.startswith(f"error: {src}: line 33: not valid JSON (")
+    out = tmp_path / "o"
+    if finished_shards:
+        assert (out / "build.journal.json").is_file() and list(out.glob("shard_*.bin"))
+        return
+    assert not out.exists()
+    src.write_text(src.read_text().replace("{not json", '{"text": "mended."}'))
+    assert main(["build", "--input", str(src), "--output", str(out), "--vocab", _vocab(tmp_path), "--no-progress",
+                 "--workers", "1"]) == 0
 
 
 @pytest.mark.parametrize("make, message", [
@@ -259,7 +290,7 @@ def test_invalid_json_line_is_named(tmp_path, capsys):
     (lambda d: write_parquet(d / "y.parquet", {"body": ["a"], "id": [1]}),
      "y.parquet: no column 'text' (columns: body, id); choose the text column with --text-field"),
     (lambda d: write_hf(d / "hf", {"body": ["a"]}), "hf: no column 'text' (columns: body)"),
-    (lambda d: (d / "plain").mkdir() or str(d / "plain"), "input is a folder but not a datasets save_to_disk folder"),
+    (lambda d: (d / "plain").mkdir() or str(d / "plain"), "plain; to read the files in it, give them: "),
     (lambda d: (d / "z.jsonl.gz").write_bytes(gzip.compress(b'{"text": "a"}\n' * 500)[:-30]) and str(d / "z.jsonl.gz"),
      "z.jsonl.gz: cannot read"),
 ], ids=["not-parquet", "parquet-no-column", "hf-no-column", "plain-folder", "truncated-gzip"])
