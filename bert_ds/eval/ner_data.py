@@ -55,7 +55,7 @@ class NerData:
 def read_ner(data: Path) -> NerData:
     """Every split under ``data``, checked against the label set."""
     if not data.is_dir():
-        raise NerDataError(f"--data {data}: no such folder")
+        raise NerDataError(f"--data {data}: {'not a folder' if data.exists() else 'no such folder'}")
     files = {split: next((data / n for n in names if (data / n).is_file()), None)
              for split, names in CONLL_FILES.items()}
     if files["train"] is not None or files["dev"] is not None:

@@ -179,6 +179,6 @@ def check_inputs(args: argparse.Namespace, ours_or_empty: Callable[[Path], None]
         raise UserError(f"--model {args.model}: no tokenizer ({' or '.join(TOKENIZER_FILES)}); copy in the "
                         "tokenizer the model was trained with")
     if not args.data.is_dir():
-        raise UserError(f"--data {args.data}: no such folder")
+        raise UserError(f"--data {args.data}: {'not a folder' if args.data.exists() else 'no such folder'}")
     check_writable(args.output, "--output", folder=True)
     ours_or_empty(args.output)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from bert_ds.base.errors import UserError
 from bert_ds.eval.ner_data import NerDataError, read_ner
 
 NAMES = ["O", "B-PER", "I-PER", "B-LOC", "I-LOC"]
@@ -113,3 +114,17 @@ def test_a_tag_id_outside_the_names_and_missing_names_are_named(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(NerDataError, match="no NER data"):
         read_ner(tmp_path / "empty")
+
+
+def test_a_data_path_that_is_a_file_or_missing_is_named_as_such(tmp_path):
+    import argparse
+
+    from bert_ds.eval.runs import check_inputs
+
+    (tmp_path / "train.txt").write_text("EU B-ORG\n")
+    for path, what in ((tmp_path / "train.txt", "not a folder"), (tmp_path / "nope", "no such folder")):
+        with pytest.raises(NerDataError, match=f"--data {path}: {what}$"):
+            read_ner(path)
+        args = argparse.Namespace(seeds=1, model=tmp_path, data=path, output=tmp_path / "out")
+        with pytest.raises(UserError, match=f"--data {path}: {what}$"):  # glue's and squad's check
+            check_inputs(args, lambda output: None, model_exists=False)
