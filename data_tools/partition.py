@@ -175,7 +175,9 @@ def dataset_folders(path: str | os.PathLike) -> list[Path]:
         raise ShardError(f"{path}: not found")
     by_count = part_folders(path)
     if not by_count:
-        raise ShardError(f"{path}: not a dataset folder nor a parent of partitions")
+        below = sorted(p for p in path.glob(f"*/{MANIFEST_NAME}")) if path.is_dir() else []
+        hint = f"; dataset folders in it: {', '.join(str(p.parent) for p in below[:4])}" if below else ""
+        raise ShardError(f"{path}: not a dataset folder nor a parent of partitions{hint}")
     if len(by_count) > 1:
         raise ShardError(f"{path}: holds parts of {' and of '.join(map(str, sorted(by_count)))} parts "
                          "(two different builds); remove the folders of one")

@@ -63,8 +63,14 @@ def _part(parent, index, count, key="k", fingerprint="f" * 64):
 
 def test_dataset_folders(tmp_path):
     assert part_name(2, 64) == "part-00002-of-00064"
-    with pytest.raises(ShardError, match="not a dataset folder nor a parent of partitions"):
+    with pytest.raises(ShardError, match="not a dataset folder nor a parent of partitions$"):
         dataset_folders(tmp_path)
+    held = tmp_path / "holder"
+    for name in ("train", "heldout"):  # a run's data/ folder: the datasets it holds are named
+        (held / name).mkdir(parents=True)
+        (held / name / "manifest.json").write_text("{}")
+    with pytest.raises(ShardError, match=f"parent of partitions; dataset folders in it: {held}/heldout, {held}/train$"):
+        dataset_folders(held)
     folders = [_part(tmp_path, i, 8) for i in (0, 2, 3, 5, 6, 7)]
     (tmp_path / part_name(4, 8)).mkdir()  # started, unfinished
     with pytest.raises(ShardError, match=r": parts 1, 4 of 8 are missing or unfinished \(no manifest.json\); "
