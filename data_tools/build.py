@@ -534,6 +534,13 @@ def _plan_key(sources: list[dict], vocab: bytes, normalization: Normalization, o
     }
     return hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()
 
+def _journal(key: str, records: list[dict], opts: BuildOptions) -> dict:
+    """The resume journal: the plan key, the shards finished so far, and the options known
+    before a vocabulary (a trained one's size and case), by which a rerun knows that the
+    vocabulary already in the folder is the one it would train."""
+    return {"key": key, "shards": records, "options": _known_options(opts)}
+
+
 def _journaled(directory: Path, default: int) -> int:
     """How many shards the journal on disk records (``default`` if it cannot be read)."""
     try:
@@ -580,7 +587,7 @@ class _Existing:
     sources: list | None = None  # a dataset's recorded sources
     shards: int = 0
     tokens: int = 0
-    options: dict = field(default_factory=dict)  # a dataset's recorded build options (its manifest's "build")
+    options: dict = field(default_factory=dict)  # recorded build options: a manifest's "build", a journal's "options"
 
     def built_otherwise(self, sources: list[dict], opts: BuildOptions) -> bool:
         """A dataset of other inputs, or of options known to differ before any vocabulary
@@ -613,7 +620,10 @@ def _existing(directory: Path, overwrite: bool) -> _Existing:
             return _Existing("dataset")  # damaged: no record to match, so only --overwrite replaces it
     try:
         journal = json.loads((directory / JOURNAL_NAME).read_text(encoding="utf-8"))
-        return _Existing("interrupted", journal.get("key") if isinstance(journal, dict) else None)
+        if not isinstance(journal, dict):
+            return _Existing("interrupted")
+        options = journal.get("options")
+        return _Existing("interrupted", journal.get("key"), options=options if isinstance(options, dict) else {})
     except FileNotFoundError:
         pass
     except (OSError, ValueError):
@@ -743,7 +753,11 @@ def _build(opts: BuildOptions, plan: _Plan, workers: _Workers, t0: float) -> Bui
         existing = _existing(directory, opts.overwrite)
         if existing.built_otherwise(sources, opts) and not opts.overwrite:
             _refuse_other(directory, existing)  # decided before a vocabulary is trained
-        vocab, normalization = _reused_vocab(directory, existing, opts, plan) or plan.tokenizer()
+        reused = _reused_vocab(directory, existing, opts, plan)
+        if reused is not None and _keys(opts, plan, sources, *reused)[0] == existing.key:
+            vocab, normalization = reused
+        else:
+            vocab, normalization = plan.tokenizer()
         key, partition = _keys(opts, plan, sources, vocab, normalization)
         with FolderLock(directory, "a data_tools build"):
             # Again under the lock, which decides: another build may have finished meanwhile.
@@ -776,11 +790,15 @@ def _build(opts: BuildOptions, plan: _Plan, workers: _Workers, t0: float) -> Bui
 
 def _reused_vocab(directory: Path, existing: _Existing, opts: BuildOptions,
                   plan: _Plan) -> tuple[bytes, Normalization] | None:
-    """A rerun of a finished build that trained its vocabulary from these inputs with these
-    options: that vocabulary, read from the folder rather than trained again (training is
-    deterministic, so the plan key still decides, and the rerun is found done at once).
-    None where it must be loaded or trained as the build says."""
-    if opts.vocab is not None or opts.overwrite or plan.part.partitioned or existing.kind != "dataset":
+    """A rerun of a build, finished or interrupted, that trained its vocabulary with these
+    options: the vocabulary in the folder, a candidate for the one training would give. It is
+    that one where the plan key made with it is the folder's (training is deterministic and
+    the key covers the inputs); the caller checks, and trains where not. A finished rerun is
+    then found done at once, an interrupted one resumes at once. None where the vocabulary
+    must be loaded or trained as the build says."""
+    known = _known_options(opts)
+    if (opts.vocab is not None or opts.overwrite or plan.part.partitioned or existing.kind == "nothing"
+            or any(existing.options.get(name) != value for name, value in known.items())):
         return None
     try:
         vocab, normalization = load_vocabulary(str(directory))
@@ -825,7 +843,7 @@ def _build_locked(opts: BuildOptions, directory: Path, workers: _Workers, source
     # From here on the folder is not a dataset until the new manifest lands; the
     # journal comes first, so a build killed at any later point is recognised.
     (directory / MANIFEST_NAME).unlink(missing_ok=True)
-    _write_json(directory / JOURNAL_NAME, {"key": key, "shards": records})
+    _write_json(directory / JOURNAL_NAME, _journal(key, records, opts))
     _remove_stale(directory, keep_shards=1 << 62)
     spec = install_tokenizer(directory, *tokenizer)
     workers.start(directory, spec)
@@ -851,7 +869,7 @@ def _write_shards(opts: BuildOptions, directory: Path, spec: TokenizerSpec, key:
         reader = opts.reader(share)
         counts = Counts()
     shards = [ShardInfo(**r["info"]) for r in records]
-    journal = {"key": key, "shards": list(records)}
+    journal = _journal(key, list(records), opts)
     bar = tqdm(total=reader.total_bytes, initial=reader.progress, unit="B", unit_scale=True,
                desc="tokenize", file=sys.stderr, disable=not opts.progress)
     writer: ShardWriter | None = None

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
+import bert_ds.data_tools.build as build_module
 from bert_ds.data_tools.__main__ import main
 from bert_ds.data_tools.build import JOURNAL_NAME, BuildOptions, build
 from bert_ds.base.errors import ShardError
@@ -279,7 +280,32 @@ def test_r9_disk_full_mid_build_then_rerun_resumes(sample, tmp_path, monkeypatch
     assert len(json.loads((dst / JOURNAL_NAME).read_text())["shards"]) == 2
     monkeypatch.undo()
 
+    def no_training(*args, **kwargs):
+        raise AssertionError("the vocabulary in the folder was trained again")
+
+    # the rerun resumes with the vocabulary the folder holds, which its journal's key vouches for
+    monkeypatch.setattr(build_module, "train_vocab", no_training)
     result = build(BuildOptions(inputs=[str(SAMPLE)], output=str(dst), workers=2, **OPTS))
+    assert result.shards_reused == 2
+    assert files(dst) == files(out)
+
+
+def test_an_interrupted_build_whose_folder_holds_another_vocabulary_trains_its_own(sample, tmp_path, monkeypatch,
+                                                                                  capsys):
+    """Killed after its journal but before its tokenizer replaced an older one: the folder's
+    vocabulary does not make the journal's key, so the rerun trains, and resumes."""
+    out, _ = sample
+    dst = tmp_path / "o"
+    _fail_writes(monkeypatch, lambda name: "shard_00002.bin" in name)
+    assert main(["build", "--input", str(SAMPLE), "--output", str(dst), "--train-vocab", "4096", "--split-sentences",
+                 "--shard-tokens", "100000", "--workers", "1", "--no-progress"]) == 2
+    monkeypatch.undo()
+    tokenizer = json.loads((dst / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    word = next(w for w in vocab if w.isalpha())
+    vocab["zzz" + word] = vocab.pop(word)
+    (dst / "tokenizer.json").write_text(json.dumps(tokenizer))
+    result = build(BuildOptions(inputs=[str(SAMPLE)], output=str(dst), workers=1, **OPTS))
     assert result.shards_reused == 2
     assert files(dst) == files(out)
 
