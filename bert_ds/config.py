@@ -68,6 +68,13 @@ class DataConfig:
         require(len(self.train) >= 1, "train", "at least one dataset folder is needed")
         require(self.weights is None or (len(self.weights) == len(self.train) and all(w > 0 for w in self.weights)),
                "weights", f"need one positive weight per training dataset ({len(self.train)}), got {self.weights}")
+        seen = [os.path.realpath(p) for p in self.train]
+        twice = next((p for i, p in enumerate(self.train) if seen[i] in seen[:i]), None)
+        require(twice is None, "train", f"{twice} is given twice (a dataset listed once is read whole every epoch; "
+                "--data-weights blends datasets)")
+        require(self.val is None or os.path.realpath(self.val) not in seen, "val",
+                f"{self.val} is also a training dataset: its figures would not be held out (use another dataset, "
+                "or --held-out)")
         require(0.0 <= self.held_out < 1.0, "held_out", f"must be in [0, 1), got {self.held_out}")
         require(8 <= self.max_seq_length <= 4096, "max_seq_length", f"must be in [8, 4096], got {self.max_seq_length}")
         require(0.0 <= self.short_seq_prob <= 1.0, "short_seq_prob", f"must be in [0, 1], got {self.short_seq_prob}")

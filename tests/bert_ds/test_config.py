@@ -64,6 +64,15 @@ def test_data_config_validation(kw, field):
         DataConfig(train="x", **kw)
 
 
+def test_a_dataset_given_twice_or_as_both_training_and_held_out_data_is_refused(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=r"train: ./data/a is given twice"):
+        DataConfig(train=["data/a", "data/b", "./data/a"])  # the same folder, however written
+    with pytest.raises(ConfigError, match="val: data/b/ is also a training dataset"):
+        DataConfig(train=["data/a", "data/b"], val="data/b/")
+    assert DataConfig(train=["data/a", "data/b"], val="data/c").val == "data/c"
+
+
 @pytest.mark.parametrize("kw,field", [({"lr": 0}, "lr"), ({"decay": "cosine"}, "decay"), ({"betas": (0.9, 1.5)}, "betas")])
 def test_optim_config_validation(kw, field):
     with pytest.raises(ConfigError, match=field):

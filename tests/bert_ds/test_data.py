@@ -245,7 +245,7 @@ def test_folders_of_other_tokenizers_are_refused_as_one_corpus(sample_data, tmp_
         with pytest.raises(ShardError) as refused:
             check_tokenizers(cfg)
         assert str(refused.value).startswith(f"{other}: built with another tokenizer than {train}{tail}")
-    check_tokenizers(DataConfig(train=[train, train], val=str(sample_data["heldout"])))  # one tokenizer: no error
+    check_tokenizers(DataConfig(train=[train, str(sample_data["heldout"])]))  # one tokenizer: no error
     out = tmp_path / "run"
     proc = run_cli("bert_ds.train", "--data", train, str(other), "--output", str(out), "--steps", "1", check=False)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
