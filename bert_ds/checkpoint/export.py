@@ -154,7 +154,8 @@ def export_hf(state_dict: Mapping[str, torch.Tensor], config: ModelConfig,
 def export_checkpoint(ckpt_dir: Path, out_dir: Path) -> Path:
     """Exports a checkpoint to ``out_dir``.
 
-    ``ckpt_dir`` is a checkpoint folder, ``checkpoints/latest`` or ``checkpoints/``; only a
+    ``ckpt_dir`` is a checkpoint folder, ``checkpoints/latest``, ``checkpoints/`` or the run
+    folder that holds it (the newest complete checkpoint); only a
     complete checkpoint whose files match their recorded checksums is exported.
     """
     from safetensors import SafetensorError
@@ -338,12 +339,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("checkpoint_dir", metavar="CHECKPOINT_DIR", type=Path,
                         help="checkpoint folder (or its 'latest' link) with model.safetensors, "
-                             "model_config.json and tokenizer/")
+                             "model_config.json and tokenizer/; a run folder or its checkpoints/: the newest")
     parser.add_argument("out_dir", metavar="OUT_DIR", type=Path,
                         help="folder to write; an earlier export there is replaced once the new one is complete")
     args = parser.parse_args(argv)
-    return guarded(lambda: print(f"exported {args.checkpoint_dir} to "
-                                 f"{export_checkpoint(args.checkpoint_dir, args.out_dir)}"))
+
+    def body() -> None:
+        from bert_ds.checkpoint import store
+
+        ckpt = store.resolve(args.checkpoint_dir)
+        named = args.checkpoint_dir if args.checkpoint_dir.resolve() == ckpt else f"{args.checkpoint_dir} ({ckpt.name})"
+        print(f"exported {named} to {export_checkpoint(ckpt, args.out_dir)}")
+
+    return guarded(body)
 
 
 if __name__ == "__main__":

@@ -99,8 +99,8 @@ def open_source(path: Path) -> InitSource:
         return InitSource(path, checkpoint.weights_file(path), None, None, None)
     if (path / HF_CONFIG).is_file():
         return _hf_folder(path)
-    if (path / "checkpoints").is_dir():
-        path = path / "checkpoints"  # a run folder
+    if checkpoint.run_checkpoints(path).is_dir():
+        path = checkpoint.run_checkpoints(path)  # a run folder
     if not _is_checkpoint(path):
         raise InitFromError(f"--init-from {path}: neither a Hugging Face BERT folder (no {HF_CONFIG}) nor a "
                             "bert_ds checkpoint or run folder")

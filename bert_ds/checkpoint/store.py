@@ -66,6 +66,7 @@ from bert_ds.data_tools.tokenizer import HF_FILES
 
 MARKER = "COMPLETE"
 LATEST = "latest"
+CHECKPOINTS = "checkpoints"  # a run folder's (bert_ds.train --output) folder of checkpoints
 WEIGHTS = "model.safetensors"
 OPTIMIZER = "optimizer.safetensors"
 _PREFIX = "step_"
@@ -332,9 +333,17 @@ def find_latest(root: Path) -> Path | None:
     return newest
 
 
+def run_checkpoints(output: str | Path) -> Path:
+    """The checkpoints folder of the run folder ``output``."""
+    return Path(output) / CHECKPOINTS
+
+
 def resolve(path: Path) -> Path:
-    """A checkpoint folder from a path that is the folder, ``checkpoints/latest`` or ``checkpoints/``."""
+    """A checkpoint folder from a path that is the folder, ``checkpoints/latest``, ``checkpoints/``
+    or the run folder that holds ``checkpoints/``."""
     path = Path(path)
+    if run_checkpoints(path).is_dir() and not (path / MARKER).is_file():
+        path = run_checkpoints(path)
     root = path.parent if path.name == LATEST else path
     if path.name != LATEST and (path / MARKER).is_file():
         return path.resolve()

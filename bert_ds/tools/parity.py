@@ -85,7 +85,7 @@ def train_bert_ds(args: argparse.Namespace, train: Path, seed: int) -> tuple[Pat
              "--warmup-steps", str(args.warmup_steps), "--decay", "linear", "--weight-decay", "0.01",
              "--grad-clip", "1.0", "--pair-task", "none", "--ds-config", "zero0_fp32.json", "--seed", str(seed),
              "--num-workers", "0", "--no-progress", "--no-tensorboard", "--resume", "never", log=run.with_suffix(".log"))
-        _cli("bert_ds.checkpoint.export", str(run / "checkpoints" / "latest"), str(export),
+        _cli("bert_ds.checkpoint.export", str(run), str(export),
              log=export.with_suffix(".log"))
     return export, int(json.loads((run / "summary.json").read_text())["tokens"])
 

@@ -33,7 +33,7 @@ class Checkpointer:
     @classmethod
     def for_run(cls, cfg: TrainConfig, engine, loader: PretrainingLoader, rank: int,
                 saved_at: int | None) -> Checkpointer:
-        return cls(Path(cfg.output) / "checkpoints", engine=engine, loader=loader,
+        return cls(checkpoint.run_checkpoints(cfg.output), engine=engine, loader=loader,
                    # every dataset of a run shares one tokenizer: the first folder's (a parent's first part's)
                    tokenizer_dir=dataset_folders(cfg.data.train[0])[0],
                    keep_last=cfg.keep_last, save_every=cfg.save_every, recipe=cfg, rank=rank, saved_at=saved_at)

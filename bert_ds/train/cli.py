@@ -270,7 +270,7 @@ def prepare(args: argparse.Namespace, data: Path, vocab_size: int) -> tuple[Trai
     from bert_ds.train.loop import RunOptions, batch_plan
     from bert_ds.train.profiling import StepRange
 
-    found = checkpoint.find_latest(Path(args.output) / "checkpoints") if args.resume == "auto" else None
+    found = checkpoint.find_latest(checkpoint.run_checkpoints(args.output)) if args.resume == "auto" else None
     init = hf_import.open_source(Path(args.init_from)) if args.init_from and found is None else None
     if init is not None:
         hf_import.check_vocabulary(init, data)

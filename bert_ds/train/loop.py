@@ -156,7 +156,7 @@ class _Start:
 
 def _start(cfg: TrainConfig, resume: bool, rank: int, world: int, device: torch.device) -> _Start:
     """Find and check the checkpoint to resume, open the data, build the engine, restore."""
-    ckpt_root = Path(cfg.output) / "checkpoints"
+    ckpt_root = checkpoint.run_checkpoints(cfg.output)
     found = checkpoint.find_latest(ckpt_root) if resume else None
     if resume and rank == 0:
         resuming.report_incomplete(ckpt_root)

@@ -189,7 +189,7 @@ def finished_checkpoint(cfg: TrainConfig) -> Path | None:
     """The phase's final checkpoint if it has one (the phase is done), else None."""
     from bert_ds.checkpoint import store as checkpoint
 
-    newest = checkpoint.find_latest(Path(cfg.output) / "checkpoints")
+    newest = checkpoint.find_latest(checkpoint.run_checkpoints(cfg.output))
     if newest is not None and checkpoint.read_train_state(newest).get("step", 0) >= cfg.steps:
         return newest
     return None

@@ -183,6 +183,19 @@ def test_cli_exports(tmp_path, capsys):
     assert "exported" in capsys.readouterr().out
 
 
+def test_cli_exports_the_newest_checkpoint_of_a_run_folder_and_names_it(tmp_path, capsys):
+    run = tmp_path / "run"
+    for step in (1, 2):
+        _write_checkpoint(run / "checkpoints" / f"step_{step:08d}", _config())
+    (run / "checkpoints" / "latest").symlink_to("step_00000002")
+    (run / "metrics.jsonl").write_text("")
+    for given, shown in ((run, f"exported {run} (step_00000002) to "),
+                         (run / "checkpoints" / "latest", f"exported {run / 'checkpoints' / 'latest'} to ")):
+        assert main([str(given), str(tmp_path / "hf")]) == 0
+        assert capsys.readouterr().out.startswith(shown)
+    assert (tmp_path / "hf" / "config.json").is_file()
+
+
 def test_export_refuses_a_damaged_or_unsealed_checkpoint(tmp_path):
     _write_checkpoint(tmp_path / "ckpt", _config())
     weights = tmp_path / "ckpt" / "model.safetensors"
