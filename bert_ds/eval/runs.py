@@ -172,8 +172,12 @@ def check_inputs(args: argparse.Namespace, ours_or_empty: Callable[[Path], None]
     if args.seeds < 1:
         raise ConfigError(f"--seeds must be >= 1, got {args.seeds}")
     if model_exists and not (args.model / "config.json").is_file():
-        raise UserError(f"--model {args.model}: not a Hugging Face model folder (no config.json); export a "
-                        "checkpoint with python -m bert_ds.checkpoint.export")
+        from bert_ds.checkpoint import store
+
+        run = store.run_checkpoints(args.model).is_dir()  # a training run's folder: the command to export it
+        how = (f"its newest checkpoint with python -m bert_ds.checkpoint.export {args.model} {args.model / 'hf'}"
+               if run else "a checkpoint with python -m bert_ds.checkpoint.export")
+        raise UserError(f"--model {args.model}: not a Hugging Face model folder (no config.json); export {how}")
     if model_exists and not any((args.model / name).is_file() for name in TOKENIZER_FILES):
         # transformers would make a tokenizer of the special tokens alone, and fine-tune on [UNK]s
         raise UserError(f"--model {args.model}: no tokenizer ({' or '.join(TOKENIZER_FILES)}); copy in the "

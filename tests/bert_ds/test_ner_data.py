@@ -128,3 +128,18 @@ def test_a_data_path_that_is_a_file_or_missing_is_named_as_such(tmp_path):
         args = argparse.Namespace(seeds=1, model=tmp_path, data=path, output=tmp_path / "out")
         with pytest.raises(UserError, match=f"--data {path}: {what}$"):  # glue's and squad's check
             check_inputs(args, lambda output: None, model_exists=False)
+
+
+def test_a_training_run_given_as_the_model_is_told_the_export_command(tmp_path):
+    import argparse
+
+    from bert_ds.eval.runs import check_inputs
+
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    for model, advice in ((run, f"export its newest checkpoint with python -m bert_ds.checkpoint.export {run} "
+                                f"{run / 'hf'}$"),
+                          (tmp_path, "export a checkpoint with python -m bert_ds.checkpoint.export$")):
+        args = argparse.Namespace(seeds=1, model=model, data=tmp_path, output=tmp_path / "out")
+        with pytest.raises(UserError, match=f"--model {model}: not a Hugging Face model folder .*; {advice}"):
+            check_inputs(args, lambda output: None, model_exists=True)
