@@ -140,9 +140,19 @@ PY
     LOWEST_PYTHON=$venv/bin/python
 }
 
+# A count from the environment (NGPU, NNODES) as a whole number >= 1, else one line and exit 2:
+# bash arithmetic would read a word as a variable name.
+count() {
+    if [[ ! "$2" =~ ^[1-9][0-9]*$ ]]; then
+        echo "run.sh: $1 must be a whole number >= 1, got '$2'" >&2
+        exit 2
+    fi
+    echo "$2"
+}
+
 # Processes per node: all visible GPUs, else one CPU process (gloo).
 nproc_per_node() {
-    if [[ -n "${NGPU:-}" ]]; then echo "$NGPU"; return; fi
+    if [[ -n "${NGPU:-}" ]]; then count NGPU "$NGPU"; return; fi
     python_ -c 'import torch; print(max(torch.cuda.device_count(), 1))'
 }
 
@@ -171,8 +181,14 @@ train_args() {
 }
 
 pretrain() {
+    local n nnodes
+    nnodes=$(count NNODES "${NNODES:-1}")
+    n=$(nproc_per_node)
+    if [[ ! -e "$DATA_DIR/train" && " $* " != *" --data "* && " $* " != *" --data="* ]]; then
+        echo "run.sh: no shards in $DATA_DIR/train: make them with ./run.sh prepare (RUN_DIR=$RUN_DIR), or give --data" >&2
+        exit 2
+    fi
     export_accelerator
-    local n nnodes=${NNODES:-1}; n=$(nproc_per_node)
     train_args "$@"
     if [[ "$nnodes" -gt 1 && -n "${NODE_RANK:-}" ]]; then
         python_ -m torch.distributed.run --nnodes "$nnodes" --node-rank "$NODE_RANK" --nproc-per-node "$n" \

@@ -96,6 +96,22 @@ def test_multinode_without_a_hostfile_is_a_one_line_error(tmp_path, this_python)
 def test_pretrain_on_several_nodes_needs_master_addr(tmp_path, this_python):
     env = {k: v for k, v in cli_env().items() if k != "MASTER_ADDR"}
     env.update(VENV=str(this_python), SETUP="none", NNODES="2", RUN_DIR=str(tmp_path / "run"))
-    proc = subprocess.run([str(REPO / "run.sh"), "pretrain"], cwd=REPO, env=env, capture_output=True, text=True)
+    proc = subprocess.run([str(REPO / "run.sh"), "pretrain", "--data", str(tmp_path / "data")], cwd=REPO, env=env,
+                          capture_output=True, text=True)
     assert proc.returncode != 0 and "MASTER_ADDR must name node 0" in proc.stderr
     assert not (tmp_path / "run").exists()  # stopped before anything started
+
+
+@pytest.mark.parametrize("env, line", [
+    ({"NGPU": "abc"}, "run.sh: NGPU must be a whole number >= 1, got 'abc'"),
+    ({"NGPU": "0"}, "run.sh: NGPU must be a whole number >= 1, got '0'"),
+    ({"NNODES": "two"}, "run.sh: NNODES must be a whole number >= 1, got 'two'"),
+    ({"NGPU": "1"}, "run.sh: no shards in {run}/data/train: make them with ./run.sh prepare (RUN_DIR={run}), or give "
+                    "--data"),
+])
+def test_pretrain_refuses_a_bad_count_or_missing_shards_in_one_line(tmp_path, this_python, env, line):
+    run = tmp_path / "run"
+    env = {**cli_env(), "VENV": str(this_python), "SETUP": "none", "RUN_DIR": str(run), **env}
+    proc = subprocess.run([str(REPO / "run.sh"), "pretrain"], cwd=REPO, env=env, capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [line.format(run=run)], proc.stderr
+    assert not run.exists()
