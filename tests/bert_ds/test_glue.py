@@ -192,8 +192,7 @@ def test_a_tiny_export_learns_a_task_and_a_rerun_keeps_its_results(tiny_export, 
 
 
 @pytest.mark.lowest
-@pytest.mark.parametrize("progress", [True, False])
-def test_the_trainer_keeps_its_bar_and_prints_no_summary_dict(tmp_path, capsys, progress):
+def test_the_trainer_keeps_its_bar_and_prints_no_summary_dict(tmp_path, capsys):
     """transformers' Trainer prints ``{'train_runtime': ...}`` at the end of a run, through its
     progress bar or, without one, its printer callback; ``quiet_trainer`` prints neither."""
     import transformers
@@ -201,14 +200,15 @@ def test_the_trainer_keeps_its_bar_and_prints_no_summary_dict(tmp_path, capsys, 
     config = transformers.BertConfig(vocab_size=16, hidden_size=8, num_hidden_layers=1, num_attention_heads=1,
                                      intermediate_size=8)
     recipe = load_recipe("bert_paper").with_overrides(batch_size=2, epochs=1)
-    args = finetune.training_arguments(recipe, 1, torch.device("cpu"), progress, str(tmp_path))
     data = [{"input_ids": [1, 2, 3], "labels": 0}] * 4
-    for build, summary in ((transformers.Trainer, True), (finetune.quiet_trainer, False)):
-        tuner = build(model=transformers.BertForSequenceClassification(config), args=args, train_dataset=data)
-        tuner.train()
-        printed = capsys.readouterr()
-        assert ("train_runtime" in printed.out + printed.err) is summary, build
-    assert [type(c).__name__ for c in tuner.callback_handler.callbacks].count("ProgressBar") == progress  # the bar
+    for progress in (True, False):
+        args = finetune.training_arguments(recipe, 1, torch.device("cpu"), progress, str(tmp_path))
+        for build, summary in ((transformers.Trainer, True), (finetune.quiet_trainer, False)):
+            tuner = build(model=transformers.BertForSequenceClassification(config), args=args, train_dataset=data)
+            tuner.train()
+            printed = capsys.readouterr()
+            assert ("train_runtime" in printed.out + printed.err) is summary, (build, progress)
+        assert [type(c).__name__ for c in tuner.callback_handler.callbacks].count("ProgressBar") == progress
 
 
 def test_sts_b_regression_and_mnli_two_dev_sets_run_end_to_end(tiny_export, tmp_path):
