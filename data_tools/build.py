@@ -534,6 +534,7 @@ def _plan_key(sources: list[dict], vocab: bytes, normalization: Normalization, o
     }
     return hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()
 
+
 def _journal(key: str, records: list[dict], opts: BuildOptions) -> dict:
     """The resume journal: the plan key, the shards finished so far, and the options known
     before a vocabulary (a trained one's size and case), by which a rerun knows that the
