@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from tests.bert_ds.test_glue import WORDS, tiny_export  # noqa: F401 (a fixture)
 from tests.conftest import REPO, cli_env, end, run_cli, spawn
@@ -105,17 +106,22 @@ def test_ctrl_c_keeps_the_finished_runs_and_says_so_in_one_line(tiny_export, tmp
     learnable_conll(data, sizes=(64, 16, 0))
     child = spawn([sys.executable, "-m", "bert_ds.eval", "ner", "--model", str(tiny_export), "--data", str(data),
                    "--output", str(out), "--no-progress", "--max-seq-length", "32", "--epochs", "40", "--seeds", "10"],
-                  env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+                  env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                  # a terminal's foreground command meets Ctrl-C with SIGINT at its default, whatever
+                  # the test process's own disposition is
+                  preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 300
         while not (out / "ner" / "seed1.json").is_file() and child.poll() is None and time.monotonic() < deadline:
             time.sleep(0.2)
         assert (out / "ner" / "seed1.json").is_file(), "the first seed did not finish"
+        # the child's signal masks (ignored, caught) when Ctrl-C comes: evidence should it be lost
+        masks = [line for line in Path(f"/proc/{child.pid}/status").read_text().splitlines() if line.startswith("Sig")]
         os.killpg(child.pid, signal.SIGINT)
         stdout, stderr = child.communicate(timeout=120)
     finally:
         end(child)
-    assert child.returncode == 130, stdout[-2000:] + stderr[-2000:]
+    assert child.returncode == 130, (masks, stdout[-2000:] + stderr[-2000:])
     assert "Traceback" not in stderr
     kept = sorted(int(p.stem[len("seed"):]) for p in (out / "ner").glob("seed*.json"))
     assert kept == list(range(1, len(kept) + 1)) and len(kept) < 10, kept
