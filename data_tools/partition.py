@@ -175,7 +175,7 @@ def dataset_folders(path: str | os.PathLike) -> list[Path]:
         raise ShardError(f"{path}: not found")
     by_count = part_folders(path)
     if not by_count:
-        below = sorted(p for p in path.glob(f"*/{MANIFEST_NAME}")) if path.is_dir() else []
+        below = sorted(path.glob(f"*/{MANIFEST_NAME}")) if path.is_dir() else []
         hint = f"; dataset folders in it: {', '.join(str(p.parent) for p in below[:4])}" if below else ""
         raise ShardError(f"{path}: not a dataset folder nor a parent of partitions{hint}")
     if len(by_count) > 1:

@@ -99,8 +99,6 @@ def open_source(path: Path) -> InitSource:
         return InitSource(path, checkpoint.weights_file(path), None, None, None)
     if (path / HF_CONFIG).is_file():
         return _hf_folder(path)
-    if checkpoint.run_checkpoints(path).is_dir():
-        path = checkpoint.run_checkpoints(path)  # a run folder
     if not _is_checkpoint(path):
         raise InitFromError(f"--init-from {path}: neither a Hugging Face BERT folder (no {HF_CONFIG}) nor a "
                             "bert_ds checkpoint or run folder")
@@ -114,9 +112,9 @@ def open_source(path: Path) -> InitSource:
 
 
 def _is_checkpoint(path: Path) -> bool:
-    """A checkpoint folder, its ``latest`` link, or a folder of them (complete or not: resolving
-    names a partial one)."""
-    return ((path / checkpoint.MARKER).is_file() or path.name == checkpoint.LATEST or path.name.startswith("step_")
+    """A checkpoint folder, its ``latest`` link, a folder of them or a run folder (complete or not:
+    ``store.resolve`` finds the newest, or names a partial one)."""
+    return (checkpoint.run_checkpoints(path).is_dir() or (path / checkpoint.MARKER).is_file() or path.name == checkpoint.LATEST or path.name.startswith("step_")
             or any(path.glob("step_*")))
 
 
