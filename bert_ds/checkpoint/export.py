@@ -203,12 +203,9 @@ def _with_tied_aliases(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torc
 
 def _check_keys(state_dict: Mapping[str, torch.Tensor], config: ModelConfig) -> None:
     """The names and shapes must be those of our model for ``config``."""
-    import torch
+    from bert_ds.model.bert import meta_model
 
-    from bert_ds.model.bert import BertForPreTraining
-
-    with torch.device("meta"):  # shapes only, no memory or init time
-        expected = BertForPreTraining(dataclasses.replace(config, kernels="torch")).state_dict()
+    expected = meta_model(dataclasses.replace(config, kernels="torch")).state_dict()
     missing = sorted(set(expected) - set(state_dict))
     unexpected = sorted(set(state_dict) - set(expected))
     if missing or unexpected:

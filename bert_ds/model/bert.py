@@ -58,6 +58,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
 from bert_ds.kernels.ops import (
@@ -504,3 +505,29 @@ def _count(n: int, device: torch.device) -> torch.Tensor:
     """() int64 on ``device``, filled there: ``torch.tensor(n, device=...)`` would copy it from
     host memory and then wait for everything queued on the device to finish."""
     return torch.full((), n, dtype=torch.int64, device=device)
+
+
+# The in-place fills a model's initialisation runs, which a meta tensor has no values for:
+# torch.nn.init's (modules' reset_parameters) and the tensor methods (_init_weights).
+_FILLS = frozenset({
+    nn.init.normal_, nn.init.trunc_normal_, nn.init.uniform_, nn.init.constant_, nn.init.ones_, nn.init.zeros_,
+    nn.init.kaiming_uniform_, nn.init.kaiming_normal_, nn.init.xavier_uniform_, nn.init.xavier_normal_,
+    torch.Tensor.normal_, torch.Tensor.uniform_, torch.Tensor.fill_, torch.Tensor.zero_})
+
+
+class _SkipMetaFills(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _FILLS:
+            tensor = args[0] if args else kwargs["tensor"]  # torch.nn.init passes it by name
+            if tensor.is_meta:
+                return tensor
+        return func(*args, **kwargs)
+
+
+def meta_model(config: ModelConfig) -> BertForPreTraining:
+    """BertForPreTraining at ``config`` on the meta device, for its names and shapes: nothing
+    allocated, no initialisation run. (``normal_`` on a meta tensor imports torch._dynamo
+    the first time, about 2 s of a process that only exports or counts parameters.)"""
+    with torch.device("meta"), _SkipMetaFills():
+        return BertForPreTraining(config)

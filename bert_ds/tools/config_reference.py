@@ -164,13 +164,9 @@ def dataclass_section(cls: type, section: str) -> list[str]:
 
 def preset_parameters(name: str, vocab_size: int = PRESET_VOCAB) -> int:
     """Parameters of BertForPreTraining at a preset, counted on the meta device (nothing allocated)."""
-    import torch
+    from bert_ds.model.bert import meta_model, model_preset
 
-    from bert_ds.model.bert import BertForPreTraining, model_preset
-
-    with torch.device("meta"):
-        model = BertForPreTraining(model_preset(name, vocab_size))
-    return sum(p.numel() for p in model.parameters())
+    return sum(p.numel() for p in meta_model(model_preset(name, vocab_size)).parameters())
 
 
 def presets_section() -> list[str]:

@@ -2,6 +2,8 @@
 training path free of host syncs."""
 
 import dataclasses
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -16,9 +18,10 @@ from bert_ds.checkpoint.export import to_hf_config
 from bert_ds.kernels.ops import OpPlan
 from bert_ds.kernels.layer_norm import layer_norm_native
 from bert_ds.model.bert import (
-    PRESETS, BertForPreTraining, BertSublayerOutput, ModelConfig, model_preset, pretraining_inputs,
+    PRESETS, BertForPreTraining, BertSublayerOutput, ModelConfig, meta_model, model_preset, pretraining_inputs,
 )
 from bert_ds.model.padding import unpad
+from tests.conftest import REPO
 
 pytestmark = pytest.mark.lowest  # all of it also runs under the lowest supported torch (run.sh test-lowest)
 
@@ -543,6 +546,21 @@ def test_presets_build_with_transformers_parameter_count(name):
         ours = BertForPreTraining(config)
         theirs = transformers.BertForPreTraining(to_hf_config(config))
     assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in theirs.parameters())
+
+
+def test_a_meta_model_has_the_models_names_and_shapes_and_runs_no_initialisation():
+    config = model_preset("tiny", vocab_size=300, kernels="torch")
+    real = BertForPreTraining(config).state_dict()
+    meta = meta_model(config)
+    assert {k: v.shape for k, v in meta.state_dict().items()} == {k: v.shape for k, v in real.items()}
+    assert all(p.is_meta for p in meta.parameters())
+    assert meta.cls.predictions.decoder.weight is meta.bert.embeddings.word_embeddings.weight  # still tied
+    # No fill reached torch: normal_ on a meta tensor imports torch._dynamo (seconds), which
+    # export and the docs' parameter counts would pay for nothing. A fresh process shows it.
+    code = ("import sys; from bert_ds.model.bert import meta_model, model_preset; "
+            "meta_model(model_preset('base', 30522)); print('torch._dynamo' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 0 and proc.stdout.split() == ["False"], proc.stderr[-2000:]
 
 
 def test_preset_overrides_and_unknown_name():
