@@ -150,16 +150,27 @@ count() {
     echo "$2"
 }
 
+# The CUDA devices the environment's torch sees (0 on a CPU-only machine or torch build),
+# asked once per environment: importing torch takes seconds.
+probe_cuda() {
+    if [[ ${CUDA_PROBED_VENV:-} != "$VENV" ]]; then
+        CUDA_DEVICES=$(python_ -c 'import torch; print(torch.cuda.device_count())')
+        CUDA_PROBED_VENV=$VENV
+    fi
+}
+
 # Processes per node: all visible GPUs, else one CPU process (gloo).
 nproc_per_node() {
     if [[ -n "${NGPU:-}" ]]; then count NGPU "$NGPU"; return; fi
-    python_ -c 'import torch; print(max(torch.cuda.device_count(), 1))'
+    probe_cuda
+    echo $(( CUDA_DEVICES > 1 ? CUDA_DEVICES : 1 ))
 }
 
 # DeepSpeed has no CPU kernels of its own to build; tell it which accelerator to use
 # so it does not probe for CUDA on CPU-only machines.
 export_accelerator() {
-    if ! python_ -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then
+    probe_cuda
+    if (( CUDA_DEVICES == 0 )); then
         export DS_ACCELERATOR=cpu
     fi
 }
@@ -183,12 +194,13 @@ train_args() {
 pretrain() {
     local n nnodes
     nnodes=$(count NNODES "${NNODES:-1}")
-    n=$(nproc_per_node)
+    [[ -z "${NGPU:-}" ]] || count NGPU "$NGPU" > /dev/null  # a bad count is named before missing shards
     if [[ ! -e "$DATA_DIR/train" && " $* " != *" --data "* && " $* " != *" --data="* ]]; then
         echo "run.sh: no shards in $DATA_DIR/train: make them with ./run.sh prepare (RUN_DIR=$RUN_DIR), or give --data" >&2
         exit 2
     fi
-    export_accelerator
+    export_accelerator  # first: nproc_per_node, in a subshell, then reuses its probe
+    n=$(nproc_per_node)
     train_args "$@"
     if [[ "$nnodes" -gt 1 && -n "${NODE_RANK:-}" ]]; then
         python_ -m torch.distributed.run --nnodes "$nnodes" --node-rank "$NODE_RANK" --nproc-per-node "$n" \
