@@ -38,10 +38,15 @@ done
 "$python" -m pip download --quiet --no-deps --only-binary=:all: --python-version "$target_python" \
     --implementation cp "${platforms[@]}" -d "$kit" "${WHEELS[@]}"
 if ! compgen -G "$kit/deepspeed-*.whl" >/dev/null; then
-    build=$(mktemp -d)
-    trap 'rm -rf "$build"' EXIT
-    "$python" -m pip download --quiet --no-deps --no-binary=:all: -d "$build" "$DEEPSPEED"
-    DS_BUILD_OPS=0 "$python" -m pip wheel --quiet --no-deps -w "$kit" "$build"/deepspeed-*.tar.gz
+    # Named from the index, not as a downloaded file: pip then reuses the wheel it built when it
+    # installed this DeepSpeed here (./run.sh setup), a 30 s build otherwise. Built without ops,
+    # that wheel is pure Python (py3-none-any); one with compiled ops would be tagged for this
+    # machine's Python and useless on the GPU's, so it is built again without the cache.
+    DS_BUILD_OPS=0 "$python" -m pip wheel --quiet --no-deps -w "$kit" "$DEEPSPEED"
+    if ! compgen -G "$kit/deepspeed-*-py3-none-any.whl" >/dev/null; then
+        rm -f "$kit"/deepspeed-*.whl
+        DS_BUILD_OPS=0 "$python" -m pip wheel --quiet --no-deps --no-cache-dir -w "$kit" "$DEEPSPEED"
+    fi
 fi
 
 # What travels: tracked and untracked-not-ignored files, plus the kit.
