@@ -194,13 +194,12 @@ train_args() {
 pretrain() {
     local n nnodes
     nnodes=$(count NNODES "${NNODES:-1}")
-    [[ -z "${NGPU:-}" ]] || count NGPU "$NGPU" > /dev/null  # a bad count is named before missing shards
+    export_accelerator  # here, not in nproc_per_node's subshell, so that both use one probe
+    n=$(nproc_per_node)
     if [[ ! -e "$DATA_DIR/train" && " $* " != *" --data "* && " $* " != *" --data="* ]]; then
         echo "run.sh: no shards in $DATA_DIR/train: make them with ./run.sh prepare (RUN_DIR=$RUN_DIR), or give --data" >&2
         exit 2
     fi
-    export_accelerator  # first: nproc_per_node, in a subshell, then reuses its probe
-    n=$(nproc_per_node)
     train_args "$@"
     if [[ "$nnodes" -gt 1 && -n "${NODE_RANK:-}" ]]; then
         python_ -m torch.distributed.run --nnodes "$nnodes" --node-rank "$NODE_RANK" --nproc-per-node "$n" \
