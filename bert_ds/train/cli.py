@@ -50,10 +50,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from bert_ds.base.errors import EXIT_OK, ConfigError, guarded
+from bert_ds.base.errors import EXIT_INTERRUPTED, EXIT_OK, ConfigError, guarded
 from bert_ds.config import (
     BF16_CPU_FLAGS, CPU_FP32_DS_CONFIG, DataConfig, OptimConfig, TrainConfig, check_writable, deepspeed_config,
     machine_ds_config,
@@ -214,6 +215,17 @@ def config_from_args(args: argparse.Namespace, vocab_size: int, saved_model: dic
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    try:
+        return _checked_then_trained(args)
+    except KeyboardInterrupt:
+        # Ctrl-C while the inputs are read, torch is imported or the run is checked: the stop
+        # handlers come with the run's folder lock (train.session), and nothing is written yet.
+        rank = os.environ.get("RANK", "0")
+        sys.stderr.write(f"[bert_ds] rank {rank}: received SIGINT before the first step; nothing to save, exiting\n")
+        return EXIT_INTERRUPTED
+
+
+def _checked_then_trained(args: argparse.Namespace) -> int:
     data, vocab_size = Path(), 0
 
     def read_data() -> None:  # a wrong --output or --data is said before torch is imported: at once

@@ -140,6 +140,21 @@ def test_r13_a_second_ctrl_c_exits_at_once(sample_data, tmp_path, nproc, group_c
     assert text.count("a second stop signal") == nproc and not _rank_tracebacks(text), text[-3000:]
 
 
+def test_r13_ctrl_c_while_the_trainer_starts_is_one_line(sample_data, tmp_path, group_cleanup):
+    """Ctrl-C a second after the command, while torch is imported and the run is checked (before
+    the stop handlers, which come with the folder lock): one line and 130, no traceback."""
+    log = tmp_path / "log.txt"
+    proc = _start_group(_args(sample_data, tmp_path / "run", *EXTRA), 1, log)
+    group_cleanup(proc)
+    time.sleep(1.0)
+    _ctrl_c(proc)
+    assert proc.wait(timeout=60) == 128 + signal.SIGINT
+    text = log.read_text()
+    assert "Traceback" not in text, text
+    assert text.strip().splitlines()[-1] == ("[bert_ds] rank 0: received SIGINT before the first step; "
+                                             "nothing to save, exiting"), text
+
+
 def test_r13_sigint_twice_within_the_window_is_one_request(tmp_path):
     """The same key press reaching a rank twice (from the terminal and from a launcher) is one stop request;
     a SIGINT after the window ends the process at once."""
