@@ -4,4 +4,5 @@
   process exit statuses of every entry point.
 - :mod:`.atomic`: crash-safe file writes (temporary name, fsync, rename).
 - :mod:`.locking`: one writer per output folder (``flock``, released by the OS on any exit).
+- :mod:`.interrupts`: Ctrl-C held back while the start-up's modules initialise.
 """

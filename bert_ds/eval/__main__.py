@@ -4,6 +4,7 @@ import argparse
 import sys
 
 from bert_ds.base.errors import guarded
+from bert_ds.base.interrupts import deferred_interrupt
 from bert_ds.eval import glue, ner, squad
 
 COMMANDS = {"glue": (glue, "fine-tune on the GLUE tasks and report their dev scores"),
@@ -19,10 +20,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     def body() -> int | None:
-        from bert_ds import zero
-
-        zero.name_cpu_accelerator()  # before transformers' Trainer imports DeepSpeed
         try:
+            with deferred_interrupt():  # a Ctrl-C waits for torch's initialisation (bert_ds.base.interrupts)
+                from bert_ds import zero
+
+            zero.name_cpu_accelerator()  # before transformers' Trainer imports DeepSpeed
             COMMANDS[args.command][0].run(args)
         except KeyboardInterrupt:  # finished runs are on disk already: say how to go on
             done = len(list(args.output.glob("*/seed*.json")))

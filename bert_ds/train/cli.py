@@ -20,7 +20,8 @@ Faults (the R-numbers of the README's reliability promises) and what the run doe
   saved, without training another (``bert_ds.train.signals``). A second Ctrl-C ends the process
   at once (exit 130; the newest committed checkpoint stays). Each rank writes its pid to
   ``OUTPUT/pids/rank_N.pid`` while it runs. Before the first step there is nothing to
-  save: the process exits at once with 128 + the signal number.
+  save: the process exits with 128 + the signal number, at once, or, for a Ctrl-C during the
+  start-up's imports, as they finish (``bert_ds.base.interrupts``).
 - A second run into the same OUTPUT while one runs: refused in one line naming the holder
   (exit 2); the lock goes with the process that held it, however it ended (R17).
 - DeepSpeed's extension build lock left by a killed start is removed with a note; one a
@@ -55,6 +56,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bert_ds.base.errors import EXIT_INTERRUPTED, EXIT_OK, ConfigError, guarded
+from bert_ds.base.interrupts import deferred_interrupt
 from bert_ds.config import (
     BF16_CPU_FLAGS, CPU_FP32_DS_CONFIG, DataConfig, OptimConfig, TrainConfig, check_writable, deepspeed_config,
     machine_ds_config,
@@ -232,10 +234,11 @@ def _checked_then_trained(args: argparse.Namespace) -> int:
         nonlocal data, vocab_size
         data, vocab_size = _data_and_vocabulary(args)
 
-    status = guarded(read_data)
-    if status != EXIT_OK:
-        return status
-    from bert_ds.train.session import entry  # torch and the run's modules: once the command line is read
+    with deferred_interrupt():  # a Ctrl-C waits for the modules' initialisation (bert_ds.base.interrupts)
+        status = guarded(read_data)
+        if status != EXIT_OK:
+            return status
+        from bert_ds.train.session import entry  # torch and the run's modules: once the command line is read
 
     return entry(lambda: _train(args, data, vocab_size))
 
@@ -252,11 +255,12 @@ def _data_and_vocabulary(args: argparse.Namespace) -> tuple[Path, int]:
 
 
 def _train(args: argparse.Namespace, data: Path, vocab_size: int) -> None:
-    from bert_ds.train.loop import run
-    from bert_ds.train.session import locked_session
-    from bert_ds.train.summary import print_summary
+    with deferred_interrupt():  # until the session's stop handlers: its modules', DeepSpeed's import (prepare's)
+        from bert_ds.train.loop import run
+        from bert_ds.train.session import locked_session
+        from bert_ds.train.summary import print_summary
 
-    prepared = prepare(args, data, vocab_size)
+        prepared = prepare(args, data, vocab_size)
     if prepared is None:
         return
     cfg, options = prepared

@@ -155,6 +155,42 @@ def test_r13_ctrl_c_while_the_trainer_starts_is_one_line(sample_data, tmp_path, 
                                              "nothing to save, exiting"), text
 
 
+def _python(script: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=cli_env(), cwd=REPO,
+                          timeout=60)
+
+
+def test_a_ctrl_c_inside_deferred_interrupt_comes_after_the_block():
+    """The block runs to its end; the signal reaches Python's handler (KeyboardInterrupt) right
+    after it, and that handler is back in place."""
+    script = ("import os, signal, time\n"
+              "from bert_ds.base.interrupts import deferred_interrupt\n"
+              "reached = []\n"
+              "try:\n"
+              "    with deferred_interrupt():\n"
+              "        os.kill(os.getpid(), signal.SIGINT); time.sleep(0.2)\n"
+              "        reached.append('end of block')\n"
+              "    reached.append('after the block')\n"
+              "except KeyboardInterrupt:\n"
+              "    print(reached, signal.getsignal(signal.SIGINT) is signal.default_int_handler)\n")
+    proc = _python(script)
+    assert proc.stdout.strip() == "['end of block'] True", proc.stdout + proc.stderr
+
+
+def test_a_ctrl_c_during_an_exec_inside_deferred_interrupt_exits_with_the_status_returned():
+    """Python 3.11 kills itself with SIGINT at exit (status -2) after a KeyboardInterrupt left an
+    ``exec`` of source text, as every ``@dataclass`` runs one, even when it was caught; deferred,
+    the interrupt is raised outside the exec, and a program that caught it ends with status 0."""
+    script = ("from bert_ds.base.interrupts import deferred_interrupt\n"
+              "try:\n"
+              "    with deferred_interrupt():\n"
+              "        exec('import os, signal, time; os.kill(os.getpid(), signal.SIGINT); time.sleep(0.2)')\n"
+              "except KeyboardInterrupt:\n"
+              "    print('caught')\n")  # and the program ends normally: status 0
+    proc = _python(script)
+    assert (proc.returncode, proc.stdout.strip()) == (0, "caught"), proc.stdout + proc.stderr
+
+
 def test_r13_sigint_twice_within_the_window_is_one_request(tmp_path):
     """The same key press reaching a rank twice (from the terminal and from a launcher) is one stop request;
     a SIGINT after the window ends the process at once."""
