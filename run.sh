@@ -13,7 +13,8 @@
 #   ./run.sh setup           only create the environment (and build DeepSpeed's JIT ops into it)
 #   ./run.sh setup-lowest    only create test-lowest's environment
 #   ./run.sh prepare         sample corpus -> $DATA_DIR/{train,heldout} shards
-#   ./run.sh pretrain [ARGS] python -m bert_ds.train on $DATA_DIR; ARGS override the defaults.
+#   ./run.sh pretrain [ARGS] python -m bert_ds.train on $DATA_DIR; ARGS override the defaults
+#                            (a --data in ARGS replaces $DATA_DIR's train and heldout folders).
 #                            One node: NGPU processes via torchrun --standalone (one plain process
 #                            when NGPU is 1). Several nodes: run the same command on every node with
 #                            NNODES and MASTER_ADDR set; torchrun's c10d rendezvous at
@@ -196,18 +197,24 @@ prepare() {
 
 # On a CPU without bf16 instructions python -m bert_ds.train picks fp32 itself (zero1_fp32.json;
 # a --ds-config in ARGS wins), and says so.
+# ARGS that name the training data (the user's shards) take no validation set of the sample's:
+# theirs is --val-data, if any.
 train_args() {
-    TRAIN_ARGS=(--data "$DATA_DIR/train" --val-data "$DATA_DIR/heldout" --output "$RUN_DIR/train"
+    local data=(--data "$DATA_DIR/train" --val-data "$DATA_DIR/heldout")
+    gives_data "$@" && data=()
+    TRAIN_ARGS=(${data[@]+"${data[@]}"} --output "$RUN_DIR/train"
         --preset "$PRESET" --steps "$STEPS" --lr "${LR:-1e-2}" --warmup-steps "${WARMUP:-100}" --dropout "${DROPOUT:-0}"
         "$@")
 }
+
+gives_data() { [[ " $* " == *" --data "* || " $* " == *" --data="* ]]; }
 
 pretrain() {
     local n nnodes
     nnodes=$(count NNODES "${NNODES:-1}")
     export_accelerator  # here, not in nproc_per_node's subshell, so that both use one probe
     n=$(nproc_per_node)
-    if [[ ! -e "$DATA_DIR/train" && " $* " != *" --data "* && " $* " != *" --data="* ]]; then
+    if [[ ! -e "$DATA_DIR/train" ]] && ! gives_data "$@"; then
         echo "run.sh: no shards in $DATA_DIR/train: make them with ./run.sh prepare (RUN_DIR=$RUN_DIR), or give --data" >&2
         exit 2
     fi

@@ -115,3 +115,28 @@ def test_pretrain_refuses_a_bad_count_or_missing_shards_in_one_line(tmp_path, th
     proc = subprocess.run([str(REPO / "run.sh"), "pretrain"], cwd=REPO, env=env, capture_output=True, text=True)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [line.format(run=run)], proc.stderr
     assert not run.exists()
+
+
+@pytest.mark.parametrize("given, sample", [
+    (["--data", "mine"], False),
+    (["--data=mine", "--val-data", "my-heldout"], False),
+    ([], True),
+], ids=["data", "data-and-val-data", "the-sample"])
+def test_pretrain_adds_the_samples_folders_only_without_the_users_data(tmp_path, given, sample):
+    """``./run.sh pretrain --data D`` trains on D with no held-out set of the sample corpus's (one of
+    another tokenizer, or never made); without --data, on the sample's shards and held-out set."""
+    run = tmp_path / "run"
+    (run / "data" / "train").mkdir(parents=True)
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    python = venv / "bin" / "python"  # answers the CUDA probe (-c) and prints the trainer's arguments
+    python.write_text(f'#!/bin/sh\nif [ "$1" = -c ]; then exec "{sys.executable}" "$@"; fi\necho "$@"\n')
+    python.chmod(0o755)
+    env = {**cli_env(), "VENV": str(venv), "SETUP": "none", "NGPU": "1", "RUN_DIR": str(run)}
+    proc = subprocess.run([str(REPO / "run.sh"), "pretrain", *given], cwd=REPO, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    argv = proc.stdout.split()
+    assert argv[:2] == ["-m", "bert_ds.train"], argv
+    assert argv[len(argv) - len(given):] == given, argv  # the user's arguments last, as given
+    samples = [a for a in argv if a.startswith(str(run / "data"))]
+    assert samples == ([str(run / "data" / "train"), str(run / "data" / "heldout")] if sample else []), argv
