@@ -101,8 +101,13 @@ PRESETS: dict[str, dict[str, int]] = {
 }
 
 
-def model_preset(name: str, vocab_size: int, **overrides: Any) -> ModelConfig:
-    """The named preset's sizes with ``vocab_size`` and any other field overridden."""
+def check_preset(name: str) -> None:
+    """A ConfigError unless ``name`` is one of :data:`PRESETS`."""
     if name not in PRESETS:
         raise ConfigError(f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}")
+
+
+def model_preset(name: str, vocab_size: int, **overrides: Any) -> ModelConfig:
+    """The named preset's sizes with ``vocab_size`` and any other field overridden."""
+    check_preset(name)
     return ModelConfig.from_dict({**PRESETS[name], "vocab_size": vocab_size, **overrides})

@@ -61,8 +61,9 @@ from bert_ds.config import (
     BF16_CPU_FLAGS, CPU_FP32_DS_CONFIG, DataConfig, OptimConfig, TrainConfig, check_writable, deepspeed_config,
     machine_ds_config,
 )
-from bert_ds.model.config import PRESETS, ModelConfig, model_preset
+from bert_ds.model.config import PRESETS, ModelConfig, check_preset, model_preset
 from bert_ds.train.faults import Faults
+from bert_ds.train.step_range import StepRange
 
 if TYPE_CHECKING:
     from bert_ds.checkpoint.hf_import import InitSource
@@ -232,6 +233,7 @@ def _checked_then_trained(args: argparse.Namespace) -> int:
 
     def read_data() -> None:  # a wrong --output or --data is said before torch is imported: at once
         nonlocal data, vocab_size
+        _check_flags(args)
         data, vocab_size = _data_and_vocabulary(args)
 
     with deferred_interrupt():  # a Ctrl-C waits for the modules' initialisation (bert_ds.base.interrupts)
@@ -252,6 +254,16 @@ def _data_and_vocabulary(args: argparse.Namespace) -> tuple[Path, int]:
     check_writable(args.output, "--output", folder=True)
     data = dataset_folders(args.data[0])[0]
     return data, Manifest.load(data).vocab_size
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    """The flags whose check needs neither torch nor the data: a typo is said at once."""
+    if args.preset is not None:
+        check_preset(args.preset)
+    if args.profile_steps is not None:
+        profile = StepRange.parse(args.profile_steps)
+        if profile.first > args.steps:
+            raise ConfigError(f"--profile-steps {profile} starts after the run's last step (--steps {args.steps})")
 
 
 def _train(args: argparse.Namespace, data: Path, vocab_size: int) -> None:
@@ -284,7 +296,6 @@ def prepare(args: argparse.Namespace, data: Path, vocab_size: int) -> tuple[Trai
     from bert_ds.kernels.choice import check_setting
     from bert_ds.loader.pretraining import check_tokenizers
     from bert_ds.train.loop import RunOptions, batch_plan
-    from bert_ds.train.profiling import StepRange
 
     found = checkpoint.find_latest(checkpoint.run_checkpoints(args.output)) if args.resume == "auto" else None
     init = hf_import.open_source(Path(args.init_from)) if args.init_from and found is None else None
@@ -295,9 +306,7 @@ def prepare(args: argparse.Namespace, data: Path, vocab_size: int) -> tuple[Trai
     cfg = config_from_args(args, vocab_size, resuming.saved_model(found) if found else None, init, ds_config)
     check_setting(cfg.model.kernels)  # kernels=cuda on a machine without CUDA: before the folder is made
     check_tokenizers(cfg.data)  # --data/--val-data folders of different tokenizers, likewise
-    profile = StepRange.parse(args.profile_steps) if args.profile_steps is not None else None
-    if profile is not None and profile.first > cfg.steps:
-        raise ConfigError(f"--profile-steps {profile} starts after the run's last step (--steps {cfg.steps})")
+    profile = StepRange.parse(args.profile_steps) if args.profile_steps is not None else None  # checked: _check_flags
     options = RunOptions(args.log_samples, Faults.from_args(args), profile)
     if options.log_samples:
         check_writable(options.log_samples, "--log-samples", folder=False)

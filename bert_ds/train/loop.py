@@ -25,7 +25,8 @@ from bert_ds.optim.builders import bind_to_engine, build_optimizer, build_schedu
 from bert_ds.train.checkpointer import Checkpointer
 from bert_ds.train.faults import NO_FAULTS, Faults
 from bert_ds.train.metrics import MetricsLogger
-from bert_ds.train.profiling import StepProfiler, StepRange
+from bert_ds.train.profiling import StepProfiler
+from bert_ds.train.step_range import StepRange
 from bert_ds.train.sample_log import SampleLog
 from bert_ds.train.session import peer_failures, pid_file
 from bert_ds.train.signals import StopRequest

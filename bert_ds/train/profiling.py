@@ -22,7 +22,6 @@ import bisect
 import json
 import re
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +30,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from bert_ds.base.atomic import atomic_write
-from bert_ds.base.errors import ConfigError
+from bert_ds.train.step_range import StepRange
 from bert_ds.train.sync_debug import SyncRecorder
 
 # Host calls that block until the device has finished earlier work.
@@ -249,29 +248,6 @@ def summary_lines(s: dict[str, Any], top: int = TOP) -> list[str]:
         lines += ["| host op | ms/step |", "|---|---:|"]
         lines += [f"| `{k['name'][:90]}` | {k['ms_per_step']:.3f} |" for k in s["top_host_ops"][:top]]
     return lines
-
-
-@dataclass(frozen=True)
-class StepRange:
-    """``--profile-steps``: the first and last step profiled, both included."""
-
-    first: int
-    last: int
-
-    @classmethod
-    def parse(cls, text: str) -> StepRange:
-        """``"11-13"`` or ``"12"``; a ConfigError naming the flag otherwise."""
-        match = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", text)
-        if match is None:
-            raise ConfigError(f"--profile-steps must be STEP or FIRST-LAST (e.g. 11-13), got {text!r}")
-        first = int(match.group(1))
-        last = int(match.group(2) or first)
-        if not 1 <= first <= last:
-            raise ConfigError(f"--profile-steps {text}: steps count from 1 and FIRST must not exceed LAST")
-        return cls(first, last)
-
-    def __str__(self) -> str:
-        return f"{self.first}-{self.last}"
 
 
 class StepProfiler:

@@ -273,6 +273,25 @@ def test_r18_an_output_folder_that_cannot_be_written_is_refused(tmp_path, monkey
         check_writable(tmp_path / "file", "--output", folder=True)
 
 
+@pytest.mark.parametrize("flags, line", [
+    (["--preset", "huge"], "error: unknown model preset 'huge'; choose one of "),
+    (["--profile-steps", "3-x"], "error: --profile-steps must be STEP or FIRST-LAST (e.g. 11-13), got '3-x'"),
+    (["--profile-steps", "2-1"], "error: --profile-steps 2-1: steps count from 1 and FIRST must not exceed LAST"),
+    (["--profile-steps", "2-3"], "error: --profile-steps 2-3 starts after the run's last step (--steps 1)"),
+])
+def test_a_wrong_preset_or_profile_range_is_one_line_before_torch_is_imported(tmp_path, flags, line):
+    """Flags whose check needs neither torch nor the data are refused at once, in one line."""
+    script = ("import sys\nfrom bert_ds.train.cli import main\n"
+              f"status = main(['--data', {str(tmp_path / 'data')!r}, '--output', {str(tmp_path / 'run')!r}, "
+              f"'--steps', '1', *{flags!r}])\n"
+              "print(status, 'torch' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, env=cli_env(),
+                          timeout=120)
+    assert proc.stdout.split() == ["2", "False"], proc.stdout + proc.stderr[-2000:]
+    assert len(proc.stderr.splitlines()) == 1 and proc.stderr.startswith(line), proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("flag", ["--data", "--output"])
 def test_a_wrong_data_or_output_is_refused_before_torch_is_imported(tmp_path, flag):
     """The commonest slip, a mistyped path, is said at once: before the seconds torch takes to import."""
