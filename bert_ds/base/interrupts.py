@@ -7,7 +7,7 @@ that is inside some module's initialisation, where the exception does harm that 
 - a library's bare ``except:`` around an optional import swallows it, and the process goes on
   as if no key was pressed; a metaclass turns it into a ``RuntimeError`` (pydantic's
   ``__set_name__``, in DeepSpeed's config classes). Of 50 Ctrl-Cs during
-  ``import torch, deepspeed`` (2-core machine, 2026-11-28), 4 were swallowed and 1 became that
+  ``import torch, deepspeed`` (2-core machine, 2026-11-28), 2 were swallowed and 1 became that
   ``RuntimeError``.
 - a ``KeyboardInterrupt`` that leaves an ``exec`` of source text (every ``@dataclass`` makes
   its ``__init__`` so) marks itself unhandled in CPython 3.11 even once it is caught, and the

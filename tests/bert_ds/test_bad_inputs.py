@@ -273,6 +273,16 @@ def test_r18_an_output_folder_that_cannot_be_written_is_refused(tmp_path, monkey
         check_writable(tmp_path / "file", "--output", folder=True)
 
 
+def _train_main_alone(argv: list[str]) -> subprocess.CompletedProcess:
+    """The train CLI's ``main(argv)`` in a fresh process, which prints its exit status and whether
+    torch was imported."""
+    script = ("import sys\nfrom bert_ds.train.cli import main\n"
+              f"status = main({argv!r})\n"
+              "print(status, 'torch' in sys.modules)")
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, env=cli_env(),
+                          timeout=120)
+
+
 @pytest.mark.parametrize("flags, line", [
     (["--preset", "huge"], "error: unknown model preset 'huge'; choose one of "),
     (["--profile-steps", "3-x"], "error: --profile-steps must be STEP or FIRST-LAST (e.g. 11-13), got '3-x'"),
@@ -281,12 +291,8 @@ def test_r18_an_output_folder_that_cannot_be_written_is_refused(tmp_path, monkey
 ])
 def test_a_wrong_preset_or_profile_range_is_one_line_before_torch_is_imported(tmp_path, flags, line):
     """Flags whose check needs neither torch nor the data are refused at once, in one line."""
-    script = ("import sys\nfrom bert_ds.train.cli import main\n"
-              f"status = main(['--data', {str(tmp_path / 'data')!r}, '--output', {str(tmp_path / 'run')!r}, "
-              f"'--steps', '1', *{flags!r}])\n"
-              "print(status, 'torch' in sys.modules)")
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, env=cli_env(),
-                          timeout=120)
+    proc = _train_main_alone(["--data", str(tmp_path / "data"), "--output", str(tmp_path / "run"), "--steps", "1",
+                              *flags])
     assert proc.stdout.split() == ["2", "False"], proc.stdout + proc.stderr[-2000:]
     assert len(proc.stderr.splitlines()) == 1 and proc.stderr.startswith(line), proc.stderr
     assert not (tmp_path / "run").exists()
@@ -298,11 +304,7 @@ def test_a_wrong_data_or_output_is_refused_before_torch_is_imported(tmp_path, fl
     (tmp_path / "file").write_text("x")
     paths = {"--data": str(tmp_path / "missing"), "--output": str(tmp_path / "run")}
     paths[flag] = str(tmp_path / "missing") if flag == "--data" else str(tmp_path / "file")
-    script = ("import sys\nfrom bert_ds.train.cli import main\n"
-              f"status = main(['--data', {paths['--data']!r}, '--output', {paths['--output']!r}, '--steps', '1'])\n"
-              "print(status, 'torch' in sys.modules)")
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, env=cli_env(),
-                          timeout=120)
+    proc = _train_main_alone(["--data", paths["--data"], "--output", paths["--output"], "--steps", "1"])
     assert proc.stdout.split() == ["2", "False"], proc.stdout + proc.stderr[-2000:]
     assert proc.stderr.startswith(f"error: {paths[flag]}") or proc.stderr.startswith(f"error: {flag} {paths[flag]}"), \
         proc.stderr

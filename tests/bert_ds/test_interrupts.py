@@ -156,6 +156,7 @@ def test_r13_ctrl_c_while_the_trainer_starts_is_one_line(sample_data, tmp_path, 
 
 
 def _python(script: str) -> subprocess.CompletedProcess:
+    """``python -c script`` in the project, as the CLI tests run it."""
     return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=cli_env(), cwd=REPO,
                           timeout=60)
 
@@ -203,8 +204,7 @@ def test_r13_sigint_twice_within_the_window_is_one_request(tmp_path):
               "os.kill(os.getpid(), signal.SIGINT)\n"
               "time.sleep(30); print('still running', flush=True)\n")
     t = time.monotonic()
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=cli_env(), cwd=REPO,
-                          timeout=60)
+    proc = _python(script)
     elapsed = time.monotonic() - t
     assert proc.stdout.splitlines() == ["recorded SIGINT"], proc.stdout + proc.stderr
     assert proc.returncode == 128 + signal.SIGINT and elapsed < 10
