@@ -72,6 +72,12 @@ STEPS=${STEPS:-2200}
 
 log() { printf '[run.sh] %s\n' "$*" >&2; }
 
+# The project's install builds it in the checkout (setuptools writes bert_ds.egg-info there), so
+# two set-ups of one checkout at once (CI makes both environments together) take turns.
+one_build_at_a_time() {
+    if command -v flock >/dev/null; then flock "$ROOT/pyproject.toml" "$@"; else "$@"; fi
+}
+
 setup_env() {
     [[ "${SETUP:-auto}" == none ]] && return
     local stamp="$VENV/.bert-ds-installed" want
@@ -93,7 +99,7 @@ setup_env() {
         "${pip[@]}" "$TORCH_SPEC" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
     fi
     log "installing bert-ds and its dependencies"
-    "${pip[@]}" -e ".[test]"
+    one_build_at_a_time "${pip[@]}" -e ".[test]"
     # DeepSpeed's JIT-built ops (on CPU its shared-memory op, 35-50 s) are built now, into
     # $VENV/torch_extensions, rather than at the first training start.
     log "building DeepSpeed's extensions"
@@ -140,11 +146,14 @@ PY
         # machine, 2026-11-28). --compile-bytecode: pip's default, which uv leaves out; without
         # it, a machine with PYTHONDONTWRITEBYTECODE set compiles torch at every import.
         # shellcheck disable=SC2086  # pins is a list of words
+        # The project alone first, then its dependencies as pyproject.toml lists them: the
+        # project's build (one_build_at_a_time) is then seconds long.
+        local uv=("$venv/bin/python" -m uv pip install --quiet --python "$venv/bin/python" --compile-bytecode)
         if "$venv/bin/python" -m pip install --quiet --disable-pip-version-check "$UV_SPEC" 2>/dev/null; then
-            "$venv/bin/python" -m uv pip install --quiet --python "$venv/bin/python" --compile-bytecode \
-                $pins -e ".[test]"
+            one_build_at_a_time "${uv[@]}" --no-deps -e .
+            "${uv[@]}" $pins -r pyproject.toml --extra test
         else
-            "$venv/bin/python" -m pip install --quiet --disable-pip-version-check $pins -e ".[test]"
+            one_build_at_a_time "$venv/bin/python" -m pip install --quiet --disable-pip-version-check $pins -e ".[test]"
         fi
         (VENV=$venv; export_accelerator && python_ -m bert_ds.train.extensions)
         echo "$want" > "$stamp"
