@@ -597,12 +597,17 @@ class _Existing:
             name in self.options and self.options[name] != value for name, value in _known_options(opts).items()))
 
 
+def _given_options(opts: BuildOptions) -> dict:
+    """The options a manifest records (``_manifest``'s "build") as they were given."""
+    return {"split_sentences": opts.split_sentences, "documents": opts.documents, "join_wrapped": opts.join_wrapped,
+            "shard_tokens": opts.shard_tokens, "piece_bytes": opts.piece_bytes,
+            **({"text_field": opts.text_field} if opts.has_records else {})}
+
+
 def _known_options(opts: BuildOptions) -> dict:
-    """The options a manifest records (``_manifest``'s "build") that do not depend on the
-    vocabulary; a trained one's size and case are known before it is trained."""
-    known = {"split_sentences": opts.split_sentences, "documents": opts.documents, "join_wrapped": opts.join_wrapped,
-             "shard_tokens": opts.shard_tokens, "piece_bytes": opts.piece_bytes,
-             **({"text_field": opts.text_field} if opts.has_records else {})}
+    """The options a manifest records that do not depend on the vocabulary; a trained one's
+    size and case are known before it is trained."""
+    known = _given_options(opts)
     if opts.vocab is None:
         known.update(vocab={"train": opts.train_vocab}, lowercase=True if opts.lowercase is None else opts.lowercase)
     return known
@@ -965,15 +970,10 @@ def _manifest(opts: BuildOptions, spec: TokenizerSpec, shards: list[ShardInfo], 
             "vocab": {"train": opts.train_vocab} if opts.vocab is None else {"file": opts.vocab},
             "lowercase": spec.lowercase,
             "normalizer": spec.normalization.to_json(),
-            "split_sentences": opts.split_sentences,
-            "documents": opts.documents,
-            "join_wrapped": opts.join_wrapped,
+            **_given_options(opts),
             "sentence_split_re": (SENTENCE_SPLIT_RE.pattern
                                   if opts.split_sentences or opts.has_records or opts.join_wrapped else None),
-            **({"text_field": opts.text_field} if opts.has_records else {}),
             "heading_re": HEADING_RE.pattern,
-            "shard_tokens": opts.shard_tokens,
-            "piece_bytes": opts.piece_bytes,
         },
         stats={
             "documents_in": st.documents,

@@ -78,17 +78,34 @@ def report(err: Exception | str) -> int:
     return err.exit_status if isinstance(err, Failure) else EXIT_USER_ERROR
 
 
-def guarded(body: Callable[[], int | None], cleanup: Callable[[], None] | None = None) -> int:
+def guarded(body: Callable[[], int | None], cleanup: Callable[[], None] | None = None,
+            interrupted: str | Callable[[], str] | None = None) -> int:
     """Run an entry point's ``body``: its exit status when it returns one (:data:`EXIT_OK` for
     ``None``), a :class:`Failure`'s one line and exit status when it raises one. ``cleanup``
     runs on every path, before the line is printed; any other exception passes through with
-    its traceback."""
+    its traceback.
+
+    ``interrupted``: what a Ctrl-C leaves behind (a text, or a function that finds it out). Given,
+    a ``KeyboardInterrupt`` from ``body`` ends with ``interrupted: <it>`` on one line and
+    :data:`EXIT_INTERRUPTED`, as the training ends before its first step; not given, it passes
+    through (the entry points whose stop handlers say more)."""
+    failure: Failure | KeyboardInterrupt
     try:
         status = body()
         return EXIT_OK if status is None else status
     except Failure as e:
         failure = e
+    except KeyboardInterrupt as e:
+        if interrupted is None:
+            raise
+        failure = e
     finally:
         if cleanup is not None:
             cleanup()
+    if isinstance(failure, KeyboardInterrupt):
+        said = interrupted() if callable(interrupted) else interrupted
+        # on a line of its own: the key's ^C, or a progress bar, may hold the cursor
+        sys.stderr.write(f"\ninterrupted: {' '.join(str(said).split())}\n")
+        sys.stderr.flush()
+        return EXIT_INTERRUPTED
     return report(failure)

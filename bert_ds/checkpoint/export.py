@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING
 
 from bert_ds.base.atomic import as_umask_allows, fsync_path
 from bert_ds.base.errors import ConfigError, UserError, describe, guarded
+from bert_ds.base.interrupts import deferred_interrupt
 from bert_ds.model.config import ModelConfig
 
 if TYPE_CHECKING:
@@ -313,17 +314,19 @@ def _fsync_folder(folder: Path) -> None:
 def _replace_folder(new: Path, dest: Path) -> None:
     """Moves ``new`` to ``dest``; an existing ``dest`` is set aside first and deleted after."""
     # A non-empty folder cannot be atomically swapped, so the old one moves aside first.
-    old = dest.with_name(f"{dest.name}.old-{uuid.uuid4().hex[:8]}") if dest.exists() else None
-    if old is not None:
-        os.rename(dest, old)
-    try:
-        os.rename(new, dest)
-    except BaseException:
+    # A Ctrl-C waits for the end (bert_ds.base.interrupts): the old folder is never left half deleted beside it.
+    with deferred_interrupt():
+        old = dest.with_name(f"{dest.name}.old-{uuid.uuid4().hex[:8]}") if dest.exists() else None
         if old is not None:
-            os.rename(old, dest)
-        raise
-    if old is not None:
-        shutil.rmtree(old)
+            os.rename(dest, old)
+        try:
+            os.rename(new, dest)
+        except BaseException:
+            if old is not None:
+                os.rename(old, dest)
+            raise
+        if old is not None:
+            shutil.rmtree(old)
 
 
 # --------------------------------------------------------------------------- CLI
@@ -348,7 +351,8 @@ def main(argv: list[str] | None = None) -> int:
         named = args.checkpoint_dir if args.checkpoint_dir.resolve() == ckpt else f"{args.checkpoint_dir} ({ckpt.name})"
         print(f"exported {named} to {export_checkpoint(ckpt, args.out_dir)}")
 
-    return guarded(body)
+    return guarded(body, interrupted=f"{args.out_dir} holds no partial export (an earlier one is replaced only "
+                                     "by a complete one)")
 
 
 if __name__ == "__main__":

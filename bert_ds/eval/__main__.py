@@ -19,21 +19,18 @@ def main(argv: list[str] | None = None) -> int:
         module.add_arguments(commands.add_parser(name, help=summary, description=module.__doc__.split("\n\n")[0]))
     args = parser.parse_args(argv)
 
-    def body() -> int | None:
-        try:
-            with deferred_interrupt():  # a Ctrl-C waits for torch's initialisation (bert_ds.base.interrupts)
-                from bert_ds import zero
+    def body() -> None:
+        with deferred_interrupt():  # a Ctrl-C waits for torch's initialisation (bert_ds.base.interrupts)
+            from bert_ds import zero
 
-            zero.name_cpu_accelerator()  # before transformers' Trainer imports DeepSpeed
-            COMMANDS[args.command][0].run(args)
-        except KeyboardInterrupt:  # finished runs are on disk already: say how to go on
-            done = len(list(args.output.glob("*/seed*.json")))
-            print(f"\ninterrupted: {done} finished run(s) kept in {args.output}; the same command goes on from them",
-                  file=sys.stderr, flush=True)
-            return 130
-        return None
+        zero.name_cpu_accelerator()  # before transformers' Trainer imports DeepSpeed
+        COMMANDS[args.command][0].run(args)
 
-    return guarded(body)
+    def kept() -> str:  # finished runs are on disk already: say how to go on
+        done = len(list(args.output.glob("*/seed*.json")))
+        return f"{done} finished run(s) kept in {args.output}; the same command goes on from them"
+
+    return guarded(body, interrupted=kept)
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from bert_ds.base.atomic import atomic_write
 from bert_ds.base.errors import UserError, guarded
 
 MB = 1e6
@@ -312,7 +313,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    return guarded(lambda: _bench(args))
+    return guarded(lambda: _bench(args), interrupted="no report written")
 
 
 def _bench(args: argparse.Namespace) -> None:
@@ -330,7 +331,7 @@ def _bench(args: argparse.Namespace) -> None:
     if result["growth"]:
         print(format_growth(result["growth"]))
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+        atomic_write(args.json, json.dumps(result, indent=2) + "\n")
 
 
 def growth(runs: list[dict]) -> dict:

@@ -76,6 +76,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from bert_ds.base.atomic import atomic_write
 from bert_ds.base.errors import ConfigError, guarded
 from bert_ds.model.config import PRESETS, model_preset
 from bert_ds.model.flops import training_flops
@@ -306,7 +307,7 @@ def settings_from(args: argparse.Namespace) -> BenchSettings:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    return guarded(lambda: _bench(args))
+    return guarded(lambda: _bench(args), interrupted="no report written")
 
 
 def visible_device() -> str:
@@ -331,7 +332,7 @@ def write_report(text: str, result: dict[str, Any], json_path: Path | None, mark
     for path, content in ((json_path, json.dumps(result, indent=2) + "\n"), (markdown_path, text + "\n")):
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(content)
+            atomic_write(path, content)
 
 
 if __name__ == "__main__":

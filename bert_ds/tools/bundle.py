@@ -618,7 +618,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--extra-index-url", action="append", default=[], metavar="URL",
                         help="another package index, e.g. https://download.pytorch.org/whl/cu121 (repeatable)")
     args = parser.parse_args(argv)
-    return guarded(lambda: _bundle(args))
+    # the listing files come last (_prepare_out_dir): a stopped bundle does not look complete
+    return guarded(lambda: _bundle(args), interrupted=f"{args.out_dir} is incomplete (no SHA256SUMS); "
+                                                  "the same command goes on, reusing its wheels")
 
 
 def _bundle(args: argparse.Namespace) -> None:

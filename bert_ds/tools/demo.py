@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bert_ds.tools.demo", description=__doc__.split("\n\n")[0])
     p.add_argument("run_dir", type=Path, help="the main job's run folder (holds hf/ and train/)")
     args = p.parse_args(argv)
-    return guarded(lambda: _demo(args.run_dir))
+    return guarded(lambda: _demo(args.run_dir), interrupted="nothing was written")
 
 
 def _demo(run_dir: Path) -> None:

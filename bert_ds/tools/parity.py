@@ -303,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     def body() -> None:
         run(args)
 
-    return guarded(body)
+    return guarded(body, interrupted=f"no report written to {args.output}")
 
 
 if __name__ == "__main__":

@@ -27,12 +27,14 @@ Design choices, and why:
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import math
 import sys
 from pathlib import Path
 from typing import Any
 
+from bert_ds.base.atomic import atomic_write
 from bert_ds.base.errors import UserError, guarded
 
 # (metric key, label) per panel; the colours pair train and val of one metric.
@@ -128,7 +130,9 @@ def plot_metrics(train: list[dict[str, Any]], val: list[dict[str, Any]], out: Pa
     fig.tight_layout()
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(out, format="png")
+        png = io.BytesIO()
+        fig.savefig(png, format="png")
+        atomic_write(out, png.getvalue())  # an earlier plot stays whole until the new one is
     except OSError as err:
         raise MetricsError(f"cannot write {out}: {err.strerror or err}") from None
     finally:
@@ -143,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("run_dir", metavar="RUN_DIR", type=Path, help="a bert_ds.train --output folder")
     parser.add_argument("--out", type=Path, default=None, help="PNG to write (default: RUN_DIR/metrics.png)")
     args = parser.parse_args(argv)
-    return guarded(lambda: _plot(args.run_dir, args.out))
+    return guarded(lambda: _plot(args.run_dir, args.out), interrupted="no plot written")
 
 
 def _plot(run_dir: Path, out: Path | None) -> None:

@@ -113,7 +113,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    return guarded(lambda: _main(args))
+    return guarded(lambda: _main(args), interrupted="no profile written")
 
 
 def _main(args: argparse.Namespace) -> None:

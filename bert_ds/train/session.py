@@ -147,7 +147,8 @@ def locked_session(output: str | os.PathLike, command: str,
 
 @contextlib.contextmanager
 def pid_file(output: Path, rank: int) -> Iterator[None]:
-    """OUTPUT/pids/rank_N.pid while the rank trains: whom to signal for a graceful stop."""
+    """OUTPUT/pids/rank_N.pid while the rank trains: whom to signal for a graceful stop. The
+    last rank out removes the folder."""
     path = output / "pids" / f"rank_{rank}.pid"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(f"{os.getpid()}\n")
@@ -155,6 +156,8 @@ def pid_file(output: Path, rank: int) -> Iterator[None]:
         yield
     finally:
         path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # another rank's file is still there
+            path.parent.rmdir()
 
 
 @contextlib.contextmanager

@@ -1,6 +1,10 @@
 """bert_ds.checkpoint.export: checkpoint folder -> Hugging Face folder that loads and reproduces the model."""
 
 import json
+import os
+import shutil
+import signal
+from pathlib import Path
 
 import pytest
 import torch
@@ -121,6 +125,52 @@ def test_export_that_does_not_round_trip_is_never_published(tmp_path, monkeypatc
     with pytest.raises(ExportError, match="does not reproduce"):
         export_checkpoint(tmp_path / "ckpt", tmp_path / "hf")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def _earlier_export_then_main(tmp_path, monkeypatch, name: str, interrupt) -> tuple[int, Path]:
+    """An export at hf, a second checkpoint, and the CLI exporting it with ``interrupt``
+    patched in for ``NAME`` of the export module (a Ctrl-C there); its exit status and hf."""
+    _write_checkpoint(tmp_path / "ckpt", _config())
+    export_checkpoint(tmp_path / "ckpt", tmp_path / "hf")
+    _write_checkpoint(tmp_path / "ckpt2", _config(initializer_range=0.5))
+    monkeypatch.setattr(f"{export.__name__}.{name}", interrupt)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's, whatever the test runner set
+    try:
+        return main([str(tmp_path / "ckpt2"), str(tmp_path / "hf")]), tmp_path / "hf"
+    except KeyboardInterrupt:  # not the test session's end: a failure of this test
+        pytest.fail("a Ctrl-C during the export left main() as a KeyboardInterrupt")
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def test_a_ctrl_c_during_the_export_is_one_line_and_keeps_the_earlier_export(tmp_path, monkeypatch, capsys):
+    def ctrl_c(*args):
+        raise KeyboardInterrupt
+
+    status, hf = _earlier_export_then_main(tmp_path, monkeypatch, "_check_round_trip", ctrl_c)
+    assert status == 130
+    err = capsys.readouterr().err  # the first export's loading bars (transformers'), then the line
+    assert err.endswith(f"\ninterrupted: {hf} holds no partial export (an earlier one is replaced only by a "
+                        "complete one)\n") and "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "ckpt2", "hf"]  # no temporary folder left
+    assert load_file(str(hf / "model.safetensors"))["bert.pooler.dense.weight"].std() < 0.1  # the first (0.02)
+
+
+def test_a_ctrl_c_while_an_export_replaces_another_waits_for_the_old_one_to_be_gone(tmp_path, monkeypatch, capsys):
+    """The old export is set aside, the new one moved in, the old one deleted: a Ctrl-C there
+    comes after the deletion, so no half-deleted folder stays beside the export."""
+    rmtree = shutil.rmtree
+
+    def ctrl_c_then_rmtree(path, *args, **kwargs):
+        if ".old-" in Path(path).name:
+            os.kill(os.getpid(), signal.SIGINT)
+        rmtree(path, *args, **kwargs)
+
+    status, hf = _earlier_export_then_main(tmp_path, monkeypatch, "shutil.rmtree", ctrl_c_then_rmtree)
+    assert status == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith(f"interrupted: {hf} holds no partial export")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "ckpt2", "hf"]
+    assert load_file(str(hf / "model.safetensors"))["bert.pooler.dense.weight"].std() > 0.3  # the new one (0.5)
 
 
 def test_export_rejects_untied_decoder(tmp_path):

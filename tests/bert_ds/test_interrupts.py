@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from bert_ds.base.errors import EXIT_INTERRUPTED, guarded
 from bert_ds.checkpoint import store as checkpoint
 from tests.bert_ds.test_reliability import _args, _command, _losses, _steps_logged, _wait_for_step
 from tests.conftest import REPO, cli_env, run_cli
@@ -101,7 +102,7 @@ def test_r13_ctrl_c_checkpoints_the_step_and_the_rerun_resumes_exactly(sample_da
     if nproc == 1:
         assert rc == 0, text[-3000:]
     else:  # torchrun reports the signal itself (exit 1); its ranks ended cleanly (pid files gone, summary written)
-        assert not list((out / "pids").glob("*.pid")), text[-3000:]
+        assert not (out / "pids").exists(), text[-3000:]  # every rank's pid file gone, and the folder
         assert text.count("received SIGINT") == nproc
     assert not _rank_tracebacks(text), text[-3000:]
     assert summary["stopped_by"] == sig.name and summary["steps"] == stopped < STEPS
@@ -190,6 +191,22 @@ def test_a_ctrl_c_during_an_exec_inside_deferred_interrupt_exits_with_the_status
               "    print('caught')\n")  # and the program ends normally: status 0
     proc = _python(script)
     assert (proc.returncode, proc.stdout.strip()) == (0, "caught"), proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("interrupted", ["nothing written", lambda: "found out at the end"])
+def test_an_entry_point_given_what_a_ctrl_c_leaves_ends_with_that_line_and_130(interrupted, capsys):
+    """Commands without stop handlers of their own (export, the tools, evaluation) run through
+    ``guarded(..., interrupted=...)``: the cleanup runs, then one line, no traceback."""
+    cleaned = []
+
+    def ctrl_c():
+        raise KeyboardInterrupt
+
+    assert guarded(ctrl_c, cleanup=lambda: cleaned.append(True), interrupted=interrupted) == EXIT_INTERRUPTED == 130
+    said = interrupted() if callable(interrupted) else interrupted
+    assert capsys.readouterr().err == f"\ninterrupted: {said}\n" and cleaned == [True]
+    with pytest.raises(KeyboardInterrupt):  # not given: the entry point's own handlers say more
+        guarded(ctrl_c)
 
 
 def test_r13_sigint_twice_within_the_window_is_one_request(tmp_path):

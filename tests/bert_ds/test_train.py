@@ -46,6 +46,7 @@ def test_single_process_trains_exports_and_loads_in_transformers(sample_data, tm
     assert tokenizer_files == sorted(HF_FILES)  # the tokenizer travels with the checkpoint, the shards do not
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 40 and "training summary" in proc.stdout
+    assert not (out / "pids").exists()  # the pid file and its folder are gone with the run
 
     run_cli("bert_ds.checkpoint.export", str(out / "checkpoints" / "latest"), str(tmp_path / "hf"))
     from transformers import AutoTokenizer, BertForPreTraining
