@@ -23,6 +23,7 @@ of the entry point's own code. The wait is the block's length: the imports, 2-4 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import signal
 import threading
 from collections.abc import Iterator
@@ -47,3 +48,11 @@ def deferred_interrupt() -> Iterator[None]:
             previous(signal.SIGINT, None)
         elif previous == signal.SIG_DFL:
             signal.raise_signal(signal.SIGINT)
+
+
+def import_whole(*names: str) -> None:
+    """Import the modules ``names`` (torch, transformers, matplotlib: seconds of initialisation)
+    with a Ctrl-C held until they are whole; the entry point's own handling then sees it."""
+    with deferred_interrupt():
+        for name in names:
+            importlib.import_module(name)

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 
 from bert_ds.base.atomic import as_umask_allows, fsync_path
 from bert_ds.base.errors import ConfigError, UserError, describe, guarded
-from bert_ds.base.interrupts import deferred_interrupt
+from bert_ds.base.interrupts import deferred_interrupt, import_whole
 from bert_ds.model.config import ModelConfig
 
 if TYPE_CHECKING:
@@ -348,6 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         from bert_ds.checkpoint import store
 
         ckpt = store.resolve(args.checkpoint_dir)
+        import_whole("torch", "safetensors.torch", "transformers")  # a wrong path is said before them
         named = args.checkpoint_dir if args.checkpoint_dir.resolve() == ckpt else f"{args.checkpoint_dir} ({ckpt.name})"
         print(f"exported {named} to {export_checkpoint(ckpt, args.out_dir)}")
 

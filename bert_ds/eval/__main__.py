@@ -4,7 +4,7 @@ import argparse
 import sys
 
 from bert_ds.base.errors import guarded
-from bert_ds.base.interrupts import deferred_interrupt
+from bert_ds.base.interrupts import import_whole
 from bert_ds.eval import glue, ner, squad
 
 COMMANDS = {"glue": (glue, "fine-tune on the GLUE tasks and report their dev scores"),
@@ -20,8 +20,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     def body() -> None:
-        with deferred_interrupt():  # a Ctrl-C waits for torch's initialisation (bert_ds.base.interrupts)
-            from bert_ds import zero
+        import_whole("bert_ds.zero")  # torch's initialisation: a Ctrl-C waits for it (bert_ds.base.interrupts)
+        from bert_ds import zero
 
         zero.name_cpu_accelerator()  # before transformers' Trainer imports DeepSpeed
         COMMANDS[args.command][0].run(args)

@@ -78,6 +78,7 @@ from typing import Any
 
 from bert_ds.base.atomic import atomic_write
 from bert_ds.base.errors import ConfigError, guarded
+from bert_ds.base.interrupts import import_whole
 from bert_ds.model.config import PRESETS, model_preset
 from bert_ds.model.flops import training_flops
 from bert_ds.tools.bench_settings import BASELINE, DEFAULT_VARIANTS, VARIANTS, BenchSettings
@@ -318,6 +319,7 @@ def visible_device() -> str:
 
 
 def _bench(args: argparse.Namespace) -> None:
+    import_whole("torch")
     if args.threads is not None:
         import torch
 

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from bert_ds.base.errors import UserError, guarded
+from bert_ds.base.interrupts import import_whole
 
 SENTENCES = (
     "The European lobster is a species of [MASK] from the eastern Atlantic Ocean .",
@@ -50,6 +51,7 @@ def _demo(run_dir: Path) -> None:
     export_dir = run_dir / "hf"
     if not (export_dir / "config.json").is_file():
         raise UserError(f"{export_dir}: no Hugging Face export here (run `./run.sh export` first)")
+    import_whole("torch", "transformers")
     print("== fill-mask with the exported model (transformers.BertForPreTraining) ==")
     for text, top in zip(SENTENCES, fill_mask(export_dir)):
         print(f"{text}\n    -> {', '.join(top)}")

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from bert_ds.base.atomic import atomic_write
 from bert_ds.base.errors import UserError, guarded
+from bert_ds.base.interrupts import import_whole
 
 if TYPE_CHECKING:  # torch and transformers are imported where they run: --help needs neither
     import torch
@@ -230,6 +231,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     check_writable(args.output, "--output", folder=True)
     args.output.mkdir(parents=True, exist_ok=True)
     _same_settings(args)
+    import_whole("torch", "transformers")
     train, heldout = build_data(args)
     sets = eval_batches(args, train, heldout)
     runs: dict[str, list[dict[str, Any]]] = {"bert-ds": [], "transformers": []}

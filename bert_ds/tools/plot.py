@@ -36,6 +36,7 @@ from typing import Any
 
 from bert_ds.base.atomic import atomic_write
 from bert_ds.base.errors import UserError, guarded
+from bert_ds.base.interrupts import import_whole
 
 # (metric key, label) per panel; the colours pair train and val of one metric.
 _PANELS = (
@@ -98,6 +99,7 @@ def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[fl
 
 
 def plot_metrics(train: list[dict[str, Any]], val: list[dict[str, Any]], out: Path, title: str = "") -> Path:
+    import_whole("numpy", "matplotlib.figure")
     import matplotlib
 
     matplotlib.use("Agg")

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from bert_ds.base.errors import guarded
+from bert_ds.base.interrupts import import_whole
 from bert_ds.tools import bench
 
 def markdown(r: dict[str, Any]) -> str:
@@ -117,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(args: argparse.Namespace) -> None:
+    import_whole("torch")
     result = profile_variant(args)
     bench.write_report(markdown(result), result, args.json, args.markdown)
 

@@ -193,6 +193,23 @@ def test_a_ctrl_c_during_an_exec_inside_deferred_interrupt_exits_with_the_status
     assert (proc.returncode, proc.stdout.strip()) == (0, "caught"), proc.stdout + proc.stderr
 
 
+def test_a_ctrl_c_during_import_whole_comes_after_the_module_is_initialised(tmp_path):
+    """The tools' and export's heavy imports (torch, transformers, matplotlib): the module
+    initialises to its end, and the KeyboardInterrupt comes at the caller's line."""
+    (tmp_path / "slow_module.py").write_text("import os, signal, time\n"
+                                             "os.kill(os.getpid(), signal.SIGINT); time.sleep(0.2)\n"
+                                             "WHOLE = True\n")
+    script = ("import sys\n"
+              f"sys.path.insert(0, {str(tmp_path)!r})\n"
+              "from bert_ds.base.interrupts import import_whole\n"
+              "try:\n"
+              "    import_whole('slow_module')\n"
+              "except KeyboardInterrupt:\n"
+              "    print(sys.modules['slow_module'].WHOLE)\n")
+    proc = _python(script)
+    assert (proc.returncode, proc.stdout.strip()) == (0, "True"), proc.stdout + proc.stderr
+
+
 @pytest.mark.parametrize("interrupted", ["nothing written", lambda: "found out at the end"])
 def test_an_entry_point_given_what_a_ctrl_c_leaves_ends_with_that_line_and_130(interrupted, capsys):
     """Commands without stop handlers of their own (export, the tools, evaluation) run through
