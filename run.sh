@@ -145,10 +145,10 @@ PY
         # fetches and unpacks in parallel: 63 s against pip's 192 s from empty caches (2-core
         # machine, 2026-11-28). --compile-bytecode: pip's default, which uv leaves out; without
         # it, a machine with PYTHONDONTWRITEBYTECODE set compiles torch at every import.
-        # shellcheck disable=SC2086  # pins is a list of words
         # The project alone first, then its dependencies as pyproject.toml lists them: the
         # project's build (one_build_at_a_time) is then seconds long.
         local uv=("$venv/bin/python" -m uv pip install --quiet --python "$venv/bin/python" --compile-bytecode)
+        # shellcheck disable=SC2086  # pins is a list of words
         if "$venv/bin/python" -m pip install --quiet --disable-pip-version-check "$UV_SPEC" 2>/dev/null; then
             one_build_at_a_time "${uv[@]}" --no-deps -e .
             "${uv[@]}" $pins -r pyproject.toml --extra test

@@ -67,13 +67,18 @@ def describe(err: BaseException) -> str:
     return " ".join(str(err).split())
 
 
+def _one_line(text: object) -> str:
+    """``text`` with its line breaks and runs of spaces as single spaces."""
+    return " ".join(str(text).split())
+
+
 def report(err: Exception | str) -> int:
     """Print ``error: <message>`` as one line on stderr; return the error's exit status
     (:data:`EXIT_USER_ERROR` for a message or an exception that is not a :class:`Failure`)."""
     # One write of the whole line: stderr writes through, so print() would send the text and its
     # newline in two writes, and the ranks of one run, sharing the launcher's pipe, would splice
     # their lines together ("error: A error: A" then an empty line).
-    sys.stderr.write(f"error: {' '.join(str(err).split())}\n")
+    sys.stderr.write(f"error: {_one_line(err)}\n")
     sys.stderr.flush()
     return err.exit_status if isinstance(err, Failure) else EXIT_USER_ERROR
 
@@ -105,7 +110,7 @@ def guarded(body: Callable[[], int | None], cleanup: Callable[[], None] | None =
     if isinstance(failure, KeyboardInterrupt):
         said = interrupted() if callable(interrupted) else interrupted
         # on a line of its own: the key's ^C, or a progress bar, may hold the cursor
-        sys.stderr.write(f"\ninterrupted: {' '.join(str(said).split())}\n")
+        sys.stderr.write(f"\ninterrupted: {_one_line(said)}\n")
         sys.stderr.flush()
         return EXIT_INTERRUPTED
     return report(failure)
