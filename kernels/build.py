@@ -7,11 +7,12 @@ construction: the JIT build into ``~/.cache/bert-ds/kernels/<hash>`` (a later pr
 only loads it), the self-check on this GPU and the race of each op's candidates at a
 BERT-Base's shapes at seq 128 (what ``kernels=auto`` will run for such a model; a model
 of other shapes or another sequence length races its own when it is built), whose
-verdicts it prints with the margins and timings. ``--recheck`` runs the self-check and
-the race again. ``--install
-DIR`` also copies the built module into DIR (e.g. site-packages), where the loader's
-"prebuilt" step finds it in processes that have no compiler or no cache: useful for
-images. A prebuilt module is used only with the sources and torch it was built for.
+verdicts it prints with the margins and each candidate's time per call by both clocks:
+the host's wall time, which decides, and the device's in brackets. ``--recheck`` runs
+the self-check and the race again. ``--install DIR`` also copies the built module into
+DIR (e.g. site-packages), where the loader's "prebuilt" step finds it in processes that
+have no compiler or no cache: useful for images. A prebuilt module is used only with the
+sources and torch it was built for.
 
 Exit status 0 when the extension loads and every op passed; 1 otherwise (the reason
 is printed).
@@ -49,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"self-check on {torch.cuda.get_device_name()}:")
     for op, why in sorted(verdicts.items()):
         print(f"  {op:18s} {'ok' if not why else 'FAILED: ' + why}")
-    print(f"kernels=auto on {torch.cuda.get_device_name()} (recorded in {_build.verdict_path()}):")
+    print(f"kernels=auto on {torch.cuda.get_device_name()}, by wall time per call (recorded in "
+          f"{_build.verdict_path()}):")
     for op, winner in sorted(choice.op_choices().items()):
         print(f"  {op:18s} {winner.describe()}")
     if args.install is not None:

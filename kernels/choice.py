@@ -8,12 +8,17 @@
   :func:`op_choices` checks and times each op's candidates (fused, native, compiled,
   apex's LayerNorm, torch's ``varlen_attn`` and the SDPA backends for attention) at those
   shapes and the training's sequence length, and records the winners, their margins and the
-  timings under the shapes (``kernels/speed.py``).
+  timings under the shapes (``kernels/speed.py``): each candidate's wall time, which decides,
+  and its device time beside it.
 - :func:`resolve_backend`: a ``kernels: auto | cuda | torch`` setting to the backend the ops
   run (``kernels/dispatch.py`` says what each runs). ``auto`` resolves to an
   :class:`~bert_ds.kernels.dispatch.OpPlan`, the winners at the model's shapes, which the
   model hands to every op call: each model runs what won at its own shapes, so phase 2 of
   BERT's recipe (seq 512), built in phase 1's process, runs phase 2's winners.
+- :func:`resolution`: a model's setting as resolved, with the recorded verdicts behind it
+  (:class:`Resolution`), read rather than raced again: what a training run writes into its
+  folder as ``kernels.json`` and prints as it starts, so that each run, and each phase of a
+  plan, keeps the verdicts it ran with.
 
 Both verdicts are recorded beside the build (:func:`bert_ds.kernels._build.recorded`), so
 a later process, or another rank, only reads them; a race recorded with other candidates
@@ -29,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -122,6 +128,55 @@ def _log_once(level: int, message: str) -> None:
     logger.log(level, message)
 
 
+# --------------------------------------------------------------------------- what a run records
+
+@dataclass(frozen=True)
+class Resolution:
+    """A ``kernels`` setting as one model resolved it, and the verdicts behind it."""
+
+    setting: str  # what the config asked for: "auto", "cuda" or "torch"
+    backend: str  # "plan" (a race decided: ``ops`` filled), else the backend: "torch" or "cuda"
+    reason: str  # why no race decided ("" under a plan)
+    shapes: OpShapes  # the model's, at the training's sequence length
+    ops: dict[str, Choice]  # under a plan, per op, the recorded race's verdict
+
+    def to_json(self) -> dict[str, Any]:
+        """``OUTPUT/kernels.json``: ``race_version`` is the race's (``speed.RACE_VERSION``) under a
+        plan, else None (nothing was raced)."""
+        return {"setting": self.setting, "backend": self.backend, "reason": self.reason,
+                "seq": self.shapes.max_seqlen, "shapes": dataclasses.asdict(self.shapes),
+                "race_version": speed.RACE_VERSION if self.backend == "plan" else None,
+                "ops": {op: verdict.to_json() for op, verdict in self.ops.items()}}
+
+    def lines(self) -> list[str]:
+        """What runs, for a run's start-up output: a line per op under a plan, else one line and why."""
+        if self.backend == "plan":
+            return [f"kernels={self.setting} at seq {self.shapes.max_seqlen}: {op} {verdict.describe()}"
+                    for op, verdict in self.ops.items()]
+        runs = "the native PyTorch ops run" if self.backend == "torch" else "the fused CUDA kernels run for every op"
+        return [f"kernels={self.setting}: {runs} ({self.reason})"]
+
+
+def resolution(setting: str, shapes: OpShapes, backend: Backend | None = None) -> Resolution:
+    """``setting`` resolved at ``shapes``, with the verdicts behind it.
+
+    ``backend``: what the model resolved the setting to (:func:`resolve_backend`'s, resolved
+    here when None). A plan's verdicts are read from the record the race left (the race runs
+    again only where the record could not be written).
+    """
+    backend = resolve_backend(setting, shapes) if backend is None else backend
+    if isinstance(backend, OpPlan):
+        choices = op_choices(shapes)
+        return Resolution(setting, "plan", "", shapes, {op: choices[op] for op, _ in backend.runs})
+    if backend == "cuda":
+        return Resolution(setting, "cuda", "as kernels=cuda asks", shapes, {})
+    if setting == "torch":
+        return Resolution(setting, "torch", "as kernels=torch asks", shapes, {})
+    why = no_cuda()
+    reason = "no CUDA device to race on" + (f": {why}" if why and why != "no CUDA device" else "")
+    return Resolution(setting, "torch", reason, shapes, {})
+
+
 # --------------------------------------------------------------------------- the self-check
 
 @functools.cache
@@ -144,7 +199,7 @@ def _run_selfcheck() -> dict[str, str]:
 # --------------------------------------------------------------------------- the race
 
 # Where and by what clock the race runs: the current CUDA device and the default clock of
-# kernels/speed.py; tests substitute a CPU and a fake clock.
+# kernels/speed.py (wall and device time per call); tests substitute a CPU and a fake clock.
 def race_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 

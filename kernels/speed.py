@@ -25,10 +25,17 @@ the model's shapes, its dropout and the training's sequence length (:class:`OpSh
 many tokens as a training micro-batch holds (32,768 by
 default, a BERT-Base micro-batch of 256 x 128), so that launch costs do not decide (attention as
 the model runs it: on one (T, 3, nh, hd) Q/K/V projection, which the fused kernel reads in place
-and the others take as three views, ``attention.packed_form``, their copies timed); on a GPU
-by CUDA events around back-to-back calls. The fastest wins, and :class:`Choice` says by how
-much over the runner-up. A tie goes to ``native``: another candidate is used only when it is
-faster than every other, so ``kernels=auto`` is never slower than the native path.
+and the others take as three views, ``attention.packed_form``, their copies timed). Each is
+timed as runs of back-to-back calls by two clocks (:func:`best_seconds_per_call`): the host's
+wall clock around the run, which counts what the training step pays (Python, autograd and
+launch costs as well as the device's work; on a GPU it starts after a synchronisation and
+stops after the run's end is synchronised), and beside it the device's own time (CUDA events
+around the same run; on a CPU the wall time). The verdict follows the wall time: an op cheap
+on the device but costly to launch (torch's ``varlen_attn`` spends about 460 us of host time
+per call, our fused attention about 130, on an H100) must not win a race and lose the step.
+:class:`Choice` keeps both figures and says by how much the winner's wall time beat the
+runner-up's. A tie goes to ``native``: another candidate is used only when it is faster than
+every other, so ``kernels=auto`` is never slower than the native path.
 
 The race runs once per device and shapes, and is recorded beside the self-check verdicts
 under its shapes (``kernels/choice.py``): a tiny model's verdict never decides for a
@@ -44,9 +51,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -71,10 +79,19 @@ SAMPLES = 5
 RACE_TOKENS = 32768  # a BERT-Base micro-batch of the recipe (256 x 128)
 MASKED_SHARE = 0.15  # BERT's masking rate (DataConfig.mask_rate): the MLM decoder's rows per token
 
-Timer = Callable[[Callable[[], Any], torch.device], float]  # (run once, device) -> seconds per run
+
+class Timing(NamedTuple):
+    """Seconds per call of one candidate, by the two clocks of the race."""
+
+    wall: float  # the host's clock around back-to-back calls: what the step pays, launch costs included
+    device: float  # the device's own time for the same calls (CUDA events); on a CPU the wall time
+
+
+Timer = Callable[[Callable[[], Any], torch.device], Timing]  # (run once, device) -> its timing per run
 # What the race times, by version; a record of another version is raced again (kernels/choice.py).
+# 3: the verdict by the host's wall time, the device's time beside it (2: by CUDA events alone);
 # 2: attention on one Q/K/V projection, as the model runs it (1: on three separate tensors).
-RACE_VERSION = 2
+RACE_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -142,24 +159,27 @@ class OpShapes:
 
 @dataclass
 class Choice:
-    """The race's verdict for one op."""
+    """The race's verdict for one op: the candidate fastest by the host's wall clock."""
 
     runs: str  # the winner, one of the op's IMPLEMENTATIONS
-    ms: dict[str, float]  # per timed candidate, ms per call (forward + backward; for LAMB's update one step)
+    # Per timed candidate, ms per call (forward + backward; for LAMB's update one step): by the
+    # host's wall clock, which decides, and by the device's own (on a CPU the same)
+    wall_ms: dict[str, float]
+    device_ms: dict[str, float]
     excluded: dict[str, str]  # per candidate not timed (not one here, wrong, or raised), why
 
     @property
     def runner_up(self) -> str | None:
-        """The fastest of the others timed (None when the winner ran alone)."""
-        others = {name: ms for name, ms in self.ms.items() if name != self.runs}
+        """The fastest of the others timed, by wall time (None when the winner ran alone)."""
+        others = {name: ms for name, ms in self.wall_ms.items() if name != self.runs}
         return min(others, key=others.__getitem__) if others else None
 
     @property
     def margin(self) -> float | None:
-        """How many times faster the winner ran than the runner-up (1.0: a tie, which native wins)."""
+        """How many times less wall time the winner took than the runner-up (1.0: a tie, which native wins)."""
         if self.runner_up is None:
             return None
-        return self.ms[self.runner_up] / self.ms[self.runs] if self.ms[self.runs] > 0 else math.inf
+        return self.wall_ms[self.runner_up] / self.wall_ms[self.runs] if self.wall_ms[self.runs] > 0 else math.inf
 
     def describe(self) -> str:
         if self.runner_up is None:
@@ -168,38 +188,54 @@ class Choice:
             lead = f"{self.margin:.2f}x faster than {self.runner_up}"
         else:
             lead = f"as fast as {self.runner_up}"
-        timed = ", ".join(f"{name} {ms:.3f} ms" for name, ms in self.ms.items())
+        timed = ", ".join(f"{name} {ms:.3f} ms ({self.device_ms[name]:.3f})" for name, ms in self.wall_ms.items())
         left_out = "".join(f"; {name} not a candidate: {why}" for name, why in self.excluded.items())
-        return f"runs {self.runs} ({lead}; {timed} per call){left_out}"
+        return f"runs {self.runs} ({lead}; wall (device) per call: {timed}){left_out}"
 
     def to_json(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "runner_up": self.runner_up, "margin": self.margin}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Choice:
-        return cls(str(data["runs"]), {k: float(v) for k, v in data["ms"].items()},
-                   {k: str(v) for k, v in data["excluded"].items()})
+        return cls(str(data["runs"]), {k: float(v) for k, v in data["wall_ms"].items()},
+                   {k: float(v) for k, v in data["device_ms"].items()}, {k: str(v) for k, v in data["excluded"].items()})
 
 
-def best_seconds_per_call(run: Callable[[], Any], device: torch.device) -> float:
-    """The default clock: the best of a few samples of several back-to-back calls, after one
-    untimed call; on a GPU by CUDA events around each sample (the device's own time, not the
-    host's), elsewhere by the host clock."""
-    def sample() -> None:
+def best_seconds_per_call(run: Callable[[], Any], device: torch.device) -> Timing:
+    """The default clock: after one untimed call, a few samples of several back-to-back calls,
+    each timed by the host's wall clock and by the device's; the best sample of each, per call.
+
+    The wall clock counts what the training step pays for the calls: Python, autograd and the
+    launches as well as the device's work. On a GPU it starts once the device is idle (nothing
+    queued before counts) and stops once the end of the run is synchronised (the device's work
+    that the launches left queued counts); CUDA events around the same calls give the device's
+    time. Elsewhere the device's time is the wall time.
+    """
+    run()
+    wall = device_s = math.inf
+    for _ in range(SAMPLES):
+        sample = _sample(run, device)
+        wall, device_s = min(wall, sample.wall), min(device_s, sample.device)
+    return Timing(wall / CALLS_PER_SAMPLE, device_s / CALLS_PER_SAMPLE)
+
+
+def _sample(run: Callable[[], Any], device: torch.device) -> Timing:
+    """Seconds of :data:`CALLS_PER_SAMPLE` back-to-back calls, by both clocks."""
+    probes.synchronize(device)
+    if device.type != "cuda":
+        began = time.perf_counter()
         for _ in range(CALLS_PER_SAMPLE):
             run()
-    if device.type != "cuda":
-        return probes.best_seconds(sample, device, SAMPLES) / CALLS_PER_SAMPLE
-    run()
-    best = float("inf")
-    for _ in range(SAMPLES):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        sample()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) / 1e3)
-    return best / CALLS_PER_SAMPLE
+        wall = time.perf_counter() - began
+        return Timing(wall, wall)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    began = time.perf_counter()
+    start.record()
+    for _ in range(CALLS_PER_SAMPLE):
+        run()
+    end.record()
+    end.synchronize()
+    return Timing(time.perf_counter() - began, start.elapsed_time(end) / 1e3)
 
 
 def candidates(fused_problems: Mapping[str, str], apex_problem: str,
@@ -232,12 +268,12 @@ def candidate_names() -> dict[str, list[str]]:
 def race(shapes: OpShapes, device: torch.device, timed: Mapping[str, Mapping[str, Callable[..., torch.Tensor]]],
          excluded: Mapping[str, Mapping[str, str]], timer: Timer = best_seconds_per_call) -> dict[str, Choice]:
     """Checks, then times, every candidate of every op at ``shapes`` on ``device``; per op, the
-    fastest correct one wins."""
+    correct one fastest by ``timer``'s wall time wins."""
     choices = {}
     with torch.inference_mode(False), torch.enable_grad(), torch.autocast(device.type, enabled=False):
         for op, implementations in timed.items():
             case = _case(op, shapes, device)
-            ms, left_out = {}, dict(excluded.get(op, {}))
+            wall_ms, device_ms, left_out = {}, {}, dict(excluded.get(op, {}))
             for name, fn in implementations.items():
                 try:
                     # native is what every other falls back to: there is nothing to exclude it for
@@ -245,13 +281,15 @@ def race(shapes: OpShapes, device: torch.device, timed: Mapping[str, Mapping[str
                     if wrong:
                         left_out[name] = f"wrong at these shapes: {'; '.join(wrong[:3])}"
                         continue
-                    ms[name] = timer(functools.partial(case.run, fn), device) * 1e3
+                    timing = timer(functools.partial(case.run, fn), device)
+                    wall_ms[name], device_ms[name] = timing.wall * 1e3, timing.device * 1e3
                 except Exception as error:  # a candidate that cannot run these shapes is not one
                     left_out[name] = f"raised {type(error).__name__}: {_first_line(error)}"
-            if "native" not in ms:
+            if "native" not in wall_ms:
                 raise RuntimeError(f"the native {op} failed at {shapes.describe()}: {left_out.get('native')}")
-            # min() keeps the first of equals, and native comes first: a tie is not a reason to leave it.
-            choices[op] = Choice(min(ms, key=ms.__getitem__), ms, left_out)
+            # By wall time, what the step pays. min() keeps the first of equals, and native comes
+            # first: a tie is not a reason to leave it.
+            choices[op] = Choice(min(wall_ms, key=wall_ms.__getitem__), wall_ms, device_ms, left_out)
     return choices
 
 

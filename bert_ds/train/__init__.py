@@ -8,7 +8,8 @@
   vote), testable without an engine.
 - :mod:`.validation`: a held-out pass. :mod:`.checkpointer`: when and what the run saves.
   :mod:`.summary`: the closing summary. :mod:`.sample_log`: ``--log-samples``.
-  :mod:`.profiling`: ``--profile-steps``.
+  :mod:`.profiling`: ``--profile-steps``. :mod:`.kernel_record`: ``OUTPUT/kernels.json``, what
+  the model's ops run.
 - :mod:`.session`: distributed start-up, signals (:mod:`.signals`), peer failures, the
   entry point's exit status (every status is defined in :mod:`bert_ds.base.errors`).
 - :mod:`.faults`: the test hooks' one seam. (DeepSpeed's internals that the step relies on are

@@ -24,6 +24,7 @@ from bert_ds.model.flops import datasheet_peak_tflops, training_flops
 from bert_ds.optim.builders import bind_to_engine, build_optimizer, build_schedule
 from bert_ds.train.checkpointer import Checkpointer
 from bert_ds.train.faults import NO_FAULTS, Faults
+from bert_ds.train.kernel_record import record_kernels
 from bert_ds.train.metrics import MetricsLogger
 from bert_ds.train.profiling import StepProfiler
 from bert_ds.train.step_range import StepRange
@@ -54,6 +55,7 @@ def run(cfg: TrainConfig, resume: bool, rank: int, world: int, device: torch.dev
     log = MetricsLogger(Path(cfg.output), enabled=rank == 0, total_steps=cfg.steps, start_step=state.step,
                         tensorboard=cfg.tensorboard, progress=cfg.progress)
     _announce(log, cfg, start, rank, world, device)
+    record_kernels(log, start.engine.module, Path(cfg.output), rank)  # OUTPUT/kernels.json
     progress = Progress()
     checkpointer = Checkpointer.for_run(cfg, engine, loader, rank, saved_at=state.step if start.found else None)
     train_step = TrainStep(engine, start.optimizer, loader, device, rank, stop,

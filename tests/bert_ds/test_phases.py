@@ -175,6 +175,9 @@ def test_two_phases_run_and_a_crash_in_phase_two_resumes_phase_two(sample_data, 
     assert all(redone[r["step"]] == r["loss"] for r in overlap)
     assert steps_at_2 == 2
     assert lr2[0] == pytest.approx(1e-2 / 4) and max(lr2) == pytest.approx(1e-2)  # warm-up again, 4 steps
+    for phase, seq in ((p1, 64), (p2, 128)):  # each phase's folder: what its own model's kernels ran
+        kernels = json.loads((phase / "kernels.json").read_text())
+        assert (kernels["backend"], kernels["seq"]) == ("torch", seq)
 
 
 def test_a_plan_ending_with_glue_squad_and_ner_exports_and_fine_tunes_after_its_last_phase(sample_data, tmp_path):

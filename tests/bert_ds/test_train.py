@@ -46,6 +46,11 @@ def test_single_process_trains_exports_and_loads_in_transformers(sample_data, tm
     assert tokenizer_files == sorted(HF_FILES)  # the tokenizer travels with the checkpoint, the shards do not
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 40 and "training summary" in proc.stdout
+    kernels = json.loads((out / "kernels.json").read_text())  # what kernels=auto ran, and why
+    assert (kernels["setting"], kernels["backend"], kernels["seq"], kernels["ops"]) == ("auto", "torch", 64, {})
+    assert kernels["reason"].startswith("no CUDA device to race on")
+    said = [line for line in proc.stderr.splitlines() if line.startswith("[bert_ds] kernels=")]
+    assert said == [f"[bert_ds] kernels=auto: the native PyTorch ops run ({kernels['reason']})"]
     assert not (out / "pids").exists()  # the pid file and its folder are gone with the run
 
     run_cli("bert_ds.checkpoint.export", str(out / "checkpoints" / "latest"), str(tmp_path / "hf"))

@@ -152,16 +152,18 @@ def test_the_build_command_prints_the_self_check_and_the_speed_verdicts(fresh_lo
     _install_fake_module(monkeypatch, fresh_loader, _build.source_hash())
     monkeypatch.setattr(selfcheck, "run_all", lambda: {"layer_norm": "", "bias_gelu": "", "varlen_attention": ""})
     raced = {
-        "layer_norm": Choice("fused", {"native": 0.052, "fused": 0.031}, {"apex": "apex is not installed"}),
-        "bias_gelu": Choice("native", {"native": 0.04, "fused": 0.05}, {}),
+        "layer_norm": Choice("fused", {"native": 0.052, "fused": 0.031}, {"native": 0.05, "fused": 0.022},
+                             {"apex": "apex is not installed"}),
+        "bias_gelu": Choice("native", {"native": 0.04, "fused": 0.05}, {"native": 0.04, "fused": 0.03}, {}),
     }
     monkeypatch.setattr(choice, "op_choices", lambda shapes=None: raced)  # as if this process had raced
     assert build.main([]) == 0
     out = capsys.readouterr().out
     assert "self-check on Fake H100:\n  bias_gelu          ok\n" in out
-    assert ("  layer_norm         runs fused (1.68x faster than native; native 0.052 ms, fused 0.031 ms per call); "
-            "apex not a candidate: apex is not installed\n") in out
-    assert "  bias_gelu          runs native (1.25x faster than fused; native 0.040 ms, fused 0.050 ms per call)\n" in out
+    assert ("  layer_norm         runs fused (1.68x faster than native; wall (device) per call: native 0.052 ms "
+            "(0.050), fused 0.031 ms (0.022)); apex not a candidate: apex is not installed\n") in out
+    assert ("  bias_gelu          runs native (1.25x faster than fused; wall (device) per call: native 0.040 ms "
+            "(0.040), fused 0.050 ms (0.030))\n") in out
 
 
 # --------------------------------------------------------------------------- the host compiler

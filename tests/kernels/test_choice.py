@@ -15,6 +15,7 @@ import importlib
 import json
 import logging
 import sys
+import types
 
 import pytest
 import torch
@@ -46,22 +47,28 @@ TIMED_PER_RACE = sum(1 + len(names) for names in STOOD_IN.values())
 
 
 class FakeClock:
-    """A clock that moves only when a candidate is charged for a call."""
+    """The race's two clocks, the host's wall clock and the device's, which move only when a
+    candidate is charged for a call."""
 
     def __init__(self) -> None:
-        self.now = 0.0
+        self.now = 0.0  # the wall clock
+        self.device_now = 0.0
         self.timed = []  # one entry per candidate timed
 
-    def timer(self, run, device: torch.device) -> float:
+    def timer(self, run, device: torch.device) -> speed.Timing:
         self.timed.append(device)
-        start = self.now
+        wall, on_device = self.now, self.device_now
         run()
-        return self.now - start
+        return speed.Timing(self.now - wall, self.device_now - on_device)
 
     def charging(self, cost, fn):
-        """``fn``, charging ``cost`` ms per call; a callable cost is given the call's arguments."""
+        """``fn``, charging ``cost`` ms per call to both clocks, or a ``(wall, device)`` pair to each;
+        a callable cost is given the call's arguments."""
         def charged(*args, **kwargs):
-            self.now += (cost(*args) if callable(cost) else cost) * MS
+            spent = cost(*args) if callable(cost) else cost
+            wall, on_device = spent if isinstance(spent, tuple) else (spent, spent)
+            self.now += wall * MS
+            self.device_now += on_device * MS
             return fn(*args, **kwargs)
         return charged
 
@@ -78,8 +85,8 @@ def _stand_in(op: str, name: str, native, calls: list[tuple[str, str]]):
 def auto(monkeypatch, tmp_path):
     """A fake CUDA device ("Fake H100") whose extension loads and passes its self-check; the race
     on the CPU with a fake clock. ``auto.costs(op, native=..., fused=..., ...)`` sets what each
-    call costs (ms, or a function of the call's arguments); by default native 2, fused 1 and
-    every other candidate 3."""
+    call costs (ms to both clocks, a (wall, device) pair, or a function of the call's arguments
+    giving either); by default native 2, fused 1 and every other candidate 3."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(torch.version, "cuda", "13.0")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -151,8 +158,34 @@ def test_a_fused_kernel_slower_than_native_is_not_used(auto):
                            ("varlen_attention", "native"), ("mlm_cross_entropy", "fused"), ("lamb_update", "fused")),
                           SHAPES.key)
     choices = choice.op_choices(SHAPES)
-    assert choices["bias_gelu"].ms == pytest.approx({"native": 2.0, "fused": 3.0, "compiled": 3.0})
+    assert choices["bias_gelu"].wall_ms == pytest.approx({"native": 2.0, "fused": 3.0, "compiled": 3.0})
     assert len(auto.clock.timed) == TIMED_PER_RACE and set(auto.clock.timed) == {torch.device("cpu")}
+
+
+def test_a_candidate_faster_on_the_device_but_slower_in_wall_time_loses(auto):
+    # (wall, device) ms: varlen_attn is the fastest on the device, the slowest to launch (as on an
+    # H100: about 460 us of host time per call against 130 for the fused op); the step pays the wall time.
+    auto.costs("varlen_attention", native=(2.0, 1.9), fused=(1.2, 1.0), varlen_attn=(2.5, 0.4))
+    auto.costs("bias_gelu", native=(2.0, 2.0), fused=(2.2, 0.5), compiled=(3.0, 3.0))
+    plan = resolve_backend("auto", SHAPES)
+    assert plan.winner("varlen_attention") == "fused" and plan.winner("bias_gelu") == "native"
+    attention_choice = choice.op_choices(SHAPES)["varlen_attention"]
+    assert attention_choice.runner_up == "native" and attention_choice.margin == pytest.approx(2.0 / 1.2)
+    record = json.loads(_build.verdict_path().read_text())[RECORDED]["ops"]
+    assert record["varlen_attention"]["wall_ms"]["varlen_attn"] == pytest.approx(2.5)
+    assert record["varlen_attention"]["device_ms"]["varlen_attn"] == pytest.approx(0.4)
+    assert record["bias_gelu"]["wall_ms"] == pytest.approx({"native": 2.0, "fused": 2.2, "compiled": 3.0})
+    assert record["bias_gelu"]["device_ms"] == pytest.approx({"native": 2.0, "fused": 0.5, "compiled": 3.0})
+    assert record["bias_gelu"]["runs"] == "native" and record["bias_gelu"]["runner_up"] == "fused"
+
+
+def test_a_wall_time_tie_goes_to_native_whatever_the_device_says(auto):
+    auto.costs("layer_norm", native=(2.0, 2.0), fused=(2.0, 0.5), compiled=(2.0, 1.0))
+    resolve_backend("auto", SHAPES)
+    winner = choice.op_choices(SHAPES)["layer_norm"]
+    assert winner.runs == "native" and winner.margin == pytest.approx(1.0)
+    assert winner.describe().startswith("runs native (as fast as fused; wall (device) per call: native 2.000 ms "
+                                        "(2.000), fused 2.000 ms (0.500), ")
 
 
 def test_every_candidate_is_timed_and_the_fastest_wins(auto):
@@ -162,8 +195,8 @@ def test_every_candidate_is_timed_and_the_fastest_wins(auto):
     auto.costs("bias_gelu", native=1.5, fused=2.0, compiled=2.0)
     resolve_backend("auto", SHAPES)
     winner = choice.op_choices(SHAPES)["varlen_attention"]
-    assert winner.runs == "sdpa_cudnn" and list(winner.ms) == list(speed.IMPLEMENTATIONS["varlen_attention"])
-    assert winner.ms == pytest.approx({"native": 2.0, "fused": 1.5, "compiled": 1.8, "varlen_attn": 1.4,
+    assert winner.runs == "sdpa_cudnn" and list(winner.wall_ms) == list(speed.IMPLEMENTATIONS["varlen_attention"])
+    assert winner.wall_ms == pytest.approx({"native": 2.0, "fused": 1.5, "compiled": 1.8, "varlen_attn": 1.4,
                                        "sdpa_flash": 1.3, "sdpa_efficient": 1.2, "sdpa_cudnn": 0.9})
     assert _runs()["layer_norm"] == "compiled" and _runs()["bias_gelu"] == "native"
 
@@ -183,7 +216,7 @@ def test_the_race_times_attention_on_the_models_one_projection(auto, monkeypatch
     monkeypatch.setitem(attention.PACKED_IMPLEMENTATIONS, "fused",
                         lambda qkv, *rest: packed.append(tuple(qkv.shape[1:])) or fused(qkv, *rest))
     resolve_backend("auto", SHAPES)
-    ms = choice.op_choices(SHAPES)["varlen_attention"].ms
+    ms = choice.op_choices(SHAPES)["varlen_attention"].wall_ms
     assert ms["native"] == pytest.approx(2.0) and ms["fused"] == pytest.approx(1.0)
     assert packed and set(packed) == {(3, SHAPES.num_heads, SHAPES.head_dim)}
 
@@ -197,9 +230,11 @@ def test_the_record_says_what_won_and_by_how_much(auto):
     assert attention_record["margin"] == pytest.approx(1.2)
     assert section["candidates"] == speed.candidate_names()
     assert choice.op_choices(SHAPES)["varlen_attention"].describe().startswith(
-        "runs sdpa_efficient (1.20x faster than sdpa_cudnn; native 2.000 ms, fused 2.500 ms, ")
+        "runs sdpa_efficient (1.20x faster than sdpa_cudnn; wall (device) per call: native 2.000 ms (2.000), "
+        "fused 2.500 ms (2.500), ")
     assert choice.op_choices(SHAPES)["lamb_update"].describe() == (
-        "runs fused (2.00x faster than native; native 2.000 ms, fused 1.000 ms per call)")
+        "runs fused (2.00x faster than native; wall (device) per call: native 2.000 ms (2.000), fused 1.000 ms "
+        "(1.000))")
 
 
 def test_the_public_ops_run_the_winner(auto, monkeypatch):
@@ -229,7 +264,7 @@ def test_a_fused_kernel_that_failed_its_self_check_is_not_a_candidate(auto, monk
                                                        "varlen_attention": "", "lamb_update": ""})
     resolve_backend("auto", SHAPES)
     winner = choice.op_choices(SHAPES)["layer_norm"]
-    assert winner.runs == "native" and set(winner.ms) == {"native", "compiled"}  # fused never timed, though faster
+    assert winner.runs == "native" and set(winner.wall_ms) == {"native", "compiled"}  # fused never timed, though faster
     assert winner.excluded == {"fused": "failed the self-check: out: error 9 > 2 x 0 + 0",
                                "apex": "apex is not installed"}
 
@@ -249,7 +284,7 @@ def test_a_candidate_that_is_wrong_at_the_model_s_shapes_is_not_a_candidate(auto
     monkeypatch.setitem(layer_norm.IMPLEMENTATIONS, "compiled", wrong)
     resolve_backend("auto", SHAPES)
     winner = choice.op_choices(SHAPES)["layer_norm"]
-    assert winner.runs == "fused" and "compiled" not in winner.ms
+    assert winner.runs == "fused" and "compiled" not in winner.wall_ms
     assert winner.excluded["compiled"].startswith("wrong at these shapes: torch.float32 out: error ")
 
 
@@ -285,8 +320,85 @@ def test_a_candidate_that_miscounts_the_right_predictions_is_not_a_candidate(aut
     monkeypatch.setitem(cross_entropy.IMPLEMENTATIONS, "fused", auto.clock.charging(0.5, miscounting))
     resolve_backend("auto", SHAPES)
     winner = choice.op_choices(SHAPES)["mlm_cross_entropy"]
-    assert winner.runs == "native" and "fused" not in winner.ms
+    assert winner.runs == "native" and "fused" not in winner.wall_ms
     assert winner.excluded["fused"].startswith("wrong at these shapes: torch.float32: 1 where the reference gives 0")
+
+
+# --------------------------------------------------------------------------- the default clock
+
+class SimulatedGPU:
+    """A device the host queues work on, for the default clock's CUDA path: the host's clock
+    moves by each launch's host cost; the device runs its queue in order, each piece once it
+    is launched and the device is free, and an event is reached once the work before it is done."""
+
+    def __init__(self) -> None:
+        self.host = 0.0  # seconds
+        self.idle_at = 0.0  # when the device has done all that is queued
+
+    def launch(self, host_s: float, device_s: float) -> None:
+        self.host += host_s
+        self.idle_at = max(self.idle_at, self.host) + device_s
+
+    def synchronize(self, *device) -> None:
+        self.host = max(self.host, self.idle_at)
+
+    def event(self, enable_timing: bool = False):
+        gpu = self
+
+        class Event:
+            def record(self) -> None:
+                self.at = max(gpu.idle_at, gpu.host)
+
+            def synchronize(self) -> None:
+                gpu.host = max(gpu.host, self.at)
+
+            def elapsed_time(self, end) -> float:
+                return (end.at - self.at) * 1e3
+        return Event()
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+    simulated = SimulatedGPU()
+    monkeypatch.setattr(torch.cuda, "Event", simulated.event)
+    monkeypatch.setattr(torch.cuda, "synchronize", simulated.synchronize)
+    monkeypatch.setattr(speed, "time", types.SimpleNamespace(perf_counter=lambda: simulated.host))
+    return simulated
+
+
+def test_the_wall_clock_counts_what_the_launches_left_queued_and_not_what_came_before(gpu, monkeypatch):
+    monkeypatch.setattr(speed, "SAMPLES", 1)  # the one sample right after the untimed call and its queue
+    calls = []
+
+    def run():  # the device's work outlasts the launches: the run ends when the device's queue does
+        if not calls:
+            gpu.launch(0.0, 1.0)  # the untimed first call leaves a second of work queued
+        calls.append(None)
+        gpu.launch(10e-6, 300e-6)
+    timing = speed.best_seconds_per_call(run, torch.device("cuda", 0))
+    assert len(calls) == 1 + speed.SAMPLES * speed.CALLS_PER_SAMPLE
+    # per call: 300 us of the device's, and the first launch's 10 us before the device starts
+    assert timing.wall == pytest.approx(301e-6) and timing.device == pytest.approx(301e-6)
+
+
+def test_the_wall_clock_counts_the_launches_where_they_outlast_the_device_s_work(gpu):
+    def run():  # a costly launch (Python, checks, a host copy) for a little of the device's work
+        gpu.launch(460e-6, 100e-6)
+    timing = speed.best_seconds_per_call(run, torch.device("cuda", 0))
+    assert timing.wall == pytest.approx((10 * 460e-6 + 100e-6) / 10)
+    assert timing.device == pytest.approx(timing.wall)  # the device waited for the host between calls
+
+
+def test_on_a_cpu_the_device_s_time_is_the_wall_time(monkeypatch):
+    host = types.SimpleNamespace(now=0.0)
+    monkeypatch.setattr(speed, "time", types.SimpleNamespace(perf_counter=lambda: host.now))
+    # the untimed call, then each sample's calls: the best sample decides
+    costs = iter([9.0] + [cost for cost in (2e-3, 1e-3, 3e-3, 1e-3, 5e-3) for _ in range(speed.CALLS_PER_SAMPLE)])
+
+    def run():
+        host.now += next(costs)
+    timing = speed.best_seconds_per_call(run, torch.device("cpu"))
+    assert timing == speed.Timing(pytest.approx(1e-3), pytest.approx(1e-3))
 
 
 # --------------------------------------------------------------------------- one plan per model's shapes
@@ -500,8 +612,8 @@ def test_apex_layer_norm_joins_the_candidates_and_wins_when_fastest(auto, monkey
     monkeypatch.setitem(layer_norm.IMPLEMENTATIONS, "apex", auto.clock.charging(0.5, layer_norm.layer_norm_apex))
     assert resolve_backend("auto", SHAPES).winner("layer_norm") == "apex"
     winner = choice.op_choices(SHAPES)["layer_norm"]
-    assert winner.ms == pytest.approx({"native": 2.0, "fused": 1.0, "compiled": 3.0, "apex": 0.5})
-    assert "apex" not in choice.op_choices(SHAPES)["bias_gelu"].ms
+    assert winner.wall_ms == pytest.approx({"native": 2.0, "fused": 1.0, "compiled": 3.0, "apex": 0.5})
+    assert "apex" not in choice.op_choices(SHAPES)["bias_gelu"].wall_ms
 
 
 def test_a_wrong_apex_fails_its_self_check_and_is_not_a_candidate(auto, monkeypatch):
@@ -510,7 +622,7 @@ def test_a_wrong_apex_fails_its_self_check_and_is_not_a_candidate(auto, monkeypa
     monkeypatch.setattr(layer_norm, "APEX_LAYER_NORM", wrong)
     resolve_backend("auto", SHAPES)
     winner = choice.op_choices(SHAPES)["layer_norm"]
-    assert winner.runs == "fused" and "apex" not in winner.ms
+    assert winner.runs == "fused" and "apex" not in winner.wall_ms
     assert winner.excluded["apex"].startswith("failed the self-check: torch.float32 (96, 768) +residual out: error")
 
 
@@ -546,19 +658,20 @@ def test_the_choice_is_logged_once_per_shapes_with_its_margin_and_timings(auto, 
     logged = [r.getMessage() for r in caplog.records if r.name == "bert_ds.kernels.choice"]
     choices = [m for m in logged if " runs " in m]  # beside them: the self-check's and the race's lines
     assert sorted(m for m in choices if "at seq 8:" in m) == [
-        "kernels=auto at seq 8: bias_gelu runs native (1.50x faster than fused; native 2.000 ms, fused 3.000 ms, "
-        "compiled 3.000 ms per call)",
-        "kernels=auto at seq 8: dropout_add_layer_norm runs fused (2.00x faster than native; native 2.000 ms, "
-        "fused 1.000 ms, compiled 3.000 ms per call)",
-        "kernels=auto at seq 8: lamb_update runs fused (2.00x faster than native; native 2.000 ms, fused 1.000 ms "
-        "per call)",
-        "kernels=auto at seq 8: layer_norm runs fused (2.00x faster than native; native 2.000 ms, fused 1.000 ms, "
-        "compiled 3.000 ms per call); apex not a candidate: apex is not installed",
-        "kernels=auto at seq 8: mlm_cross_entropy runs fused (2.00x faster than native; native 2.000 ms, "
-        "fused 1.000 ms, compiled 3.000 ms per call)",
-        "kernels=auto at seq 8: varlen_attention runs fused (2.00x faster than native; native 2.000 ms, "
-        "fused 1.000 ms, compiled 3.000 ms, varlen_attn 3.000 ms, sdpa_flash 3.000 ms, sdpa_efficient 3.000 ms, "
-        "sdpa_cudnn 3.000 ms per call)",
+        "kernels=auto at seq 8: bias_gelu runs native (1.50x faster than fused; wall (device) per call: "
+        "native 2.000 ms (2.000), fused 3.000 ms (3.000), compiled 3.000 ms (3.000))",
+        "kernels=auto at seq 8: dropout_add_layer_norm runs fused (2.00x faster than native; wall (device) per call: "
+        "native 2.000 ms (2.000), fused 1.000 ms (1.000), compiled 3.000 ms (3.000))",
+        "kernels=auto at seq 8: lamb_update runs fused (2.00x faster than native; wall (device) per call: "
+        "native 2.000 ms (2.000), fused 1.000 ms (1.000))",
+        "kernels=auto at seq 8: layer_norm runs fused (2.00x faster than native; wall (device) per call: "
+        "native 2.000 ms (2.000), fused 1.000 ms (1.000), compiled 3.000 ms (3.000)); "
+        "apex not a candidate: apex is not installed",
+        "kernels=auto at seq 8: mlm_cross_entropy runs fused (2.00x faster than native; wall (device) per call: "
+        "native 2.000 ms (2.000), fused 1.000 ms (1.000), compiled 3.000 ms (3.000))",
+        "kernels=auto at seq 8: varlen_attention runs fused (2.00x faster than native; wall (device) per call: "
+        "native 2.000 ms (2.000), fused 1.000 ms (1.000), compiled 3.000 ms (3.000), varlen_attn 3.000 ms (3.000), "
+        "sdpa_flash 3.000 ms (3.000), sdpa_efficient 3.000 ms (3.000), sdpa_cudnn 3.000 ms (3.000))",
     ]
     assert len(choices) == 2 * len(speed.OPS) and sum("at seq 16:" in m for m in choices) == len(speed.OPS)
     races = [r.getMessage() for r in caplog.records if "timing each op's candidates" in r.getMessage()]
@@ -589,6 +702,70 @@ def test_the_optimizer_follows_the_model_s_plan(auto):
     timed = len(auto.clock.timed)
     lamb = Lamb([torch.zeros(4, requires_grad=True)], kernels="auto", shapes=model.op_shapes)
     assert lamb._backend(torch.zeros(4)) is model.backend and len(auto.clock.timed) == timed
+
+
+# --------------------------------------------------------------------------- what a run records
+
+class PrintedLog:
+    """The run's reporter (MetricsLogger.print), keeping what it printed."""
+
+    def __init__(self) -> None:
+        self.lines = []
+
+    def print(self, message: str, prefix: str = "bert_ds") -> None:
+        self.lines.append(message)
+
+
+def _phase_model(train_seq_len: int):
+    from bert_ds.model.bert import BertForPreTraining, ModelConfig
+
+    config = ModelConfig(vocab_size=50, hidden_size=16, num_layers=1, num_heads=2, intermediate_size=64,
+                         max_position_embeddings=512, kernels="auto")
+    return BertForPreTraining(config, train_seq_len=train_seq_len)
+
+
+def test_each_phase_s_run_records_its_race_with_both_clocks(auto, tmp_path):
+    from bert_ds.train.kernel_record import record_kernels
+
+    auto.costs("varlen_attention", fused=(1.0, 0.5), varlen_attn=(4.0, 0.25))
+    models = {seq: _phase_model(seq) for seq in (128, 512)}  # phase 1's and phase 2's, as bert_ds.train.phases
+    timed = len(auto.clock.timed)
+    for seq, model in models.items():
+        log, output = PrintedLog(), tmp_path / f"phase_{seq}"
+        output.mkdir()
+        assert record_kernels(log, model, output, rank=1) is None and not list(output.iterdir())  # rank 0 only
+        record_kernels(log, model, output, rank=0)
+        record = json.loads((output / "kernels.json").read_text())
+        assert (record["setting"], record["backend"], record["reason"]) == ("auto", "plan", "")
+        assert record["seq"] == record["shapes"]["max_seqlen"] == seq
+        assert record["shapes"] == dataclasses.asdict(model.op_shapes) and record["race_version"] == speed.RACE_VERSION
+        assert list(record["ops"]) == [op for op, _ in model.backend.runs]
+        for op, verdict in record["ops"].items():
+            assert verdict["runs"] == model.backend.winner(op)
+            assert set(verdict["wall_ms"]) == set(verdict["device_ms"]) == {"native", *STOOD_IN[op]}
+            assert {"excluded", "runner_up", "margin"} <= set(verdict)
+        attention_verdict = record["ops"]["varlen_attention"]
+        assert attention_verdict["wall_ms"]["varlen_attn"] == pytest.approx(4.0)
+        assert attention_verdict["device_ms"]["varlen_attn"] == pytest.approx(0.25)
+        assert attention_verdict["runs"] == "fused" and attention_verdict["margin"] == pytest.approx(2.0)
+        assert log.lines == [f"kernels=auto at seq {seq}: {op} {choice.Choice.from_json(verdict).describe()}"
+                             for op, verdict in record["ops"].items()]
+    assert len(auto.clock.timed) == timed  # read from the race's record, not raced again
+
+
+def test_without_a_race_the_record_says_what_runs_and_why(monkeypatch):
+    monkeypatch.setattr(choice, "no_cuda", lambda: "no CUDA device")
+    resolved = choice.resolution("auto", SHAPES, "torch")
+    assert resolved.lines() == ["kernels=auto: the native PyTorch ops run (no CUDA device to race on)"]
+    assert resolved.to_json() == {"setting": "auto", "backend": "torch", "reason": "no CUDA device to race on",
+                                  "seq": 8, "shapes": dataclasses.asdict(SHAPES), "race_version": None, "ops": {}}
+    monkeypatch.setattr(choice, "no_cuda", lambda: "the installed torch (2.13.0+cpu) is a CPU-only build")
+    assert choice.resolution("auto", SHAPES, "torch").reason == (
+        "no CUDA device to race on: the installed torch (2.13.0+cpu) is a CPU-only build")
+    assert choice.resolution("torch", SHAPES).lines() == [
+        "kernels=torch: the native PyTorch ops run (as kernels=torch asks)"]
+    assert choice.resolution("cuda", SHAPES, "cuda").lines() == [
+        "kernels=cuda: the fused CUDA kernels run for every op (as kernels=cuda asks)"]
 
 
 # --------------------------------------------------------------------------- the candidates themselves
@@ -629,7 +806,7 @@ def test_the_real_candidates_a_cpu_cannot_run_are_excluded_with_the_reason(auto,
         monkeypatch.setitem(attention.IMPLEMENTATIONS, name, auto.real["varlen_attention"][name])
     resolve_backend("auto", SHAPES)
     winner = choice.op_choices(SHAPES)["varlen_attention"]
-    assert set(winner.ms) == {"native", "fused", "compiled"}
+    assert set(winner.wall_ms) == {"native", "fused", "compiled"}
     assert winner.excluded["varlen_attn"] == ("raised ValueError: varlen_attn cannot take these inputs: its inputs "
                                               "are not on a CUDA device of compute capability 8.0 or newer")
     for name in ("sdpa_flash", "sdpa_efficient", "sdpa_cudnn"):

@@ -403,9 +403,9 @@ def fake_extension(monkeypatch, caplog):
     from bert_ds.kernels.speed import Choice
 
     verdicts = {"layer_norm": "y: error 1 > 2 x 0 + 0", "bias_gelu": "", "varlen_attention": ""}
-    choices = {"layer_norm": Choice("native", {"native": 1.0}, {"fused": "failed the self-check"}),
-               "bias_gelu": Choice("fused", {"native": 2.0, "fused": 1.0}, {}),
-               "varlen_attention": Choice("native", {"native": 1.0, "fused": 1.5}, {})}
+    choices = {"layer_norm": Choice("native", {"native": 1.0}, {"native": 1.0}, {"fused": "failed the self-check"}),
+               "bias_gelu": Choice("fused", {"native": 2.0, "fused": 1.0}, {"native": 2.0, "fused": 1.0}, {}),
+               "varlen_attention": Choice("native", {"native": 1.0, "fused": 1.5}, {"native": 1.0, "fused": 1.5}, {})}
     for module in (choice, dispatch):
         monkeypatch.setattr(module, "load_extension", lambda: (object(), ""))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
