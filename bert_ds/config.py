@@ -343,15 +343,33 @@ def _steps_directly(ds: dict[str, Any]) -> bool:
 
 
 def _can_own_gradients(ds: dict[str, Any]) -> bool:
-    """ZeRO-1/2 through ``DeepSpeedZeroOptimizer`` in bf16 or fp32: not ZeRO-0 or ZeRO-3, not
-    fp16 (the loss scaler's overflows are DeepSpeed's), not ZeRO-1 in bf16 with fp32 gradient
-    accumulation (DeepSpeed's ``BF16_Optimizer``), not CPU offload."""
+    """ZeRO-1/2 in bf16 or fp32: not ZeRO-0 or ZeRO-3, not fp16 (the loss scaler's overflows are
+    DeepSpeed's), not CPU offload. In bf16 with fp32 gradient accumulation the step owns the
+    gradients through :mod:`bert_ds.train.bf16_copy` (DeepSpeed's ``BF16_Optimizer``, which
+    that layout otherwise gets at stage 1, checks them itself)."""
     zero_cfg = ds.get("zero_optimization", {})
-    precision = precision_of(ds)
-    accum = ds.get("data_types", {}).get("grad_accum_dtype")
-    return (zero_cfg.get("stage", 0) in (1, 2) and precision != "fp16"
-            and not (precision == "bf16" and zero_cfg.get("stage") == 1 and accum in ("fp32", "float32"))
+    return (zero_cfg.get("stage", 0) in (1, 2) and precision_of(ds) != "fp16"
             and not zero_cfg.get("offload_optimizer") and not zero_cfg.get("cpu_offload"))
+
+
+def runs_bf16_copy(ds: dict[str, Any]) -> bool:
+    """Whether bert-ds runs this config's bf16 itself (:mod:`bert_ds.train.bf16_copy`): ZeRO-1/2
+    in bf16 with fp32 gradient accumulation where the step owns the gradients (every shipped
+    bf16 ZeRO-1/2 config). DeepSpeed then holds the fp32 weights (:func:`engine_json`), a bf16
+    copy of the model computes, and each micro-batch's gradients are summed in fp32 in one flat
+    buffer per param group: a few operations per micro-batch where DeepSpeed's ``BF16_Optimizer``
+    makes two per parameter, and no device read in the step."""
+    accum = ds.get("data_types", {}).get("grad_accum_dtype")
+    return precision_of(ds) == "bf16" and accum in ("fp32", "float32") and step_owns_gradients(ds)
+
+
+def engine_json(ds: dict[str, Any]) -> dict[str, Any]:
+    """What ``deepspeed.initialize`` is given for the training config ``ds``: ``ds`` itself, but
+    for :func:`runs_bf16_copy`'s layouts without its precision sections (the engine holds and
+    steps fp32 weights; bert-ds runs the bf16 copy)."""
+    if not runs_bf16_copy(ds):
+        return ds
+    return {k: v for k, v in ds.items() if k not in ("bf16", "bfloat16", "data_types")}
 
 
 # Top-level engine settings that DeepSpeed reads as plain values, without a schema of its own:

@@ -20,6 +20,13 @@ What this module owns, and why each part needs something DeepSpeed does not publ
   ZeRO-1/2 (``DeepSpeedZeroOptimizer``) with its overflow check, norm and clipping off. The
   step checks, measures and clips there, and skips a non-finite step on the device through
   the optimizer (:mod:`bert_ds.optim.device_skip`): DeepSpeed sees every step applied.
+- **Gradients reduced outside the engine** (:func:`flat_groups`, :func:`hand_partition_gradients`,
+  :func:`own_checkpoint_missing`): bert-ds runs bf16 on ZeRO-1/2 itself
+  (:mod:`bert_ds.train.bf16_copy`): its bf16 copy of the model takes the layout of ZeRO's flat
+  weights (``bit16_groups_flat``, ``partition_size``), and each rank's partition of the fp32
+  gradient sum goes to the optimizer's step as a pre-flattened partition, which ``step()``
+  uses as it is. Such an engine is fp32, so it names its checkpoint files as fp32 engines do;
+  one saved by a bf16 engine is restored from its full state.
 - **Skipped steps and the loss scale** (:func:`skipped_steps`, :func:`loss_scale`): the
   engine's counter and the wrappers' ``cur_scale``; DeepSpeed has no public getter for either.
 - **An engine without Muon's compiler** (:func:`initialize`): the engine imports DeepSpeed's
@@ -98,6 +105,9 @@ RELIED_ON: tuple[Field, ...] = (
     Field(_ENGINE, "module", "the model", "the model, whose parameters carry the fragments"),
     Field(_ENGINE, "zero_optimization_stage", "method", "ZeRO-3 has no full-weight path here"),
     Field(_ENGINE, "gradient_clipping", "method", "DeepSpeed's clipping threshold: 0 where the step clips"),
+    Field(_ENGINE, "_get_zero_ckpt_name", "method",
+          "the ZeRO optimizer file this engine's load_checkpoint opens (bf16 engines name theirs bf16_*): "
+          "absent where an engine of another precision saved the checkpoint"),
     # ---- ZeRO-1/2 and bf16 wrappers: the groups, the flat partitions, the data-parallel groups
     Field(_ZERO, "optimizer", "client optimizer", "the optimizer bert-ds built; it steps the flat partitions"),
     Field(_ZERO, "bit16_groups", "parameters per group", "model parameters of group i, in flat-partition order"),
@@ -111,6 +121,12 @@ RELIED_ON: tuple[Field, ...] = (
     Field(_ZERO, "averaged_gradients", "gradients per group",
           "this rank's reduced gradients per group, ready at the accumulation boundary before step()"),
     Field(_ZERO, "loss_scaler", "loss scaler", "holds `cur_scale` where the wrapper has no property for it"),
+    # ---- ZeRO-1/2 under bert-ds's bf16 copy (bert_ds.train.bf16_copy): the engine holds the fp32 weights
+    Field(_ZERO, "bit16_groups_flat", "flat weights per group",
+          "group i's parameters as one tensor, of which they are views: the bf16 copy and its gradients take its layout"),
+    Field(_ZERO, "partition_size", "int per group", "elements of group i's flat tensor per rank: rank r steps the r-th"),
+    Field(_ZERO, "_get_preflattened_grad_partition", "method",
+          "step() takes averaged_gradients[i].flat_partition, where set, as group i's flat gradient partition, uncopied"),
     Field(_BF16, "optimizer", "client optimizer", "as for ZeRO-1/2"),
     Field(_BF16, "bf16_groups", "parameters per group", "as bit16_groups"),
     Field(_BF16, "fp32_groups_flat_partition", "flat partition per group", "as single_partition_of_fp32_groups"),
@@ -251,6 +267,17 @@ def full_state_unsupported(engine) -> str | None:
         return ("loading full weights needs ZeRO-0 in fp32 or ZeRO-1/2 "
                 f"(this engine's optimizer is DeepSpeed's {type(engine.optimizer).__name__})")
     return None
+
+
+def own_checkpoint_missing(engine, folder: str, tag: str) -> bool:
+    """Whether the DeepSpeed checkpoint ``folder``/``tag`` lacks the ZeRO optimizer file this
+    engine's ``load_checkpoint`` would open: one saved by an engine of another precision
+    (DeepSpeed names a bf16 engine's files ``bf16_zero_pp_rank_*``, an fp32 one's
+    ``zero_pp_rank_*``), such as a bf16 run saved before bert-ds ran bf16 on an fp32 engine
+    (:mod:`bert_ds.train.bf16_copy`). False where the engine has no such file (ZeRO-0)."""
+    if not is_partitioned(engine):
+        return False
+    return not os.path.isfile(engine._get_zero_ckpt_name(folder, tag))
 
 
 # --------------------------------------------------------------------------- flat partitions
@@ -402,6 +429,58 @@ def step_owns_gradients(engine) -> bool:
         return engine.gradient_clipping() == 0.0
     return (isinstance(wrapper, DeepSpeedZeroOptimizer) and not wrapper.check_grad_overflow
             and not wrapper.compute_grad_norm and wrapper.clip_grad == 0.0)
+
+
+@dataclass(frozen=True)
+class FlatGroup:
+    """One param group's weights under ZeRO-1/2 as DeepSpeed lays them out: one flat tensor, of
+    which the group's parameters are views, cut into one equal partition per rank."""
+    params: list[torch.nn.Parameter]  # the group's model parameters, views of ``flat``
+    flat: torch.Tensor  # every element of the group (padded to a multiple of the world size), on every rank
+    partition: slice  # the elements of ``flat`` this rank steps
+    group: object  # the data-parallel process group
+
+
+def flat_groups(engine) -> list[FlatGroup]:
+    """Every param group's flat weights and this rank's partition of them, under ZeRO-1/2's
+    ``DeepSpeedZeroOptimizer`` (ValueError elsewhere)."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    wrapper = engine.optimizer
+    if not isinstance(wrapper, DeepSpeedZeroOptimizer):
+        raise ValueError(f"DeepSpeed's {type(wrapper).__name__} keeps no flat weights per param group "
+                         "(ZeRO-1/2's DeepSpeedZeroOptimizer does)")
+    groups = []
+    for params, flat, size, group in zip(wrapper.bit16_groups, wrapper.bit16_groups_flat, wrapper.partition_size,
+                                         wrapper.real_dp_process_group):
+        rank = dist.get_rank(group=group)
+        groups.append(FlatGroup(list(params), flat, slice(rank * int(size), (rank + 1) * int(size)),
+                                dist.group.WORLD if group is None else group))
+    return groups
+
+
+class _FlatGradients(list):
+    """``averaged_gradients[i]`` as ZeRO-1/2's ``step()`` reads a gradient partition handed in
+    whole: a list holding it (as :func:`partition_gradients` reads it) and ``flat_partition``."""
+
+    def __init__(self, flat: torch.Tensor):
+        super().__init__([flat])
+        self.flat_partition = flat
+
+
+def hand_partition_gradients(engine, grads: list[torch.Tensor]) -> None:
+    """Make ``grads[i]`` (this rank's reduced fp32 gradient of group i's partition, as
+    :func:`flat_groups` cuts it) what the next ``engine.step()`` at a boundary steps group i
+    with: the tensor itself, not a copy. For a step that reduced the gradients itself instead
+    of through ``engine.backward`` (:mod:`bert_ds.train.bf16_copy`)."""
+    wrapper = engine.optimizer
+    if len(grads) != len(wrapper.partition_size):
+        raise ValueError(f"{len(grads)} gradient partitions for {len(wrapper.partition_size)} param groups")
+    for i, (grad, size) in enumerate(zip(grads, wrapper.partition_size)):
+        if grad.dim() != 1 or grad.numel() != int(size) or grad.dtype != torch.float32:
+            raise ValueError(f"group {i}: a gradient partition is a flat fp32 tensor of {int(size)} elements, "
+                             f"got {grad.dtype} {tuple(grad.shape)}")
+        wrapper.averaged_gradients[i] = _FlatGradients(grad)
 
 
 def partition_gradients(engine) -> list[torch.Tensor]:

@@ -389,10 +389,15 @@ def load(engine, ckpt: Path, *, rank: int, world_size: int, verified: bool = Fal
     if saved_world != world_size:
         _load_portable(engine, ckpt, saved_world, world_size)
         return state
-    load_path, _ = engine.load_checkpoint(str(ckpt / "ds"), tag="state", load_optimizer_states=True,
-                                          load_lr_scheduler_states=True)
-    if load_path is None:
-        raise CheckpointError(f"{ckpt / 'ds'}: DeepSpeed could not load the engine state")
+    if zero.own_checkpoint_missing(engine, str(ckpt / "ds"), "state"):
+        # saved by an engine of another precision (a bf16 engine, before bert-ds ran bf16 on an
+        # fp32 one): its DeepSpeed files are not this engine's, its full state is
+        _load_portable(engine, ckpt, saved_world, world_size)
+    else:
+        load_path, _ = engine.load_checkpoint(str(ckpt / "ds"), tag="state", load_optimizer_states=True,
+                                              load_lr_scheduler_states=True)
+        if load_path is None:
+            raise CheckpointError(f"{ckpt / 'ds'}: DeepSpeed could not load the engine state")
     rng_file = ckpt / "rng" / f"rank_{rank:05d}.pt"
     if rng_file.is_file():
         set_rng_state(torch.load(rng_file, weights_only=False))

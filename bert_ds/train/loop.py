@@ -17,11 +17,13 @@ from bert_ds.checkpoint import hf_import
 from bert_ds.checkpoint import resume as resuming
 from bert_ds.checkpoint import store as checkpoint
 from bert_ds.base.errors import ConfigError
-from bert_ds.config import BatchPlan, TrainConfig, deepspeed_config, precision_of, step_owns_gradients
+from bert_ds.config import (BatchPlan, TrainConfig, deepspeed_config, engine_json, precision_of, runs_bf16_copy,
+                             step_owns_gradients)
 from bert_ds.loader.pretraining import PretrainingDataset, PretrainingLoader, open_pretraining_data, step_positions
 from bert_ds.model.bert import BertForPreTraining
 from bert_ds.model.flops import datasheet_peak_tflops, training_flops
 from bert_ds.optim.builders import bind_to_engine, build_optimizer, build_schedule
+from bert_ds.train.bf16_copy import Bf16Copy, EngineRunner
 from bert_ds.train.checkpointer import Checkpointer
 from bert_ds.train.faults import NO_FAULTS, Faults
 from bert_ds.train.kernel_record import record_kernels
@@ -60,9 +62,9 @@ def run(cfg: TrainConfig, resume: bool, rank: int, world: int, device: torch.dev
     checkpointer = Checkpointer.for_run(cfg, engine, loader, rank, saved_at=state.step if start.found else None)
     train_step = TrainStep(engine, start.optimizer, loader, device, rank, stop,
                            fp16=start.precision == "fp16", faults=options.faults, grad_clip=cfg.optim.grad_clip,
-                           owns_gradients=step_owns_gradients(start.ds_cfg))
+                           owns_gradients=step_owns_gradients(start.ds_cfg), runner=start.runner)
     step_log = _StepLog(log, progress, cfg, start.plan, rank, world, device, options.log_samples)
-    validation = _Validation(engine, start.val_set, cfg, rank, world, device, stop, log, progress)
+    validation = _Validation(start.runner, start.val_set, cfg, rank, world, device, stop, log, progress)
     profiler = StepProfiler(options.profile, Path(cfg.output), device, rank)
     launched = state.step  # the newest step whose work is queued; state.step: the newest one read
     try:
@@ -145,6 +147,7 @@ class _Start:
     ds_cfg: dict[str, Any]
     val_set: PretrainingDataset | None
     engine: Any
+    runner: EngineRunner | Bf16Copy  # runs the micro-batches: the engine, or a bf16 copy of its module
     optimizer: torch.optim.Optimizer  # the one handed to DeepSpeed
     n_params: int
     state: RunState
@@ -172,20 +175,26 @@ def _start(cfg: TrainConfig, resume: bool, rank: int, world: int, device: torch.
     train_set, val_set = open_pretraining_data(cfg.data, cfg.seed)
     engine, optimizer, n_params = _build_engine(cfg, ds_cfg, device)
     state, notes = _restore(engine, cfg, found, rank, world)
+    runner = (Bf16Copy(engine, lambda: _model(cfg, device), plan.grad_accum, ds_cfg.get("communication_data_type"))
+              if runs_bf16_copy(ds_cfg) else EngineRunner(engine))
     loader = PretrainingLoader(train_set, plan, rank, num_workers=cfg.data.num_workers,
                                pin_memory=device.type == "cuda")
     if state.loader:
         loader.load_state_dict(state.loader)
-    return _Start(found, changes, plan, ds_cfg, val_set, engine, optimizer, n_params, state, notes, loader,
+    return _Start(found, changes, plan, ds_cfg, val_set, engine, runner, optimizer, n_params, state, notes, loader,
                   train_set.num_samples)
+
+
+def _model(cfg: TrainConfig, device: torch.device) -> BertForPreTraining:
+    return BertForPreTraining(cfg.model, train_seq_len=cfg.data.max_seq_length).to(device)
 
 
 def _build_engine(cfg: TrainConfig, ds_cfg: dict[str, Any], device: torch.device):
     """The DeepSpeed engine, the optimizer handed to it, and the model's parameter count."""
-    model = BertForPreTraining(cfg.model, train_seq_len=cfg.data.max_seq_length).to(device)
+    model = _model(cfg, device)
     optimizer = build_optimizer(model, cfg.optim, kernels=cfg.model.kernels, shapes=model.op_shapes)
     engine, _, _, _ = zero.initialize(
-        model=model, optimizer=optimizer, config=ds_cfg,
+        model=model, optimizer=optimizer, config=engine_json(ds_cfg),
         lr_scheduler=lambda opt: build_schedule(opt, cfg.optim, cfg.steps),
     )
     bind_to_engine(optimizer, engine)
@@ -280,9 +289,9 @@ def _float(x: Any) -> float:
 class _Validation:
     """When the held-out passes run, and their record (metrics.jsonl, the summary)."""
 
-    def __init__(self, engine, val_set: PretrainingDataset | None, cfg: TrainConfig, rank: int, world: int,
+    def __init__(self, model, val_set: PretrainingDataset | None, cfg: TrainConfig, rank: int, world: int,
                  device: torch.device, stop: StopRequest, log: MetricsLogger, progress: Progress):
-        self.engine, self.val_set, self.cfg, self.rank, self.world = engine, val_set, cfg, rank, world
+        self.model, self.val_set, self.cfg, self.rank, self.world = model, val_set, cfg, rank, world
         self.device, self.stop, self.log, self.progress = device, stop, log, progress
 
     def due(self, step: int) -> bool:
@@ -297,7 +306,7 @@ class _Validation:
 
     def run(self, state: RunState) -> bool:
         """A pass at this step, logged; False when a stop signal abandoned it."""
-        result = validate(self.engine, self.val_set, self.cfg, self.rank, self.world, self.device, self.stop)
+        result = validate(self.model, self.val_set, self.cfg, self.rank, self.world, self.device, self.stop)
         if result is None:
             self.progress.stopped_by = _stopping(self.log, self.stop, state, "during validation, pass abandoned")
             return False

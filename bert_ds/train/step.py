@@ -42,6 +42,7 @@ from bert_ds.base.errors import BadStepsError
 from bert_ds.loader.pretraining import Batch, PretrainingLoader, to_device
 from bert_ds.model.bert import pretraining_inputs
 from bert_ds.optim import device_skip
+from bert_ds.train.bf16_copy import Bf16Copy, EngineRunner
 from bert_ds.train.faults import Faults
 from bert_ds.train.profiling import stage
 from bert_ds.train.signals import StopRequest
@@ -129,8 +130,9 @@ class StepRecord:
         return self._host.tolist(), self._events[0].elapsed_time(self._events[1]) / 1e3
 
 
-def forward(engine, batch: Batch):
-    return engine(**pretraining_inputs(batch))
+def forward(model, batch: Batch):
+    """``model``: what computes, the engine or a :mod:`~bert_ds.train.bf16_copy` runner."""
+    return model(**pretraining_inputs(batch))
 
 
 def ratio(a: float, b: float) -> float:
@@ -209,12 +211,15 @@ class LaunchedStep:
 
 
 class TrainStep:
-    """Runs optimizer steps on the engine; ``optimizer`` is the one handed to DeepSpeed."""
+    """Runs optimizer steps on the engine; ``optimizer`` is the one handed to DeepSpeed;
+    ``runner`` runs the micro-batches (:mod:`bert_ds.train.bf16_copy`: the engine itself, or a
+    bf16 copy of its module whose gradients it hands to the engine's step)."""
 
     def __init__(self, engine, optimizer: torch.optim.Optimizer, loader: PretrainingLoader, device: torch.device,
                  rank: int, stop: StopRequest, *, fp16: bool, faults: Faults, grad_clip: float = 0.0,
-                 owns_gradients: bool = False):
+                 owns_gradients: bool = False, runner: EngineRunner | Bf16Copy | None = None):
         self.engine, self.optimizer, self.loader = engine, optimizer, loader
+        self.runner = runner if runner is not None else EngineRunner(engine)
         self.device, self.rank, self.stop, self.fp16, self.faults = device, rank, stop, fp16, faults
         # Where the step owns the gradients (ZeRO-0 in fp32; ZeRO-1/2 with DeepSpeed's checks off:
         # bert_ds.config.step_owns_gradients) it checks, measures and clips them, and skips a
@@ -241,6 +246,8 @@ class TrainStep:
             batches = self.loader.next_step()
         data_s = time.perf_counter() - t0
         stats = self._forward_backward(batches, step)
+        with stage("gradient_reduce"):
+            self.runner.reduce_gradients()
         with stage("gradient_checks"):
             grads = self._gradients()
             if grads is not None:  # the flag that decides a skip, and the norm, in the same all-reduce
@@ -256,6 +263,7 @@ class TrainStep:
             before = zero.skipped_steps(self.engine)
             self.engine.step()
             engine_skipped = zero.skipped_steps(self.engine) > before
+            self.runner.refresh_weights()
         norm = None if grads is not None else self.engine.get_global_grad_norm()
         record.close(torch.cat([stats, norm.detach().reshape(1).double()]) if isinstance(norm, torch.Tensor) else stats)
         return LaunchedStep(step, record, None if isinstance(norm, torch.Tensor) else _number(norm), lr,
@@ -283,10 +291,10 @@ class TrainStep:
         for i, batch in enumerate(batches):
             with stage("forward"):
                 batch = to_device(batch, self.device, non_blocking=True)
-                out = forward(self.engine, batch)
+                out = forward(self.runner, batch)
                 loss = self.faults.loss(out.loss, self.rank, step)
             with stage("backward"):
-                self.engine.backward(loss)
+                self.runner.backward(loss)
             with stage("batch_stats"):
                 stats += batch_stats(out, batch, loss)
             if i + 1 < len(batches):

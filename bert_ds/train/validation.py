@@ -14,11 +14,12 @@ from bert_ds.train.step import AT, STATS, all_reduce, batch_stats, forward, rati
 VAL_STOP_CHECK_EVERY = 4
 
 
-def validate(engine, dataset: PretrainingDataset, cfg: TrainConfig, rank: int, world: int,
+def validate(model, dataset: PretrainingDataset, cfg: TrainConfig, rank: int, world: int,
              device: torch.device, stop: StopRequest) -> dict[str, float] | None:
     """The held-out metrics, or None when a stop was requested on any rank during the pass
-    (the pass is abandoned; every rank returns None at the same batch)."""
-    engine.eval()
+    (the pass is abandoned; every rank returns None at the same batch). ``model``: what
+    computes in training (the engine, or :mod:`~bert_ds.train.bf16_copy`'s copy)."""
+    model.eval()
     totals = torch.zeros(len(STATS) + 1, dtype=torch.float64, device=device)
     try:
         with torch.no_grad():
@@ -27,11 +28,11 @@ def validate(engine, dataset: PretrainingDataset, cfg: TrainConfig, rank: int, w
                 if i % VAL_STOP_CHECK_EVERY == 0 and stop.agreed(device):
                     return None
                 batch = to_device(batch, device, non_blocking=True)
-                out = forward(engine, batch)
+                out = forward(model, batch)
                 mlm_loss_sum = out.mlm_loss.detach().double() * out.mlm_count
                 totals += torch.cat([batch_stats(out, batch, out.loss), mlm_loss_sum.reshape(1)])
     finally:
-        engine.train()
+        model.train()
     totals[AT["stop"]] = float(stop.requested)  # a signal after the last check: the closing all-reduce tells
     *sums, mlm_loss_sum = all_reduce(totals).tolist()  # after the pass: one read
     s = dict(zip(STATS, sums))

@@ -4,7 +4,7 @@ import json
 import pytest
 
 from bert_ds.config import (BatchPlan, DataConfig, OptimConfig, TrainConfig, cpu_runs_bf16, deepspeed_config,
-                            machine_ds_config, precision_of, step_owns_gradients)
+                            engine_json, machine_ds_config, precision_of, runs_bf16_copy, step_owns_gradients)
 from bert_ds.base.errors import ConfigError
 from bert_ds.model.bert import model_preset
 
@@ -133,7 +133,7 @@ def test_compiled_layers_refuse_zero3():
     assert deepspeed_config(cfg, BatchPlan.resolve(32, 32, 1))["zero_optimization"]["stage"] == 2
 
 
-@pytest.mark.parametrize("name,owned", [("zero1_bf16.json", False), ("zero2_bf16.json", True),
+@pytest.mark.parametrize("name,owned", [("zero1_bf16.json", True), ("zero2_bf16.json", True),
                                         ("zero1_fp32.json", True), ("zero0_fp32.json", True),
                                         ("zero1_fp16.json", False), ("zero3_bf16.json", False)])
 def test_deepspeed_config_turns_off_the_per_step_syncs(name, owned):
@@ -150,6 +150,30 @@ def test_deepspeed_config_turns_off_the_per_step_syncs(name, owned):
     assert ds["zero_optimization"].get("compute_grad_norm", True) is not owned
     if precision_of(ds) == "bf16":
         assert ds["bf16"].get("check_grad_overflow", True) is not owned
+
+
+@pytest.mark.parametrize("name,copy", [("zero1_bf16.json", True), ("zero2_bf16.json", True),
+                                       ("zero1_fp32.json", False), ("zero0_bf16.json", False),
+                                       ("zero1_fp16.json", False), ("zero3_bf16.json", False)])
+def test_bf16_with_fp32_sums_on_zero1_2_runs_a_bf16_copy_on_an_fp32_engine(name, copy):
+    ds = deepspeed_config(_cfg(ds_config=name, optim=OptimConfig(name="adamw")), BatchPlan.resolve(32, 32, 1))
+    assert runs_bf16_copy(ds) is copy
+    engine = engine_json(ds)
+    if not copy:
+        assert engine is ds  # DeepSpeed runs the config as it is
+        return
+    # DeepSpeed holds and steps fp32 weights (DeepSpeedZeroOptimizer, its checks off); bert-ds runs bf16
+    assert precision_of(ds) == "bf16" and precision_of(engine) == "fp32"
+    assert "data_types" not in engine and engine["zero_optimization"]["compute_grad_norm"] is False
+    assert step_owns_gradients(engine) and engine["gradient_clipping"] == 0.0
+
+
+def test_a_bf16_config_that_keeps_deepspeeds_checks_runs_on_deepspeeds_wrapper(tmp_path):
+    own = tmp_path / "own.json"
+    own.write_text(json.dumps({"zero_optimization": {"stage": 1, "compute_grad_norm": True}, "bf16": {"enabled": True},
+                               "data_types": {"grad_accum_dtype": "fp32"}}))
+    ds = deepspeed_config(_cfg(ds_config=str(own)), BatchPlan.resolve(32, 32, 1))
+    assert not step_owns_gradients(ds) and not runs_bf16_copy(ds) and engine_json(ds) is ds
 
 
 def test_deepspeed_config_keeps_a_users_own_timers_and_checks(tmp_path):

@@ -43,6 +43,8 @@ NOT_DEEPSPEED = {
     "data_ptr", "device", "element_size", "float", "get_world_size", "group", "is_tensor", "items",
     "named_parameters", "new_group", "nn", "optim", "param_groups", "shape", "state", "to", "values", "zeros_like",
     "addFilter", "removeFilter", "getMessage", "environ", "cuda", "is_available",  # logging's, os's, torch's
+    "__init__", "dim", "dtype", "float32", "get_rank",
+    "flat_partition",  # set by bert_ds.zero; DeepSpeed reads it (RELIED_ON's _get_preflattened_grad_partition)
 }
 
 
@@ -126,6 +128,16 @@ def _check_flat(i: int, flat, built: _Built) -> None:
     assert flat.numel() >= sum(p.numel() for p in built.groups[i])  # one rank holds all of it
 
 
+def _check_flat_weights(i: int, flat, built: _Built) -> None:
+    """Group i's parameters are views of ``flat``, one after another in group order."""
+    assert isinstance(flat, torch.Tensor) and flat.dim() == 1 and flat.is_contiguous(), flat
+    offset = 0
+    for p in built.groups[i]:
+        assert p.data_ptr() == flat.data_ptr() + offset * flat.element_size(), f"group {i}: not a view at {offset}"
+        offset += p.numel()
+    assert flat.numel() >= offset
+
+
 CHECKS = {
     "class": lambda v, b: isinstance(v, type) or pytest.fail(f"{v!r} is not a class"),
     "int": lambda v, b: (type(v) is int) or pytest.fail(f"{v!r} is not an int"),
@@ -139,6 +151,9 @@ CHECKS = {
     "parameters per group": lambda v, b: _check_per_group(
         v, b, lambda i, ps: [id(p) for p in ps] == [id(p) for p in b.groups[i]] or pytest.fail(f"group {i}")),
     "flat partition per group": lambda v, b: _check_per_group(v, b, lambda i, f: _check_flat(i, f, b)),
+    "flat weights per group": lambda v, b: _check_per_group(v, b, lambda i, f: _check_flat_weights(i, f, b)),
+    "int per group": lambda v, b: _check_per_group(
+        v, b, lambda i, n: (int(n) == n and n > 0) or pytest.fail(f"group {i}: {n!r}")),
     "process group per group": lambda v, b: _check_per_group(
         v, b, lambda i, g: _is_group(g) or pytest.fail(f"group {i}: {g!r}")),
     "loss scale": lambda v, b: float(v) == 1.0 or pytest.fail(f"{v!r}: no fp16 here, the scale is 1"),
