@@ -61,6 +61,19 @@ def spawn(cmd: list[str], env: dict[str, str] | None = None, **popen_kwargs) -> 
     return proc
 
 
+def stop_signals_at_default() -> None:
+    """``preexec_fn`` of a child that a test will Ctrl-C or send a stop signal: SIGINT, SIGTERM
+    and SIGUSR1 at their default, as a terminal's foreground command has them.
+
+    A child inherits the signals its parent ignores, and a shell starts a background job
+    (``nohup ./run.sh test &``, some CI runners) with SIGINT ignored: a Ctrl-C the test sends
+    would then do nothing, as the commands mean it to for a user who asked for that. Only the
+    children a test signals get it, not every :func:`spawn`: with a ``preexec_fn`` subprocess
+    forks the whole test process instead of using vfork, and runs Python before the exec."""
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(signum, signal.SIG_DFL)
+
+
 def started_by(proc: subprocess.Popen) -> list[int]:
     """The live processes of :func:`spawn`'s ``proc``: it and everything it started."""
     marker = f"{TEST_TAG_ENV}={_tag_of[proc.pid]}".encode()

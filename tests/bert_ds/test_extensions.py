@@ -21,7 +21,7 @@ from bert_ds.base import build_locks
 from bert_ds.train import extensions
 from bert_ds.train.signals import STARTUP_EXIT_GRACE_S
 from bert_ds.base.errors import EXIT_USER_ERROR, UserError
-from tests.conftest import REPO, cli_env, run_cli, spawn
+from tests.conftest import REPO, cli_env, run_cli, spawn, stop_signals_at_default
 
 OP = "deepspeed_shm_comm"  # the op DeepSpeed's init_distributed loads on CPU
 HOLD = "import os, sys, time; os.open(sys.argv[1], os.O_CREAT | os.O_EXCL); print('held', flush=True); time.sleep(300)"
@@ -59,12 +59,12 @@ def _hold(lock: Path) -> subprocess.Popen:
     return holder
 
 
-def _train(data: dict[str, Path], out: Path, cache: Path, **env: str) -> subprocess.Popen:
+def _train(data: dict[str, Path], out: Path, cache: Path, preexec_fn=None, **env: str) -> subprocess.Popen:
     args = ["--data", str(data["train"]), "--output", str(out), "--preset", "tiny", "--seq-len", "64",
             "--global-batch-size", "8", "--micro-batch-size", "8", "--steps", "1", "--no-progress",
             "--no-tensorboard", "--num-workers", "0"]
     return spawn([sys.executable, "-m", "bert_ds.train", *args], env={**cli_env(), extensions.CACHE_ENV: str(cache), **env},
-                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, preexec_fn=preexec_fn)
 
 
 def _polls(watch: build_locks.LockWatch, n: int) -> list[bool]:
@@ -172,7 +172,8 @@ def test_r14_a_live_lock_is_waited_on_for_the_bound_then_one_line(sample_data, t
 def test_r14_a_stop_signal_before_the_first_step_exits_promptly(sample_data, tmp_path, cache, sig):
     lock = cache / OP / build_locks.LOCK_NAME
     _hold(lock)  # keeps the start waiting where SIGTERM used to be put off "until the next step"
-    train = _train(sample_data, tmp_path / "run", cache, **{build_locks.LOCK_TIMEOUT_ENV: "60"})
+    train = _train(sample_data, tmp_path / "run", cache, preexec_fn=stop_signals_at_default,
+                   **{build_locks.LOCK_TIMEOUT_ENV: "60"})
     err_lines: list[str] = []
     _wait_for(lambda: "waiting for DeepSpeed's extension build lock" in _read_line(train, err_lines), 120,
               "the waiting message")

@@ -22,7 +22,7 @@ import pytest
 from bert_ds.base.errors import EXIT_INTERRUPTED, guarded
 from bert_ds.checkpoint import store as checkpoint
 from tests.bert_ds.test_reliability import _args, _command, _losses, _steps_logged, _wait_for_step
-from tests.conftest import REPO, cli_env, run_cli
+from tests.conftest import REPO, cli_env, run_cli, stop_signals_at_default
 
 STEPS = 8
 EXTRA = ("--steps", str(STEPS), "--num-workers", "1")  # with a loader worker, which the signal reaches too
@@ -31,7 +31,7 @@ EXTRA = ("--steps", str(STEPS), "--num-workers", "1")  # with a loader worker, w
 def _start_group(args: list[str], nproc: int, log: Path) -> subprocess.Popen:
     """The trainer in a process group of its own, which a Ctrl-C signals as a whole."""
     return subprocess.Popen(_command(args, nproc), stdout=open(log, "w"), stderr=subprocess.STDOUT, env=cli_env(),
-                            cwd=REPO, start_new_session=True)
+                            cwd=REPO, start_new_session=True, preexec_fn=stop_signals_at_default)
 
 
 def _ctrl_c(proc: subprocess.Popen) -> None:
@@ -157,9 +157,9 @@ def test_r13_ctrl_c_while_the_trainer_starts_is_one_line(sample_data, tmp_path, 
 
 
 def _python(script: str) -> subprocess.CompletedProcess:
-    """``python -c script`` in the project, as the CLI tests run it."""
+    """``python -c script`` in the project, as the CLI tests run it; the scripts Ctrl-C themselves."""
     return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=cli_env(), cwd=REPO,
-                          timeout=60)
+                          timeout=60, preexec_fn=stop_signals_at_default)
 
 
 def test_a_ctrl_c_inside_deferred_interrupt_comes_after_the_block():

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from tests.bert_ds.test_glue import WORDS, tiny_export  # noqa: F401 (a fixture)
-from tests.conftest import REPO, cli_env, end, run_cli, spawn
+from tests.conftest import REPO, cli_env, end, run_cli, spawn, stop_signals_at_default
 
 ENTITIES = {"PER": [["john"], ["king", "john"]], "LOC": [["new", "york"], ["river"]]}
 
@@ -107,9 +107,7 @@ def test_ctrl_c_keeps_the_finished_runs_and_says_so_in_one_line(tiny_export, tmp
     child = spawn([sys.executable, "-m", "bert_ds.eval", "ner", "--model", str(tiny_export), "--data", str(data),
                    "--output", str(out), "--no-progress", "--max-seq-length", "32", "--epochs", "40", "--seeds", "10"],
                   env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
-                  # a terminal's foreground command meets Ctrl-C with SIGINT at its default, whatever
-                  # the test process's own disposition is
-                  preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                  preexec_fn=stop_signals_at_default)
     try:
         deadline = time.monotonic() + 300
         while not (out / "ner" / "seed1.json").is_file() and child.poll() is None and time.monotonic() < deadline:

@@ -28,7 +28,7 @@ from bert_ds.checkpoint import store as checkpoint
 from bert_ds.checkpoint.store import CheckpointError
 from bert_ds.train.signals import StopRequest
 from bert_ds.train.sample_log import consumed_positions
-from tests.conftest import REPO, run_cli, spawn
+from tests.conftest import REPO, run_cli, spawn, stop_signals_at_default
 
 R1_TRIALS = int(os.environ.get("BERT_DS_R1_TRIALS", "3"))
 GLOBAL_BATCH = 16
@@ -54,10 +54,10 @@ def _command(args: list[str], nproc: int) -> list[str]:
     return cmd + args
 
 
-def _start(args: list[str], nproc: int = 1, log: Path | None = None) -> subprocess.Popen:
+def _start(args: list[str], nproc: int = 1, log: Path | None = None, **popen_kwargs) -> subprocess.Popen:
     """The trainer in the background; its output goes to a file (a pipe could fill and block it)."""
     sink = open(log, "w") if log else subprocess.DEVNULL
-    return spawn(_command(args, nproc), stdout=sink, stderr=subprocess.STDOUT, cwd=REPO)
+    return spawn(_command(args, nproc), stdout=sink, stderr=subprocess.STDOUT, cwd=REPO, **popen_kwargs)
 
 
 def _steps_logged(out: Path) -> list[dict]:
@@ -207,7 +207,7 @@ def test_r2_sigterm_to_one_rank_checkpoints_and_exits_0(sample_data, tmp_path, r
     out = tmp_path / "run"
     args = _args(sample_data, out, *FP32, "--steps", str(FP32_STEPS), "--save-every", str(FP32_SAVE_EVERY),
                  "--keep-last", "10")
-    proc = _start(args, nproc=2, log=tmp_path / "signalled.log")
+    proc = _start(args, nproc=2, log=tmp_path / "signalled.log", preexec_fn=stop_signals_at_default)
     _wait_for_step(out, 4, proc)
     pid = int((out / "pids" / "rank_1.pid").read_text())
     logged = _steps_logged(out)[-1]["step"]

@@ -17,7 +17,7 @@ from bert_ds.data_tools.build import JOURNAL_NAME, BuildOptions, build
 from bert_ds.base.locking import LOCK_NAME, FolderBusy, FolderLock
 from bert_ds.data_tools.manifest import MANIFEST_NAME
 from bert_ds.data_tools.shard_format import ShardReader
-from tests.conftest import REPO, cli_env
+from tests.conftest import REPO, cli_env, stop_signals_at_default
 
 SAMPLE = Path(__file__).resolve().parents[2] / "data_tools" / "sample" / "valid.txt"
 
@@ -51,7 +51,8 @@ def _finished_shards(out: Path) -> int:
 def test_a_stop_signal_to_the_process_group_ends_the_build_cleanly(corpus, tmp_path, signum):
     out = tmp_path / "data"
     proc = subprocess.Popen([sys.executable, "-m", "bert_ds.data_tools", *_build_args(corpus, out)], cwd=REPO, env=cli_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=stop_signals_at_default)
     deadline = time.monotonic() + 120
     while _finished_shards(out) < 2 and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -114,7 +115,8 @@ def test_a_worker_whose_result_is_left_unread_ends_without_a_traceback(corpus, t
 def test_the_rerun_after_ctrl_c_resumes_to_the_uninterrupted_bytes(corpus, tmp_path):
     out = tmp_path / "data"
     proc = subprocess.Popen([sys.executable, "-m", "bert_ds.data_tools", *_build_args(corpus, out)], cwd=REPO, env=cli_env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=stop_signals_at_default)
     while _finished_shards(out) < 2 and proc.poll() is None:
         time.sleep(0.05)
     os.killpg(proc.pid, signal.SIGINT)
