@@ -210,7 +210,8 @@ def markdown(r: dict[str, Any]) -> str:
             f"useful (the accounting of bert_ds/model/flops.py), {b['padded_dense_gflop_per_step']:,.1f} GFLOP computed "
             f"by a padded model with a dense MLM decoder ({b['padded_dense_gflop_per_step'] / b['useful_gflop_per_step']:.2f}x).",
             "",
-            "| variant | kernels | ms/step | real tokens/s | vs (c) | data wait | useful TFLOP/s | MFU datasheet "
+            "Rates by the host's wall clock over the timed steps (what a training loop takes for them).", "",
+            "| variant | kernels | wall ms/step | real tokens/s | vs (c) | data wait | useful TFLOP/s | MFU datasheet "
             "| MFU matmul | peak memory | first-batch loss |",
             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]

@@ -73,10 +73,10 @@ def run(cfg: TrainConfig, resume: bool, rank: int, world: int, device: torch.dev
             stop.begin_steps()
             pending: LaunchedStep | None = None  # launched, not yet read
 
-            def finish(step: LaunchedStep) -> int:
-                """Read and log ``step``; its stop votes."""
+            def finish(step: LaunchedStep, next_step: LaunchedStep | None = None) -> int:
+                """Read and log ``step`` (``next_step``: the one launched after it, if any); its stop votes."""
                 result = train_step.finish(step, state)
-                step_log.write(result, state)
+                step_log.write(result, state, next_step.record.launched_at if next_step is not None else None)
                 check_bad_streak(state, cfg.max_bad_steps, checkpointer.newest)
                 return result.outcome.stop_votes
 
@@ -91,7 +91,7 @@ def run(cfg: TrainConfig, resume: bool, rank: int, world: int, device: torch.dev
                 boundary = launched == last_step or validation.due(launched) or checkpointer.due(launched)
                 ready = [step for step in (pending, current if boundary else None) if step is not None]
                 pending = None if boundary else current
-                votes = max((finish(step) for step in ready), default=0)
+                votes = max((finish(step, current if step is not current else None) for step in ready), default=0)
                 if votes:
                     if pending is not None:  # launched before the votes were read: it runs to its end
                         finish(pending)
@@ -255,18 +255,30 @@ class _StepLog:
         self.peak = datasheet_peak_tflops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
         self.samples = SampleLog(Path(log_samples)) if log_samples else None
 
-    def write(self, result: StepResult, state: RunState) -> None:
+    def write(self, result: StepResult, state: RunState, next_launch: float | None) -> None:
+        """Two clocks. The host's, ``wall_time_s``: from the step's launch to the next step's
+        launch where that came before this step was read (the run's period: the next step is
+        queued while this one runs), else to the step's read; over a run of steps these add up
+        to the time from the first one's launch to the last one's read, what the run takes for
+        them, with validation passes and checkpoints (between a read and the next launch) left
+        out. The device's, ``step_time_s``: the span of the step's work (CUDA events; on a CPU
+        the launch's own time). ``tokens_per_s`` and ``mfu`` are by the host's clock,
+        ``*_device`` by the device's."""
         s, step_s = result.outcome.sums, result.step_s
+        wall_s = (next_launch if next_launch is not None else result.read_at) - result.launched_at
         record = {
             "step": state.step, "loss": result.outcome.loss, "mlm_acc": ratio(s["mlm_correct"], s["mlm_count"]),
             "nsp_acc": ratio(s["nsp_correct"], s["nsp_count"]), "lr": result.lr,
             "grad_norm": _float(result.grad_norm), "loss_scale": result.loss_scale,
             "skipped_steps": state.skipped_steps, "tokens": state.tokens, "samples": result.samples,
-            "tokens_per_s": s["tokens"] / step_s, "step_time_s": step_s, "data_wait_s": result.data_s,
+            "tokens_per_s": s["tokens"] / wall_s, "tokens_per_s_device": s["tokens"] / step_s,
+            "wall_time_s": wall_s, "step_time_s": step_s, "data_wait_s": result.data_s,
         }
+        peak_s = None  # the step's work in seconds of the devices' datasheet peak
         if self.peak is not None:
             flops = training_flops(self.cfg.model, int(s["tokens"]), int(s["sum_sq_len"]), int(s["mlm_count"]))
-            record["mfu"] = flops / step_s / (self.peak * 1e12 * self.world)
+            peak_s = flops / (self.peak * 1e12 * self.world)
+            record["mfu"], record["mfu_device"] = peak_s / wall_s, peak_s / step_s
             record["max_memory_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         self.log.log_step(record)
         if self.samples is not None:
@@ -275,7 +287,7 @@ class _StepLog:
             self.log.print(f"step {state.step}: non-finite loss or gradient, update skipped "
                            f"({state.bad_streak} in a row, {state.skipped_steps} skipped in all)")
         else:
-            self.progress.add_step(record)
+            self.progress.add_step(record, s["tokens"], peak_s)
 
     def close(self) -> None:
         if self.samples is not None:

@@ -105,6 +105,7 @@ class StepRecord:
 
     def __init__(self, device: torch.device):
         self._started = time.perf_counter()
+        self.launched_at = self._started  # the host's clock as the step's launch began
         self._ended = self._started
         self._events = None
         if device.type == "cuda":
@@ -193,6 +194,8 @@ class StepResult:
     samples: int  # the loader's stream position at its end
     step_s: float  # the device's time on the step (StepRecord)
     data_s: float  # of which waiting for the loader
+    launched_at: float  # the host's clock (time.perf_counter) as the step's launch began
+    read_at: float  # and once its figures were read, its work done
 
 
 @dataclass(frozen=True)
@@ -274,6 +277,7 @@ class TrainStep:
         """Read what ``launched`` counted (waiting for its work, not for what was queued after it)
         and count it into ``state``; steps are finished in the order they were launched."""
         values, step_s = launched.record.read()
+        read_at = time.perf_counter()
         sums = dict(zip(STATS, values))
         nonfinite = sums["nonfinite_loss"] > 0 or sums["nonfinite_grad"] > 0
         grad_norm = values[len(STATS)] if len(values) > len(STATS) else launched.grad_norm
@@ -284,7 +288,7 @@ class TrainStep:
         skipped = launched.engine_skipped or (self.owns_gradients and nonfinite)
         outcome = account(state, sums, skipped, fp16=self.fp16)
         return StepResult(outcome, launched.lr, grad_norm, launched.loss_scale, launched.first_position,
-                          launched.samples, step_s, launched.data_s)
+                          launched.samples, step_s, launched.data_s, launched.record.launched_at, read_at)
 
     def _forward_backward(self, batches: list[Batch], step: int) -> torch.Tensor:
         stats = torch.zeros(len(STATS), dtype=torch.float64, device=self.device)

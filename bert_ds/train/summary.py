@@ -14,28 +14,38 @@ class Progress:
     """What the summary reports, gathered step by step; bad steps are left out."""
 
     losses: list[float] = field(default_factory=list)
-    rates: list[float] = field(default_factory=list)  # real tokens/s
-    mfus: list[float] = field(default_factory=list)  # on GPUs (where the peak is known)
+    tokens: list[float] = field(default_factory=list)  # real tokens per step, all ranks
+    wall_s: list[float] = field(default_factory=list)  # the host's time each step adds to the run (loop._StepLog)
+    device_s: list[float] = field(default_factory=list)  # the device's span of each step
+    peak_s: list[float] = field(default_factory=list)  # on GPUs: each step's work in seconds at the datasheet peak
     max_memory_gb: float | None = None  # on GPUs: torch.cuda.max_memory_allocated, the largest so far
     val: dict[str, float] = field(default_factory=dict)  # the latest validation pass
     stopped_by: str | None = None  # the stop signal's name when a signal stopped the run
 
-    def add_step(self, record: dict[str, Any]) -> None:
+    def add_step(self, record: dict[str, Any], tokens: float, peak_s: float | None) -> None:
         self.losses.append(record["loss"])
-        self.rates.append(record["tokens_per_s"])
-        if "mfu" in record:
-            self.mfus.append(record["mfu"])
+        self.tokens.append(tokens)
+        self.wall_s.append(record["wall_time_s"])
+        self.device_s.append(record["step_time_s"])
+        if peak_s is not None:
+            self.peak_s.append(peak_s)
         if "max_memory_gb" in record:
             self.max_memory_gb = max(self.max_memory_gb or 0.0, record["max_memory_gb"])
 
     def summary(self, state: RunState, checkpoint: Path, save_s: float) -> dict[str, Any]:
+        """Rates over the measured steps (the first ones, which include start-up, left out):
+        their tokens over their time, by the host's wall clock (what the run takes for them) and
+        by the device's (``*_device``)."""
         k = max(1, min(10, len(self.losses) // 5))
-        warm = self.rates[k:] or self.rates  # the first steps include start-up and are excluded
-        warm_mfu = self.mfus[k:] or self.mfus
+        skip = k if len(self.losses) > k else 0
+        tokens, wall, device, peak = (sum(xs[skip:]) for xs in (self.tokens, self.wall_s, self.device_s, self.peak_s))
         return {
             "steps": state.step, "tokens": state.tokens,
-            "tokens_per_s": sum(warm) / len(warm) if warm else float("nan"),
-            "mfu": sum(warm_mfu) / len(warm_mfu) if warm_mfu else None,
+            "tokens_per_s": tokens / wall if wall else float("nan"),
+            "tokens_per_s_device": tokens / device if device else float("nan"),
+            "mfu": peak / wall if self.peak_s and wall else None,
+            "mfu_device": peak / device if self.peak_s and device else None,
+            "measured_steps": max(0, len(self.losses) - skip),
             "max_memory_gb": self.max_memory_gb,
             "loss_first": sum(self.losses[:k]) / k if self.losses else float("nan"),
             "loss_last": sum(self.losses[-k:]) / k if self.losses else float("nan"),
@@ -49,11 +59,13 @@ def print_summary(s: dict[str, Any]) -> None:
     lines = [
         f"steps            {s['steps']}",
         f"real tokens      {s['tokens']:,}",
-        f"real tokens/s    {s['tokens_per_s']:,.0f} (warm-up steps excluded)",
+        f"real tokens/s    {s['tokens_per_s']:,.0f} by wall time ({s['tokens_per_s_device']:,.0f} by the device's "
+        f"clock; warm-up steps excluded)",
         f"loss             {s['loss_first']:.3f} -> {s['loss_last']:.3f}",
     ]
     if s["mfu"] is not None:
-        lines.append(f"MFU              {s['mfu']:.1%} of the datasheet dense bf16 peak (bert_ds/model/flops.py accounting)")
+        lines.append(f"MFU              {s['mfu']:.1%} by wall time ({s['mfu_device']:.1%} by the device's clock) of "
+                     "the datasheet dense bf16 peak (bert_ds/model/flops.py accounting)")
     if s.get("max_memory_gb") is not None:
         lines.append(f"peak GPU memory  {s['max_memory_gb']:.1f} GiB on rank 0 (torch.cuda.max_memory_allocated)")
     if val:

@@ -166,3 +166,44 @@ def test_every_failure_has_its_exit_status_and_one_line(capsys):
         guarded(lambda: 1 / 0, cleanup=lambda: cleaned.append("bug"))
     assert cleaned[-1] == "bug"
     assert guarded(lambda: 1) == 1  # a command that returns its own status (verify: 1 on damage) keeps it
+
+
+# --------------------------------------------------------------------------- throughput by two clocks
+
+
+def test_a_host_bound_run_reports_its_wall_rate_with_the_device_rate_beside_it(tmp_path):
+    """Steps launched a second apart (the host's period) whose device work takes half a second:
+    tokens/s and MFU by the wall clock are what the run takes, half the device clock's; each
+    step's wall time runs to the next launch, the last one's to its read."""
+    from bert_ds.config import BatchPlan
+    from bert_ds.model.config import model_preset
+    from bert_ds.train.loop import _StepLog
+    from bert_ds.train.metrics import MetricsLogger
+    from bert_ds.train.step import StepResult
+    from bert_ds.train.summary import Progress
+
+    progress = Progress()
+    log = _StepLog(MetricsLogger(tmp_path, enabled=False, total_steps=4), progress, _cfg_with(model_preset("tiny", 2048)),
+                   BatchPlan.resolve(16, 8, 1), 0, 1, torch.device("cpu"), None)
+    log.peak = 1e-6  # TFLOP/s: a stand-in for a GPU's datasheet peak, so that MFU is reported
+    written = []
+    log.log.log_step = written.append
+    state = RunState()
+    times = [(0.0, 1.2, 1.0), (1.0, 2.3, 2.0), (2.0, 3.2, 3.0), (3.0, 4.5, None)]  # launch, read, next launch
+    for launched_at, read_at, next_launch in times:
+        outcome = account(state, sums(tokens=640.0), engine_skipped=False, fp16=False)
+        log.write(StepResult(outcome, 1e-3, 1.0, 1.0, 0, 16, 0.5, 0.0, launched_at, read_at), state, next_launch)
+    assert [r["wall_time_s"] for r in written] == [1.0, 1.0, 1.0, 1.5]
+    assert [r["tokens_per_s"] for r in written] == [640.0, 640.0, 640.0, 640.0 / 1.5]
+    assert all(r["tokens_per_s_device"] == 1280.0 and r["mfu_device"] == 2 * r["mfu"] for r in written[:3])
+    summary = progress.summary(state, tmp_path, 0.0)  # the first step left out: 3 steps, 3.5 s, 1.5 s on the device
+    assert summary["measured_steps"] == 3
+    assert summary["tokens_per_s"] == pytest.approx(3 * 640 / 3.5)
+    assert summary["tokens_per_s_device"] == pytest.approx(3 * 640 / 1.5)
+    assert summary["mfu"] / summary["mfu_device"] == pytest.approx(1.5 / 3.5)
+
+
+def _cfg_with(model):
+    from bert_ds.config import DataConfig, TrainConfig
+
+    return TrainConfig(model=model, data=DataConfig(train=["unused"]))
