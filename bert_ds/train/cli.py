@@ -7,7 +7,8 @@ CPU accelerator and gloo.
 
 Every run appends to ``OUTPUT/metrics.jsonl`` (one object per optimizer step:
 step, loss, mlm_acc, nsp_acc, lr, grad_norm, loss_scale, skipped_steps, tokens
-(real, cumulative), tokens_per_s, step_time_s, and mfu on GPUs), writes
+(real, cumulative), tokens_per_s and wall_time_s by the host's clock, tokens_per_s_device
+and step_time_s by the device's, and mfu on GPUs), writes
 TensorBoard events to ``OUTPUT/tensorboard``, checkpoints to
 ``OUTPUT/checkpoints`` and a closing ``OUTPUT/summary.json``. A run whose output
 folder holds a checkpoint resumes from it (``--resume never`` starts afresh), on the
