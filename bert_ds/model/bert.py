@@ -21,14 +21,9 @@ Design choices, and why:
   only gather and never wait for the device (no ``.item()``, ``.tolist()``,
   ``.nonzero()`` or boolean-mask index): ``torch.compile(fullgraph=True)`` takes it
   whole. Callers with only an ``attention_mask`` still get it computed here.
-- **The MLM decoder runs only on masked positions** (~15% of tokens). With a 30k
-  vocabulary it is the largest GEMM in the model, and the other rows' logits are
-  never used by the loss. Its weight is padded to a multiple of 8 rows for the GEMM
-  (BERT's 30,522 -> 30,528): a logit row of 30,522 bf16 values is not 16-byte aligned,
-  which leaves tensor-core GEMMs the slow alignment-2 kernels in all three passes. The
-  padded rows are zero and their bias -inf, so they add nothing to the softmax, win no
-  argmax and get a zero gradient; the parameters keep BERT's shape, so nothing about it
-  reaches a checkpoint.
+- **The MLM decoder runs only on masked positions** (~15% of tokens), its GEMM padded to a
+  multiple of 8 rows, the loss in fp32 math: :mod:`bert_ds.model.mlm`, which every model
+  family shares.
 - **Q, K and V come from one GEMM** of the three weights side by side (3H columns). Its
   backward is one GEMM for the input's gradient, where three GEMMs and two adds of a (T, H)
   tensor were, and one bias reduction; the fused attention reads q, k and v from the
@@ -52,7 +47,6 @@ Design choices, and why:
 """
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -62,12 +56,13 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
 from bert_ds.kernels.ops import (
-    Backend, OpPlan, OpShapes, bias_gelu, dropout_add_layer_norm, layer_norm, mlm_cross_entropy, resolve_backend,
-    varlen_attention, varlen_attention_packed,
+    Backend, OpPlan, OpShapes, bias_gelu, dropout_add_layer_norm, layer_norm, resolve_backend, varlen_attention,
+    varlen_attention_packed,
 )
 from bert_ds.model.config import PRESETS as PRESETS
 from bert_ds.model.config import ModelConfig as ModelConfig
 from bert_ds.model.config import model_preset as model_preset
+from bert_ds.model.mlm import MlmDecoder, PreTrainingOutput, device_count, masked_lm, vocab_columns
 from bert_ds.model.padding import Unpadded, gather_tokens, unpad
 
 # The config (ModelConfig, PRESETS, model_preset) is in bert_ds/model/config.py: it needs no torch.
@@ -312,24 +307,6 @@ class BertPredictionHeadTransform(nn.Module):
         return self.LayerNorm(x)
 
 
-class MlmDecoder(nn.Linear):
-    """The tied decoder (weight: the word embedding, (V, H); bias: ``cls.predictions.bias``),
-    its GEMM padded to V' = :func:`padded_vocab_size` columns; see the module's docstring.
-    A module of its own so that ZeRO-3 gathers its (tied) weight before the forward, as it
-    does for any ``nn.Linear``."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: (M, H) -> logits (M, V'), the padding columns -inf (:func:`vocab_columns` views the V real ones)."""
-        weight, bias = self.weight, self.bias
-        pad = padded_vocab_size(weight.shape[0]) - weight.shape[0]
-        if not pad:
-            return F.linear(x, weight, bias)
-        # Under autocast the fp32 weight is padded, then cast by F.linear: one more pass over
-        # V x H (about 50 us at BERT-Base on an H100) than casting first, and nothing for
-        # torch.compile to refuse (torch 2.11 cannot trace torch.amp.is_autocast_available).
-        return F.linear(x, F.pad(weight, (0, 0, 0, pad)), F.pad(bias, (0, pad), value=float("-inf")))
-
-
 class BertLMPredictionHead(nn.Module):
     def __init__(self, config: ModelConfig, backend: Backend, word_embeddings: nn.Parameter) -> None:
         super().__init__()
@@ -342,18 +319,8 @@ class BertLMPredictionHead(nn.Module):
         self.decoder.bias = self.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: (M, H) -> logits (M, V'), V' = :func:`padded_vocab_size` (V)."""
+        """x: (M, H) -> logits (M, V'), V' = :func:`bert_ds.model.mlm.padded_vocab_size` (V)."""
         return self.decoder(self.transform(x))
-
-
-def padded_vocab_size(vocab_size: int) -> int:
-    """The MLM decoder's GEMM width: ``vocab_size`` rounded up to a multiple of 8 (16 bytes of bf16)."""
-    return -(-vocab_size // 8) * 8
-
-
-def vocab_columns(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """The ``vocab_size`` real columns of the decoder's padded logits (a view, no copy)."""
-    return logits[:, :vocab_size]
 
 
 class BertPreTrainingHeads(nn.Module):
@@ -368,25 +335,6 @@ class BertPreTrainingHeads(nn.Module):
 
 
 # --------------------------------------------------------------------------- pretraining model
-
-@dataclass
-class PreTrainingOutput:
-    """Losses, logits and the counts a trainer needs for accuracies without another pass.
-
-    ``mlm_logits`` are in packed row-major order, the order of
-    ``logits[labels != IGNORE_INDEX]`` on a padded (B, S, V) tensor.
-    """
-
-    mlm_logits: torch.Tensor  # (M, V): masked positions, or every real token when no labels are given
-    nsp_logits: torch.Tensor  # (B, 2)
-    loss: torch.Tensor | None = None  # mlm_loss + nsp_loss (those that were computed)
-    mlm_loss: torch.Tensor | None = None  # mean cross-entropy over masked tokens
-    nsp_loss: torch.Tensor | None = None  # mean cross-entropy over sequences
-    mlm_correct: torch.Tensor | None = None  # () int64: masked tokens predicted right
-    mlm_count: torch.Tensor | None = None  # () int64: masked tokens
-    nsp_correct: torch.Tensor | None = None  # () int64
-    nsp_count: torch.Tensor | None = None  # () int64: sequences
-
 
 def pretraining_inputs(batch: Mapping[str, torch.Tensor | int]) -> dict[str, Any]:
     """A batch of ``bert_ds.loader.pretraining.collate`` as :meth:`BertForPreTraining.forward`'s keyword
@@ -483,28 +431,13 @@ class BertForPreTraining(nn.Module):
 
         out = PreTrainingOutput(mlm_logits=vocab_columns(mlm_logits, self.config.vocab_size), nsp_logits=nsp_logits)
         if mlm_labels is not None:
-            masked = mlm_labels.shape[0]  # a host int: the layout's size, not a device value
-            # Sum / count equals HF's mean, but is 0 rather than NaN for a batch with nothing masked.
-            # The loss is taken with fp32 math: in bf16 a log-softmax over 30k logits loses the
-            # small differences the gradient is made of (the logits themselves stay bf16; the
-            # fused op reads them as they are, the native one makes an fp32 copy). It sees the
-            # padded logits (contiguous; the -inf columns add exactly nothing).
-            mlm_loss_sum, out.mlm_correct = mlm_cross_entropy(mlm_logits, mlm_labels, backend=self.backend)
-            out.mlm_loss = mlm_loss_sum / max(masked, 1)
-            out.mlm_count = _count(masked, mlm_labels.device)
-            out.loss = out.mlm_loss
+            masked_lm(out, mlm_logits, mlm_labels, self.backend)
         if next_sentence_label is not None:
             out.nsp_loss = F.cross_entropy(nsp_logits.float(), next_sentence_label)
             out.nsp_correct = (nsp_logits.detach().argmax(dim=-1) == next_sentence_label).sum()
-            out.nsp_count = _count(batch, nsp_logits.device)
+            out.nsp_count = device_count(batch, nsp_logits.device)
             out.loss = out.nsp_loss if out.loss is None else out.loss + out.nsp_loss
         return out
-
-
-def _count(n: int, device: torch.device) -> torch.Tensor:
-    """() int64 on ``device``, filled there: ``torch.tensor(n, device=...)`` would copy it from
-    host memory and then wait for everything queued on the device to finish."""
-    return torch.full((), n, dtype=torch.int64, device=device)
 
 
 # The in-place fills a model's initialisation runs, which a meta tensor has no values for:

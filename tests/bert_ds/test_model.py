@@ -288,7 +288,7 @@ def test_padded_decoder_is_the_plain_decoder(autocast):
     """The decoder's GEMM runs 8-aligned (97 -> 104 columns): the real columns, the loss and every
     gradient are those of the unpadded F.linear, and a padding column never wins an argmax,
     even where every real logit is far below zero."""
-    from bert_ds.model.bert import padded_vocab_size
+    from bert_ds.model.mlm import padded_vocab_size
     assert [padded_vocab_size(v) for v in (97, 104, 30522, 4096)] == [104, 104, 30528, 4096]
     torch.manual_seed(0)
     model = BertForPreTraining(_config())
