@@ -12,8 +12,12 @@ Then, per question, the best over the gold answers of:
 The two scripts differ in what has no tokens after normalisation. v1.1 has no unanswerable
 questions, and an F1 without shared tokens is 0. v2.0 gives unanswerable questions the gold
 answer "" and scores an empty prediction against an empty gold answer as a match (1), against
-anything else as 0. It also drops gold answers that normalise to nothing, and reports the
-scores of the answerable (``HasAns``) and unanswerable (``NoAns``) questions apart. Given
+anything else as 0. It also drops gold answers that normalise to nothing (a question left with
+none is scored against "" alone), and reports the scores of the answerable (``HasAns``) and
+unanswerable (``NoAns``) questions apart. A question is answerable where it has any gold answer,
+the script's ``bool(qa['answers'])``, even one whose answers all normalise to nothing ("the"):
+such a question counts as answerable in the split, in the threshold search and when "" is
+answered above the threshold (it then scores 0, as the script scores it). Given
 each question's no-answer probability (the model's null score against its best span), it
 reports the threshold that scores best (``best_exact``, ``best_f1`` and their thresholds),
 walking the questions in order of that probability as the script does.
@@ -64,10 +68,11 @@ class Question:
 
 
 def question_scores(question: Question, prediction: str, version: str) -> tuple[float, float]:
-    """(exact, F1) of ``prediction``, each the best over the gold answers."""
+    """(exact, F1) of ``prediction``, each the best over the gold answers (the script's
+    ``get_raw_scores``: under v2.0 against "" where none is left once normalised)."""
     golds = list(question.answers)
     if version == "2.0":
-        golds = [a for a in golds if normalize_answer(a)] or [""]  # unanswerable: the gold answer ""
+        golds = [a for a in golds if normalize_answer(a)] or [""]
     return (max(exact(g, prediction) for g in golds), max(f1(g, prediction, version=version) for g in golds))
 
 
@@ -89,7 +94,7 @@ def evaluate(questions: Sequence[Question], predictions: Mapping[str, str], *, v
     raw = {q.id: question_scores(q, predictions[q.id], version) for q in questions}
     if version == "1.1":
         return {"exact_match": _percent(s[0] for s in raw.values()), "f1": _percent(s[1] for s in raw.values())}
-    has_answer = {q.id: any(normalize_answer(a) for a in q.answers) for q in questions}
+    has_answer = {q.id: bool(q.answers) for q in questions}  # the script's make_qid_to_has_ans
     scores = raw
     if no_answer_probability is not None:  # the script's --na-prob-thresh: "" above it
         scores = {q: (float(not has_answer[q]),) * 2 if no_answer_probability[q] > no_answer_threshold else s

@@ -1,6 +1,7 @@
 """SQuAD's scores against cases computed by hand from the official scripts' definitions: each
 normalisation rule, the token F1 over multisets, the best gold answer, v1.1's and v2.0's
-empty-text rules, the HasAns/NoAns split, and the no-answer threshold search."""
+empty-text rules, the HasAns/NoAns split (any gold answer makes a question answerable), and
+the no-answer threshold search."""
 
 from __future__ import annotations
 
@@ -78,6 +79,26 @@ def test_the_no_answer_threshold_search_by_hand():
     lowered = evaluate(QUESTIONS, PREDICTIONS, version="2.0", no_answer_probability=NO_ANSWER,
                        no_answer_threshold=0.4)
     assert lowered["exact"] == 100.0 and lowered["NoAns_exact"] == 100.0
+
+
+def test_a_question_whose_answers_all_normalise_to_nothing_is_answerable():
+    # The script's bool(qa['answers']): "t" has a gold answer ("The"), so it is answerable, though
+    # its raw scores are against "" (it drops the gold answers that normalise to nothing).
+    questions = [Question("q1", ("Denver Broncos",)), Question("t", ("The",)), Question("u", ())]
+    predictions = {"q1": "Denver Broncos", "t": "", "u": "Carolina"}
+    report = evaluate(questions, predictions, version="2.0")
+    assert (report["HasAns_total"], report["HasAns_exact"], report["NoAns_total"], report["NoAns_exact"]) == (
+        2, 100.0, 1, 0.0)
+    # threshold search: 1 right with every question answered "" (u), then q1 (0.1) +1 -> 2, t (0.5),
+    # answerable, adds its raw score 1 -> 3, the best, u (0.9) answered "Carolina" -1
+    no_answer = {"q1": 0.1, "t": 0.5, "u": 0.9}
+    report = evaluate(questions, predictions, version="2.0", no_answer_probability=no_answer)
+    assert (report["best_exact"], report["best_exact_thresh"], report["best_f1_thresh"]) == (100.0, 0.5, 0.5)
+    # "" answered above 0.4: t, answerable, scores 0 (the script's apply_no_ans_threshold), u 1
+    lowered = evaluate(questions, predictions, version="2.0", no_answer_probability=no_answer,
+                       no_answer_threshold=0.4)
+    assert lowered["exact"] == pytest.approx(200 / 3) and lowered["HasAns_exact"] == 50.0
+    assert lowered["NoAns_exact"] == 100.0
 
 
 def test_a_question_without_a_prediction_or_an_unknown_version_is_refused():
