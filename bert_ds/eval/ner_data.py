@@ -5,7 +5,9 @@ Under ``--data DIR``, one of:
 - **CoNLL column files**: ``train.txt``, ``valid.txt`` and ``test.txt``, or the original
   ``eng.train``, ``eng.testa`` and ``eng.testb``. One token per line, the token in the first
   column and its tag in the last (CoNLL-2003's part-of-speech and chunk columns between are
-  ignored), a blank line between sentences, ``-DOCSTART-`` lines between documents. Tags in
+  ignored), as many columns on every token line of a file (a line short of one would be read
+  with its chunk column as the tag), a blank line between sentences, ``-DOCSTART-`` lines
+  between documents. Tags in
   BIO or IOB1 (both are read by conlleval's rules, :mod:`bert_ds.eval.ner_metrics`); the label
   set is the training file's tags.
 - **Hugging Face's ``conll2003``** as Parquet (``train-…``, ``validation-…``, ``test-…``) or
@@ -13,9 +15,9 @@ Under ``--data DIR``, one of:
   names from the dataset's features (the Parquet files' metadata, ``dataset_info.json``) or
   from a ``labels.txt`` beside the files (one name per line, in id order).
 
-The test split is optional. A line without a tag column, a malformed tag, a tag outside the
-label set, an empty split: one line naming the file and the line (or row), never a sentence
-skipped.
+The test split is optional. A line without a tag column, a line with other columns than the
+file's first token line, a malformed tag, a tag outside the label set, an empty split: one line
+naming the file and the line (or row), never a sentence skipped.
 """
 
 from __future__ import annotations
@@ -88,6 +90,7 @@ def _read_conll(path: Path) -> NerSplit:
     except (OSError, UnicodeDecodeError) as e:
         raise NerDataError(f"{path}: unreadable ({e})") from None
     tokens, tags, sentence, sentence_tags, where = [], [], [], [], []
+    columns: tuple[int, int] | None = None  # (count, line) of the file's first token line
     for number, line in enumerate([*lines, ""], start=1):
         fields = line.split()
         if not fields or fields[0] == "-DOCSTART-":
@@ -99,6 +102,10 @@ def _read_conll(path: Path) -> NerSplit:
             continue
         if len(fields) < 2:
             raise NerDataError(f"{path}:{number}: {fields[0]!r} has no tag column (token first, tag last)")
+        columns = columns or (len(fields), number)
+        if len(fields) != columns[0]:
+            raise NerDataError(f"{path}:{number}: {len(fields)} columns, where line {columns[1]} has {columns[0]} "
+                               "(every token line holds the same columns, the token first and the tag last)")
         if not _TAG.match(fields[-1]):
             raise NerDataError(f"{path}:{number}: {fields[-1]!r} is not a tag (O, or B-/I-/E-/S- and a type)")
         sentence.append(fields[0])

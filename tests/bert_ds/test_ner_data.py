@@ -99,6 +99,18 @@ def test_a_line_without_its_tag_column_is_named(tmp_path):
         read_ner(tmp_path)
 
 
+@pytest.mark.parametrize("line, columns", [("lives NNP O", 3), ("lives VBZ B-VP O extra", 5)])
+def test_a_line_with_other_columns_than_the_files_is_named(tmp_path, line, columns):
+    """(a 3-column line among 4-column ones would be read with its chunk column, O, as the tag)"""
+    _conll(tmp_path)
+    lines = (tmp_path / "valid.txt").read_text().splitlines()
+    assert lines[2].startswith("Paris ")  # the first token line, line 3
+    lines[3] = line
+    (tmp_path / "valid.txt").write_text("\n".join(lines))
+    with pytest.raises(NerDataError, match=rf"valid.txt:4: {columns} columns, where line 3 has 4 \(every token line"):
+        read_ner(tmp_path)
+
+
 def test_a_tag_id_outside_the_names_and_missing_names_are_named(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
