@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 from bert_ds import ds_configs
 from bert_ds.base.errors import ConfigError, require
-from bert_ds.model.config import ModelConfig
+from bert_ds.model.config import AnyModelConfig, ModernBertConfig, model_config_from_dict
 
 DS_CONFIG_DIR = Path(ds_configs.__file__).resolve().parent  # in a checkout and in an installed wheel
 
@@ -41,6 +41,11 @@ _DERIVED_DS_KEYS = (
 
 
 MAX_LR = 10.0  # far above any BERT recipe (LAMB peaks near 1e-2, Adam near 1e-4): a larger value is a typo
+OPTIMIZERS = ("lamb", "adamw", "stable_adamw")
+# bound to ZeRO's partitions (bert_ds.optim.fragments): the name in messages, and what is per parameter
+PER_PARAMETER_OPTIMIZERS = {"lamb": ("LAMB", "trust ratios"), "stable_adamw": ("StableAdamW", "update clipping")}
+DECAYS = ("linear", "poly", "one_minus_sqrt", "constant")
+MAX_DECOUPLED_WEIGHT_DECAY = 1e-3
 
 
 def _finite(x: float) -> bool:
@@ -54,7 +59,12 @@ class DataConfig:
     val: str | None = None  # held-out dataset folder (same tokenizer), or None
     held_out: float = 0.0  # without `val`: this share of the corpus's documents (with weights: train[0]'s) is held out
     max_seq_length: int = 128  # tokens per sample including [CLS] and two [SEP]
-    short_seq_prob: float = 0.1  # BERT: this share of samples gets a shorter random target
+    # sentences: BERT's samples of whole sentences (pairs, short targets); documents: [CLS] one document [SEP],
+    # a longer one cut into consecutive pieces of max_seq_length - 2 tokens (no pairs: pair_task none)
+    layout: Literal["sentences", "documents"] = "sentences"
+    # fill each micro-batch with samples up to micro_batch_size x max_seq_length tokens, in stream order (documents)
+    token_budget: bool = False
+    short_seq_prob: float = 0.1  # BERT: this share of samples gets a shorter random target (sentences layout)
     mask_rate: float = 0.15  # share of tokens chosen for the MLM loss
     whole_word_mask: bool = False  # mask all WordPiece pieces of a chosen word together
     pair_task: Literal["nsp", "sop", "none"] = "nsp"  # second segment and its label
@@ -76,32 +86,55 @@ class DataConfig:
                 f"{self.val} is also a training dataset: its figures would not be held out (use another dataset, "
                 "or --held-out)")
         require(0.0 <= self.held_out < 1.0, "held_out", f"must be in [0, 1), got {self.held_out}")
-        require(8 <= self.max_seq_length <= 4096, "max_seq_length", f"must be in [8, 4096], got {self.max_seq_length}")
+        # a sample's length must fit the sample map's 16-bit count (bert_ds.loader.sample_map)
+        require(8 <= self.max_seq_length <= 65536, "max_seq_length", f"must be in [8, 65536], got {self.max_seq_length}")
         require(0.0 <= self.short_seq_prob <= 1.0, "short_seq_prob", f"must be in [0, 1], got {self.short_seq_prob}")
         require(0.0 < self.mask_rate < 1.0, "mask_rate", f"must be in (0, 1), got {self.mask_rate}")
         require(self.pair_task in ("nsp", "sop", "none"), "pair_task", f"must be nsp, sop or none, got {self.pair_task!r}")
+        require(self.layout in ("sentences", "documents"), "layout",
+                f"must be sentences or documents, got {self.layout!r}")
+        require(self.layout == "sentences" or self.pair_task == "none", "pair_task",
+                f"{self.pair_task} needs sentence pairs, which the documents layout has none of: set pair_task none "
+                "(--pair-task none)")
+        require(self.layout == "documents" or not self.token_budget, "token_budget",
+                "needs layout documents (--layout documents): a sentences-layout sample's length is drawn when it "
+                "is made, so a micro-batch cannot be filled ahead")
         require(self.num_workers >= 0, "num_workers", f"must be >= 0, got {self.num_workers}")
         require(self.val_samples > 0, "val_samples", f"must be > 0, got {self.val_samples}")
 
 
 @dataclass
 class OptimConfig:
-    name: Literal["lamb", "adamw"] = "lamb"  # LAMB: per-parameter trust ratios, also under ZeRO-1/2
+    # lamb: per-parameter trust ratios (BERT's); stable_adamw: AdamW with per-parameter update
+    # clipping (ModernBERT's); adamw: torch's fused AdamW. See bert_ds/optim/builders.py.
+    name: Literal["lamb", "adamw", "stable_adamw"] = "lamb"
     # nvidia: the trust ratio only where weight decay is non-zero (NVIDIA's BERT recipe);
     # paper: on every tensor (the LAMB paper). See bert_ds/optim/lamb.py.
     lamb_variant: Literal["nvidia", "paper"] = "nvidia"
     lr: float = 6e-3  # peak learning rate after warm-up (NVIDIA's LAMB phase 1; AdamW wants ~10x less)
-    betas: tuple[float, float] = (0.9, 0.999)  # decay rates of the first and second moments
-    eps: float = 1e-6  # added to the second moment's root (BERT's 1e-6; 1e-8 is the Adam paper's)
+    betas: tuple[float, float] = (0.9, 0.999)  # decay rates of the first and second moments (ModernBERT: 0.9, 0.98)
+    eps: float = 1e-6  # added to the second moment's root (BERT's and ModernBERT's 1e-6; 1e-8 is the Adam paper's)
     weight_decay: float = 0.01  # not applied to biases and LayerNorm weights
+    # false: weight decay scaled by the step's learning rate, w *= 1 - lr_t * weight_decay (torch's
+    # AdamW); true: by its fraction of the peak, w *= 1 - lr_t / lr * weight_decay, so weight_decay
+    # is the share a weight loses per step at the peak (ModernBERT's 1e-5; optimi's decouple_lr).
+    # adamw and stable_adamw only
+    decouple_lr: bool = False
+    # bert: warm-up, then `decay` over every later step; wsd: warm-up, the peak held, then `decay`
+    # over the last decay_share of the steps (ModernBERT's warmup-stable-decay)
+    schedule: Literal["bert", "wsd"] = "bert"
     warmup_steps: int = 100  # linear warm-up from 0 to lr
-    decay: Literal["linear", "poly", "constant"] = "linear"  # after warm-up, down to 0 at the last step
+    # the decay's shape, down to final_lr_fraction at the last step; constant: none
+    decay: Literal["linear", "poly", "one_minus_sqrt", "constant"] = "linear"
+    decay_share: float = 0.1  # wsd: the share of the run's last steps that decay (0: never; 1: all after warm-up)
+    final_lr_fraction: float = 0.0  # the decay ends at lr times this (ModernBERT's alpha_f)
     poly_power: float = 0.5  # exponent of the "poly" decay (NVIDIA's BERT uses 0.5)
-    grad_clip: float = 1.0  # global-norm clipping; 0 disables
+    grad_clip: float = 1.0  # global-norm clipping; 0 disables (ModernBERT's recipe: 0, StableAdamW clips updates)
 
     def __post_init__(self) -> None:
         self.betas = tuple(self.betas)  # JSON gives a list
-        require(self.name in ("lamb", "adamw"), "optim.name", f"unknown optimizer {self.name!r} (known: lamb, adamw)")
+        require(self.name in OPTIMIZERS, "optim.name",
+                f"unknown optimizer {self.name!r} (known: {', '.join(OPTIMIZERS)})")
         require(self.lamb_variant in ("nvidia", "paper"), "lamb_variant",
                f"must be nvidia or paper, got {self.lamb_variant!r}")
         # Every number in range and finite: an inf or 1e300 learning rate would start a run that
@@ -112,17 +145,38 @@ class OptimConfig:
         require(_finite(self.eps) and 0 < self.eps < 1, "eps", f"must be a finite number in (0, 1), got {self.eps}")
         require(_finite(self.weight_decay) and 0 <= self.weight_decay <= 1, "weight_decay",
                f"must be a finite number in [0, 1], got {self.weight_decay}")
-        require(self.warmup_steps >= 0, "warmup_steps", f"must be >= 0, got {self.warmup_steps}")
-        require(self.decay in ("linear", "poly", "constant"), "decay", f"must be linear, poly or constant, got {self.decay!r}")
+        self._check_decouple_lr()
+        require(self.schedule in ("bert", "wsd"), "schedule", f"must be bert or wsd, got {self.schedule!r}")
+        require(isinstance(self.warmup_steps, int) and self.warmup_steps >= 0, "warmup_steps",
+                f"must be an integer >= 0, got {self.warmup_steps}")
+        require(self.decay in DECAYS, "decay", f"must be {', '.join(DECAYS[:-1])} or {DECAYS[-1]}, got {self.decay!r}")
+        require(_finite(self.decay_share) and 0 <= self.decay_share <= 1, "decay_share",
+                f"must be a finite number in [0, 1], got {self.decay_share}")
+        require(_finite(self.final_lr_fraction) and 0 <= self.final_lr_fraction < 1, "final_lr_fraction",
+                f"must be a finite number in [0, 1), got {self.final_lr_fraction}")
+        require(self.final_lr_fraction == 0 or self.decay != "constant", "final_lr_fraction",
+                f"{self.final_lr_fraction} is the end of a decay, and decay is constant (no decay)")
         require(_finite(self.poly_power) and self.poly_power > 0, "poly_power",
                f"must be a finite number > 0, got {self.poly_power}")
         require(_finite(self.grad_clip) and self.grad_clip >= 0, "grad_clip",
                f"must be a finite number >= 0 (0: off), got {self.grad_clip}")
 
+    def _check_decouple_lr(self) -> None:
+        if not self.decouple_lr:
+            return
+        require(self.name != "lamb", "decouple_lr",
+                "LAMB's weight decay is part of the update its trust ratio scales; decouple_lr is for adamw "
+                "and stable_adamw")
+        # 1e-3 is where torch-optimi warns: a share per step, it takes 10% of a weight in 100 steps
+        require(self.weight_decay <= MAX_DECOUPLED_WEIGHT_DECAY, "weight_decay",
+                f"with decouple_lr it is the share of every weight lost per step at the peak (ModernBERT: 1e-5); "
+                f"{self.weight_decay:g} is more than {MAX_DECOUPLED_WEIGHT_DECAY:g} (without decouple_lr it is "
+                "multiplied by the learning rate first)")
+
 
 @dataclass
 class TrainConfig:
-    model: ModelConfig  # sizes, dropout, kernels (in a phase plan: a preset and field overrides)
+    model: AnyModelConfig  # the family (arch), sizes, dropout, kernels (in a phase plan: a preset and overrides)
     data: DataConfig  # what is read and how samples are made
     optim: OptimConfig = field(default_factory=OptimConfig)  # optimizer and learning-rate schedule
     output: str = "runs/train"  # metrics.jsonl, TensorBoard events, checkpoints/
@@ -155,6 +209,13 @@ class TrainConfig:
         require(self.collective_timeout >= 1, "collective_timeout", f"must be >= 1 second, got {self.collective_timeout}")
         require(self.data.max_seq_length <= self.model.max_position_embeddings, "max_seq_length",
                f"{self.data.max_seq_length} exceeds the model's max_position_embeddings {self.model.max_position_embeddings}")
+        if isinstance(self.model, ModernBertConfig):
+            require(self.data.pair_task == "none", "pair_task",
+                    f"a ModernBERT-class model has no sentence-pair head; --pair-task must be none, got "
+                    f"{self.data.pair_task!r}")
+            require(self.model.local_attention <= self.data.max_seq_length, "model.local_attention",
+                    f"the local window ({self.model.local_attention} tokens) is longer than the sequences "
+                    f"({self.data.max_seq_length}): every layer would attend globally")
         resolve_ds_config_path(self.ds_config)
 
     def to_dict(self) -> dict[str, Any]:
@@ -166,7 +227,7 @@ class TrainConfig:
     def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
         d = dict(d)
         try:
-            model = ModelConfig.from_dict(d.pop("model"))
+            model = model_config_from_dict(d.pop("model"))
             data = _from_dict(DataConfig, d.pop("data"))
             optim = _from_dict(OptimConfig, d.pop("optim", {}))
         except KeyError as e:
@@ -278,18 +339,19 @@ def deepspeed_config(cfg: TrainConfig, plan: BatchPlan) -> dict[str, Any]:
         raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
     check_engine_json(ds, path)
     stage = ds.get("zero_optimization", {}).get("stage", 0)
-    if cfg.optim.name == "lamb" and stage == 3:
-        raise ConfigError(f"{path}: LAMB with per-parameter trust ratios supports ZeRO stages 0-2, not 3; "
-                          "use --optimizer adamw or a stage 0-2 config")
+    per_parameter = PER_PARAMETER_OPTIMIZERS.get(cfg.optim.name)
+    if per_parameter and stage == 3:
+        raise ConfigError(f"{path}: {per_parameter[0]} with per-parameter {per_parameter[1]} supports ZeRO stages "
+                          "0-2, not 3; use --optimizer adamw or a stage 0-2 config")
     if cfg.model.compile_layers and stage == 3:
         # ZeRO-3 gathers each Linear's weight in hooks around its forward: collectives that a
         # compiled layer (fullgraph) cannot hold
         raise ConfigError(f"{path}: --compile-layers supports ZeRO stages 0-2, not 3; "
                           "use a stage 0-2 config or leave the layers uncompiled")
-    if cfg.optim.name == "lamb" and stage == 0 and precision_of(ds) != "fp32":
+    if per_parameter and stage == 0 and precision_of(ds) != "fp32":
         # DeepSpeed's stage-0 bf16/fp16 wrapper steps the optimizer once with zero gradients
         # at start-up; for LAMB that step is w -= lr * w wherever weight decay is on.
-        raise ConfigError(f"{path}: LAMB needs ZeRO stage 1 or 2 with {precision_of(ds)} "
+        raise ConfigError(f"{path}: {per_parameter[0]} needs ZeRO stage 1 or 2 with {precision_of(ds)} "
                           "(stage 0 is fp32 only); use zero1_* or --optimizer adamw")
     zero_cfg, bf16 = ds.get("zero_optimization", {}), ds.get("bf16", {})
     if _can_own_gradients(ds) and "compute_grad_norm" not in zero_cfg and "check_grad_overflow" not in bf16:

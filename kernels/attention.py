@@ -145,10 +145,12 @@ def padded_sdpa(
     softmax_scale: float | None = None,
     *,
     backend: SDPBackend | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """:func:`varlen_attention_ref`'s arguments and result, through a padded batch: the tokens
     scattered into (B, nh, Smax, hd), SDPA with a key-padding mask (on ``backend`` alone when
-    given, else on the one SDPA picks), the real rows gathered back."""
+    given, else on the one SDPA picks), the real rows gathered back. ``window``: each query sees
+    only the keys at most this many positions away (``kernels/local_attention.py``)."""
     total, num_heads, head_dim = q.shape
     batch = cu_seqlens.numel() - 1
     starts = cu_seqlens.long()
@@ -163,6 +165,10 @@ def padded_sdpa(
     key_is_real = torch.zeros(batch * max_seqlen, dtype=torch.bool, device=q.device)
     key_is_real[slot] = True
     attn_mask = key_is_real.view(batch, 1, 1, max_seqlen)  # broadcast over heads and queries
+    if window is not None:
+        position = torch.arange(max_seqlen, device=q.device)
+        band = (position[:, None] - position[None, :]).abs() <= window  # (Smax, Smax): query, key
+        attn_mask = attn_mask & band  # (B, 1, Smax, Smax)
 
     def attend() -> torch.Tensor:
         return F.scaled_dot_product_attention(

@@ -43,7 +43,8 @@ from bert_ds.kernels._build import load_extension
 # An op's implementations: the native op; our fused kernel; its reference under torch.compile;
 # apex's LayerNorm; torch's varlen FlashAttention; SDPA restricted to one backend around a
 # padded (or, for flash, nested) batch.
-Impl = Literal["native", "fused", "compiled", "apex", "varlen_attn", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn"]
+Impl = Literal["native", "fused", "compiled", "apex", "varlen_attn", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn",
+               "flex"]
 OPS = ("layer_norm", "dropout_add_layer_norm", "bias_gelu", "varlen_attention", "mlm_cross_entropy", "lamb_update")
 
 logger = logging.getLogger(__name__)
@@ -65,6 +66,10 @@ class OpPlan:
             if name == op:
                 return impl
         raise ValueError(f"{op} was not raced for this plan (it names {', '.join(name for name, _ in self.runs)})")
+
+    def has(self, op: str) -> bool:
+        """Whether ``op`` was raced for this plan."""
+        return any(name == op for name, _ in self.runs)
 
     def describe(self) -> str:
         return "auto: " + ", ".join(f"{op} {impl}" for op, impl in self.runs)

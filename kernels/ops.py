@@ -18,6 +18,7 @@ from bert_ds.kernels.dropout_layer_norm import (
     dropout_add_layer_norm, dropout_add_layer_norm_native, dropout_add_layer_norm_ref,
 )
 from bert_ds.kernels.layer_norm import layer_norm, layer_norm_native, layer_norm_ref
+from bert_ds.kernels.local_attention import local_attention, local_attention_native, local_attention_ref
 from bert_ds.kernels.speed import OpShapes
 
 __all__ = [
@@ -37,6 +38,9 @@ __all__ = [
     "layer_norm",
     "layer_norm_native",
     "layer_norm_ref",
+    "local_attention",
+    "local_attention_native",
+    "local_attention_ref",
     "mlm_cross_entropy",
     "mlm_cross_entropy_native",
     "mlm_cross_entropy_ref",

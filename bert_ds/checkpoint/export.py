@@ -204,7 +204,7 @@ def _with_tied_aliases(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torc
 
 def _check_keys(state_dict: Mapping[str, torch.Tensor], config: ModelConfig) -> None:
     """The names and shapes must be those of our model for ``config``."""
-    from bert_ds.model.bert import meta_model
+    from bert_ds.model.families import meta_model
 
     expected = meta_model(dataclasses.replace(config, kernels="torch")).state_dict()
     missing = sorted(set(expected) - set(state_dict))

@@ -41,7 +41,8 @@ IGNORED: FieldClass = "ignored"
 
 # Every TrainConfig field and why it is in its class.
 FIELDS: dict[str, FieldClass] = {
-    # The weights' shapes and the function they compute.
+    # The weights' shapes and the function they compute (of either model family).
+    "model.arch": REFUSED,  # a checkpoint of one family never resumes as the other
     "model.vocab_size": REFUSED,
     "model.hidden_size": REFUSED,
     "model.num_layers": REFUSED,
@@ -53,7 +54,17 @@ FIELDS: dict[str, FieldClass] = {
     "model.layer_norm_eps": REFUSED,
     "model.pre_layernorm": REFUSED,
     "model.pad_token_id": REFUSED,
+    "model.global_attn_every_n_layers": REFUSED,
+    "model.local_attention": REFUSED,
+    # A context extension raises the global layers' theta in a new phase (its own folder), not by resuming
+    "model.global_rope_theta": REFUSED,
+    "model.local_rope_theta": REFUSED,
+    "model.hidden_activation": REFUSED,
+    "model.norm_eps": REFUSED,
     # Regularisation, initialisation and how the same function is computed: safe.
+    "model.embedding_dropout": RECORDED,
+    "model.mlp_dropout": RECORDED,
+    "model.initializer_cutoff_factor": RECORDED,  # used only by a fresh start
     "model.hidden_dropout": RECORDED,
     "model.attention_dropout": RECORDED,
     "model.initializer_range": RECORDED,  # used only by a fresh start
@@ -72,15 +83,24 @@ FIELDS: dict[str, FieldClass] = {
     "data.pair_task": REFUSED,
     "data.num_workers": RECORDED,  # samples do not depend on it
     "data.val_samples": RECORDED,
-    # The optimizer's state belongs to one algorithm; its hyperparameters may be retuned.
+    # The optimizer's state belongs to one algorithm (moments of LAMB, StableAdamW and AdamW mean
+    # different steps); its hyperparameters may be retuned. The schedule is a pure function of the
+    # step and these fields (bert_ds.optim.schedule): the checkpoint holds only the step count, so
+    # a changed shape applies from the next step, which is how a warmup-stable-decay run is
+    # extended, or its decay branched off a stable checkpoint. A resume takes the requested values
+    # (bert_ds.optim.schedule.keep_recipe_on_load), not the saved ones.
     "optim.name": REFUSED,
     "optim.lamb_variant": REFUSED,
     "optim.lr": RECORDED,
     "optim.betas": RECORDED,
     "optim.eps": RECORDED,
     "optim.weight_decay": RECORDED,
+    "optim.decouple_lr": RECORDED,
+    "optim.schedule": RECORDED,
     "optim.warmup_steps": RECORDED,
     "optim.decay": RECORDED,
+    "optim.decay_share": RECORDED,
+    "optim.final_lr_fraction": RECORDED,
     "optim.poly_power": RECORDED,
     "optim.grad_clip": RECORDED,
     # The run.

@@ -52,7 +52,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
 from bert_ds.kernels.ops import (
@@ -63,7 +62,7 @@ from bert_ds.model.config import PRESETS as PRESETS
 from bert_ds.model.config import ModelConfig as ModelConfig
 from bert_ds.model.config import model_preset as model_preset
 from bert_ds.model.mlm import MlmDecoder, PreTrainingOutput, device_count, masked_lm, vocab_columns
-from bert_ds.model.padding import Unpadded, gather_tokens, unpad
+from bert_ds.model.padding import Unpadded, gather_tokens, positions, unpad
 
 # The config (ModelConfig, PRESETS, model_preset) is in bert_ds/model/config.py: it needs no torch.
 # How each activation is spelt for F.gelu and the bias_gelu kernel.
@@ -417,8 +416,7 @@ class BertForPreTraining(nn.Module):
             raise ValueError(f"sequence length {seq_len} exceeds max_position_embeddings "
                              f"{self.config.max_position_embeddings}")
         token_indices = unpadded.token_indices
-        # With right padding, a token's offset within its row is its index in its sequence.
-        position_ids = token_indices % seq_len  # (T,)
+        position_ids = positions(token_indices, seq_len)  # (T,)
         hidden, pooled = self.bert(
             gather_tokens(input_ids, token_indices),
             gather_tokens(token_type_ids, token_indices),
@@ -438,29 +436,3 @@ class BertForPreTraining(nn.Module):
             out.nsp_count = device_count(batch, nsp_logits.device)
             out.loss = out.nsp_loss if out.loss is None else out.loss + out.nsp_loss
         return out
-
-
-# The in-place fills a model's initialisation runs, which a meta tensor has no values for:
-# torch.nn.init's (modules' reset_parameters) and the tensor methods (_init_weights).
-_FILLS = frozenset({
-    nn.init.normal_, nn.init.trunc_normal_, nn.init.uniform_, nn.init.constant_, nn.init.ones_, nn.init.zeros_,
-    nn.init.kaiming_uniform_, nn.init.kaiming_normal_, nn.init.xavier_uniform_, nn.init.xavier_normal_,
-    torch.Tensor.normal_, torch.Tensor.uniform_, torch.Tensor.fill_, torch.Tensor.zero_})
-
-
-class _SkipMetaFills(TorchFunctionMode):
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in _FILLS:
-            tensor = args[0] if args else kwargs["tensor"]  # torch.nn.init passes it by name
-            if tensor.is_meta:
-                return tensor
-        return func(*args, **kwargs)
-
-
-def meta_model(config: ModelConfig) -> BertForPreTraining:
-    """BertForPreTraining at ``config`` on the meta device, for its names and shapes: nothing
-    allocated, no initialisation run. (``normal_`` on a meta tensor imports torch._dynamo
-    the first time, about 2 s of a process that only exports or counts parameters.)"""
-    with torch.device("meta"), _SkipMetaFills():
-        return BertForPreTraining(config)

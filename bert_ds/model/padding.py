@@ -84,6 +84,13 @@ def unpad(attention_mask: torch.Tensor, labels: torch.Tensor | None = None) -> U
     )
 
 
+def positions(token_indices: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """Each real token's position in its own sequence (T,): with the padding on the right, its
+    offset in its row of the (B, ``seq_len``) grid. Every sequence starts at 0, whatever precedes
+    it in the packed batch."""
+    return token_indices % seq_len
+
+
 def gather_tokens(x: torch.Tensor, token_indices: torch.Tensor) -> torch.Tensor:
     """x: (B, S, ...) -> (T, ...), the rows at ``Unpadded.token_indices``."""
     return x.flatten(0, 1).index_select(0, token_indices)

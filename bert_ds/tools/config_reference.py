@@ -81,18 +81,20 @@ def field_comments(cls: type) -> dict[str, str]:
 
 @functools.cache
 def flag_fields() -> dict[str, str]:
-    """flag -> the field it sets (``section.name``), read from build_parser's source."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cli.build_parser)))
+    """flag -> the field it sets (``section.name``), read from the train CLI's source: build_parser
+    and the helpers it hands the defaults to under the same names (``_add_optimizer_flags(p, o)``)."""
+    tree = ast.parse(inspect.getsource(cli))
     prefix: dict[str, str] = {}
     for node in ast.walk(tree):  # d, o, t, m = _Defaults(DataConfig), ...
         if isinstance(node, ast.Assign) and isinstance(node.value, ast.Tuple):
             for name, call in zip(node.targets[0].elts, node.value.elts, strict=True):
-                prefix[name.id] = _DEFAULTS_OF[call.args[0].id]
+                if isinstance(call, ast.Call) and getattr(call.func, "id", "") == "_Defaults":
+                    prefix[name.id] = _DEFAULTS_OF[call.args[0].id]
     out = dict(_FLAG_FIELDS)
     for node in ast.walk(tree):
         if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "add_argument":
             default = next((k.value for k in node.keywords if k.arg == "default"), None)
-            if isinstance(default, ast.Attribute) and isinstance(default.value, ast.Name):
+            if isinstance(default, ast.Attribute) and getattr(default.value, "id", None) in prefix:
                 out[node.args[0].value] = prefix[default.value.id] + default.attr
     return out
 
@@ -164,7 +166,8 @@ def dataclass_section(cls: type, section: str) -> list[str]:
 
 def preset_parameters(name: str, vocab_size: int = PRESET_VOCAB) -> int:
     """Parameters of BertForPreTraining at a preset, counted on the meta device (nothing allocated)."""
-    from bert_ds.model.bert import meta_model, model_preset
+    from bert_ds.model.config import model_preset
+    from bert_ds.model.families import meta_model
 
     return sum(p.numel() for p in meta_model(model_preset(name, vocab_size)).parameters())
 

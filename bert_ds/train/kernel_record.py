@@ -11,7 +11,7 @@ folder and sequence length, so each phase keeps the verdicts it ran with.
 Design choices:
 
 - The verdicts are read from the model and the recorded race, never raced again: the model
-  resolved its setting when it was built (``BertForPreTraining.backend``).
+  resolved its setting when it was built (its ``backend``).
 - Rank 0 alone writes and prints; the file is replaced whole (``bert_ds.base.atomic``), so a
   reader (a summary tool, a resumed run's reader) never sees a part.
 """
@@ -23,13 +23,13 @@ from pathlib import Path
 
 from bert_ds.base.atomic import atomic_write
 from bert_ds.kernels.choice import Resolution, resolution
-from bert_ds.model.bert import BertForPreTraining
+from bert_ds.model.families import PretrainingModel
 from bert_ds.train.metrics import MetricsLogger
 
 FILE_NAME = "kernels.json"
 
 
-def record_kernels(log: MetricsLogger, model: BertForPreTraining, output: Path, rank: int) -> Resolution | None:
+def record_kernels(log: MetricsLogger, model: PretrainingModel, output: Path, rank: int) -> Resolution | None:
     """On rank 0, ``output/kernels.json`` written and its lines printed through ``log``; the
     resolution recorded (None on the other ranks)."""
     if rank != 0:

@@ -20,7 +20,7 @@ from bert_ds.base.errors import ConfigError
 from bert_ds.config import (BatchPlan, TrainConfig, deepspeed_config, engine_json, precision_of, runs_bf16_copy,
                              step_owns_gradients)
 from bert_ds.loader.pretraining import PretrainingDataset, PretrainingLoader, open_pretraining_data, step_positions
-from bert_ds.model.bert import BertForPreTraining
+from bert_ds.model.families import PretrainingModel, build_model
 from bert_ds.model.flops import datasheet_peak_tflops, training_flops
 from bert_ds.optim.builders import bind_to_engine, build_optimizer, build_schedule
 from bert_ds.train.bf16_copy import Bf16Copy, EngineRunner
@@ -185,8 +185,8 @@ def _start(cfg: TrainConfig, resume: bool, rank: int, world: int, device: torch.
                   train_set.num_samples)
 
 
-def _model(cfg: TrainConfig, device: torch.device) -> BertForPreTraining:
-    return BertForPreTraining(cfg.model, train_seq_len=cfg.data.max_seq_length).to(device)
+def _model(cfg: TrainConfig, device: torch.device) -> PretrainingModel:
+    return build_model(cfg.model, train_seq_len=cfg.data.max_seq_length).to(device)
 
 
 def _build_engine(cfg: TrainConfig, ds_cfg: dict[str, Any], device: torch.device):

@@ -17,8 +17,10 @@ from bert_ds.base.errors import ConfigError
 from bert_ds.checkpoint.export import to_hf_config
 from bert_ds.kernels.ops import OpPlan
 from bert_ds.kernels.layer_norm import layer_norm_native
+from bert_ds.model.config import preset_arch
+from bert_ds.model.families import meta_model
 from bert_ds.model.bert import (
-    PRESETS, BertForPreTraining, BertSublayerOutput, ModelConfig, meta_model, model_preset, pretraining_inputs,
+    PRESETS, BertForPreTraining, BertSublayerOutput, ModelConfig, model_preset, pretraining_inputs,
 )
 from bert_ds.model.padding import unpad
 from tests.conftest import REPO
@@ -538,7 +540,7 @@ def test_config_from_dict_rejects_unknown_and_missing_keys():
         ModelConfig.from_dict(values)
 
 
-@pytest.mark.parametrize("name", list(PRESETS))
+@pytest.mark.parametrize("name", [name for name in PRESETS if preset_arch(name) == "bert"])
 def test_presets_build_with_transformers_parameter_count(name):
     config = model_preset(name, vocab_size=30522, kernels="torch")
     assert config.num_layers == PRESETS[name]["num_layers"]
@@ -557,7 +559,7 @@ def test_a_meta_model_has_the_models_names_and_shapes_and_runs_no_initialisation
     assert meta.cls.predictions.decoder.weight is meta.bert.embeddings.word_embeddings.weight  # still tied
     # No fill reached torch: normal_ on a meta tensor imports torch._dynamo (seconds), which
     # export and the docs' parameter counts would pay for nothing. A fresh process shows it.
-    code = ("import sys; from bert_ds.model.bert import meta_model, model_preset; "
+    code = ("import sys; from bert_ds.model.families import meta_model; from bert_ds.model.bert import model_preset; "
             "meta_model(model_preset('base', 30522)); print('torch._dynamo' in sys.modules)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert proc.returncode == 0 and proc.stdout.split() == ["False"], proc.stderr[-2000:]

@@ -5,7 +5,7 @@ import torch
 
 from bert_ds.config import BatchPlan, DataConfig
 from bert_ds.loader.pretraining import PretrainingDataset, PretrainingLoader, to_device, validation_batches
-from bert_ds.model.padding import IGNORE_INDEX, Unpadded, unpad
+from bert_ds.model.padding import IGNORE_INDEX, Unpadded, positions, unpad
 
 pytestmark = pytest.mark.lowest  # all of it also runs under the lowest supported torch (run.sh test-lowest)
 
@@ -24,6 +24,8 @@ def test_unpad_layout():
     assert packed.masked_positions.tolist() == [1, 3, 6, 7]
     assert packed.masked_labels.tolist() == [7, 5, 9, 3]
     assert unpad(mask).masked_positions is None
+    # every sequence's positions start at 0 (the models' position ids, BERT's table rows, ModernBERT's rotations)
+    assert positions(packed.token_indices, 4).tolist() == [0, 1, 2, 0, 0, 1, 2, 3]
 
 
 def test_unpad_ignores_labels_on_padding():
