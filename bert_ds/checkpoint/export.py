@@ -1,23 +1,25 @@
-"""Export a bert-ds checkpoint as a Hugging Face ``BertForPreTraining`` folder.
+"""Export a bert-ds checkpoint as a Hugging Face folder: ``BertForPreTraining`` for BERT,
+``ModernBertForMaskedLM`` for a ModernBERT-class model.
 
     python -m bert_ds.checkpoint.export CHECKPOINT_DIR OUT_DIR
 
 The checkpoint folder (written by :mod:`bert_ds.checkpoint.store`) holds
 ``model.safetensors`` (fp32, our parameter names, the tied decoder weight present
-or not), ``model_config.json`` (:meth:`ModelConfig.to_dict`) and ``tokenizer/``.
-The export holds ``config.json``, ``model.safetensors`` and the tokenizer files.
+or not), ``model_config.json`` (the model config's ``to_dict``, with its ``arch``) and
+``tokenizer/``. The export holds ``config.json``, ``model.safetensors`` and the tokenizer files.
 
 Design choices, and why:
 
 - Our parameter names are Hugging Face's, so the export copies tensors; the only
-  difference is that the tied aliases ``cls.predictions.decoder.{weight,bias}``
-  are left out of the file, as ``save_pretrained`` does, and re-tied on load.
+  difference is that the tied aliases (BERT's ``cls.predictions.decoder.{weight,bias}``,
+  ModernBERT's ``decoder.weight``) are left out of the file, as ``save_pretrained`` does,
+  and re-tied on load. What differs between the families is in :mod:`.hf_families`.
 - Nothing appears at OUT_DIR unless it round-trips: the export is written to
-  ``OUT_DIR.tmp-XXXX``, loaded back with ``transformers.BertForPreTraining.from_pretrained``,
+  ``OUT_DIR.tmp-XXXX``, loaded back with transformers' class ``from_pretrained``,
   its logits compared with our model's on a fixed input (max abs diff <= 1e-4,
   fp32), and only then renamed into place. An existing export is replaced only
   after that; a directory that is not an earlier export is never replaced.
-- Pre-LN models have no Hugging Face counterpart and are refused.
+- Pre-LN BERT models have no Hugging Face counterpart and are refused.
 - torch, safetensors and transformers are imported by the functions that use them, not at the
   top: the command answers ``--help`` without them, and :mod:`.hf_import` reads the config
   mapping from here.
@@ -38,38 +40,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from bert_ds.base.atomic import as_umask_allows, fsync_path
-from bert_ds.base.errors import ConfigError, UserError, describe, guarded
+from bert_ds.base.errors import UserError, describe, guarded
 from bert_ds.base.interrupts import deferred_interrupt, import_whole
-from bert_ds.model.config import ModelConfig
+from bert_ds.checkpoint.hf_families import HfFamily, family_of, family_of_hf
+from bert_ds.model.config import AnyModelConfig, model_config_from_dict
 
 if TYPE_CHECKING:
     import torch
 
-TIED_ALIASES = {
-    # alias in the state dict -> the parameter it is tied to
-    "cls.predictions.decoder.weight": "bert.embeddings.word_embeddings.weight",
-    "cls.predictions.decoder.bias": "cls.predictions.bias",
-}
 ROUND_TRIP_TOLERANCE = 1e-4  # max abs logit difference, fp32, between our model and the export
-_HF_HIDDEN_ACT = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh"}
-# HF's older name of the same tanh approximation, read but never written.
-_HF_HIDDEN_ACT_READ = {**{hf: ours for ours, hf in _HF_HIDDEN_ACT.items()}, "gelu_new": "gelu_tanh"}
-# ModelConfig field -> transformers.BertConfig attribute: the one mapping between the two configs.
-HF_CONFIG_NAMES = {
-    "vocab_size": "vocab_size",
-    "hidden_size": "hidden_size",
-    "num_layers": "num_hidden_layers",
-    "num_heads": "num_attention_heads",
-    "intermediate_size": "intermediate_size",
-    "hidden_act": "hidden_act",
-    "hidden_dropout": "hidden_dropout_prob",
-    "attention_dropout": "attention_probs_dropout_prob",
-    "max_position_embeddings": "max_position_embeddings",
-    "type_vocab_size": "type_vocab_size",
-    "initializer_range": "initializer_range",
-    "layer_norm_eps": "layer_norm_eps",
-    "pad_token_id": "pad_token_id",
-}
 _EXPORT_FILES = ("config.json", "model.safetensors")  # what marks a folder as an earlier export
 
 
@@ -77,39 +56,19 @@ class ExportError(UserError):
     """The checkpoint cannot be exported, or its export does not reproduce the model."""
 
 
-def to_hf_config(config: ModelConfig):
-    """The ``transformers.BertConfig`` of a post-LN model (pre-LN raises :class:`ConfigError`)."""
-    from transformers import BertConfig
-
-    if config.pre_layernorm:
-        raise ConfigError("a pre-LN model (pre_layernorm=true) has no Hugging Face BertForPreTraining "
-                          "equivalent and cannot be exported")
-    values = {hf: getattr(config, ours) for ours, hf in HF_CONFIG_NAMES.items()}
-    values["hidden_act"] = _HF_HIDDEN_ACT[config.hidden_act]
-    return BertConfig(architectures=["BertForPreTraining"], tie_word_embeddings=True, **values)
+def to_hf_config(config: AnyModelConfig):
+    """transformers' config of ``config``'s family (a pre-LN BERT raises :class:`ConfigError`)."""
+    return family_of(config).hf_config(config)
 
 
 def from_hf_config(values: Mapping[str, object], where: Path) -> dict[str, object]:
-    """The :class:`ModelConfig` fields a Hugging Face BERT ``config.json`` states (absent ones are
-    left out: BertConfig's defaults equal ModelConfig's). Raises :class:`ConfigError` for a model
-    this BERT cannot compute the same way (another model type, relative positions, a decoder)."""
-    if values.get("model_type", "bert") != "bert":
-        raise ConfigError(f"{where}: model_type {values['model_type']!r}; --init-from takes a BERT model")
-    if values.get("position_embedding_type", "absolute") != "absolute":
-        raise ConfigError(f"{where}: position_embedding_type {values['position_embedding_type']!r}; "
-                          "only absolute position embeddings are supported")
-    if values.get("is_decoder") or values.get("add_cross_attention"):
-        raise ConfigError(f"{where}: a BERT decoder (is_decoder / add_cross_attention); only the encoder is supported")
-    fields = {ours: values[hf] for ours, hf in HF_CONFIG_NAMES.items() if values.get(hf) is not None}
-    if "hidden_act" in fields:
-        act = fields["hidden_act"]
-        if act not in _HF_HIDDEN_ACT_READ:
-            raise ConfigError(f"{where}: hidden_act {act!r}; supported: {', '.join(_HF_HIDDEN_ACT_READ)}")
-        fields["hidden_act"] = _HF_HIDDEN_ACT_READ[act]
-    return fields
+    """The fields of our model config (its ``arch`` among them) a Hugging Face ``config.json``
+    states; a :class:`ConfigError` for another model type, or an option our model of that family
+    does not compute the same way."""
+    return family_of_hf(values, where).from_hf(values, where)
 
 
-def export_hf(state_dict: Mapping[str, torch.Tensor], config: ModelConfig,
+def export_hf(state_dict: Mapping[str, torch.Tensor], config: AnyModelConfig,
               tokenizer_dir: Path | None, out_dir: Path) -> Path:
     """Writes a Hugging Face folder for ``state_dict`` at ``out_dir`` and returns its path.
 
@@ -123,9 +82,10 @@ def export_hf(state_dict: Mapping[str, torch.Tensor], config: ModelConfig,
     from bert_ds.checkpoint import store as checkpoint
 
     hf_config = to_hf_config(config)
+    family = family_of(config)
     out_dir = Path(os.path.abspath(out_dir))
     _check_replaceable(out_dir)
-    full_state = _with_tied_aliases(state_dict)
+    full_state = _with_tied_aliases(state_dict, family)
     _check_keys(full_state, config)
     try:
         out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -134,13 +94,15 @@ def export_hf(state_dict: Mapping[str, torch.Tensor], config: ModelConfig,
         raise ExportError(f"cannot write {out_dir}: {describe(err)}") from None
     try:
         as_umask_allows(tmp)
+        if tokenizer_dir is not None:
+            _take_token_ids(hf_config, family, Path(tokenizer_dir))
         hf_config.save_pretrained(tmp)
         tensors = {name: tensor.detach().to(device="cpu", dtype=torch.float32).contiguous()
-                   for name, tensor in full_state.items() if name not in TIED_ALIASES}
+                   for name, tensor in full_state.items() if name not in family.tied_aliases}
         checkpoint.save_safetensors(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
         if tokenizer_dir is not None:
             _copy_tokenizer(Path(tokenizer_dir), tmp, config.max_position_embeddings)
-        _check_round_trip(full_state, config, tmp)
+        _check_round_trip(full_state, config, family, tmp)
         _fsync_folder(tmp)
         _replace_folder(tmp, out_dir)
     except BaseException as err:
@@ -177,7 +139,7 @@ def export_checkpoint(ckpt_dir: Path, out_dir: Path) -> Path:
         raise ExportError(f"cannot read {config_file}: {err}") from err
     if not isinstance(config_values, dict):
         raise ExportError(f"{config_file} must hold a JSON object")
-    config = ModelConfig.from_dict(config_values)
+    config = model_config_from_dict(config_values)
     try:
         state_dict = load_file(str(weights))
     except (OSError, SafetensorError) as err:
@@ -187,12 +149,12 @@ def export_checkpoint(ckpt_dir: Path, out_dir: Path) -> Path:
 
 # --------------------------------------------------------------------------- steps
 
-def _with_tied_aliases(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _with_tied_aliases(state_dict: Mapping[str, torch.Tensor], family: HfFamily) -> dict[str, torch.Tensor]:
     """The state dict with the tied aliases present, checking that given ones are really tied."""
     import torch
 
     full = dict(state_dict)
-    for alias, target in TIED_ALIASES.items():
+    for alias, target in family.tied_aliases.items():
         if target not in full:
             continue  # reported by _check_keys
         if alias not in full:
@@ -202,7 +164,21 @@ def _with_tied_aliases(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torc
     return full
 
 
-def _check_keys(state_dict: Mapping[str, torch.Tensor], config: ModelConfig) -> None:
+def _take_token_ids(hf_config, family: HfFamily, tokenizer_dir: Path) -> None:
+    """The special tokens' ids the family's config states (ModernBERT's cls, sep, bos, eos), the
+    tokenizer's: transformers' defaults are ModernBERT's own vocabulary's ids."""
+    if not family.token_ids or not tokenizer_dir.is_dir():
+        return
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    for name, token_attribute in family.token_ids.items():
+        value = getattr(tokenizer, token_attribute, None)
+        if value is not None:
+            setattr(hf_config, name, value)
+
+
+def _check_keys(state_dict: Mapping[str, torch.Tensor], config: AnyModelConfig) -> None:
     """The names and shapes must be those of our model for ``config``."""
     from bert_ds.model.families import meta_model
 
@@ -240,33 +216,24 @@ def _copy_tokenizer(tokenizer_dir: Path, dest: Path, max_length: int) -> None:
     config.write_text(json.dumps(settings, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def _check_round_trip(state_dict: Mapping[str, torch.Tensor], config: ModelConfig, export_dir: Path) -> None:
+def _check_round_trip(state_dict: Mapping[str, torch.Tensor], config: AnyModelConfig, family: HfFamily,
+                      export_dir: Path) -> None:
     """Loads the export with transformers and compares its logits with our model's."""
-    import torch
     import transformers
 
-    from bert_ds.model.bert import BertForPreTraining
-    from bert_ds.model.padding import gather_tokens, unpad
+    from bert_ds.model.families import build_model
 
-    ours = BertForPreTraining(dataclasses.replace(config, kernels="torch", activation_checkpointing=False,
-                                                     compile_layers=False))
+    ours = build_model(dataclasses.replace(config, kernels="torch", activation_checkpointing=False,
+                                           compile_layers=False))
     ours.load_state_dict({name: tensor.float() for name, tensor in state_dict.items()})
-    theirs, info = transformers.BertForPreTraining.from_pretrained(
+    theirs, info = getattr(transformers, family.transformers_class).from_pretrained(
         export_dir, attn_implementation="eager", output_loading_info=True)
     problems = {kind: keys for kind, keys in info.items() if keys}
     if problems:
         raise ExportError(f"transformers loaded the export with problems: {problems}")
     ours.eval()
     theirs.eval()
-
-    input_ids, token_type_ids, attention_mask = _probe_batch(config)
-    unpadded = unpad(attention_mask)
-    with torch.no_grad():
-        our_out = ours(input_ids, token_type_ids, unpadded=unpadded)
-        their_out = theirs(input_ids=input_ids, token_type_ids=token_type_ids, attention_mask=attention_mask)
-    their_mlm = gather_tokens(their_out.prediction_logits, unpadded.token_indices)  # (T, V), packed like ours
-    diff = max((our_out.mlm_logits - their_mlm).abs().max().item(),
-               (our_out.nsp_logits - their_out.seq_relationship_logits).abs().max().item())
+    diff = family.probe(ours, theirs, config)
     if not diff <= ROUND_TRIP_TOLERANCE:  # written so that NaN fails too
         raise ExportError(f"the export does not reproduce the model: max abs logit difference {diff:.3g} "
                           f"> {ROUND_TRIP_TOLERANCE} (transformers {transformers.__version__})")
@@ -276,20 +243,6 @@ def _check_round_trip(state_dict: Mapping[str, torch.Tensor], config: ModelConfi
         if len(tokenizer) > config.vocab_size:
             raise ExportError(f"the tokenizer has {len(tokenizer)} tokens but the model only "
                               f"{config.vocab_size} embeddings")
-
-
-def _probe_batch(config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A fixed (2, S) batch: one full row, one padded row, both segments used."""
-    import torch
-
-    seq_len = min(16, config.max_position_embeddings)
-    generator = torch.Generator().manual_seed(0)
-    input_ids = torch.randint(0, config.vocab_size, (2, seq_len), generator=generator)
-    token_type_ids = torch.zeros(2, seq_len, dtype=torch.long)
-    token_type_ids[:, seq_len // 2:] = config.type_vocab_size - 1
-    attention_mask = torch.ones(2, seq_len, dtype=torch.long)
-    attention_mask[1, seq_len // 2 + 1:] = 0
-    return input_ids, token_type_ids, attention_mask
 
 
 def _check_replaceable(out_dir: Path) -> None:
@@ -334,8 +287,9 @@ def _replace_folder(new: Path, dest: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m bert_ds.checkpoint.export",
-        description="Export a bert-ds checkpoint as a Hugging Face BertForPreTraining folder "
-                    "(config.json, model.safetensors, tokenizer files), checked by loading it back.",
+        description="Export a bert-ds checkpoint as a Hugging Face folder (BertForPreTraining, or "
+                    "ModernBertForMaskedLM for a ModernBERT-class model: config.json, model.safetensors, tokenizer "
+                    "files), checked by loading it back.",
     )
     parser.add_argument("checkpoint_dir", metavar="CHECKPOINT_DIR", type=Path,
                         help="checkpoint folder (or its 'latest' link) with model.safetensors, "

@@ -2,11 +2,13 @@
 
 A source is one of:
 
-- a Hugging Face BERT folder: ``config.json`` and ``model.safetensors`` or ``pytorch_model.bin``,
-  or either sharded as ``save_pretrained`` shards a large model (``model.safetensors.index.json``,
-  ``pytorch_model.bin.index.json`` and the shards they name), of ``BertForPreTraining``,
-  ``BertForMaskedLM`` or ``BertModel`` (a ``bert_ds.checkpoint.export`` is one); a weights file
-  of such a folder given directly (a ``.safetensors`` or an index) takes its ``config.json``;
+- a Hugging Face folder of either model family: ``config.json`` and ``model.safetensors`` or
+  ``pytorch_model.bin``, or either sharded as ``save_pretrained`` shards a large model
+  (``model.safetensors.index.json``, ``pytorch_model.bin.index.json`` and the shards they
+  name), of ``BertForPreTraining``, ``BertForMaskedLM`` or ``BertModel``, or of
+  ``ModernBertForMaskedLM`` or ``ModernBertModel`` (ModernBERT, mmBERT, Ettin; a
+  ``bert_ds.checkpoint.export`` is one); a weights file of such a folder given directly (a
+  ``.safetensors`` or an index) takes its ``config.json``;
 - a bert_ds checkpoint folder, its ``latest`` link, a ``checkpoints/`` folder or a run folder
   (the newest complete checkpoint, checked against its marker's CRCs);
 - a bare ``.safetensors`` file with our parameter names (its architecture: ``--preset``).
@@ -20,13 +22,18 @@ Design choices, and why:
   regularisation, not architecture: bert_ds's defaults (or ``--dropout``) apply. A
   ``--preset`` that disagrees with the source is an error naming every differing size,
   never a silent pick of one of the two.
+- **The family comes from the source too** (``model_type``, or a checkpoint's ``arch``): a
+  BERT folder never starts a ModernBERT run or the reverse, and a ``--preset`` of the other
+  family is refused. What differs between the families (names, tied aliases, heads) is in
+  :mod:`.hf_families`.
 - **Names as transformers accepts them.** Our parameter names are Hugging Face's, so a
-  ``BertForPreTraining`` state dict loads as it is. ``BertModel`` saves without the
-  ``bert.`` prefix; old checkpoints name LayerNorm parameters ``gamma``/``beta`` (transformers
-  renames ``LayerNorm.gamma``/``LayerNorm.beta``, and so do we); older transformers saved the
+  ``BertForPreTraining`` or ``ModernBertForMaskedLM`` state dict loads as it is. A base model
+  (``BertModel``, ``ModernBertModel``) saves without its ``bert.``/``model.`` prefix; old BERT
+  checkpoints name LayerNorm parameters ``gamma``/``beta`` (transformers renames
+  ``LayerNorm.gamma``/``LayerNorm.beta``, and so do we); older transformers saved the
   ``position_ids``/``token_type_ids`` buffers, which carry no weights. The tied decoder
   aliases must equal what they alias. Heads the source lacks (the pooler and NSP head of a
-  ``BertForMaskedLM``, every head of a ``BertModel``) keep their fresh initialisation and
+  ``BertForMaskedLM``, every head of a base model) keep their fresh initialisation and
   are listed; a missing encoder weight, or a source tensor left unmatched, is an error
   naming it: loading half a model silently is worse than not starting.
 - **``pytorch_model.bin`` is read with ``torch.load(weights_only=True)``**: a pickle from
@@ -47,8 +54,9 @@ from typing import Any
 import torch
 
 from bert_ds.checkpoint import store as checkpoint
-from bert_ds.checkpoint.export import TIED_ALIASES, from_hf_config
-from bert_ds.model.bert import PRESETS, ModelConfig
+from bert_ds.checkpoint.export import from_hf_config
+from bert_ds.checkpoint.hf_families import FAMILIES, HfFamily
+from bert_ds.model.config import PRESETS, AnyModelConfig, model_config_from_dict, preset_arch
 from bert_ds.checkpoint.resume import FIELDS, REFUSED
 from bert_ds.base.errors import UserError, describe
 from bert_ds.data_tools.tokenizer import load_vocabulary, vocab_entries
@@ -56,9 +64,6 @@ from bert_ds.data_tools.tokenizer import load_vocabulary, vocab_entries
 # What a source decides about the model: the fields a resume may not change, and the init of fresh heads.
 ARCHITECTURE = tuple(name.removeprefix("model.") for name, kind in FIELDS.items()
                      if name.startswith("model.") and kind == REFUSED) + ("initializer_range",)
-FRESH_PREFIXES = ("cls.", "bert.pooler.")  # heads a source may lack; the encoder it may not
-_BUFFERS = frozenset({"bert.embeddings.position_ids", "bert.embeddings.token_type_ids"})  # saved by older transformers
-_LEGACY_SUFFIXES = {"LayerNorm.gamma": "LayerNorm.weight", "LayerNorm.beta": "LayerNorm.bias"}
 # In transformers' order of preference: one file, else an index of shards.
 HF_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 INDEX_SUFFIX = ".index.json"
@@ -100,7 +105,7 @@ def open_source(path: Path) -> InitSource:
     if (path / HF_CONFIG).is_file():
         return _hf_folder(path)
     if not _is_checkpoint(path):
-        raise InitFromError(f"--init-from {path}: neither a Hugging Face BERT folder (no {HF_CONFIG}) nor a "
+        raise InitFromError(f"--init-from {path}: neither a Hugging Face model folder (no {HF_CONFIG}) nor a "
                             "bert_ds checkpoint or run folder")
     weights = checkpoint.weights_file(path)
     saved, tokenizer = weights.parent / "model_config.json", weights.parent / "tokenizer"
@@ -108,7 +113,8 @@ def open_source(path: Path) -> InitSource:
         model = json.loads(saved.read_text())
     except (OSError, ValueError) as e:
         raise InitFromError(f"{saved}: unreadable ({e})") from None
-    return InitSource(path, weights, _architecture(model), saved, tokenizer if tokenizer.is_dir() else None)
+    return InitSource(path, weights, _architecture({"arch": "bert", **model}), saved,
+                      tokenizer if tokenizer.is_dir() else None)
 
 
 def _is_checkpoint(path: Path) -> bool:
@@ -143,9 +149,9 @@ def _architecture(model: dict[str, Any]) -> dict[str, Any]:
     return {name: model[name] for name in ARCHITECTURE if name in model}
 
 
-def model_config(source: InitSource, preset: str | None, given: dict[str, Any]) -> ModelConfig:
-    """The model of a run started from ``source`` (which states its architecture). ``given``: the
-    fields the command line sets, ``vocab_size`` (the shards') among them."""
+def model_config(source: InitSource, preset: str | None, given: dict[str, Any]) -> AnyModelConfig:
+    """The model of a run started from ``source`` (which states its architecture and family).
+    ``given``: the fields the command line sets, ``vocab_size`` (the shards') among them."""
     arch = source.model
     if arch.get("vocab_size") != given["vocab_size"]:
         raise InitFromError(f"{source.origin}: the model has {arch.get('vocab_size')} token embeddings but the "
@@ -154,12 +160,15 @@ def model_config(source: InitSource, preset: str | None, given: dict[str, Any]) 
     if preset is not None:
         if preset not in PRESETS:
             raise InitFromError(f"unknown model preset {preset!r}; choose one of {', '.join(PRESETS)}")
+        if preset_arch(preset) != arch["arch"]:
+            raise InitFromError(f"--preset {preset} is a {preset_arch(preset)} model, but {source.described_by} "
+                                f"holds a {arch['arch']} model; leave --preset out to take the source's")
         differ = [f"{name} {value} vs {arch.get(name)}" for name, value in PRESETS[preset].items()
-                  if arch.get(name) != value]
+                  if name != "arch" and arch.get(name) != value]
         if differ:
             raise InitFromError(f"--preset {preset} disagrees with {source.described_by}: {', '.join(differ)} "
                                 "(preset vs source); leave --preset out to take the source's")
-    return ModelConfig.from_dict({**arch, **given})
+    return model_config_from_dict({**arch, **given})
 
 
 def check_vocabulary(source: InitSource, dataset: Path) -> None:
@@ -228,41 +237,42 @@ def read_state(file: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def our_name(name: str) -> str:
-    """A source parameter name as our model (= transformers' BertForPreTraining) names it."""
-    for legacy, current in _LEGACY_SUFFIXES.items():
+def our_name(name: str, family: HfFamily) -> str:
+    """A source parameter name as our model of ``family`` (= transformers' class) names it."""
+    for legacy, current in family.legacy_suffixes.items():
         if name.endswith(legacy):
             name = name[: -len(legacy)] + current
-    return name if name.startswith(("bert.", "cls.")) else f"bert.{name}"
+    return name if name.startswith(family.top_prefixes) else f"{family.base_prefix}{name}"
 
 
-def match(state: dict[str, torch.Tensor], params: list[str], source: Path) -> tuple[dict[str, torch.Tensor], list[str]]:
+def match(state: dict[str, torch.Tensor], params: list[str], source: Path,
+          family: HfFamily) -> tuple[dict[str, torch.Tensor], list[str]]:
     """(weights under our names, the parameters the source lacks, which start fresh); raises
     naming a source tensor left unmatched or an encoder weight missing."""
     renamed: dict[str, torch.Tensor] = {}
     origin: dict[str, str] = {}
     for name, tensor in state.items():
-        ours = our_name(name)
-        if ours in _BUFFERS:
+        ours = our_name(name, family)
+        if ours in family.buffers:
             continue
         if ours in renamed:
             raise InitFromError(f"{source}: {origin[ours]} and {name} are both {ours}")
         renamed[ours], origin[ours] = tensor, name
-    for alias, target in TIED_ALIASES.items():
+    for alias, target in family.tied_aliases.items():
         if alias not in renamed:
             continue
         tied = renamed.pop(alias)
         if target not in renamed:
             renamed[target] = tied
         elif not torch.equal(tied, renamed[target]):
-            raise InitFromError(f"{source}: {origin[alias]} differs from {origin[target]}; this BERT ties them")
+            raise InitFromError(f"{source}: {origin[alias]} differs from {origin[target]}; this model ties them")
     wanted = set(params)
     unmatched = [origin[name] for name in renamed if name not in wanted]
     if unmatched:
-        raise InitFromError(f"{source}: {len(unmatched)} tensor(s) match no parameter of BERT for pretraining: "
+        raise InitFromError(f"{source}: {len(unmatched)} tensor(s) match no parameter of {family.transformers_class}: "
                             f"{', '.join(unmatched[:5])}")
     absent = [name for name in params if name not in renamed]
-    missing = [name for name in absent if not name.startswith(FRESH_PREFIXES)]
+    missing = [name for name in absent if not name.startswith(family.fresh_prefixes)]
     if missing:
         raise InitFromError(f"{source}: lacks {len(missing)} encoder weight(s): {', '.join(missing[:5])}")
     return renamed, absent
@@ -284,8 +294,12 @@ def init_weights(engine, path: Path) -> list[str]:
     """Give the engine's model (fp32 master copy included) the source's weights; the optimizer and
     schedule stay fresh. Returns the lines to log."""
     source = open_source(Path(path))
+    family = FAMILIES[engine.module.config.arch]
+    if source.model is not None and source.model["arch"] != family.arch:
+        raise InitFromError(f"{source.origin}: a {source.model['arch']} model, but this run trains a {family.arch} "
+                            "model")
     params = [name for name, _ in engine.module.named_parameters()]
-    weights, fresh = match(read_state(source.weights), params, source.weights)
+    weights, fresh = match(read_state(source.weights), params, source.weights, family)
     try:
         checkpoint.install_weights(engine, weights, source=source.weights, fresh=frozenset(fresh))
     except checkpoint.CheckpointError as e:

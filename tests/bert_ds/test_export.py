@@ -12,6 +12,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from bert_ds.checkpoint import store as checkpoint
+from bert_ds.checkpoint.hf_families import BERT
 from bert_ds.checkpoint import export
 from bert_ds.base.errors import ConfigError, UserError
 from bert_ds.checkpoint.export import ExportError, export_checkpoint, export_hf, main
@@ -37,7 +38,7 @@ def _write_checkpoint(path, config: ModelConfig, *, with_tied_alias: bool = Fals
     state = model.state_dict()
     # safetensors refuses shared tensors, so a saver either drops the aliases or stores copies.
     weights = {name: tensor.clone() for name, tensor in state.items()
-               if with_tied_alias or name not in export.TIED_ALIASES}
+               if with_tied_alias or name not in BERT.tied_aliases}
     save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
     (path / "model_config.json").write_text(json.dumps(config.to_dict()))
     tokenizer = transformers.BertTokenizerFast(vocab={word: i for i, word in enumerate(WORDS)})
