@@ -14,7 +14,8 @@ Design choices, and why:
   and gives the gradients of x and the residual, and, from the same pass, the column sums of
   the LayerNorm's weight and bias gradients and of dx, which is the bias gradient: no separate
   reduction kernel. The column sums go through the deterministic two-stage reduction
-  ``layer_norm.cu`` uses (per-warp fp32 rows, then one column sum; no atomics).
+  ``layer_norm.cu`` uses (each CTA's sum over its rows in fp32, added in warp order into one row
+  of a small workspace, then one column sum over those rows; no atomics).
 - **The mask is regenerated, not stored.** Element e of the (rows, hidden) tensor is kept iff
   word e % 4 of Philox4x32-10 (key: the seed; counter: the offset / 4 and e / 4) is below
   ``(1 - p) 2^24`` in its top 24 bits; kept elements are scaled by ``1 / (1 - p)``. Philox is

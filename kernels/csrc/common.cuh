@@ -1,6 +1,7 @@
 // Device helpers shared by the kernels: dtype conversion, vector access, warp
 // reductions, the per-column reduction of fp32 partial sums, the launch helpers of the
-// row kernels (one warp per row), the counter-based random numbers of dropout (Philox),
+// row kernels (one warp per row) and the sum of their warps' column partials per CTA, the
+// counter-based random numbers of dropout (Philox),
 // the two tensor-core instructions the attention uses (ldmatrix, mma.sync m16n8k16) and
 // its shared-memory access (cp.async, ld_shared/st_shared).
 //
@@ -101,18 +102,22 @@ __device__ __forceinline__ float warp_sum(float v) {
 }
 
 // out[c] = sum over p of parts[p * cols + c], for the fp32 per-block partial sums
-// that the backward kernels leave (LayerNorm dw/db, bias-GELU dbias): about 1,600 rows
-// at BERT's shapes. Block (8, 32): x walks 8 adjacent columns (one 32-byte sector of a
+// that the backward kernels leave (LayerNorm dw/db and the dense bias's, bias-GELU dbias): a
+// few hundred rows at BERT's shapes (one per CTA of a row kernel's register path, one per
+// slab of bias + GELU's). Block (8, 32): x walks 8 adjacent columns (one 32-byte sector of a
 // row), y splits the rows 32 ways, each thread summing its rows in order and thread
 // y = 0 the 32 partial sums in order (deterministic). The narrow tile gives cols / 8
 // blocks (96 at BERT-Base's 768) to keep loads in flight on every SM; a 32-wide tile gave
 // 24 blocks on an H100's 132 SMs and took 11 us a call (benchmarks/results/H100-2026-11-24).
+// Columns from `split` on go to out_hi[c - split]: one launch for two outputs whose partial
+// sums share a workspace row (LayerNorm's [dweight | dbias]).
 constexpr int kColumnSumCols = 8;
 constexpr int kColumnSumRows = 32;
 
 template <typename OutT>
 __global__ void __launch_bounds__(kColumnSumCols * kColumnSumRows)
-column_sum_kernel(const float* __restrict__ parts, int num_parts, int cols, OutT* __restrict__ out) {
+column_sum_kernel(const float* __restrict__ parts, int num_parts, int cols, int split, OutT* __restrict__ out,
+                  OutT* __restrict__ out_hi) {
   // Row stride kColumnSumCols: a warp (4 rows of 8 columns) writes 32 distinct banks.
   __shared__ float partial[kColumnSumRows][kColumnSumCols];
   const int col = blockIdx.x * kColumnSumCols + threadIdx.x;
@@ -125,15 +130,26 @@ column_sum_kernel(const float* __restrict__ parts, int num_parts, int cols, OutT
   if (threadIdx.y == 0 && col < cols) {
 #pragma unroll
     for (int r = 1; r < kColumnSumRows; ++r) sum += partial[r][threadIdx.x];
-    out[col] = from_float<OutT>(sum);
+    if (col < split) {
+      out[col] = from_float<OutT>(sum);
+    } else {
+      out_hi[col - split] = from_float<OutT>(sum);
+    }
   }
+}
+
+// Columns [0, split) into out, [split, cols) into out_hi.
+template <typename OutT>
+inline cudaError_t column_sum(const float* parts, int num_parts, int cols, int split, OutT* out, OutT* out_hi,
+                              cudaStream_t stream) {
+  const dim3 grid((cols + kColumnSumCols - 1) / kColumnSumCols), block(kColumnSumCols, kColumnSumRows);
+  column_sum_kernel<OutT><<<grid, block, 0, stream>>>(parts, num_parts, cols, split, out, out_hi);
+  return cudaGetLastError();
 }
 
 template <typename OutT>
 inline cudaError_t column_sum(const float* parts, int num_parts, int cols, OutT* out, cudaStream_t stream) {
-  const dim3 grid((cols + kColumnSumCols - 1) / kColumnSumCols), block(kColumnSumCols, kColumnSumRows);
-  column_sum_kernel<OutT><<<grid, block, 0, stream>>>(parts, num_parts, cols, out);
-  return cudaGetLastError();
+  return column_sum(parts, num_parts, cols, cols, out, static_cast<OutT*>(nullptr), stream);
 }
 
 // Streaming multiprocessors of the current device, to size grid-stride grids.
@@ -348,7 +364,8 @@ __device__ __forceinline__ void mma_16816<__half>(float (&d)[4], const uint32_t 
 
 // ----------------------------------------------------------------- shared memory (the attention's)
 //
-// attention.cu touches shared memory only through ldmatrix and these, so that the CPU
+// attention.cu touches shared memory only through ldmatrix and these (and block_column_sum,
+// below, through ld_shared and st_shared), so that the CPU
 // emulation (tests/kernels/emu) can see every access: it lands a cp.async copy only at
 // the wait that covers it and reports reads of bytes still in flight and cross-warp
 // accesses with no barrier between.
@@ -394,5 +411,39 @@ __device__ __forceinline__ void st_shared(V* p, const V& v) {
 }
 
 #endif  // BDS_EMULATE
+
+// ----------------------------------------------------------------- the row kernels' column partials
+
+// The end of a register-path backward kernel (LayerNorm's, dropout + LayerNorm's): each lane
+// holds, in sums[i][j], its warp's sum over the warp's rows of column (32 i + lane) * kVec + j
+// of one per-column gradient (H columns). The CTA adds its warps' sums in warp order (fixed:
+// deterministic, no atomics) and writes them to out[0, H), its row of the workspace that
+// column_sum reduces: one row per CTA, not per warp, a quarter of the partial sums to write and
+// read back. `stage` is the CTA's shared memory, one H-wide fp32 row per warp, reused by each
+// gradient in turn; it is reached through st_shared/ld_shared, so the CPU emulation checks the
+// barriers around it. Every thread of the CTA must call this, and in the same order.
+template <int H, int kPerLane, int kVec>
+__device__ __forceinline__ void block_column_sum(float (&stage)[kRowWarpsPerBlock][H],
+                                                 const float (&sums)[kPerLane][kVec], float* __restrict__ out) {
+  static_assert(kPerLane * 32 * kVec == H, "a warp's lanes hold the H columns");
+  static_assert(kVec % 4 == 0 && H % kRowThreads == 0, "16-byte shared stores; whole columns per thread");
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i)
+#pragma unroll
+    for (int j = 0; j < kVec; j += 4)
+      st_shared(reinterpret_cast<float4*>(&stage[warp][(i * 32 + lane) * kVec + j]),
+                make_float4(sums[i][j], sums[i][j + 1], sums[i][j + 2], sums[i][j + 3]));
+  __syncthreads();
+#pragma unroll
+  for (int k = 0; k < H / kRowThreads; ++k) {
+    const int col = k * kRowThreads + threadIdx.x;  // a warp reads and writes 32 adjacent columns
+    float total = ld_shared(&stage[0][col]);
+#pragma unroll
+    for (int w = 1; w < kRowWarpsPerBlock; ++w) total += ld_shared(&stage[w][col]);
+    out[col] = total;
+  }
+  __syncthreads();  // before the next gradient's sums overwrite the stage
+}
 
 }  // namespace bds

@@ -19,12 +19,20 @@
 //   path of sizes BERT does not use.
 // - p = 0 (evaluation, or dropout off) takes a branch without Philox or scaling:
 //   exactly LayerNorm(x + bias + residual), summed in that order.
-// - The backward is one kernel and one column sum. Per row it gives dh = d(h) (the gradient of
-//   the residual), dx = dh * keep / (1 - p), and accumulates per column dweight = sum dy * xhat,
-//   dln_bias = sum dy and dbias = sum dx (fp32, the unrounded dx): the bias gradient comes out
-//   of the same pass, with no separate reduction over dx. Every warp writes its sums to its row
-//   of an fp32 workspace [dweight | dln_bias | dbias] (3 * hidden wide), and one column_sum
-//   reduces the rows into the (3, hidden) output. No atomics: deterministic.
+// - The backward is one kernel and one column sum, apex's fast_layer_norm backward in shape.
+//   Per row it gives dh = d(h) (the gradient of the residual), dx = dh * keep / (1 - p), and
+//   accumulates per column dweight = sum dy * xhat, dln_bias = sum dy and dbias = sum dx (fp32,
+//   the unrounded dx): the bias gradient comes out of the same pass, with no separate reduction
+//   over dx. A lane keeps its columns' three sums in registers over every row its warp visits
+//   (a CTA of the one-wave grid visits rows / grid of them: about 40 at BERT-Base's 16,384 rows
+//   on an H100), and at the end the CTA adds its 4 warps' sums in shared memory, in warp order
+//   (common.cuh: block_column_sum), into its one row of an fp32 workspace
+//   [dweight | dln_bias | dbias] (3 * hidden wide). A second kernel (column_sum) adds the rows
+//   into the (3, hidden) output. No atomics: deterministic. The workspace has a row per CTA, not
+//   per warp: at BERT-Base in bf16 on an H100, 396 rows (3.6 MB written and read back) where it
+//   had 1,584 (14.6 MB each way, beside the 126 MB of dy, x, residual, dx and dresidual the pass
+//   must move), and the column sum adds 12 or 13 rows per thread instead of 50. The general path
+//   keeps a workspace row per warp: it accumulates in that row in global memory as it goes.
 // - dtypes as layer_norm.cu: x (and y, dx) fp32, fp16 or bf16; the residual (and dresidual) x's
 //   dtype or fp32; weight, ln_bias and bias one dtype, x's or fp32 (autocast over fp32
 //   parameters gives a bf16 GEMM output with fp32 biases and weights).
@@ -172,7 +180,7 @@ dln_bwd_registers(const T* __restrict__ dy, const T* __restrict__ x, const WT* _
   const int warp = blockIdx.x * kWarpsPerBlock + threadIdx.x / 32;
   const int num_warps = gridDim.x * kWarpsPerBlock;
 
-  // This lane's columns of dweight, dln_bias and dbias, summed over the warp's rows.
+  // This lane's columns of dweight, dln_bias and dbias, summed over the warp's rows (grid-stride).
   float dw[kPerLane][kVec] = {};
   float dlb[kPerLane][kVec] = {};
   float db[kPerLane][kVec] = {};
@@ -230,15 +238,13 @@ dln_bwd_registers(const T* __restrict__ dy, const T* __restrict__ x, const WT* _
       store_floats(dx + offset + col, out);
     }
   }
-  // Every warp writes its workspace row, zeros included, so the column sum needs no memset.
-  float* own = parts + (int64_t)warp * 3 * H;
-#pragma unroll
-  for (int i = 0; i < kPerLane; ++i) {
-    const int col = (i * 32 + lane) * kVec;
-    store_floats(own + col, dw[i]);
-    store_floats(own + H + col, dlb[i]);
-    store_floats(own + 2 * H + col, db[i]);
-  }
+  // The CTA's row of the workspace, zeros included (a CTA with no rows), so the column sum needs
+  // no memset.
+  __shared__ __align__(16) float stage[kWarpsPerBlock][H];
+  float* own = parts + (int64_t)blockIdx.x * 3 * H;
+  block_column_sum(stage, dw, own);
+  block_column_sum(stage, dlb, own + H);
+  block_column_sum(stage, db, own + 2 * H);
 }
 
 template <typename T, typename RT, typename WT>
@@ -301,7 +307,7 @@ int fwd_blocks(int64_t rows, int hidden, bool fast) {
   return one_wave_of_rows<dln_fwd_general<T, RT, WT>>(rows);
 }
 
-// Each backward warp sums the rows it visits into its own workspace row, so one wave also
+// The backward's CTAs sum the rows they visit into their workspace rows, so one wave also
 // keeps the workspace and its column sum as small as a full device allows.
 template <typename T, typename RT, typename WT>
 int bwd_blocks(int64_t rows, int hidden, bool fast) {
@@ -309,6 +315,10 @@ int bwd_blocks(int64_t rows, int hidden, bool fast) {
   if (fast && hidden == 1024) return one_wave_of_rows<dln_bwd_registers<T, RT, WT, 1024>>(rows);
   return one_wave_of_rows<dln_bwd_general<T, RT, WT>>(rows);
 }
+
+// Workspace rows a backward block writes: one per CTA on the register path, one per warp on the
+// general path.
+int bwd_rows_per_block(int hidden, bool fast) { return fast && register_row_size(hidden) ? 1 : kWarpsPerBlock; }
 
 bool valid_dropout(float p, uint64_t offset) { return p >= 0.f && p < 1.f && offset % 4 == 0; }
 
@@ -354,21 +364,24 @@ extern "C" cudaError_t bds_dropout_layer_norm_fwd(const void* x, const void* bia
 }
 
 extern "C" int bds_dropout_layer_norm_bwd_parts(int64_t rows, int hidden) {
-  // As bds_layer_norm_bwd_parts: the largest grid any dtype combination takes at this size
-  // with aligned tensors; a misaligned call's general kernel is capped at `parts`.
+  // As bds_layer_norm_bwd_parts: the most workspace rows any dtype combination writes at this
+  // size with aligned tensors (at least a block's warps); a misaligned call's general kernel is
+  // capped at `parts`.
+  const bool fast = register_row_size(hidden);
   int blocks = 1;
   for (const int dtype : {BDS_FLOAT32, BDS_FLOAT16, BDS_BFLOAT16}) {
     for (const int residual_dtype : {dtype, (int)BDS_FLOAT32}) {
       for (const int weight_dtype : {dtype, (int)BDS_FLOAT32}) {
         with_row_dtypes(dtype, residual_dtype, weight_dtype, [&](auto t, auto rt, auto wt) -> cudaError_t {
-          const int b = bwd_blocks<decltype(t), decltype(rt), decltype(wt)>(rows, hidden, register_row_size(hidden));
+          const int b = bwd_blocks<decltype(t), decltype(rt), decltype(wt)>(rows, hidden, fast);
           blocks = b > blocks ? b : blocks;
           return cudaSuccess;
         });
       }
     }
   }
-  return blocks * kWarpsPerBlock;
+  const int parts = blocks * bwd_rows_per_block(hidden, fast);
+  return parts > kWarpsPerBlock ? parts : kWarpsPerBlock;
 }
 
 extern "C" cudaError_t bds_dropout_layer_norm_bwd(const void* dy, const void* x, const void* bias,
@@ -377,8 +390,7 @@ extern "C" cudaError_t bds_dropout_layer_norm_bwd(const void* dy, const void* x,
                                                   float* workspace, int parts, int64_t rows, int hidden,
                                                   float dropout_p, uint64_t seed, uint64_t offset, int dtype,
                                                   int residual_dtype, int weight_dtype, cudaStream_t stream) {
-  if (hidden <= 0 || rows < 0 || parts < kWarpsPerBlock || parts % kWarpsPerBlock != 0 || residual == nullptr ||
-      !valid_dropout(dropout_p, offset))
+  if (hidden <= 0 || rows < 0 || parts < kWarpsPerBlock || residual == nullptr || !valid_dropout(dropout_p, offset))
     return cudaErrorInvalidValue;
   const bool fast = register_row_path(hidden, {dy, x, bias, residual, weight, dx, dresidual, workspace});
   const Dropout dropout = Dropout::make(dropout_p, seed, offset);
@@ -394,7 +406,8 @@ extern "C" cudaError_t bds_dropout_layer_norm_bwd(const void* dy, const void* x,
     auto* dxs = static_cast<T*>(dx);
     auto* drs = static_cast<RT*>(dresidual);
     const int blocks = bwd_blocks<T, RT, WT>(rows, hidden, fast);
-    const dim3 grid(blocks < parts / kWarpsPerBlock ? blocks : parts / kWarpsPerBlock);
+    const int rows_per_block = bwd_rows_per_block(hidden, fast);
+    const dim3 grid(blocks < parts / rows_per_block ? blocks : parts / rows_per_block);
     if (fast && hidden == 768) {
       dln_bwd_registers<T, RT, WT, 768><<<grid, kThreads, 0, stream>>>(dys, xs, bs, rs, ws, mean, rstd, dxs, drs,
                                                                        workspace, rows, dropout);
@@ -407,7 +420,7 @@ extern "C" cudaError_t bds_dropout_layer_norm_bwd(const void* dy, const void* x,
     }
     cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
-    // Only the launched warps' rows hold partial sums; [dweight | dln_bias | dbias] in one pass.
-    return column_sum(workspace, (int)grid.x * kWarpsPerBlock, 3 * hidden, static_cast<WT*>(dparams), stream);
+    // Only the launched blocks' rows hold partial sums; [dweight | dln_bias | dbias] in one pass.
+    return column_sum(workspace, (int)grid.x * rows_per_block, 3 * hidden, static_cast<WT*>(dparams), stream);
   });
 }

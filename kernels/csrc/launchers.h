@@ -30,12 +30,13 @@ cudaError_t bds_layer_norm_fwd(const void* x, const void* residual, const void* 
                                int dtype, int residual_dtype, int weight_dtype, cudaStream_t stream);
 
 // Rows of fp32 partial sums the backward may use (an upper bound: its grid is one wave of
-// the device, from the occupancy API): pass a workspace of 2 * parts * hidden floats.
+// the device, from the occupancy API; a row per CTA, or per warp off the register path): pass a
+// workspace of 2 * parts * hidden floats. Its contents are ignored and overwritten.
 int bds_layer_norm_bwd_parts(int64_t rows, int hidden);
 
 // dx: (rows, hidden) of `dtype`, the gradient of both x and residual; dresidual (may be NULL):
 // the same values in `residual_dtype` (pass it when that differs from `dtype`); dweight, dbias:
-// (hidden,) of `weight_dtype`, reduced in fp32 (per-warp partials, then a column sum).
+// (hidden,) of `weight_dtype`, reduced in fp32 (per-CTA partials, then a column sum).
 cudaError_t bds_layer_norm_bwd(const void* dy, const void* x, const void* residual, const void* weight,
                                const float* mean, const float* rstd, void* dx, void* dresidual, void* dweight,
                                void* dbias, float* workspace, int parts, int64_t rows, int hidden,
@@ -56,7 +57,7 @@ cudaError_t bds_dropout_layer_norm_fwd(const void* x, const void* bias, const vo
                                        cudaStream_t stream);
 
 // Rows of fp32 partial sums the backward may use (an upper bound, as bds_layer_norm_bwd_parts):
-// pass a workspace of 3 * parts * hidden floats.
+// pass a workspace of 3 * parts * hidden floats. Its contents are ignored and overwritten.
 int bds_dropout_layer_norm_bwd_parts(int64_t rows, int hidden);
 
 // With the forward's inputs and (dropout_p, seed, offset), which regenerate its mask: dx (rows, hidden)

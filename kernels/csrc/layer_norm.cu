@@ -10,9 +10,15 @@
 // - The forward saves mean and rstd (fp32, per row); the backward recomputes
 //   xhat = (x + residual - mean) * rstd from the inputs rather than saving the sum,
 //   which costs the same traffic and keeps no extra activation alive.
-// - dweight/dbias are summed in fp32 in two stages: every warp accumulates its rows
-//   (grid-stride) into one row of a workspace, then column_sum reduces the workspace.
-//   No atomics, so the result is deterministic.
+// - dweight/dbias are summed in fp32 in two stages, as apex's fast_layer_norm does: on the
+//   register path a lane keeps its columns' sums in registers over every row its warp visits
+//   (grid-stride), and the CTA adds its warps' sums in shared memory, in warp order, into its one
+//   row [dweight | dbias] of a workspace (common.cuh: block_column_sum); on the general path
+//   every warp accumulates its rows into a workspace row of its own. Then one column_sum reduces
+//   the workspace into both outputs. No atomics, so the result is deterministic. A row per CTA
+//   rather than per warp is a quarter of the partial sums to write and read back (at BERT-Base on
+//   an H100: 396 rows, 2.4 MB each way, where there were 1,584, 9.7 MB, beside the 101 MB of dy,
+//   x, residual and dx the pass must move).
 // - Grids are one wave: every kernel strides over the rows, and the launchers launch as
 //   many blocks as the device holds at once (the occupancy API), never more. A fixed
 //   multiple of the SM count left a tail: 4 blocks per SM where 2-3 fit.
@@ -135,8 +141,7 @@ template <typename T, typename RT, typename WT, int H>
 __global__ void __launch_bounds__(kThreads)
 ln_bwd_registers(const T* __restrict__ dy, const T* __restrict__ x, const RT* __restrict__ residual,
                  const WT* __restrict__ weight, const float* __restrict__ mean, const float* __restrict__ rstd,
-                 T* __restrict__ dx, RT* __restrict__ dresidual, float* __restrict__ dweight_parts,
-                 float* __restrict__ dbias_parts, int64_t rows) {
+                 T* __restrict__ dx, RT* __restrict__ dresidual, float* __restrict__ parts, int64_t rows) {
   constexpr int kVec = 16 / sizeof(T);
   constexpr int kPerLane = H / (32 * kVec);
   static_assert(H % (32 * kVec) == 0, "the register path needs hidden % (32 * vector width) == 0");
@@ -144,7 +149,7 @@ ln_bwd_registers(const T* __restrict__ dy, const T* __restrict__ x, const RT* __
   const int warp = blockIdx.x * kWarpsPerBlock + threadIdx.x / 32;
   const int num_warps = gridDim.x * kWarpsPerBlock;
 
-  // This lane's columns of dweight and dbias, summed over the warp's rows.
+  // This lane's columns of dweight and dbias, summed over the warp's rows (grid-stride).
   float dw[kPerLane][kVec] = {};
   float db[kPerLane][kVec] = {};
   for (int64_t row = warp; row < rows; row += num_warps) {
@@ -187,27 +192,26 @@ ln_bwd_registers(const T* __restrict__ dy, const T* __restrict__ x, const RT* __
       if (dresidual != nullptr) store_floats(dresidual + offset + col, out);
     }
   }
-  // Every warp writes its workspace row, zeros included, so the column sum needs no memset.
-#pragma unroll
-  for (int i = 0; i < kPerLane; ++i) {
-    const int col = (i * 32 + lane) * kVec;
-    store_floats(dweight_parts + (int64_t)warp * H + col, dw[i]);
-    store_floats(dbias_parts + (int64_t)warp * H + col, db[i]);
-  }
+  // The CTA's row of the workspace, zeros included (a CTA with no rows), so the column sum needs
+  // no memset.
+  __shared__ __align__(16) float stage[kWarpsPerBlock][H];
+  float* own = parts + (int64_t)blockIdx.x * 2 * H;
+  block_column_sum(stage, dw, own);
+  block_column_sum(stage, db, own + H);
 }
 
 template <typename T, typename RT, typename WT>
 __global__ void __launch_bounds__(kThreads)
 ln_bwd_general(const T* __restrict__ dy, const T* __restrict__ x, const RT* __restrict__ residual,
                const WT* __restrict__ weight, const float* __restrict__ mean, const float* __restrict__ rstd,
-               T* __restrict__ dx, RT* __restrict__ dresidual, float* __restrict__ dweight_parts,
-               float* __restrict__ dbias_parts, int64_t rows, int hidden) {
+               T* __restrict__ dx, RT* __restrict__ dresidual, float* __restrict__ parts, int64_t rows,
+               int hidden) {
   const int lane = threadIdx.x % 32;
   const int warp = blockIdx.x * kWarpsPerBlock + threadIdx.x / 32;
   const int num_warps = gridDim.x * kWarpsPerBlock;
-  // The warp's own workspace rows; lane l only ever touches columns l, l + 32, ...
-  float* dwp = dweight_parts + (int64_t)warp * hidden;
-  float* dbp = dbias_parts + (int64_t)warp * hidden;
+  // The warp's own workspace row [dweight | dbias]; lane l only ever touches columns l, l + 32, ...
+  float* dwp = parts + (int64_t)(2 * warp) * hidden;
+  float* dbp = parts + (int64_t)(2 * warp + 1) * hidden;  // (as dwp + hidden, ptxas spilled 4-8 bytes)
   for (int j = lane; j < hidden; j += 32) {
     dwp[j] = 0.f;
     dbp[j] = 0.f;
@@ -249,7 +253,7 @@ int fwd_blocks(int64_t rows, int hidden, bool fast) {
   return one_wave_of_rows<ln_fwd_general<T, RT, WT>>(rows);
 }
 
-// Each backward warp sums the rows it visits into its own workspace row, so one wave
+// The backward's CTAs sum the rows they visit into their workspace rows, so one wave
 // also keeps the workspace and its column sum as small as a full device allows.
 template <typename T, typename RT, typename WT>
 int bwd_blocks(int64_t rows, int hidden, bool fast) {
@@ -257,6 +261,10 @@ int bwd_blocks(int64_t rows, int hidden, bool fast) {
   if (fast && hidden == 1024) return one_wave_of_rows<ln_bwd_registers<T, RT, WT, 1024>>(rows);
   return one_wave_of_rows<ln_bwd_general<T, RT, WT>>(rows);
 }
+
+// Workspace rows a backward block writes: one per CTA on the register path, one per warp on the
+// general path.
+int bwd_rows_per_block(int hidden, bool fast) { return fast && register_row_size(hidden) ? 1 : kWarpsPerBlock; }
 
 }  // namespace
 }  // namespace bds
@@ -292,22 +300,25 @@ extern "C" cudaError_t bds_layer_norm_fwd(const void* x, const void* residual, c
 }
 
 extern "C" int bds_layer_norm_bwd_parts(int64_t rows, int hidden) {
-  // Asked before the dtypes and pointers are known: the largest grid any dtype combination
-  // takes at this size with aligned tensors. A misaligned call's general kernel runs within
-  // the same workspace (the launcher caps its grid at `parts`).
+  // Asked before the dtypes and pointers are known: the most workspace rows any dtype
+  // combination writes at this size with aligned tensors (at least a block's warps). A
+  // misaligned call's general kernel runs within the same workspace (the launcher caps its grid
+  // at `parts`).
+  const bool fast = register_row_size(hidden);
   int blocks = 1;
   for (const int dtype : {BDS_FLOAT32, BDS_FLOAT16, BDS_BFLOAT16}) {
     for (const int residual_dtype : {dtype, (int)BDS_FLOAT32}) {
       for (const int weight_dtype : {dtype, (int)BDS_FLOAT32}) {
         with_row_dtypes(dtype, residual_dtype, weight_dtype, [&](auto t, auto rt, auto wt) -> cudaError_t {
-          const int b = bwd_blocks<decltype(t), decltype(rt), decltype(wt)>(rows, hidden, register_row_size(hidden));
+          const int b = bwd_blocks<decltype(t), decltype(rt), decltype(wt)>(rows, hidden, fast);
           blocks = b > blocks ? b : blocks;
           return cudaSuccess;
         });
       }
     }
   }
-  return blocks * kWarpsPerBlock;
+  const int parts = blocks * bwd_rows_per_block(hidden, fast);
+  return parts > kWarpsPerBlock ? parts : kWarpsPerBlock;
 }
 
 extern "C" cudaError_t bds_layer_norm_bwd(const void* dy, const void* x, const void* residual, const void* weight,
@@ -315,11 +326,8 @@ extern "C" cudaError_t bds_layer_norm_bwd(const void* dy, const void* x, const v
                                           void* dweight, void* dbias, float* workspace, int parts, int64_t rows,
                                           int hidden,
                                           int dtype, int residual_dtype, int weight_dtype, cudaStream_t stream) {
-  if (hidden <= 0 || rows < 0 || parts < kWarpsPerBlock || parts % kWarpsPerBlock != 0)
-    return cudaErrorInvalidValue;
+  if (hidden <= 0 || rows < 0 || parts < kWarpsPerBlock) return cudaErrorInvalidValue;
   const bool fast = register_row_path(hidden, {dy, x, residual, weight, dx, dresidual, workspace});
-  float* dweight_parts = workspace;
-  float* dbias_parts = workspace + (int64_t)parts * hidden;
   if (residual == nullptr) residual_dtype = dtype;
   return with_row_dtypes(dtype, residual_dtype, weight_dtype, [&](auto t, auto rt, auto wt) -> cudaError_t {
     using T = decltype(t);
@@ -332,23 +340,22 @@ extern "C" cudaError_t bds_layer_norm_bwd(const void* dy, const void* x, const v
     auto* dxs = static_cast<T*>(dx);
     auto* drs = static_cast<RT*>(dresidual);
     const int blocks = bwd_blocks<T, RT, WT>(rows, hidden, fast);
-    const dim3 grid(blocks < parts / kWarpsPerBlock ? blocks : parts / kWarpsPerBlock);
+    const int rows_per_block = bwd_rows_per_block(hidden, fast);
+    const dim3 grid(blocks < parts / rows_per_block ? blocks : parts / rows_per_block);
     if (fast && hidden == 768) {
       ln_bwd_registers<T, RT, WT, 768><<<grid, kThreads, 0, stream>>>(dys, xs, rs, ws, mean, rstd, dxs, drs,
-                                                                  dweight_parts, dbias_parts, rows);
+                                                                  workspace, rows);
     } else if (fast && hidden == 1024) {
       ln_bwd_registers<T, RT, WT, 1024><<<grid, kThreads, 0, stream>>>(dys, xs, rs, ws, mean, rstd, dxs, drs,
-                                                                   dweight_parts, dbias_parts, rows);
+                                                                   workspace, rows);
     } else {
-      ln_bwd_general<T, RT, WT><<<grid, kThreads, 0, stream>>>(dys, xs, rs, ws, mean, rstd, dxs, drs,
-                                                           dweight_parts, dbias_parts, rows, hidden);
+      ln_bwd_general<T, RT, WT><<<grid, kThreads, 0, stream>>>(dys, xs, rs, ws, mean, rstd, dxs, drs, workspace,
+                                                           rows, hidden);
     }
     cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
-    // Only the launched warps' rows hold partial sums.
-    const int written = (int)grid.x * kWarpsPerBlock;
-    err = column_sum(dweight_parts, written, hidden, static_cast<WT*>(dweight), stream);
-    if (err != cudaSuccess) return err;
-    return column_sum(dbias_parts, written, hidden, static_cast<WT*>(dbias), stream);
+    // Only the launched blocks' rows hold partial sums; [dweight | dbias] in one pass.
+    return column_sum(workspace, (int)grid.x * rows_per_block, 2 * hidden, hidden, static_cast<WT*>(dweight),
+                      static_cast<WT*>(dbias), stream);
   });
 }

@@ -465,7 +465,9 @@ def test_dropout_off_draws_nothing_and_is_the_fused_layer_norm_of_the_sum(emu, h
 # this, what the comparison must then report). Between them they fail each of its checks: the
 # mask against the independent Philox (a counter one block on in the stream itself, which the
 # reference given the kernel's own mask cannot see), the backward's mask against the forward's,
-# the output and the gradients, the bias's included (its column sum is this kernel's own work).
+# the output and the gradients, the bias's included (its column sum is this kernel's own work),
+# and the two-stage sum of the parameter gradients (a warp's sums left out of its CTA's row, a
+# CTA's row written where another CTA's goes, the column sum one row short).
 PLANTED_MISTAKES = {
     "Philox counter one block on (the stream)": (
         "common.cuh", "uint32_t keep_bits(", "keep4((uint64_t)(e / 4) + t)", "keep4((uint64_t)(e / 4) + t + 1)",
@@ -488,6 +490,15 @@ PLANTED_MISTAKES = {
         "dropout_layer_norm.cu", "dln_bwd_registers(", "db[i][j] += out[j];", "", "dbias: error"),
     "bias gradient summed before the dropout (general path)": (
         "dropout_layer_norm.cu", "dln_bwd_general(", "dbp[j] += dxv;", "dbp[j] += dh;", "dbias: error"),
+    "a warp's sums left out of its CTA's row": (
+        "common.cuh", "void block_column_sum(", "for (int w = 1; w < kRowWarpsPerBlock; ++w)",
+        "for (int w = 2; w < kRowWarpsPerBlock; ++w)", "dbias: error"),
+    "a CTA's row written at the next CTA's offset": (
+        "dropout_layer_norm.cu", "dln_bwd_registers(", "parts + (int64_t)blockIdx.x * 3 * H",
+        "parts + (int64_t)(blockIdx.x + 1) * 3 * H", "dbias: non-finite values"),
+    "the column sum one workspace row short": (
+        "dropout_layer_norm.cu", "bds_dropout_layer_norm_bwd(", "(int)grid.x * rows_per_block, 3 * hidden",
+        "(int)grid.x * rows_per_block - 1, 3 * hidden", "dbias: error"),
 }
 
 _RUN_DROPOUT_CHECKS = """
@@ -496,7 +507,7 @@ import torch
 from tests.kernels.test_cuda_emulated import Emulated, check_dropout_add_layer_norm
 
 emu = Emulated(ctypes.CDLL({library!r}))
-for rows, hidden in ((7, 100), (7, 768), (5, 1024)):
+for rows, hidden in ((7, 100), (7, 768), (5, 1024), (37, 768)):
     try:
         check_dropout_add_layer_norm(emu, torch.float32, rows, hidden, True, 0.1)
     except AssertionError as error:
@@ -512,21 +523,59 @@ def test_dropout_checks_pass_on_the_real_source_in_a_child(emu):
     assert outcome.returncode == 0 and "every comparison passed" in outcome.stdout, outcome.stderr[-2000:]
 
 
+def _dropout_library_with(tmp_path, file: str, anchor: str, old: str, new: str) -> str:
+    """A library of dropout_layer_norm.cu and common.cuh (which it includes and which launches a
+    kernel too, column_sum) with ``old`` replaced by ``new`` once, after ``anchor`` in ``file``: in
+    the definition named. fp32 kernels only: the checks' one dtype."""
+    sources = {name: (emulation.CSRC / name).read_text() for name in ("dropout_layer_norm.cu", "common.cuh")}
+    source = sources[file]
+    at = source.index(old, source.index(anchor, source.index("namespace bds")))
+    sources[file] = source[:at] + new + source[at + len(old):]
+    return str(emulation.build_library(sources, tmp_path, dtype="BDS_FLOAT32"))
+
+
 @pytest.mark.parametrize("planted", sorted(PLANTED_MISTAKES))
 def test_a_planted_mistake_fails_the_dropout_comparison(tmp_path, planted):
     if reason := emulation.unavailable():
         pytest.skip(reason)
     file, anchor, old, new, report = PLANTED_MISTAKES[planted]
-    # dropout_layer_norm.cu and common.cuh, which it includes and which launches a kernel too (column_sum)
-    sources = {name: (emulation.CSRC / name).read_text() for name in ("dropout_layer_norm.cu", "common.cuh")}
-    source = sources[file]
-    at = source.index(old, source.index(anchor, source.index("namespace bds")))  # in the definition named
-    sources[file] = source[:at] + new + source[at + len(old):]
-    library = emulation.build_library(sources, tmp_path, dtype="BDS_FLOAT32")  # the checks' one dtype
-    outcome = emulation.run_python(_RUN_DROPOUT_CHECKS.format(library=str(library)))
+    outcome = emulation.run_python(_RUN_DROPOUT_CHECKS.format(library=_dropout_library_with(tmp_path, file, anchor,
+                                                                                           old, new)))
     assert outcome.returncode == 0, outcome.stderr[-2000:]
     assert "every comparison passed" not in outcome.stdout, f"{planted}: the planted bug went unnoticed"
     assert re.search(rf"comparison failed: .*({report})", outcome.stdout), outcome.stdout
+
+
+# block_column_sum (common.cuh) with one of its barriers removed: the warps' sums are then read
+# before every warp has written them, or overwritten by the next gradient's while another warp
+# still reads them. The emulator sees it on the shared memory (an `emu:` report, and the run
+# ends), whatever values the race would have left.
+UNSYNCHRONISED_SUMS = {
+    "no barrier between the warps' writes and the CTA's sum": (
+        "  __syncthreads();\n#pragma unroll\n  for (int k = 0;", "#pragma unroll\n  for (int k = 0;"),
+    "no barrier before the next gradient overwrites the stage": (
+        "  __syncthreads();  // before the next gradient", "  // before the next gradient"),
+}
+
+
+@pytest.mark.parametrize("broken", sorted(UNSYNCHRONISED_SUMS))
+def test_a_missing_barrier_in_the_cta_sum_fails_in_the_emulator(tmp_path, broken):
+    if reason := emulation.unavailable():
+        pytest.skip(reason)
+    old, new = UNSYNCHRONISED_SUMS[broken]
+    library = _dropout_library_with(tmp_path, "common.cuh", "void block_column_sum(", old, new)
+    outcome = emulation.run_python(_RUN_DROPOUT_CHECKS.format(library=library))
+    assert outcome.aborted, f"{broken}: not reported (exit {outcome.returncode}): {outcome.stdout[-500:]}"
+    assert re.match(r"emu: (race|uninitialised read) .*shared address", outcome.emu_error), outcome.stderr[-2000:]
+
+
+def test_the_backward_keeps_a_workspace_row_per_cta_on_the_register_path(emu):
+    """The emulated device holds 4 blocks of 4 warps: the register path's partial sums take a
+    row per CTA (4), the general path's a row per warp (16); a grid of one block still leaves
+    room for a misaligned call's general kernel (a block's warps)."""
+    for parts in (emu.lib.bds_dropout_layer_norm_bwd_parts, emu.lib.bds_layer_norm_bwd_parts):
+        assert [parts(1000, 768), parts(1000, 1024), parts(1000, 1023), parts(1000, 100)] == [4, 4, 16, 16]
+        assert [parts(1, 768), parts(1, 100), parts(0, 768)] == [4, 4, 4]
 
 
 # --------------------------------------------------------------------------- bias + gelu

@@ -1,7 +1,9 @@
 """Static evidence about the compiled kernels, on CPU: no spills, attention on tensor cores
 with ``cp.async``, attention's shared memory and CTAs per SM on A100 and H100 as its design
-says (attention.cu's header), no global atomics in the one-tile backward, and the MLM
-cross-entropy's kernels holding an SM's every thread (cross_entropy.cu's header).
+says (attention.cu's header), no global atomics in the one-tile backward, the LayerNorm
+backwards' CTAs per SM and shared memory as their design says (layer_norm.cu's and
+dropout_layer_norm.cu's headers), and the MLM cross-entropy's kernels holding an SM's every
+thread (cross_entropy.cu's header).
 
 The figures come from bert_ds.kernels.inspect (ptxas -v, the PTX and, where nvdisasm is
 installed, the SASS), compiled once per source and architecture for the whole session.
@@ -309,6 +311,41 @@ def test_lamb_kernels_keep_half_the_sm_busy(compiled, arch):
     short = [f"{k.name}: {k.ctas_per_sm} CTAs of {k.threads} ({k.limiter}: {k.registers} registers)"
              for k in lamb if (k.ctas_per_sm or 0) * (k.threads or 0) < 1024]
     assert not short, "\n".join(short)
+
+
+# What the LayerNorm backwards' register path is designed for (layer_norm.cu's and
+# dropout_layer_norm.cu's headers), per (kernel, hidden): CTAs of 128 threads per SM on A100 and
+# H100 alike (registers decide: a lane holds its row and three, or two, per-column sums), for
+# 16-bit and for fp32 input. Its static shared memory is the CTA's sum of its warps' column sums:
+# one fp32 row of `hidden` per warp.
+ROW_BACKWARD_DESIGN = {
+    ("ln_bwd_registers", 768): (3, 3), ("ln_bwd_registers", 1024): (2, 2),
+    ("dln_bwd_registers", 768): (3, 2), ("dln_bwd_registers", 1024): (2, 2),
+}
+
+
+@needs_nvcc
+@pytest.mark.parametrize("arch", sorted(kinspect.DEVICES))
+def test_layer_norm_backwards_are_as_designed(compiled, arch):
+    """Every instantiation of the register-path backwards has the CTAs per SM of the design and
+    4 x hidden x 4 bytes of shared memory; no kernel of the two sources has a global atomic (the
+    parameter gradients are summed per CTA, then by column_sum, in a fixed order)."""
+    kernels, with_sass = compiled
+    rows = [k for k in kernels if k.source in ("layer_norm.cu", "dropout_layer_norm.cu") and k.arch == arch]
+    backward = {}
+    for k in rows:
+        if found := re.fullmatch(r"(d?ln_bwd_registers)<(\w+), \w+, \w+, (\d+)>", k.name):
+            backward[k.name, k.source] = (k, found.group(1), found.group(2), int(found.group(3)))
+    assert {(name, hidden) for _, name, _, hidden in backward.values()} == set(ROW_BACKWARD_DESIGN), sorted(backward)
+    off = [f"{k.source} {k.name} sm_{arch}: {k.ctas_per_sm} CTAs of {k.threads} ({k.limiter}: {k.registers} "
+           f"registers), {k.smem} B shared memory"
+           for k, name, dtype, hidden in backward.values()
+           if (k.threads, k.ctas_per_sm, k.smem)
+           != (128, ROW_BACKWARD_DESIGN[name, hidden][dtype == "fp32"], 4 * hidden * 4)]
+    assert not off, "\n".join(off)
+    atomics = [f"{k.source} {k.name} sm_{arch}" for k in rows
+               if k.ptx["atom/red"] or (with_sass and k.sass["ATOM/RED"])]
+    assert not atomics, "\n".join(atomics)
 
 
 # What cross_entropy.cu's header designs, per kernel (every dtype and vector width): threads per CTA
