@@ -100,11 +100,17 @@ def _compiled_flex_attention() -> Callable[..., torch.Tensor]:
     return torch.compile(flex_attention, dynamic=True) if torch.cuda.is_available() else flex_attention
 
 
+def local_attention_sdpa_efficient(q, k, v, cu_seqlens, max_seqlen, window, dropout_p=0.0, softmax_scale=None):
+    """:func:`local_attention_ref` on SDPA's memory-efficient backend alone."""
+    return padded_sdpa(q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale,
+                       backend=SDPBackend.EFFICIENT_ATTENTION, window=window)
+
+
 IMPLEMENTATIONS: dict[Impl, Callable[..., torch.Tensor]] = {
     "native": local_attention_native,
     "varlen_attn": local_attention_varlen_attn,
     "flex": local_attention_flex,
-    "sdpa_efficient": functools.partial(padded_sdpa, backend=SDPBackend.EFFICIENT_ATTENTION),
+    "sdpa_efficient": local_attention_sdpa_efficient,
 }
 
 
@@ -126,10 +132,7 @@ def local_attention(
         backend = "torch"
     impl = choose("local_attention", backend, lambda name: _unsupported(name, q, k, v, cu_seqlens, dropout_p,
                                                                           softmax_scale))
-    fn = IMPLEMENTATIONS[impl]
-    if impl == "sdpa_efficient":
-        return fn(q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale, window=window)
-    return fn(q, k, v, cu_seqlens, max_seqlen, window, dropout_p, softmax_scale)
+    return IMPLEMENTATIONS[impl](q, k, v, cu_seqlens, max_seqlen, window, dropout_p, softmax_scale)
 
 
 def _varlen_attn_problem(q, k, v, cu_seqlens, dropout_p, softmax_scale) -> str:

@@ -63,7 +63,9 @@ from bert_ds.kernels.bias_gelu import IMPLEMENTATIONS as BIAS_GELU
 from bert_ds.kernels.bias_gelu import bias_gelu_ref
 from bert_ds.kernels.cross_entropy import IMPLEMENTATIONS as MLM_CROSS_ENTROPY
 from bert_ds.kernels.cross_entropy import mlm_cross_entropy_ref
-from bert_ds.kernels.dispatch import OPS
+from bert_ds.kernels.dispatch import RACED_OPS
+from bert_ds.kernels.local_attention import IMPLEMENTATIONS as LOCAL_ATTENTION
+from bert_ds.kernels.local_attention import local_attention_ref
 from bert_ds.kernels.dropout_layer_norm import IMPLEMENTATIONS as DROPOUT_ADD_LAYER_NORM
 from bert_ds.kernels.dropout_layer_norm import dropout_add_layer_norm_ref
 from bert_ds.kernels.layer_norm import IMPLEMENTATIONS as LAYER_NORM
@@ -72,7 +74,7 @@ from bert_ds.kernels.layer_norm import layer_norm_ref
 # Per op, its implementations by name (dispatch.Impl), native first, all with its reference's signature.
 IMPLEMENTATIONS = {"layer_norm": LAYER_NORM, "dropout_add_layer_norm": DROPOUT_ADD_LAYER_NORM, "bias_gelu": BIAS_GELU,
                    "varlen_attention": attention.IMPLEMENTATIONS, "mlm_cross_entropy": MLM_CROSS_ENTROPY,
-                   "lamb_update": lamb.IMPLEMENTATIONS}
+                   "lamb_update": lamb.IMPLEMENTATIONS, "local_attention": LOCAL_ATTENTION}
 LAYER_NORM_EPS = 1e-12  # BERT's
 CALLS_PER_SAMPLE = 10  # calls per timed sample, so that one sample is well above the clock's resolution
 SAMPLES = 5
@@ -107,11 +109,14 @@ class OpShapes:
     tokens: int = RACE_TOKENS  # at least this many tokens per call, as a training micro-batch
     hidden_dropout: float = 0.1  # the model's (BERT's): dropout_add_layer_norm is timed with the training's mask
     vocab: int = 30522  # the model's vocabulary: mlm_cross_entropy is timed at its decoder's padded width
+    window: int = 0  # the local layers' window, tokens on each side; 0: the model has none (local_attention not raced)
 
     def __post_init__(self) -> None:
         for name in ("hidden", "intermediate", "num_heads", "max_seqlen", "tokens", "vocab"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
                 raise ValueError(f"OpShapes.{name} must be a positive integer, got {getattr(self, name)!r}")
+        if not isinstance(self.window, int) or self.window < 0:
+            raise ValueError(f"OpShapes.window must be an integer >= 0, got {self.window!r}")
         if self.hidden % self.num_heads:
             raise ValueError(f"OpShapes.num_heads ({self.num_heads}) must divide hidden ({self.hidden})")
         if self.approximate not in ("none", "tanh") or not isinstance(getattr(torch, self.dtype, None), torch.dtype):
@@ -148,7 +153,7 @@ class OpShapes:
         """Names these shapes in the record: a verdict holds for the shapes it was raced at."""
         return (f"{self.dtype} hidden {self.hidden} ffn {self.intermediate} heads {self.num_heads} "
                 f"seq {self.max_seqlen} tokens {self.tokens} gelu {self.approximate} dropout {self.hidden_dropout:g} "
-                f"vocab {self.vocab}")
+                f"vocab {self.vocab}" + (f" window {self.window}" if self.window else ""))
 
     def describe(self) -> str:
         lengths = self.lengths()
@@ -248,8 +253,8 @@ def candidates(fused_problems: Mapping[str, str], apex_problem: str,
     """
     timed: dict[str, dict[str, Callable[..., torch.Tensor]]] = {}
     excluded: dict[str, dict[str, str]] = {}
-    for op in OPS:
-        problems = {"fused": fused_problems.get(op, "not checked")}
+    for op in RACED_OPS:
+        problems = {"fused": fused_problems.get(op, "not checked")} if "fused" in IMPLEMENTATIONS[op] else {}
         if op == "layer_norm":
             problems["apex"] = apex_problem
         timed[op] = {"native": IMPLEMENTATIONS[op]["native"]}
@@ -262,7 +267,7 @@ def candidates(fused_problems: Mapping[str, str], apex_problem: str,
 
 def candidate_names() -> dict[str, list[str]]:
     """Per op, the names of its candidates: a race recorded with other candidates is run again."""
-    return {op: list(IMPLEMENTATIONS[op]) for op in OPS}
+    return {op: list(IMPLEMENTATIONS[op]) for op in RACED_OPS}
 
 
 def race(shapes: OpShapes, device: torch.device, timed: Mapping[str, Mapping[str, Callable[..., torch.Tensor]]],
@@ -272,6 +277,8 @@ def race(shapes: OpShapes, device: torch.device, timed: Mapping[str, Mapping[str
     choices = {}
     with torch.inference_mode(False), torch.enable_grad(), torch.autocast(device.type, enabled=False):
         for op, implementations in timed.items():
+            if op == "local_attention" and not shapes.window:
+                continue  # the model has no local layers
             case = _case(op, shapes, device)
             wall_ms, device_ms, left_out = {}, {}, dict(excluded.get(op, {}))
             for name, fn in implementations.items():
@@ -384,6 +391,13 @@ def _case(op: str, shapes: OpShapes, device: torch.device) -> _AutogradCase | _L
         return _AutogradCase(lambda fn, t: fn(t["qkv"], cu_seqlens, shapes.max_seqlen),
                              leaves, rand(tokens, shapes.num_heads, shapes.head_dim).detach(),
                              attention.packed_form("reference", attention.varlen_attention_ref), dtype)
+    if op == "local_attention":
+        # q and k as the rotary embedding hands them over (new tensors), v a view of the projection
+        cu_seqlens = torch.tensor([0, *lengths], device=device).cumsum(0).to(torch.int32)
+        leaves = {name: rand(tokens, shapes.num_heads, shapes.head_dim) for name in ("q", "k", "v")}
+        return _AutogradCase(lambda fn, t: fn(t["q"], t["k"], t["v"], cu_seqlens, shapes.max_seqlen, shapes.window),
+                             leaves, rand(tokens, shapes.num_heads, shapes.head_dim).detach(),
+                             local_attention_ref, dtype)
     if op == "mlm_cross_entropy":
         return _cross_entropy_case(shapes, device, generator, dtype)
     if op == "lamb_update":

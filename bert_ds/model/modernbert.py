@@ -194,7 +194,7 @@ class ModernBertForPreTraining(nn.Module):
             hidden=config.hidden_size, intermediate=config.intermediate_size, num_heads=config.num_heads,
             max_seqlen=train_seq_len or config.max_position_embeddings,
             approximate=_GELU_APPROXIMATE[config.hidden_activation], hidden_dropout=config.mlp_dropout,
-            vocab=config.vocab_size)
+            vocab=config.vocab_size, window=config.local_attention // 2)
         self.backend = resolve_backend(config.kernels, self.op_shapes)
         self.model = ModernBertModel(config, self.backend)
         self.head = ModernBertPredictionHead(config)

@@ -43,7 +43,8 @@ RECORDED = f"choices {SHAPES.key}"
 MS = 1e-3  # the fake clock counts seconds
 # The candidates the fixture stands in for (apex aside: it is no candidate unless a test installs it).
 STOOD_IN = {op: [name for name in impls if name not in ("native", "apex")] for op, impls in speed.IMPLEMENTATIONS.items()}
-TIMED_PER_RACE = sum(1 + len(names) for names in STOOD_IN.values())
+# A model without local layers (BERT's SHAPES: window 0) races every op but the local attention.
+TIMED_PER_RACE = sum(1 + len(names) for op, names in STOOD_IN.items() if op not in dispatch.TORCH_ONLY_OPS)
 
 
 class FakeClock:
@@ -93,7 +94,7 @@ def auto(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake H100")
     (tmp_path / f"{_build.EXTENSION_NAME}.py").write_text(f"source_hash = {_build.source_hash()!r}\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(selfcheck, "run_all", lambda: {op: "" for op in speed.OPS})
+    monkeypatch.setattr(selfcheck, "run_all", lambda: {op: "" for op in dispatch.OPS})
     clock = FakeClock()
     monkeypatch.setattr(choice, "race_device", lambda: torch.device("cpu"))
     monkeypatch.setattr(choice, "race_timer", clock.timer)
@@ -131,7 +132,7 @@ def auto(monkeypatch, tmp_path):
 
     Auto.clock = clock
     Auto.new_process()
-    for op in speed.OPS:
+    for op in dispatch.RACED_OPS:
         Auto.costs(op, native=2.0, **{name: 1.0 if name == "fused" else 3.0 for name in STOOD_IN[op]})
     yield Auto
     Auto.new_process()
@@ -480,10 +481,10 @@ def test_a_plan_names_only_the_ops_it_raced():
 # --------------------------------------------------------------------------- kernels=cuda and torch
 
 def test_cuda_forces_every_fused_kernel_even_a_slower_one_and_races_nothing(auto):
-    for op in speed.OPS:
+    for op in dispatch.OPS:
         auto.costs(op, native=1.0, fused=5.0)
     assert resolve_backend("cuda") == "cuda"
-    assert all(dispatch.choose(op, "cuda", lambda impl: "") == "fused" for op in speed.OPS)
+    assert all(dispatch.choose(op, "cuda", lambda impl: "") == "fused" for op in dispatch.OPS)
     assert not auto.clock.timed and not _build.verdict_path().read_text().count('"choices"')
 
 
@@ -673,7 +674,7 @@ def test_the_choice_is_logged_once_per_shapes_with_its_margin_and_timings(auto, 
         "native 2.000 ms (2.000), fused 1.000 ms (1.000), compiled 3.000 ms (3.000), varlen_attn 3.000 ms (3.000), "
         "sdpa_flash 3.000 ms (3.000), sdpa_efficient 3.000 ms (3.000), sdpa_cudnn 3.000 ms (3.000))",
     ]
-    assert len(choices) == 2 * len(speed.OPS) and sum("at seq 16:" in m for m in choices) == len(speed.OPS)
+    assert len(choices) == 2 * len(dispatch.OPS) and sum("at seq 16:" in m for m in choices) == len(dispatch.OPS)
     races = [r.getMessage() for r in caplog.records if "timing each op's candidates" in r.getMessage()]
     assert races == [f"kernels=auto: timing each op's candidates on Fake H100 at {shapes.describe()}"
                      for shapes in (SHAPES, PHASE_2)]
@@ -693,6 +694,26 @@ def test_the_model_has_its_own_shapes_timed(auto):
     BertForPreTraining(config, train_seq_len=6)  # the trainer passes its sequence length: the race runs at it
     record = json.loads(_build.verdict_path().read_text())
     assert sorted(v["shapes"]["max_seqlen"] for k, v in record.items() if k.startswith("choices ")) == [6, 12]
+
+
+def test_a_model_with_local_layers_races_their_attention_and_bert_does_not(auto, monkeypatch):
+    """A ModernBERT-class model's shapes carry its window: its plan holds the local attention's
+    winner among PyTorch's candidates (no fused one), raced at that window; a BERT's plan has none."""
+    from bert_ds.model import modernbert
+    from bert_ds.model.config import model_preset
+    from bert_ds.model.modernbert import ModernBertForPreTraining
+
+    monkeypatch.setattr(modernbert, "OpShapes", functools.partial(speed.OpShapes, tokens=64))  # as the fixture's BERT
+
+    auto.costs("local_attention", flex=(1.0, 1.0), varlen_attn=(4.0, 0.5))
+    config = model_preset("modernbert-tiny", 50, hidden_size=16, intermediate_size=24, local_attention=6)
+    model = ModernBertForPreTraining(config, train_seq_len=8)
+    assert model.op_shapes.window == 3 and "window 3" in model.op_shapes.key
+    assert model.backend.winner("local_attention") == "flex"
+    verdict = choice.op_choices(model.op_shapes)["local_attention"]
+    assert set(verdict.wall_ms) == {"native", "varlen_attn", "flex", "sdpa_efficient"}
+    assert "fused" not in verdict.excluded  # no fused kernel to speak of
+    assert not _model(8).backend.has("local_attention")
 
 
 def test_the_optimizer_follows_the_model_s_plan(auto):
@@ -841,7 +862,8 @@ def test_compiled_attention_compiles_once_for_every_batch():
 def test_the_op_s_candidates_are_compiled_where_torch_compile_makes_sense():
     assert {op: "compiled" in impls for op, impls in speed.IMPLEMENTATIONS.items()} == {
         "layer_norm": True, "dropout_add_layer_norm": True, "bias_gelu": True, "varlen_attention": True,
-        "mlm_cross_entropy": True, "lamb_update": False}
+        "mlm_cross_entropy": True, "lamb_update": False,
+        "local_attention": False}  # its compiled candidate is FlexAttention's, with the window in its block mask
     assert isinstance(attention.IMPLEMENTATIONS["compiled"], CompiledReference)
 
 
