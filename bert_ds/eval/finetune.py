@@ -1,10 +1,15 @@
 """Fine-tune one model on one GLUE task with one seed, and score it on the task's dev sets.
 
 The model is transformers' ``AutoModelForSequenceClassification.from_pretrained(MODEL)``, the
-way any user of an export loads it (the encoder and pooler from the folder, a new classifier
-layer), and the tokenizer ``AutoTokenizer.from_pretrained(MODEL)``. Training is transformers'
-``Trainer``, the fine-tuning loop users know (and the one that takes a DeepSpeed config when
-a model outgrows one GPU), set to the recipe:
+way any user of an export loads it: the encoder from the folder and the class head the model's
+family has (BERT's pooler and a new classifier layer; ModernBERT's head on the first token, or
+the tokens' mean, and a new classifier layer), and the tokenizer
+``AutoTokenizer.from_pretrained(MODEL)``, padding and truncating on the right whatever its
+settings say (the commands read scores by position from the left). Nothing here names a model
+family: a model gets the inputs its ``forward`` takes (``token_type_ids`` for BERT, none for
+ModernBERT), as the Trainer gives them. Training is transformers' ``Trainer``, the fine-tuning
+loop users know (and the one that takes a DeepSpeed config when a model outgrows one GPU), set
+to the recipe:
 
 - **dynamic padding, length-grouped batches**: ``DataCollatorWithPadding`` pads each batch
   to its own longest example, ``train_sampling_strategy="group_by_length"`` puts examples
@@ -20,6 +25,7 @@ a model outgrows one GPU), set to the recipe:
 
 from __future__ import annotations
 
+import inspect
 import math
 import tempfile
 import time
@@ -40,6 +46,20 @@ def encode(tokenizer, examples: Examples, max_seq_length: int) -> list[dict[str,
     return [{"input_ids": ids, "token_type_ids": types, "attention_mask": mask, "labels": label}
             for ids, types, mask, label in zip(enc["input_ids"], enc["token_type_ids"], enc["attention_mask"],
                                                examples.labels)]
+
+
+def load_tokenizer(folder: Path):
+    """``AutoTokenizer.from_pretrained(folder)``, padding and truncating on the right."""
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(folder, padding_side="right", truncation_side="right")
+
+
+def model_inputs(model, batch: dict[str, Any]) -> dict[str, Any]:
+    """``batch`` less what ``model.forward`` does not name (ModernBERT's takes no
+    ``token_type_ids``), the rule transformers' ``Trainer`` applies to the batches it feeds."""
+    names = inspect.signature(model.forward).parameters
+    return {k: v for k, v in batch.items() if k in names}
 
 
 def load_quietly(model_class, folder: Path, **kwargs):
@@ -99,7 +119,7 @@ def finetune(model_dir: Path, task: Task, train: Examples, evals: dict[str, Exam
     start = time.perf_counter()
     regression = task.labels is None
     transformers.set_seed(seed)  # the new classifier layer's initialisation
-    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = load_tokenizer(model_dir)
     model = load_quietly(transformers.AutoModelForSequenceClassification, model_dir, num_labels=task.num_labels,
                          problem_type="regression" if regression else "single_label_classification")
     train_set = encode(tokenizer, train, recipe.max_seq_length)

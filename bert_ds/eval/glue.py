@@ -4,8 +4,8 @@
                                 [--tasks mnli,qqp,...] [--seeds 3] [--recipe bert_paper]
                                 [--lr X] [--epochs N] [--batch-size N] [--max-seq-length N]
 
-``--model`` is a bert_ds export (``python -m bert_ds.checkpoint.export``) or any Hugging Face
-BERT folder; ``--data`` holds the tasks' folders in any layout of
+``--model`` is a bert_ds export (``python -m bert_ds.checkpoint.export``) or a Hugging Face
+BERT or ModernBERT folder; ``--data`` holds the tasks' folders in any layout of
 :mod:`bert_ds.eval.glue_data`. Every task is read and checked before the first one trains.
 Each (task, seed) is one fine-tuning run (:mod:`bert_ds.eval.finetune`) whose scores go to
 ``OUTPUT/TASK/seedN.json`` as soon as it ends; ``OUTPUT/results.md`` and ``results.json``
@@ -68,8 +68,12 @@ def prepare(args: argparse.Namespace, *, model_exists: bool = True) -> Prepared:
     runs.check_inputs(args, _ours_or_empty, model_exists=model_exists)
     recipe = recipes.load(args.recipe).with_overrides(
         learning_rate=args.lr, epochs=args.epochs, batch_size=args.batch_size, max_seq_length=args.max_seq_length)
+    if model_exists:
+        runs.check_length(args.model, max(recipe.for_task(task.name).max_seq_length for task in tasks))
     data = {task.name: (read_split(args.data, task, "train"),
                         {name: read_split(args.data, task, name) for name, _, _ in task.evals}) for task in tasks}
+    if model_exists:
+        runs.check_tokenizer(args.model)  # last: imports transformers
     seeds = list(range(args.seed, args.seed + args.seeds))
     return Prepared(tasks, recipe, data, seeds, {"model": str(args.model.resolve()), "data": str(args.data.resolve())})
 

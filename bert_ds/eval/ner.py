@@ -4,20 +4,29 @@
                                [--seeds 3] [--recipe bert_paper] [--lr X] [--epochs N]
                                [--batch-size N] [--max-seq-length 128]
 
-``--model`` is a bert_ds export or any Hugging Face BERT folder with a fast tokenizer (its word
-ids put each word's label on the word's first sub-token); ``--data`` holds CoNLL-2003-style
-data in one of the layouts of :mod:`bert_ds.eval.ner_data`, read and checked before anything
-trains. Each seed is one fine-tuning run: transformers' ``AutoModelForTokenClassification``
-trained by its ``Trainer`` a sentence at a time, the BERT paper's way (the first sub-token of
-each word labelled, the others ignored, no CRF), then the dev (and test) sentences tagged and
-scored by conlleval's entity rules (:mod:`bert_ds.eval.ner_metrics`): precision, recall and F1
-over entities, and per entity type. Results go to ``OUTPUT/ner/seedN.json``, ``results.md`` and
-``results.json`` as for the other evaluations; a rerun keeps the runs already done.
+``--model`` is a bert_ds export or a Hugging Face BERT or ModernBERT folder with a fast
+tokenizer (its character offsets put each word's label on the word's first sub-token);
+``--data`` holds CoNLL-2003-style data in one of the layouts of :mod:`bert_ds.eval.ner_data`,
+read and checked before anything trains. Each seed is one fine-tuning run: transformers'
+``AutoModelForTokenClassification`` trained by its ``Trainer`` a sentence at a time, the BERT
+paper's way (the first sub-token of each word labelled, the others ignored, no CRF), then the
+dev (and test) sentences tagged and scored by conlleval's entity rules
+(:mod:`bert_ds.eval.ner_metrics`): precision, recall and F1 over entities, and per entity type.
+Results go to ``OUTPUT/ner/seedN.json``, ``results.md`` and ``results.json`` as for the other
+evaluations; a rerun keeps the runs already done.
+
+A sentence is tokenized as the text it is, its words joined by single spaces, and each token's
+character offsets say its word: the tokens a model read in pretraining. Handing the tokenizer
+the words one by one (``is_split_into_words``) gives those for WordPiece (BERT), whose
+pre-tokenizer splits at spaces anyway, but not for a byte-level BPE (ModernBERT's): each word
+would lose the space that starts it (``Ġyork`` read as ``york``, the form of a word that opens
+a text).
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import functools
 import math
 import tempfile
@@ -66,7 +75,8 @@ def prepare(args: argparse.Namespace, *, model_exists: bool = True) -> Prepared:
         max_seq_length=args.max_seq_length).for_task(TASK)
     data = read_ner(args.data)
     if model_exists:
-        runs.check_fast_tokenizer(args.model, "NER needs a fast tokenizer's word ids")  # last: imports transformers
+        runs.check_length(args.model, recipe.max_seq_length)
+        runs.check_tokenizer(args.model, "NER needs a fast tokenizer's character offsets")  # last: imports transformers
     identity = {"model": str(args.model.resolve()), "data": str(args.data.resolve())}
     return Prepared(data, recipe, list(range(args.seed, args.seed + args.seeds)), identity)
 
@@ -95,15 +105,17 @@ def _flat(scores: dict[str, Any]) -> dict[str, float]:
 
 
 def encode(tokenizer, split: NerSplit, labels: tuple[str, ...], max_seq_length: int) -> tuple[list[dict], list]:
-    """Each sentence tokenized once, its words' labels on their first sub-tokens (-100 on the
-    others and on the special tokens, which the loss ignores); and, per sentence, the position
-    of each word's first sub-token (None for words cut off by ``max_seq_length``)."""
-    enc = tokenizer(split.tokens, is_split_into_words=True, truncation=True, max_length=max_seq_length,
+    """Each sentence tokenized once, as its words joined by single spaces, its words' labels on
+    their first sub-tokens (-100 on the others and on the special tokens, which the loss
+    ignores); and, per sentence, the position of each word's first sub-token (None for words cut
+    off by ``max_seq_length``)."""
+    texts = [" ".join(words) for words in split.tokens]
+    enc = tokenizer(texts, truncation=True, max_length=max_seq_length, return_offsets_mapping=True,
                     return_token_type_ids=True)
     ids = {tag: i for i, tag in enumerate(labels)}
     features, firsts = [], []
     for s, tags in enumerate(split.tags):
-        words = enc.word_ids(s)
+        words = word_of_tokens(split.tokens[s], enc["offset_mapping"][s], enc.sequence_ids(s))
         first = [None] * len(tags)
         label = [-100] * len(words)
         for position, word in enumerate(words):
@@ -116,6 +128,24 @@ def encode(tokenizer, split: NerSplit, labels: tuple[str, ...], max_seq_length: 
     return features, firsts
 
 
+def word_of_tokens(words: list[str], offsets: list[tuple[int, int]], sequence: list[int | None]) -> list[int | None]:
+    """Per token of ``" ".join(words)``: the word its characters lie in, by their offsets (a
+    token reaching over a space into a word, as a SentencePiece ``▁`` does, is that word's);
+    None for the special tokens and for a token of spaces alone."""
+    starts, at = [], 0
+    for word in words:
+        starts.append(at)
+        at += len(word) + 1
+    found: list[int | None] = []
+    for (first, end), part in zip(offsets, sequence):
+        if part is None or end <= first:
+            found.append(None)
+            continue
+        word = bisect.bisect_right(starts, end - 1) - 1  # the word where the token's last character is
+        found.append(word if end - 1 < starts[word] + len(words[word]) else None)
+    return found
+
+
 @dataclass(frozen=True)
 class Encoded:
     """The model's tokenizer and every split encoded (features, first sub-tokens): the same for every seed."""
@@ -125,9 +155,9 @@ class Encoded:
 
 
 def _encoded(model_dir: Path, p: Prepared) -> Encoded:
-    import transformers
+    from bert_ds.eval.finetune import load_tokenizer
 
-    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = load_tokenizer(model_dir)
     return Encoded(tokenizer, {name: encode(tokenizer, split, p.data.labels, p.recipe.max_seq_length)
                                for name, split in p.data.splits.items()})
 
@@ -171,13 +201,15 @@ def _tag(model, features, firsts, labels, tokenizer, device, batch_size: int, bf
     import torch
     import transformers
 
+    from bert_ds.eval.finetune import model_inputs
+
     collate = transformers.DataCollatorForTokenClassification(tokenizer)
     tags = []
     model.eval()
     with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
         for first in range(0, len(features), batch_size):
             batch = {k: v.to(device) for k, v in collate(features[first:first + batch_size]).items() if k != "labels"}
-            best = model(**batch).logits.argmax(dim=-1).cpu().tolist()
+            best = model(**model_inputs(model, batch)).logits.argmax(dim=-1).cpu().tolist()
             for row, positions in zip(best, firsts[first:first + batch_size]):
                 tags.append([labels[row[i]] if i is not None else "O" for i in positions])
     return tags

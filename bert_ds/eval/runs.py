@@ -19,7 +19,8 @@ from bert_ds.eval import recipe
 def add_common_arguments(p: argparse.ArgumentParser, *, data: str, recipes: str, length: str) -> None:
     """The flags every evaluation command takes (``data``: what --data holds; ``recipes``: the
     built-in recipes' folder under bert_ds/recipes; ``length``: what --max-seq-length bounds)."""
-    p.add_argument("--model", required=True, type=Path, help="an export or Hugging Face BERT folder (config.json)")
+    p.add_argument("--model", required=True, type=Path,
+                   help="an export, or a Hugging Face BERT or ModernBERT folder (config.json, tokenizer)")
     p.add_argument("--data", required=True, type=Path, help=data)
     p.add_argument("--output", required=True, type=Path, help="results folder (a rerun keeps what is done)")
     p.add_argument("--seeds", type=int, default=3, help="fine-tuning runs (per task; seeds SEED..SEED+N-1)")
@@ -41,6 +42,12 @@ STAGE_KEYS: dict[str, type | tuple[type, ...]] = {
 
 def seed_file(output: Path, task: str, seed: int) -> Path:
     return output / task / f"seed{seed}.json"
+
+
+def seed_folder(output: Path, task: str, seed: int) -> Path:
+    """Where a run keeps files beside its scores (SQuAD's predictions); its ``seed_file`` is
+    written after them, so a run whose file is there has them whole."""
+    return output / task / f"seed{seed}"
 
 
 def kept(output: Path, task: str, seed: int, identity: Mapping[str, str], recipe: dict[str, Any]) -> dict | None:
@@ -147,20 +154,40 @@ def ours_or_empty(output: Path, tasks: str | Sequence[str], what: str) -> None:
         raise UserError(f"--output {output} exists and holds no {what} results; give a new or empty folder")
 
 
-TOKENIZER_FILES = ("tokenizer.json", "vocab.txt")  # a BERT tokenizer's, fast or WordPiece
+# What transformers makes a tokenizer of: a fast one's file, WordPiece's vocabulary (BERT),
+# byte-level BPE's (with merges.txt), SentencePiece's model.
+TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "tokenizer.model")
 
 
-def check_fast_tokenizer(model: Path, why: str) -> None:
-    """``model``'s tokenizer loads and is a fast one (``why``: what needs it)."""
+def check_tokenizer(model: Path, fast_because: str | None = None):
+    """``model``'s tokenizer, checked: it loads, it is a fast one where ``fast_because`` says what
+    needs it, and it has a padding token (every batch is padded to its longest example)."""
     import transformers
 
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(model)
     except (OSError, ValueError) as e:
         raise UserError(f"--model {model}: no tokenizer to load ({str(e).splitlines()[0]})") from None
-    if not getattr(tokenizer, "is_fast", False):
-        raise UserError(f"--model {model}: its tokenizer ({type(tokenizer).__name__}) is not a fast one; {why} "
-                        "(save one with tokenizer.json in the folder)")
+    if fast_because and not getattr(tokenizer, "is_fast", False):
+        raise UserError(f"--model {model}: its tokenizer ({type(tokenizer).__name__}) is not a fast one; "
+                        f"{fast_because} (save one with tokenizer.json in the folder)")
+    if getattr(tokenizer, "pad_token_id", None) is None:
+        raise UserError(f"--model {model}: its tokenizer has no padding token, which batches of examples of "
+                        "several lengths need; name one (pad_token) in its tokenizer_config.json")
+    return tokenizer
+
+
+def check_length(model: Path, length: int) -> None:
+    """``length`` tokens (the recipe's, never the model's own limit: ModernBERT's 8,192 positions
+    are far more than a task needs) fit the positions the model has (``max_position_embeddings``
+    in its config.json: BERT's 512), where it names them."""
+    try:
+        limit = json.loads((model / "config.json").read_text()).get("max_position_embeddings")
+    except (OSError, ValueError, AttributeError) as e:
+        raise UserError(f"--model {model}: config.json is unreadable ({e})") from None
+    if isinstance(limit, int) and not isinstance(limit, bool) and length > limit:
+        raise UserError(f"max_seq_length {length} (--max-seq-length or the recipe's): the model has {limit} "
+                        f"positions (max_position_embeddings in {model / 'config.json'}); give a length up to it")
 
 
 def check_inputs(args: argparse.Namespace, ours_or_empty: Callable[[Path], None], *, model_exists: bool) -> None:

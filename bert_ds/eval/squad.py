@@ -6,14 +6,19 @@
                                  [--doc-stride 128] [--max-query-length 64] [--max-answer-length 30]
                                  [--n-best 20]
 
-``--model`` is a bert_ds export or any Hugging Face BERT folder with a fast tokenizer (its
-character offsets map answers to tokens); ``--data`` holds SQuAD v1.1 or v2.0 in one of the
-layouts of :mod:`bert_ds.eval.squad_data`, read and checked before anything trains. Each seed is
-one fine-tuning run: transformers' ``AutoModelForQuestionAnswering`` (a span head on the
-encoder) trained by its ``Trainer`` on the windows of :mod:`bert_ds.eval.squad_features`, then
-the dev set's answers scored by the official scripts' rules (:mod:`bert_ds.eval.squad_metrics`).
-Scores go to ``OUTPUT/squad/seedN.json`` (v2.0: ``squad_v2/``) as each run ends;
-``results.md`` and ``results.json`` hold the median over seeds and the spread (min-max).
+``--model`` is a bert_ds export or a Hugging Face BERT or ModernBERT folder with a fast
+tokenizer (its character offsets map answers to tokens); ``--data`` holds SQuAD v1.1 or v2.0 in
+one of the layouts of :mod:`bert_ds.eval.squad_data`, read and checked before anything trains.
+Each seed is one fine-tuning run: transformers' ``AutoModelForQuestionAnswering`` (the span
+head the model's family has, on the encoder) trained by its ``Trainer`` on the windows of
+:mod:`bert_ds.eval.squad_features`, then the dev set's answers scored by the official scripts'
+rules (:mod:`bert_ds.eval.squad_metrics`).
+Scores go to ``OUTPUT/squad/seedN.json`` (v2.0: ``squad_v2/``) as each run ends, and the
+official scripts' inputs to ``OUTPUT/squad/seedN/``: ``predictions.json`` (question id -> answer
+text, "" for no answer) and, for v2.0, ``null_odds.json`` (question id -> the null score minus
+the best span's, the ``--na-prob-file`` as transformers' ``run_qa.py`` writes it), from which the
+scripts give the run's scores again. ``results.md`` and ``results.json`` hold the median over
+seeds and the spread (min-max).
 
 The same command run again keeps the runs already done when they were made from the same
 model, data and recipe; a folder of other results is refused, never overwritten.
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import math
 import tempfile
 import time
@@ -30,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bert_ds.base.atomic import atomic_write
 from bert_ds.base.errors import ConfigError
 from bert_ds.eval import recipe as recipes, runs
 from bert_ds.eval.squad_data import Layout, SquadSplit, find_layout, read_split
@@ -96,13 +103,17 @@ def prepare(args: argparse.Namespace, *, model_exists: bool = True) -> Prepared:
     if args.doc_stride >= recipe.max_seq_length // 2:
         raise ConfigError(f"--doc-stride {args.doc_stride} must be under half the window ({recipe.max_seq_length} "
                           "tokens): the question and the overlap must leave context to move on by")
-    if args.max_query_length >= recipe.max_seq_length - 3 - args.doc_stride:  # checked here, before any training
-        raise ConfigError(f"--max-query-length {args.max_query_length}, [CLS], two [SEP] and the {args.doc_stride} "
-                          f"tokens of --doc-stride fill the window of {recipe.max_seq_length}; lower "
-                          "--max-query-length or --doc-stride, or raise --max-seq-length")
-    train, dev = read_split(layout, "train"), read_split(layout, "dev")
     if model_exists:
-        runs.check_fast_tokenizer(args.model, "SQuAD needs a fast tokenizer's character offsets")  # last
+        runs.check_length(args.model, recipe.max_seq_length)
+    train, dev = read_split(layout, "train"), read_split(layout, "dev")
+    specials = 3  # a phase plan's export has a BERT tokenizer: [CLS] question [SEP] context [SEP]
+    if model_exists:  # last: imports transformers
+        tokenizer = runs.check_tokenizer(args.model, "SQuAD needs a fast tokenizer's character offsets")
+        specials = tokenizer.num_special_tokens_to_add(pair=True)
+    if args.max_query_length >= recipe.max_seq_length - specials - args.doc_stride:  # before any training
+        raise ConfigError(f"--max-query-length {args.max_query_length}, the {specials} special tokens of a question "
+                          f"and context pair and the {args.doc_stride} tokens of --doc-stride fill the window of "
+                          f"{recipe.max_seq_length}; lower --max-query-length or --doc-stride, or raise --max-seq-length")
     identity = {"model": str(args.model.resolve()), "data": str(layout.folder.resolve()),
                 "windows": f"doc_stride {args.doc_stride}, max_query_length {args.max_query_length}, "
                            f"max_answer_length {args.max_answer_length}, n_best {args.n_best}"}
@@ -135,11 +146,10 @@ class Encoded:
 
 
 def _windows(model_dir: Path, p: Prepared, args: argparse.Namespace) -> Encoded:
-    import transformers
-
+    from bert_ds.eval.finetune import load_tokenizer
     from bert_ds.eval.squad_features import make_windows
 
-    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = load_tokenizer(model_dir)
     return Encoded(tokenizer, *(make_windows(tokenizer, split.examples, p.recipe.max_seq_length, args.doc_stride,
                                              labels=split is p.train, max_query_length=args.max_query_length,
                                              source=split.source) for split in (p.train, p.dev)))
@@ -166,6 +176,7 @@ def finetune(model_dir: Path, p: Prepared, seed: int, device, args: argparse.Nam
     starts, ends = _span_scores(tuner.model, dev.features, tokenizer, device, 2 * p.recipe.batch_size, settings.bf16)
     predicted = predict_answers(p.dev.examples, dev, starts, ends, version=p.layout.version, n_best=args.n_best,
                                 max_answer_length=args.max_answer_length)
+    _write_predictions(runs.seed_folder(args.output, p.task, seed), predicted, p.layout.version)
     questions = [Question(e.id, tuple(a.text for a in e.answers)) for e in p.dev.examples]
     scores = evaluate(questions, predicted.answers, version=p.layout.version,
                       no_answer_probability=predicted.no_answer_score if p.layout.version == "2.0" else None)
@@ -178,11 +189,21 @@ def finetune(model_dir: Path, p: Prepared, seed: int, device, args: argparse.Nam
             "torch": torch.__version__}
 
 
+def _write_predictions(folder: Path, predicted, version: str) -> None:
+    """The official scripts' inputs: ``predictions.json`` and, for v2.0, ``null_odds.json``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    atomic_write(folder / "predictions.json", json.dumps(predicted.answers, indent=2, ensure_ascii=False) + "\n")
+    if version == "2.0":
+        atomic_write(folder / "null_odds.json", json.dumps(predicted.no_answer_score, indent=2) + "\n")
+
+
 def _span_scores(model, features: list[dict[str, Any]], tokenizer, device, batch_size: int, bf16: bool):
     """The model's start and end scores of every window, in order, as (windows, longest) arrays."""
     import numpy as np
     import torch
     import transformers
+
+    from bert_ds.eval.finetune import model_inputs
 
     collate = transformers.DataCollatorWithPadding(tokenizer)
     width = max(len(f["input_ids"]) for f in features)
@@ -192,7 +213,7 @@ def _span_scores(model, features: list[dict[str, Any]], tokenizer, device, batch
     with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
         for first in range(0, len(features), batch_size):
             batch = {k: v.to(device) for k, v in collate(features[first:first + batch_size]).items()}
-            out = model(**batch)
+            out = model(**model_inputs(model, batch))
             n, w = out.start_logits.shape
             starts[first:first + n, :w] = out.start_logits.float().cpu().numpy()
             ends[first:first + n, :w] = out.end_logits.float().cpu().numpy()

@@ -1,23 +1,25 @@
 """SQuAD's contexts cut into windows the model reads, and its span scores back into answers.
 
-**Windows**, as Hugging Face's ``run_qa.py`` makes them: ``[CLS] question [SEP] context [SEP]``
-of at most ``max_seq_length`` tokens (384), the context cut by the fast tokenizer into windows
-that overlap by ``doc_stride`` tokens (128), each token with its character offsets in the
-context. A question longer than ``max_query_length`` tokens (64) keeps its first 64, as BERT's
-``run_squad.py`` does; one that still leaves no room for ``doc_stride`` context tokens is
-refused. A training window's labels are the answer's first and last token where the whole
-answer lies inside the window, else ``[CLS]`` (position 0), as for an unanswerable question.
-Only the first answer of a training question is a label (the training sets hold one).
+**Windows**, as Hugging Face's ``run_qa.py`` makes them: the question and the context as the
+tokenizer pairs them (BERT's and ModernBERT's ``[CLS] question [SEP] context [SEP]``; its own
+special tokens, however many, for another) in at most ``max_seq_length`` tokens (384), the
+context cut by the fast tokenizer into windows that overlap by ``doc_stride`` tokens (128), each
+token with its character offsets in the context. A question longer than ``max_query_length``
+tokens (64) keeps its first 64, as BERT's ``run_squad.py`` does; one that still leaves no room
+for the special tokens and ``doc_stride`` context tokens is refused. A training window's labels
+are the answer's first and last token where the whole answer lies inside the window, else the
+first token (``[CLS]``, position 0), as for an unanswerable question. Only the first answer of
+a training question is a label (the training sets hold one).
 
 **Answers**: for each question, over all its windows, the ``n_best`` highest start and end
 scores are paired (the end not before the start, at most ``max_answer_length`` tokens, both
 inside the context) and the best pair's text is cut from the context by the offsets. Where no
 such pair is among a window's top scores (an untrained head may rank only the question's tokens
 high), every pair of its context tokens is searched, so every question has a best span and a
-finite no-answer score. The null answer scores ``start[0] + end[0]``, its lowest over the
-windows. For SQuAD v2.0 the question is answered "" where the null score exceeds the best span's
-by more than the threshold (0 by default, BERT's), and the difference is the question's
-no-answer score, the ``na_prob`` the official script searches its best threshold over
+finite no-answer score. The null answer (the first token) scores ``start[0] + end[0]``, its
+lowest over the windows. For SQuAD v2.0 the question is answered "" where the null score exceeds
+the best span's by more than the threshold (0 by default, BERT's), and the difference is the
+question's no-answer score, the ``na_prob`` the official script searches its best threshold over
 (:mod:`bert_ds.eval.squad_metrics`).
 """
 
@@ -37,7 +39,8 @@ from bert_ds.eval.squad_data import SquadExample
 class Windows:
     """The model's inputs for a list of questions, one row per window."""
 
-    features: list[dict[str, Any]]  # input_ids, token_type_ids, attention_mask (and labels for training)
+    features: list[dict[str, Any]]  # input_ids, token_type_ids, attention_mask (and labels for training);
+    # a model whose forward takes no token_type_ids is given the others (finetune.model_inputs)
     example_of: list[int]  # the question each window belongs to
     offsets: list[list[tuple[int, int] | None]]  # per window and token: its characters in the context, or None
     questions_cut: int = 0  # questions longer than max_query_length tokens, cut to it
@@ -71,9 +74,10 @@ def make_windows(tokenizer, examples: Sequence[SquadExample], max_seq_length: in
 def _questions(tokenizer, examples: Sequence[SquadExample], max_query_length: int, max_seq_length: int,
                doc_stride: int, source: object) -> tuple[list[str], int]:
     """Each question as the windows hold it: at most ``max_query_length`` tokens, cut after its
-    last whole token; and how many were cut. A question that fills the window less [CLS], two
-    [SEP] and the stride would leave no context to move on by: refused."""
-    room = max_seq_length - 3 - doc_stride
+    last whole token; and how many were cut. A question that fills the window less the pair's
+    special tokens and the stride would leave no context to move on by: refused."""
+    specials = tokenizer.num_special_tokens_to_add(pair=True)
+    room = max_seq_length - specials - doc_stride
     texts = [e.question.lstrip() for e in examples]
     encoded = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
     out, cut = [], 0
@@ -81,9 +85,10 @@ def _questions(tokenizer, examples: Sequence[SquadExample], max_query_length: in
         if len(offsets) > max_query_length:
             text, offsets, cut = text[:offsets[max_query_length - 1][1]], offsets[:max_query_length], cut + 1
         if len(offsets) >= room:
-            raise UserError(f"{source}: question {example.id!r}: its {len(offsets)} tokens, [CLS], two [SEP] and the "
-                            f"{doc_stride} tokens of --doc-stride fill the window of {max_seq_length}; lower "
-                            "--max-query-length or --doc-stride, or raise --max-seq-length")
+            raise UserError(f"{source}: question {example.id!r}: its {len(offsets)} tokens, the {specials} special "
+                            f"tokens of a question and context pair and the {doc_stride} tokens of --doc-stride fill "
+                            f"the window of {max_seq_length}; lower --max-query-length or --doc-stride, or raise "
+                            "--max-seq-length")
         out.append(text)
     return out, cut
 

@@ -1,5 +1,6 @@
 """``python -m bert_ds.eval squad`` end to end on CPU: a tiny export learns a made-up span task
-well above chance, a rerun keeps its results, and bad input is one line that trains nothing."""
+well above chance, its predictions file gives its scores again, a rerun keeps its results, and
+bad input is one line that trains nothing."""
 
 from __future__ import annotations
 
@@ -58,9 +59,26 @@ def test_a_tiny_export_learns_a_span_task_and_a_rerun_keeps_its_results(tiny_exp
     assert report["task"] == "squad" and report["figures"]["exact_match"]["min"] >= 60.0  # chance: about 7
     assert run["train_questions"] == 320 and run["recipe"]["learning_rate"] == 2e-3
     assert "| exact_match |" in (out / "results.md").read_text()
+    assert official_scores(data, out / "squad" / "seed1") == run["scores"]  # the official script's inputs
+    assert not (out / "squad" / "seed1" / "null_odds.json").exists()  # v2.0's alone
     before = (out / "squad" / "seed1.json").read_text()
     again = _eval(tiny_export, data, out, *args)
     assert "kept from an earlier run" in again.stdout and (out / "squad" / "seed1.json").read_text() == before
+
+
+def official_scores(data, folder):
+    """The scores the official script gives a seed's ``predictions.json`` (and, v2.0, its
+    ``null_odds.json`` as ``--na-prob-file``) on the dev questions in ``data``; every dev question
+    has its answer there."""
+    from bert_ds.eval.squad_data import find_layout, read_split
+    from bert_ds.eval.squad_metrics import Question, evaluate
+
+    dev = read_split(find_layout(data), "dev")
+    predictions = json.loads((folder / "predictions.json").read_text())
+    assert list(predictions) == [e.id for e in dev.examples]
+    odds = json.loads((folder / "null_odds.json").read_text()) if dev.version == "2.0" else None
+    return evaluate([Question(e.id, tuple(a.text for a in e.answers)) for e in dev.examples], predictions,
+                    version=dev.version, no_answer_probability=odds)
 
 
 def _moved_answer(folder):
@@ -93,8 +111,8 @@ def test_bad_flags_and_folders_are_one_line(tiny_export, tmp_path):  # noqa: F81
     for extra, out, message in ((("--seeds", "0"), tmp_path / "a", "--seeds must be >= 1"),
                                 (("--doc-stride", "30"), tmp_path / "b", "--doc-stride 30 must be under half"),
                                 (("--max-query-length", "37"), tmp_path / "c",
-                                 "--max-query-length 37, [CLS], two [SEP] and the 8 tokens of --doc-stride fill the "
-                                 "window of 48"),
+                                 "--max-query-length 37, the 3 special tokens of a question and context pair and "
+                                 "the 8 tokens of --doc-stride fill the window of 48"),
                                 ((), mine, "exists and holds no SQuAD results")):
         proc = _eval(tiny_export, data, out, *extra, check=False)
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr
@@ -137,4 +155,4 @@ def test_a_tokenizer_that_is_not_a_fast_one_is_refused_in_one_line(tmp_path, mon
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: SlowTokenizer())
     with pytest.raises(UserError, match=r"--model .*: its tokenizer \(SlowTokenizer\) is not a fast one; SQuAD needs "
                                         r"offsets \(save one with tokenizer.json in the folder\)"):
-        runs.check_fast_tokenizer(tmp_path, "SQuAD needs offsets")
+        runs.check_tokenizer(tmp_path, "SQuAD needs offsets")

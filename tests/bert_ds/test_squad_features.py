@@ -112,9 +112,32 @@ def test_a_long_question_keeps_its_first_tokens_and_one_that_fills_the_window_is
     first_sep = windows.features[0]["input_ids"].index(tokenizer.sep_token_id)
     assert windows.features[0]["input_ids"][1:first_sep] == tokenizer(QUESTION, add_special_tokens=False).input_ids
     assert make_windows(tokenizer, [_example()], 40, 10, labels=False).questions_cut == 0
-    with pytest.raises(UserError, match=r"dev.json: question 'long': its 24 tokens, \[CLS\], two \[SEP\] and the 10 "
-                                        r"tokens of --doc-stride fill the window of 36"):
+    with pytest.raises(UserError, match=r"dev.json: question 'long': its 24 tokens, the 3 special tokens of a "
+                                        r"question and context pair and the 10 tokens of --doc-stride fill the "
+                                        r"window of 36"):
         make_windows(tokenizer, [long], max_seq_length=36, doc_stride=10, labels=False, source="dev.json")
+
+
+def test_the_room_for_the_question_counts_the_tokenizers_own_special_tokens(tokenizer):
+    """A pair template with four special tokens (RoBERTa's ``<s> A </s></s> B </s>``): a question
+    that fits beside three but not four is refused in one line, not left to the tokenizer."""
+    import copy
+
+    from tokenizers import processors
+
+    from bert_ds.base.errors import UserError
+
+    four = copy.deepcopy(tokenizer)
+    cls, sep = four.cls_token_id, four.sep_token_id
+    four.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] [SEP] $B [SEP]", special_tokens=[("[CLS]", cls), ("[SEP]", sep)])
+    long = SquadExample("long", " ".join(["who won super bowl 50 ?"] * 4), CONTEXT, ())  # 24 tokens
+    assert len(make_windows(tokenizer, [long], max_seq_length=38, doc_stride=10, labels=False).features) > 1
+    with pytest.raises(UserError, match=r"question 'long': its 24 tokens, the 4 special tokens of a question and "
+                                        r"context pair and the 10 tokens of --doc-stride fill the window of 38"):
+        make_windows(four, [long], max_seq_length=38, doc_stride=10, labels=False)
+    windows = make_windows(four, [long], max_seq_length=39, doc_stride=10, labels=False)
+    assert all(len(f["input_ids"]) <= 39 for f in windows.features) and len(windows.features) > 1
 
 
 def test_a_window_whose_top_scores_pair_no_span_is_searched_whole(tokenizer):
