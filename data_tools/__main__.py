@@ -1,6 +1,7 @@
 """``python -m bert_ds.data_tools {build,verify,inspect,bench}``: raw text -> token shards, and checks.
 
-    build    --input FILE... --output DIR (--vocab FILE | --train-vocab SIZE) [--overwrite]
+    build    --input FILE... --output DIR (--vocab FILE | --train-vocab SIZE | --tokenizer PATH) [--overwrite]
+             [--special-token KIND=TOKEN ...]  with --tokenizer: a special token its config does not name
              [--documents blank|file] [--join-wrapped-lines]
              [--workers N] [--split-sentences] [--[no-]lowercase] [--shard-tokens N]
              [--text-field NAME]     FILE: text (.gz), .jsonl(.gz), .parquet, a datasets
@@ -54,6 +55,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _special_token(text: str) -> tuple[str, str]:
+    kind, sep, token = text.partition("=")
+    if not sep or not kind or not token:
+        raise argparse.ArgumentTypeError(f"not KIND=TOKEN: {text!r}")
+    return kind, token
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bert_ds.data_tools", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="{build,verify,inspect,bench}")
@@ -90,6 +98,14 @@ def _add_build(sub: argparse._SubParsersAction) -> None:
                    "folder, a WordPiece tokenizer.json, or a vocab.txt")
     b.add_argument("--train-vocab", type=_positive_int, metavar="SIZE",
                    help="train a WordPiece vocabulary of SIZE entries on the inputs")
+    b.add_argument("--tokenizer", metavar="PATH",
+                   help="any Hugging Face fast tokenizer, kept as it is (a BPE such as ModernBERT's, a Unigram, ...): "
+                        "a folder holding tokenizer.json (and tokenizer_config.json, special_tokens_map.json), "
+                        "or a tokenizer.json; lines keep their whitespace in the tokens")
+    b.add_argument("--special-token", dest="special_tokens", type=_special_token, action="append", default=[],
+                   metavar="KIND=TOKEN",
+                   help="with --tokenizer: the token of KIND (cls, sep, pad, mask, unk) where the tokenizer's "
+                        "config names none, e.g. --special-token mask='<mask>'; repeat for each")
     b.add_argument("--workers", type=_positive_int, default=None,
                    help="tokenizer processes (default: the CPUs available, shared among the build processes "
                    "a launcher started on this host; 1 tokenizes in this process); the output is the same for any N")
@@ -172,6 +188,7 @@ def _build(args: argparse.Namespace) -> int:
         args.workers = max(1, len(os.sched_getaffinity(0)) // processes_per_host())
     opts = BuildOptions(
         inputs=args.input, output=args.output, vocab=args.vocab, train_vocab=args.train_vocab,
+        tokenizer=args.tokenizer, special_tokens=dict(args.special_tokens),
         split_sentences=args.split_sentences, lowercase=args.lowercase, part=part,
         shard_tokens=args.shard_tokens, progress=args.progress and part.index == 0, text_field=args.text_field,
         overwrite=args.overwrite, documents=args.documents, join_wrapped=args.join_wrapped,

@@ -72,6 +72,7 @@ from tqdm import tqdm
 from bert_ds.base.atomic import atomic_write
 from bert_ds.base.errors import UserError
 from bert_ds.base.locking import LOCK_NAME, FolderLock
+from bert_ds.data_tools.fast_tokenizer import FastTokenizer, load_fast_tokenizer
 from bert_ds.data_tools.manifest import MANIFEST_NAME, Manifest, created_by
 from bert_ds.data_tools.parent import (
     TOKENIZER_DIR, ParentLock, check_parent, has_tokenizer, remove, shared_tokenizer,
@@ -95,6 +96,10 @@ DEFAULT_SHARD_TOKENS = 1 << 26  # ~64M tokens: 128 MiB of uint16 per shard
 CHUNK_CHARS = 1 << 18  # characters per tokenization task: ~60k tokens, ~10 MB of Encodings
 _MAX_PARTS = 4096  # documents per chunk, bounds chunks of many empty documents
 JOURNAL_NAME = "build.journal.json"
+# The tokenizer a build encodes with: a WordPiece vocabulary and its normalizer, or a --tokenizer's
+Vocabulary = tuple[bytes, Normalization] | FastTokenizer
+
+
 class EmptyCorpus(UserError):
     """The inputs held no document to write (every one empty, or without its text field)."""
 
@@ -116,6 +121,8 @@ class BuildOptions:
     output: str
     vocab: str | None = None  # vocab.txt or tokenizer.json to load
     train_vocab: int | None = None  # or: train a WordPiece vocabulary of this size
+    tokenizer: str | None = None  # or: any HF fast tokenizer, kept as it is (fast_tokenizer.py)
+    special_tokens: dict[str, str] = field(default_factory=dict)  # --tokenizer: kind -> token its config does not name
     workers: int = field(default_factory=lambda: len(os.sched_getaffinity(0)))
     split_sentences: bool = False
     lowercase: bool | None = None  # None: as the given tokenizer has it (see tokenizer.py); True when training
@@ -129,8 +136,14 @@ class BuildOptions:
     part: Part = field(default_factory=Part)  # build this part of the inputs into DIR/part-I-of-N (partition.py)
 
     def __post_init__(self):
-        if (self.vocab is None) == (self.train_vocab is None):
-            raise UserError("give exactly one of --vocab FILE or --train-vocab SIZE")
+        if [self.vocab, self.train_vocab, self.tokenizer].count(None) != 2:
+            raise UserError("give exactly one of --vocab FILE, --train-vocab SIZE or --tokenizer PATH")
+        if self.tokenizer is None and self.special_tokens:
+            raise UserError("--special-token names a special token of a --tokenizer; a WordPiece vocabulary "
+                            "has its own ([PAD], [UNK], [CLS], [SEP], [MASK])")
+        if self.tokenizer is not None and self.lowercase is not None:
+            flag = "--lowercase" if self.lowercase else "--no-lowercase"
+            raise UserError(f"{flag}: a --tokenizer is kept as it is, its normalizer included: drop {flag}")
         if self.workers < 1:
             raise UserError(f"--workers must be at least 1, got {self.workers}")
         if self.shard_tokens < 1:
@@ -142,6 +155,8 @@ class BuildOptions:
         check_inputs(self.inputs, self.text_field)
         if self.vocab is not None and not os.path.exists(self.vocab):
             raise UserError(f"vocabulary not found: {self.vocab}")
+        if self.tokenizer is not None and not os.path.exists(self.tokenizer):
+            raise UserError(f"tokenizer not found: {self.tokenizer}")
         if os.path.exists(self.output) and not os.path.isdir(self.output):
             raise UserError(f"--output {self.output} exists and is not a folder")
 
@@ -259,12 +274,19 @@ class _Tokenize:
     tokens (n_tokens,) uint32, lengths (n_sentences,) int64 of the non-empty
     sentences, and per part (n_parts,) int64: sentences kept, sentences dropped empty.
     Lines are stripped and non-empty, as :class:`CorpusReader` yields them.
+
+    ``text`` (a ``--tokenizer``'s, whose tokens carry whitespace, unlike WordPiece's): the
+    whitespace between lines and sentences is kept in the tokens (:meth:`_as_text`).
     """
 
-    def __init__(self, tokenizer_json: str):
+    def __init__(self, tokenizer_json: str, text: bool = False):
         from tokenizers import Tokenizer
 
         tok = Tokenizer.from_str(tokenizer_json)
+        self.text = text
+        if text:  # both act on whole inputs, and an input is a line here, not a model's sequence
+            tok.no_truncation()
+            tok.no_padding()
         # encode_batch_fast (tokenizers >= 0.20) skips offset tracking, ~20% faster.
         self.encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
         self.marker_id = tok.token_to_id(_MARKER)
@@ -283,6 +305,8 @@ class _Tokenize:
 
     def __call__(self, parts: list[list[str]],
                  split: list[bool]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        if self.text:
+            return self._as_text(parts, split)
         result = self._by_marks(parts, split) if self.can_mark else None
         if result is None and self.can_join:
             result = self._joined(parts, split)
@@ -308,6 +332,26 @@ class _Tokenize:
                 sentences += lines
             per_part.append(len(sentences) - n)
         tokens, lengths = self._flat_ids(sentences)
+        return _per_part(tokens, lengths, np.repeat(np.arange(len(parts)), per_part), len(parts))
+
+    def _as_text(self, parts: list[list[str]], split: list[bool]):
+        """One tokenizer input per line, ending in its newline; a line cut into sentences gives
+        one input per sentence, each after the first starting with the space before it.
+
+        A byte-level BPE (GPT-2's pre-tokenizer, ModernBERT's) cuts text before a space that
+        precedes a word and around a newline, so these inputs encode to the same tokens as the
+        document's text whole, and a document decodes to its lines, each ending in a newline
+        (the reader's lines are stripped: blank lines and indentation are not kept)."""
+        texts: list[str] = []
+        per_part = []
+        for lines, cut in zip(parts, split, strict=True):
+            n = len(texts)
+            for line in lines:
+                pieces = split_sentences(line) if cut else [line]
+                texts += [pieces[0], *(" " + p for p in pieces[1:])]
+                texts[-1] += "\n"
+            per_part.append(len(texts) - n)
+        tokens, lengths = self._flat_ids(texts)
         return _per_part(tokens, lengths, np.repeat(np.arange(len(parts)), per_part), len(parts))
 
     def _by_marks(self, parts: list[list[str]], split: list[bool]):
@@ -379,10 +423,11 @@ def _worker_main(conn) -> None:
     # that each fight for every core.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     try:
-        path = conn.recv()  # spawned before the tokenizer is installed (see _Workers)
-        if path is None:
+        given = conn.recv()  # (tokenizer.json's path, text): spawned before it is installed (see _Workers)
+        if given is None:
             return
-        tokenize = _Tokenize(Path(path).read_text(encoding="utf-8"))
+        path, text = given
+        tokenize = _Tokenize(Path(path).read_text(encoding="utf-8"), text)
         while (task := conn.recv()) is not None:
             conn.send(tokenize(*task))
     except (EOFError, ConnectionError):  # the main process is gone, or stopped (Ctrl-C): nothing left to do
@@ -440,7 +485,7 @@ class _Workers:
     They are spawned before the tokenizer is installed: a fresh process takes a few
     tenths of a second to import numpy and tokenizers, and that now overlaps the main
     process's own set-up. :meth:`start` then sends each the path of the installed
-    ``tokenizer.json``, the one that encodes the shards.
+    ``tokenizer.json``, the one that encodes the shards (and whether it encodes lines as text).
     """
 
     def __init__(self, count: int):
@@ -462,10 +507,10 @@ class _Workers:
     def start(self, directory: Path, spec: TokenizerSpec) -> None:
         self._started = True
         if not self._procs:
-            self._local = _Tokenize(spec.tokenizer_json)
+            self._local = _Tokenize(spec.tokenizer_json, spec.text)
             return
         for conn in self._conns:
-            conn.send(str(directory / "tokenizer.json"))
+            conn.send((str(directory / "tokenizer.json"), spec.text))
 
     def tokenized(self, chunks: Iterator[_Chunk]) -> Iterator[tuple[_Chunk, tuple]]:
         """Yield (chunk, result) in chunk order, one chunk in flight per worker.
@@ -519,11 +564,9 @@ class _Workers:
 
 # -- resume journal ------------------------------------------------------------------------
 
-def _plan_key(sources: list[dict], vocab: bytes, normalization: Normalization, opts: BuildOptions,
-              extra: dict | None = None) -> str:
+def _plan_key(sources: list[dict], tokenizer: Vocabulary, opts: BuildOptions, extra: dict | None = None) -> str:
     plan = {
-        "shard_format": FORMAT_VERSION, "created_by": created_by(), "sources": sources,
-        "tokenizer": vocab_fingerprint(vocab), "normalizer": normalization.to_json(),
+        "shard_format": FORMAT_VERSION, "created_by": created_by(), "sources": sources, **_tokenizer_key(tokenizer),
         "split_sentences": opts.split_sentences, "shard_tokens": opts.shard_tokens,
         "piece_bytes": opts.piece_bytes,
         # Only where it shapes the output: journals of text-only builds stay valid.
@@ -533,6 +576,20 @@ def _plan_key(sources: list[dict], vocab: bytes, normalization: Normalization, o
         **(extra or {}),
     }
     return hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()
+
+
+def _tokenizer_key(tokenizer: Vocabulary) -> dict:
+    """What the plan key takes of the tokenizer (a WordPiece one's entries are as they always were)."""
+    if isinstance(tokenizer, FastTokenizer):
+        return tokenizer.key()
+    vocab, normalization = tokenizer
+    return {"tokenizer": vocab_fingerprint(vocab), "normalizer": normalization.to_json()}
+
+
+def _install(directory: Path, tokenizer: Vocabulary) -> TokenizerSpec:
+    if isinstance(tokenizer, FastTokenizer):
+        return tokenizer.install(directory)
+    return install_tokenizer(directory, *tokenizer)
 
 
 def _journal(key: str, records: list[dict], opts: BuildOptions) -> dict:
@@ -608,7 +665,7 @@ def _known_options(opts: BuildOptions) -> dict:
     """The options a manifest records that do not depend on the vocabulary; a trained one's
     size and case are known before it is trained."""
     known = _given_options(opts)
-    if opts.vocab is None:
+    if opts.train_vocab is not None:
         known.update(vocab={"train": opts.train_vocab}, lowercase=True if opts.lowercase is None else opts.lowercase)
     return known
 
@@ -675,8 +732,10 @@ def _text_lines(opts: BuildOptions, desc: str) -> Iterator[str]:
         bar.update(reader.progress - bar.n)
 
 
-def _vocab(opts: BuildOptions) -> tuple[bytes, Normalization]:
-    """(vocab.txt bytes, the normalizer), loaded or trained; writes nothing."""
+def _vocab(opts: BuildOptions) -> Vocabulary:
+    """(vocab.txt bytes, the normalizer), loaded or trained, or the --tokenizer; writes nothing."""
+    if opts.tokenizer is not None:
+        return load_fast_tokenizer(opts.tokenizer, opts.special_tokens)
     if opts.vocab is None:
         lowercase = True if opts.lowercase is None else opts.lowercase
         passes = iter(("vocab: alphabet", "vocab: train"))
@@ -698,7 +757,7 @@ class _Plan:
     """What one build process makes: a plain build, or one part of a partitioned build."""
 
     directory: Path
-    tokenizer: Callable[[], tuple[bytes, Normalization]]  # loads or trains it; may wait for another part
+    tokenizer: Callable[[], Vocabulary]  # loads or trains it; may wait for another part
     part: Part = field(default_factory=Part)
     share: Share | None = None  # of a part: its share of the inputs
     sizes: list[int] = field(default_factory=list)  # of a part: every input's size
@@ -718,13 +777,13 @@ def _part_plan(opts: BuildOptions) -> _Plan:
     """A part's plan: the parent checked (nothing written yet), its share cut, one line said."""
     part, output = opts.part, Path(opts.output)
     sizes = [input_size(p) for p in opts.inputs]
-    record = _vocab_record(opts, sizes) if opts.vocab is None else None
+    record = _vocab_record(opts, sizes) if opts.train_vocab is not None else None
     removals = check_parent(output, part.count, opts.overwrite, record)
     share = share_of(opts.inputs, part.index, part.count, opts.documents, opts.piece_bytes, sizes)
     print(f"{part.label} ({part.origin}): {len(share.sources())} input(s), {share.bytes / 1e6:.1f} MB of "
           f"{share.total_bytes / 1e6:.1f} MB -> {part.folder(output)}", flush=True)
 
-    def tokenizer() -> tuple[bytes, Normalization]:
+    def tokenizer() -> Vocabulary:
         if record is None and not removals:
             return _vocab(opts)
         if record is not None and not removals and not opts.overwrite and has_tokenizer(output, record):
@@ -760,11 +819,11 @@ def _build(opts: BuildOptions, plan: _Plan, workers: _Workers, t0: float) -> Bui
         if existing.built_otherwise(sources, opts) and not opts.overwrite:
             _refuse_other(directory, existing)  # decided before a vocabulary is trained
         reused = _reused_vocab(directory, existing, opts, plan)
-        if reused is not None and _keys(opts, plan, sources, *reused)[0] == existing.key:
-            vocab, normalization = reused
+        if reused is not None and _keys(opts, plan, sources, reused)[0] == existing.key:
+            tokenizer = reused
         else:
-            vocab, normalization = plan.tokenizer()
-        key, partition = _keys(opts, plan, sources, vocab, normalization)
+            tokenizer = plan.tokenizer()
+        key, partition = _keys(opts, plan, sources, tokenizer)
         with FolderLock(directory, "a data_tools build"):
             # Again under the lock, which decides: another build may have finished meanwhile.
             existing = _existing(directory, opts.overwrite)
@@ -776,7 +835,7 @@ def _build(opts: BuildOptions, plan: _Plan, workers: _Workers, t0: float) -> Bui
                 _refuse_other(directory, existing)
             try:
                 manifest, records, t_vocab = _build_locked(opts, directory, workers, sources,
-                                                           (vocab, normalization), key, t0, (plan.share, partition))
+                                                           tokenizer, key, t0, (plan.share, partition))
             except UserError:
                 # Bad input found while reading (a JSONL line, a Parquet row, an empty corpus) in
                 # a folder that held nothing: with no shard finished there is nothing to resume,
@@ -803,7 +862,7 @@ def _reused_vocab(directory: Path, existing: _Existing, opts: BuildOptions,
     then found done at once, an interrupted one resumes at once. None where the vocabulary
     must be loaded or trained as the build says."""
     known = _known_options(opts)
-    if (opts.vocab is not None or opts.overwrite or plan.part.partitioned or existing.kind == "nothing"
+    if (opts.train_vocab is None or opts.overwrite or plan.part.partitioned or existing.kind == "nothing"
             or any(existing.options.get(name) != value for name, value in known.items())):
         return None
     try:
@@ -825,23 +884,22 @@ def _remove_if_empty(directory: Path) -> None:
         directory.rmdir()
 
 
-def _keys(opts: BuildOptions, plan: _Plan, sources: list[dict], vocab: bytes,
-          normalization: Normalization) -> tuple[str, dict | None]:
+def _keys(opts: BuildOptions, plan: _Plan, sources: list[dict], tokenizer: Vocabulary) -> tuple[str, dict | None]:
     """The plan key of this folder (its resume key), and a part's partition record.
 
     A part's corpus_key is the same in every part: the whole input list by (path, size),
     not by content, so no part reads the whole corpus to compute it."""
     if not plan.part.partitioned:
-        return _plan_key(sources, vocab, normalization, opts), None
+        return _plan_key(sources, tokenizer, opts), None
     part = plan.part
     whole = [{"path": p, "bytes": n} for p, n in zip(opts.inputs, plan.sizes, strict=True)]
-    corpus_key = _plan_key(whole, vocab, normalization, opts, {"parts": part.count})
-    key = _plan_key(sources, vocab, normalization, opts, {"partition": [part.index, part.count, corpus_key]})
+    corpus_key = _plan_key(whole, tokenizer, opts, {"parts": part.count})
+    key = _plan_key(sources, tokenizer, opts, {"partition": [part.index, part.count, corpus_key]})
     return key, {"index": part.index, "count": part.count, "corpus_key": corpus_key}
 
 
 def _build_locked(opts: BuildOptions, directory: Path, workers: _Workers, sources: list[dict],
-                  tokenizer: tuple[bytes, Normalization], key: str,
+                  tokenizer: Vocabulary, key: str,
                   t0: float, part: tuple[Share | None, dict | None]) -> tuple[Manifest, list[dict], float]:
     """The build proper, in a folder this process holds; returns (manifest, reused records, set-up seconds).
     ``part``: a part's share of the inputs and its partition record (None, None for a plain build)."""
@@ -851,7 +909,7 @@ def _build_locked(opts: BuildOptions, directory: Path, workers: _Workers, source
     (directory / MANIFEST_NAME).unlink(missing_ok=True)
     _write_json(directory / JOURNAL_NAME, _journal(key, records, opts))
     _remove_stale(directory, keep_shards=1 << 62)
-    spec = install_tokenizer(directory, *tokenizer)
+    spec = _install(directory, tokenizer)
     workers.start(directory, spec)
     t_vocab = time.perf_counter() - t0
     share, partition = part
@@ -967,9 +1025,10 @@ def _manifest(opts: BuildOptions, spec: TokenizerSpec, shards: list[ShardInfo], 
             "tokens": sum(s.num_tokens for s in shards),
         },
         build={
-            "vocab": {"train": opts.train_vocab} if opts.vocab is None else {"file": opts.vocab},
+            "vocab": _vocab_option(opts),
             "lowercase": spec.lowercase,
-            "normalizer": spec.normalization.to_json(),
+            "normalizer": spec.normalizer,
+            **({"tokenizer_sha256": _sha256(spec.tokenizer_json)} if opts.tokenizer is not None else {}),
             **_given_options(opts),
             "sentence_split_re": (SENTENCE_SPLIT_RE.pattern
                                   if opts.split_sentences or opts.has_records or opts.join_wrapped else None),
@@ -992,6 +1051,17 @@ def _manifest(opts: BuildOptions, spec: TokenizerSpec, shards: list[ShardInfo], 
             "long_lines_cut": st.long_lines_cut,
         },
     )
+
+
+def _vocab_option(opts: BuildOptions) -> dict:
+    """The manifest's ``build.vocab``: how the tokenizer was had."""
+    if opts.train_vocab is not None:
+        return {"train": opts.train_vocab}
+    return {"file": opts.vocab} if opts.vocab is not None else {"tokenizer": opts.tokenizer}
+
+
+def _sha256(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 def _finish_shard(writer: ShardWriter, counts: Counts, end: DocEnd, journal: dict, directory: Path) -> ShardInfo:

@@ -12,7 +12,10 @@ Keys (``format_version`` 1)::
     token_dtype            "uint16" | "uint32"
     lowercase              the tokenizer lowercases (and strips accents)
     special_tokens         {"pad": id, "unk": id, "cls": id, "sep": id, "mask": id}
-    tokenizer_fingerprint  sha256 hex of the folder's vocab.txt bytes
+    tokenizer_fingerprint  sha256 hex of the folder's vocab.txt bytes; of a --tokenizer build
+                           (build.vocab {"tokenizer": PATH}), of its vocabulary and special ids
+                           (fast_tokenizer.vocabulary_fingerprint), build.tokenizer_sha256 then
+                           being the sha256 of its tokenizer.json
     shards                 [ShardInfo as a dict, ...] in order
     totals                 {"docs": n, "sentences": n, "tokens": n}
     sources                [{"path": as given, "bytes": n, "sha256": hex}, ...]
@@ -40,7 +43,7 @@ from pathlib import Path
 import numpy as np
 
 from bert_ds.base.atomic import atomic_write
-from bert_ds.base.errors import ShardError
+from bert_ds.base.errors import ShardError, UserError
 from bert_ds.data_tools.shard_format import ShardInfo, ShardReader, token_dtype
 
 MANIFEST_NAME = "manifest.json"
@@ -182,8 +185,17 @@ class Manifest:
         )
 
 
-def check_tokenizer(directory: str | os.PathLike, manifest: Manifest) -> list[str]:
-    """Problems with DIR/vocab.txt against the manifest (fingerprint, size)."""
+def given_tokenizer(manifest: Manifest) -> bool:
+    """Whether the dataset was built with ``--tokenizer`` (any fast tokenizer), not a WordPiece vocabulary."""
+    vocab = manifest.build.get("vocab")
+    return isinstance(vocab, dict) and "tokenizer" in vocab
+
+
+def check_tokenizer(directory: str | os.PathLike, manifest: Manifest, full: bool = False) -> list[str]:
+    """Problems with DIR/vocab.txt against the manifest (fingerprint, size); of a ``--tokenizer``
+    build, with DIR/tokenizer.json (its sha256; with ``full``, its fingerprint and size too)."""
+    if given_tokenizer(manifest):
+        return _check_tokenizer_json(Path(directory) / "tokenizer.json", manifest, full)
     vocab = Path(directory) / VOCAB_NAME
     try:
         data = vocab.read_bytes()
@@ -200,6 +212,33 @@ def check_tokenizer(directory: str | os.PathLike, manifest: Manifest) -> list[st
     lines = data.count(b"\n") + (0 if data.endswith(b"\n") or not data else 1)  # as WordPiece reads it
     if lines != manifest.vocab_size:
         return [f"{vocab}: {lines} entries, but the manifest says vocab_size={manifest.vocab_size}"]
+    return []
+
+
+def _check_tokenizer_json(path: Path, manifest: Manifest, full: bool) -> list[str]:
+    from bert_ds.data_tools.fast_tokenizer import file_fingerprint
+
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return [f"{path}: missing (the dataset's tokenizer)"]
+    except OSError as e:
+        return [f"{path}: cannot read: {e.strerror}"]
+    actual, recorded = hashlib.sha256(data).hexdigest(), str(manifest.build.get("tokenizer_sha256"))
+    if actual != recorded:
+        return [f"{path}: sha256 {actual[:16]} does not match the manifest's tokenizer_sha256 {recorded[:16]}: "
+                "the shards were built with another tokenizer"]
+    if not full:
+        return []
+    try:
+        fingerprint, size = file_fingerprint(data.decode("utf-8"), manifest.special_tokens)
+    except (UserError, UnicodeDecodeError) as e:
+        return [f"{path}: {e}"]
+    if fingerprint != manifest.tokenizer_fingerprint:
+        return [f"{path}: tokenizer fingerprint {fingerprint[:16]} does not match the manifest's "
+                f"{manifest.tokenizer_fingerprint[:16]}"]
+    if size != manifest.vocab_size:
+        return [f"{path}: {size} ids, but the manifest says vocab_size={manifest.vocab_size}"]
     return []
 
 
@@ -232,7 +271,7 @@ def open_dataset(directory: str | os.PathLike, *, verify: bool = False) -> tuple
     """
     directory = Path(directory)
     manifest = Manifest.load(directory)
-    problems = check_tokenizer(directory, manifest)
+    problems = check_tokenizer(directory, manifest, full=verify)
     readers: list[ShardReader] = []
     for info in manifest.shards:
         try:

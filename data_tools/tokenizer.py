@@ -84,14 +84,12 @@ class TokenizerSpec:
     """What the build needs to know of the tokenizer installed in a dataset folder."""
 
     tokenizer_json: str  # the folder's tokenizer.json text: what encodes the shards
-    vocab_size: int  # number of vocab.txt entries; ids are 0 .. vocab_size - 1
+    vocab_size: int  # ids are 0 .. vocab_size - 1 (WordPiece: the vocab.txt entries)
     special_tokens: dict[str, int]  # {"pad": 0, ...}
-    fingerprint: str  # sha256 hex of vocab.txt
-    normalization: Normalization
-
-    @property
-    def lowercase(self) -> bool:
-        return self.normalization.lowercase
+    fingerprint: str  # WordPiece: sha256 hex of vocab.txt; --tokenizer: :func:`vocabulary_fingerprint`
+    lowercase: bool  # the normalizer lowercases
+    normalizer: dict | None  # tokenizer.json's normalizer entry
+    text: bool = False  # --tokenizer: lines are encoded as text, whitespace kept (build.py's _Tokenize)
 
 
 def vocab_entries(vocab: bytes) -> list[str]:
@@ -235,17 +233,7 @@ def install_tokenizer(directory: str | os.PathLike, vocab: bytes, normalization:
     from tokenizers import Tokenizer
 
     directory = Path(directory)
-    tmp = directory / _TMP_DIR
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        _write_hf_files(tmp, vocab, normalization)
-        for name in HF_FILES:
-            fsync_path(tmp / name)
-            os.replace(tmp / name, directory / name)
-        fsync_path(directory)
-    finally:  # a failed write (disk full) leaves no temporary folder; final names are whole files
-        shutil.rmtree(tmp, ignore_errors=True)
-
+    replace_files(directory, lambda tmp: _write_hf_files(tmp, vocab, normalization), HF_FILES)
     tokenizer_json = (directory / "tokenizer.json").read_text(encoding="utf-8")
     tok = Tokenizer.from_str(tokenizer_json)
     special = {k: tok.token_to_id(v) for k, v in SPECIAL_TOKENS.items()}
@@ -254,8 +242,24 @@ def install_tokenizer(directory: str | os.PathLike, vocab: bytes, normalization:
         vocab_size=len(vocab_entries(vocab)),
         special_tokens=special,
         fingerprint=vocab_fingerprint(vocab),
-        normalization=normalization,
+        lowercase=normalization.lowercase,
+        normalizer=normalization.to_json(),
     )
+
+
+def replace_files(directory: Path, write: Callable[[Path], None], names: Iterable[str]) -> None:
+    """The files ``names`` that ``write`` makes in a new temporary folder, moved into DIR one by
+    one, each synced and renamed: a final name only ever holds a whole file."""
+    tmp = directory / _TMP_DIR
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        write(tmp)
+        for name in names:
+            fsync_path(tmp / name)
+            os.replace(tmp / name, directory / name)
+        fsync_path(directory)
+    finally:  # a failed write (disk full) leaves no temporary folder; final names are whole files
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _write_hf_files(tmp: Path, vocab: bytes, normalization: Normalization) -> None:

@@ -19,7 +19,7 @@ from typing import TextIO
 import numpy as np
 
 from bert_ds.base.errors import ShardError
-from bert_ds.data_tools.manifest import Manifest, check_shard, check_tokenizer, open_dataset
+from bert_ds.data_tools.manifest import Manifest, check_shard, check_tokenizer, given_tokenizer, open_dataset
 from bert_ds.data_tools.partition import dataset_folders, part_folders
 from bert_ds.data_tools.shard_format import ShardReader
 from bert_ds.data_tools.sources import input_kind
@@ -33,7 +33,7 @@ def verify_dataset(directory: str | os.PathLike) -> tuple[list[str], Manifest | 
         manifest = Manifest.load(directory)
     except ShardError as e:
         return [str(e)], None
-    problems = check_tokenizer(directory, manifest)
+    problems = check_tokenizer(directory, manifest, full=True)
     for info in manifest.shards:
         try:
             with ShardReader(directory / info.name) as reader:
@@ -86,7 +86,9 @@ def short_documents_warning(tokens_per_doc: float, seq_len: int, build: dict, so
             f"samples never cross a document, so most will be short.{hint}")
 
 
-def _decode(directory: Path, readers: list[ShardReader], decode: int, p) -> None:
+def _decode(directory: Path, readers: list[ShardReader], decode: int, p, whole: bool = False) -> None:
+    """The first ``decode`` documents, a sentence a line; ``whole`` (a --tokenizer's, whose
+    tokens hold the text's whitespace): each document decoded at once."""
     tok = load_tokenizer(directory)
     shown = 0
     for r in readers:
@@ -96,16 +98,19 @@ def _decode(directory: Path, readers: list[ShardReader], decode: int, p) -> None
             sents = r.document(d)
             p(f"\n--- document {shown} ({r.prefix.name} #{d}: {len(sents)} sentences, "
               f"{sum(len(s) for s in sents)} tokens)")
-            for s in sents:
-                p(tok.decode(s.tolist(), skip_special_tokens=False))
+            if whole:
+                p(tok.decode(np.concatenate(sents).tolist(), skip_special_tokens=False).rstrip("\n"))
+            else:
+                for s in sents:
+                    p(tok.decode(s.tolist(), skip_special_tokens=False))
             shown += 1
 
 
 def inspect_documents(directory: Path, decode: int, out: TextIO) -> None:
     """Print the first ``decode`` documents of a dataset folder as text."""
-    _, readers = open_dataset(directory)
+    manifest, readers = open_dataset(directory)
     try:
-        _decode(directory, readers, decode, lambda line: print(line, file=out))
+        _decode(directory, readers, decode, lambda line: print(line, file=out), given_tokenizer(manifest))
     finally:
         for r in readers:
             r.close()
@@ -154,7 +159,7 @@ def inspect_dataset(directory: str | os.PathLike, decode: int = 0, out: TextIO |
         if m.totals["docs"] and tokens / m.totals["docs"] < seq_len:
             print(short_documents_warning(tokens / m.totals["docs"], seq_len, m.build, m.sources), file=sys.stderr)
         if decode > 0:
-            _decode(directory, readers, decode, p)
+            _decode(directory, readers, decode, p, given_tokenizer(m))
     finally:
         for r in readers:
             r.close()

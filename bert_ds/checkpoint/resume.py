@@ -81,6 +81,8 @@ FIELDS: dict[str, FieldClass] = {
     "data.mask_rate": REFUSED,
     "data.whole_word_mask": REFUSED,
     "data.pair_task": REFUSED,
+    "data.layout": REFUSED,  # another sample map: the cursor would point into other samples
+    "data.token_budget": REFUSED,  # steps of another size in tokens (the cursor itself stays valid)
     "data.num_workers": RECORDED,  # samples do not depend on it
     "data.val_samples": RECORDED,
     # The optimizer's state belongs to one algorithm (moments of LAMB, StableAdamW and AdamW mean

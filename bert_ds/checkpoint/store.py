@@ -175,8 +175,9 @@ def save(engine, root: Path, step: int, *, rank: int, model_config: dict, train_
             _write_json(tmp / "train_state.json", train_state)
             if tokenizer_dir is not None:  # the tokenizer files only, not the dataset beside them
                 (tmp / "tokenizer").mkdir()
-                for name in HF_FILES:
-                    shutil.copyfile(tokenizer_dir / name, tmp / "tokenizer" / name)
+                for name in HF_FILES:  # a --tokenizer dataset has no vocab.txt
+                    if name != "vocab.txt" or (tokenizer_dir / name).exists():
+                        shutil.copyfile(tokenizer_dir / name, tmp / "tokenizer" / name)
 
     def commit() -> None:
         try:

@@ -24,6 +24,19 @@ Design choices:
 - The collate also computes where the real and the masked tokens go once padding is
   removed (:func:`bert_ds.model.padding.unpad`), here on the host and in the loader's worker
   processes, so the model never has to ask the GPU for a length or a count.
+- Two layouts (``DataConfig.layout``): BERT's ``sentences`` (chunks of whole sentences, sentence
+  pairs, short targets) and ``documents`` (``[CLS] document [SEP]``, a long document in
+  consecutive pieces; :func:`~.sample_map.build_document_map`), the latter with no pairs and no
+  segment ids. Both are pure functions of (seed, epoch, index) and share the order, the reading
+  and the masking.
+- Token budget (``DataConfig.token_budget``, documents layout): a micro-batch holds as many samples
+  as fit ``micro_batch_size x max_seq_length`` tokens, packed greedily in the global stream's
+  order; :class:`TokenBudget` says how ranks share a step and what it costs. The state stays the
+  count of consumed samples.
+- Random replacement tokens (the 10% of masking's 80/10/10): BERT's ``[first_regular, V)`` for a
+  WordPiece vocabulary, whose special and unused tokens come first; any id but the five special
+  ones for a ``--tokenizer``'s, whose special tokens may sit anywhere (ModernBERT's at 50,280-50,284
+  of 50,368, where BERT's rule would draw only from the 83 unused ids above them).
 """
 
 from __future__ import annotations
@@ -44,11 +57,13 @@ from bert_ds.config import BatchPlan, DataConfig
 from bert_ds.loader.workers import end_loader_workers_at_exit, loader_worker_init
 from bert_ds.model.padding import IGNORE_INDEX, unpad
 from bert_ds.base.errors import ShardError
-from bert_ds.data_tools.manifest import Manifest, open_dataset
+from bert_ds.data_tools.manifest import Manifest, given_tokenizer, open_dataset
 from bert_ds.data_tools.partition import dataset_folders
 from bert_ds.data_tools.shard_format import FileArray, ShardReader
 from bert_ds.loader.permutation import EpochPermutation
-from bert_ds.loader.sample_map import COUNT_BITS, COUNT_MASK, ChunkTargets, bases, open_sample_map, open_sentence_index
+from bert_ds.loader.sample_map import (
+    COUNT_BITS, COUNT_MASK, ChunkTargets, bases, open_document_map, open_sample_map, open_sentence_index,
+)
 
 Batch = dict[str, torch.Tensor | int]  # what collate returns: tensors, and max_seqlen as a host int
 OPEN_FILES_SHARE = 4  # a drawing process keeps at most 1/4 of its open-file limit in token files
@@ -120,19 +135,28 @@ class PretrainingDataset(Dataset):
         self._token_dtype = np.dtype(self.manifest.token_dtype)
         self.vocab_size = self.manifest.vocab_size
         self.special = SpecialTokens(**self.manifest.special_tokens)
+        # Random replacements skip these ids (a --tokenizer's); None: BERT's [first_regular, V) (module docstring)
+        self._skipped = sorted(set(self.manifest.special_tokens.values())) if given_tokenizer(self.manifest) else None
+        if cfg.whole_word_mask and not (self.folders[0] / "vocab.txt").is_file():
+            raise ShardError(f"{self.path}: whole_word_mask (--whole-word-mask) needs a WordPiece vocabulary "
+                             "(vocab.txt, ## continuations); this dataset was built with --tokenizer")
         reserve = 3 if cfg.pair_task != "none" else 2  # [CLS] A [SEP] (B [SEP])
         self.max_num_tokens = cfg.max_seq_length - reserve
         # Built in the corpus's cache by the first process to open it, then read with pread by
         # every process; the readers' own index arrays are dropped with them at the end of __init__.
-        self._map = open_sample_map(self.path, readers, self.max_num_tokens, cfg.short_seq_prob, seed, split,
-                                    cfg.held_out)
+        if cfg.layout == "documents":
+            self._map = open_document_map(self.path, readers, self.max_num_tokens, split, cfg.held_out)
+            self._token_base = bases([r.num_tokens for r in readers])
+        else:
+            self._map = open_sample_map(self.path, readers, self.max_num_tokens, cfg.short_seq_prob, seed, split,
+                                        cfg.held_out)
+            self._offsets, self._bounds = open_sentence_index(self.path, readers)
+            self._sentence_base = bases([r.num_sentences for r in readers])
+            self._doc_base = bases([r.num_docs for r in readers])
+            self._targets = ChunkTargets(seed, self.max_num_tokens, cfg.short_seq_prob)
         if len(self._map) == 0:
             raise ShardError(f"{self.path}: no samples in the {split!r} split (no non-empty documents)")
-        self._offsets, self._bounds = open_sentence_index(self.path, readers)
-        self._sentence_base = bases([r.num_sentences for r in readers])
-        self._doc_base = bases([r.num_docs for r in readers])
         self.total_docs = sum(r.num_docs for r in readers)
-        self._targets = ChunkTargets(seed, self.max_num_tokens, cfg.short_seq_prob)
         self.continuation = _continuation_table(self.folders[0], self.vocab_size) if cfg.whole_word_mask else None
         self._token_files: dict[int, FileArray] = {}  # shard -> its open token file
         self.open_files = token_files_allowed()
@@ -194,6 +218,8 @@ class PretrainingDataset(Dataset):
     def sample(self, epoch: int, index: int) -> dict[str, np.ndarray | int]:
         """Sample ``index`` of ``epoch``: a pure function of (seed, epoch, index)."""
         rng = self._rng.keyed(_sample_key(self.seed, epoch, index))
+        if self.cfg.layout == "documents":
+            return self._document_sample(rng, index)
         shard, first, end = self.chunk(index)
         # The chunk's sentence offsets and tokens, each read once (relative offsets into `chunk`).
         offsets = self._sentence_offsets(shard, first, end)
@@ -214,6 +240,32 @@ class PretrainingDataset(Dataset):
         ids, types = self._assemble(a, b)
         labels = self._mask(rng, ids)
         return {"input_ids": ids, "token_type_ids": types, "labels": labels, "next_sentence_label": label}
+
+    def _document_sample(self, rng, index: int) -> dict[str, np.ndarray | int]:
+        """``[CLS] piece [SEP]`` of the documents layout: one map row says where the piece is."""
+        row = self._map[index]
+        start, n = row >> COUNT_BITS, row & COUNT_MASK
+        shard = bisect_right(self._token_base, start) - 1
+        lo = start - self._token_base[shard]
+        ids = np.empty(n + 2, dtype=np.int64)
+        ids[0], ids[1: n + 1], ids[n + 1] = self.special.cls, self._tokens(shard, lo, lo + n), self.special.sep
+        labels = self._mask(rng, ids)
+        return {"input_ids": ids, "token_type_ids": np.zeros(n + 2, dtype=np.int64), "labels": labels,
+                "next_sentence_label": -1}
+
+    def lengths(self, lo: int, hi: int) -> list[int]:
+        """The tokens of the samples at stream positions ``[lo, hi)``, [CLS] and [SEP] included,
+        without making them (documents layout: one map row each); what :class:`TokenBudget` packs by."""
+        if self.cfg.layout != "documents":
+            raise ValueError("sample lengths are known ahead only in the documents layout")
+        out: list[int] = []
+        while lo < hi:
+            epoch, offset = divmod(lo, self.num_samples)
+            stop = min(hi, (epoch + 1) * self.num_samples)
+            indices = self.permutation(epoch).many(np.arange(offset, offset + stop - lo)).tolist()
+            out += [(self._map[i] & COUNT_MASK) + 2 for i in indices]
+            lo = stop
+        return out
 
     def _nsp_pair(self, rng, shard: int, first: int, chunk: np.ndarray, cuts: list[int], target: int):
         """``chunk``: the tokens of the sample's sentences (from ``first`` of ``shard``); ``cuts``:
@@ -323,8 +375,17 @@ class PretrainingDataset(Dataset):
         ids[chosen[action < 0.8]] = sp.mask
         swap = chosen[(action >= 0.8) & (action < 0.9)]
         if len(swap):  # the sample's last draw: skipping an empty one changes nothing
-            ids[swap] = rng.integers(sp.first_regular, self.vocab_size, size=len(swap))
+            ids[swap] = self._random_tokens(rng, len(swap))
         return labels
+
+    def _random_tokens(self, rng, n: int) -> np.ndarray:
+        """``n`` random replacement ids (module docstring)."""
+        if self._skipped is None:
+            return rng.integers(self.special.first_regular, self.vocab_size, size=n)
+        drawn = rng.integers(0, self.vocab_size - len(self._skipped), size=n)
+        for s in self._skipped:  # ascending: past each special id at or below the draw
+            drawn += drawn >= s
+        return drawn
 
     def _whole_words(self, rng, ids: np.ndarray, candidates: np.ndarray, budget: int) -> np.ndarray:
         # A word starts at a non-continuation piece, or right after [CLS]/[SEP] (a segment
@@ -419,7 +480,7 @@ class BlendedDataset(Dataset):
         if (counts == 0).any():
             raise ShardError(f"a blend weight is below 1/{self.BLOCK} of the total: {weights}")
         self.datasets, self.counts, self.seed = datasets, counts, seed
-        self.path, self.manifest, self.special = first.path, first.manifest, first.special
+        self.path, self.manifest, self.special, self.cfg = first.path, first.manifest, first.special, first.cfg
         self.vocab_size = first.vocab_size
         self.num_samples = int(sum(ds.num_samples for ds in datasets))
         self._block_id, self._owner, self._rank = -1, np.empty(0, np.int64), np.empty(0, np.int64)
@@ -437,11 +498,20 @@ class BlendedDataset(Dataset):
             self._block_id, self._owner, self._rank = b, owner, rank
         return self._owner, self._rank
 
-    def __getitem__(self, position: int) -> dict[str, np.ndarray | int]:
+    def _locate(self, position: int) -> tuple[int, int]:
+        """(the dataset that owns ``position``, its own stream position there)."""
         b, offset = divmod(int(position), self.BLOCK)
         owner, rank = self._block(b)
         i = int(owner[offset])
-        return self.datasets[i][b * int(self.counts[i]) + int(rank[offset])]
+        return i, b * int(self.counts[i]) + int(rank[offset])
+
+    def __getitem__(self, position: int) -> dict[str, np.ndarray | int]:
+        i, own = self._locate(position)
+        return self.datasets[i][own]
+
+    def lengths(self, lo: int, hi: int) -> list[int]:
+        """:meth:`PretrainingDataset.lengths` of the blend's positions ``[lo, hi)``."""
+        return [self.datasets[i].lengths(own, own + 1)[0] for i, own in map(self._locate, range(lo, hi))]
 
 
 def open_pretraining_data(cfg: DataConfig, seed: int) -> tuple[Dataset, PretrainingDataset | None]:
@@ -549,17 +619,87 @@ def step_positions(plan: BatchPlan, rank: int, step_start: int) -> list[list[int
             for lo in (step_start + (m * plan.world_size + rank) * micro for m in range(plan.grad_accum))]
 
 
+class TokenBudget:
+    """Micro-batches filled to a token budget, packed greedily in the global stream's order.
+
+    The step that starts at stream position c is ``K = grad_accum x world_size`` micro-batches,
+    made one after another from c: each takes the next samples while their tokens ([CLS] and [SEP]
+    included) fit ``budget = micro_batch_size x max_seq_length``, and the first sample that does
+    not fit opens the next one (a sample is at most ``max_seq_length``, so each takes at least
+    one). Micro-batch k goes to rank ``k mod W`` as its micro-step ``k // W``, where
+    :func:`step_positions` puts fixed-size ones; the step ends where micro-batch K - 1 does, and
+    the next starts there.
+
+    Ranks split a step's budget by greedy global packing, then assignment: every rank packs the
+    whole step (one map row read per sample of the step, W times its own share; it draws and
+    masks only its own), so ranks agree without communicating, and the only state is the step's
+    start, the loader's ``consumed_samples``. The packing depends on K and the budget alone, so
+    with the same global and micro batch sizes a step holds the same micro-batches on any world
+    size: a resume on another world size continues the same stream, step for step. The cost: a
+    rank reads W times the map rows it needs (~2 us each on the development machine, a few ms per
+    step of thousands of samples, in the process that feeds the loader), and rows are padded to
+    the micro-batch's longest sample (the model unpads). Per rank each step's packing is kept
+    (the last few) so the loader's sampler and ``next_step`` compute it once.
+    """
+
+    _KEEP = 16  # steps whose packing is kept: the sampler runs ahead of next_step by a few
+    _BLOCK = 256  # lengths read at a time
+
+    def __init__(self, dataset: PretrainingDataset | BlendedDataset, plan: BatchPlan, max_seq_length: int):
+        self.dataset, self.plan = dataset, plan
+        self.budget = plan.micro_batch_size * max_seq_length
+        self.micro_batches = plan.grad_accum * plan.world_size
+        self._steps: dict[int, list[range]] = {}
+
+    def step(self, start: int) -> list[range]:
+        """The K micro-batches (ranges of stream positions, consecutive from ``start``) of the step
+        that starts at ``start``."""
+        if start not in self._steps:
+            if len(self._steps) >= self._KEEP:
+                del self._steps[next(iter(self._steps))]
+            self._steps[start] = self._pack(start)
+        return self._steps[start]
+
+    def _pack(self, start: int) -> list[range]:
+        batches: list[range] = []
+        lo = pos = start
+        used, lengths, at = 0, [], start  # lengths[i]: the sample at position at + i
+        while len(batches) < self.micro_batches:
+            if pos - at >= len(lengths):
+                at, lengths = pos, self.dataset.lengths(pos, pos + self._BLOCK)
+            n = lengths[pos - at]
+            if used + n > self.budget:
+                batches.append(range(lo, pos))
+                lo, used = pos, 0
+                continue
+            used += n
+            pos += 1
+        return batches
+
+    def end(self, start: int) -> int:
+        """Where the next step starts."""
+        return self.step(start)[-1].stop
+
+    def rank_positions(self, start: int, rank: int) -> list[list[int]]:
+        """``rank``'s micro-batches of the step that starts at ``start``."""
+        return [list(r) for r in self.step(start)[rank:: self.plan.world_size]]
+
+
 class _RankPositions:
     """Batch sampler: this rank's stream positions, one micro-batch at a time."""
 
-    def __init__(self, plan: BatchPlan, rank: int, consumed: int):
-        self.plan, self.rank, self.consumed = plan, rank, consumed
+    def __init__(self, plan: BatchPlan, rank: int, consumed: int, packer: TokenBudget | None = None):
+        self.plan, self.rank, self.consumed, self.packer = plan, rank, consumed, packer
 
     def __iter__(self) -> Iterator[list[int]]:
         step_start = self.consumed
         while True:
-            yield from step_positions(self.plan, self.rank, step_start)
-            step_start += self.plan.global_batch_size
+            if self.packer is None:
+                yield from step_positions(self.plan, self.rank, step_start)
+                step_start += self.plan.global_batch_size
+            else:
+                yield from self.packer.rank_positions(step_start, self.rank)
+                step_start = self.packer.end(step_start)
 
 
 class PretrainingLoader:
@@ -574,6 +714,8 @@ class PretrainingLoader:
         # from pageable memory that copy blocks the host until it is done.
         self.pin_memory = pin_memory
         self._iter: Iterator[Batch] | None = None
+        budget = isinstance(dataset, (PretrainingDataset, BlendedDataset)) and dataset.cfg.token_budget
+        self.packer = TokenBudget(dataset, plan, dataset.cfg.max_seq_length) if budget else None
 
     def _make_iter(self) -> Iterator[Batch]:
         pad = self.dataset.special.pad
@@ -581,7 +723,7 @@ class PretrainingLoader:
             end_loader_workers_at_exit()  # the workers ignore SIGTERM: see there
         loader = DataLoader(
             self.dataset,
-            batch_sampler=_RankPositions(self.plan, self.rank, self.consumed_samples),
+            batch_sampler=_RankPositions(self.plan, self.rank, self.consumed_samples, self.packer),
             collate_fn=lambda samples: collate(samples, pad),
             num_workers=self.num_workers,
             pin_memory=self.pin_memory,
@@ -602,8 +744,17 @@ class PretrainingLoader:
             batches = [next(self._iter) for _ in range(self.plan.grad_accum)]
         except ShardError as e:
             raise ShardError(_worker_message(e)) from None
-        self.consumed_samples += self.plan.global_batch_size
+        if self.packer is None:
+            self.consumed_samples += self.plan.global_batch_size
+        else:
+            self.consumed_samples = self.packer.end(self.consumed_samples)
         return batches
+
+    def step_positions(self, step_start: int) -> list[list[int]]:
+        """This rank's stream positions, per micro-batch, in the step that starts at ``step_start``."""
+        if self.packer is None:
+            return step_positions(self.plan, self.rank, step_start)
+        return self.packer.rank_positions(step_start, self.rank)
 
     def state_dict(self) -> dict[str, int]:
         return {"consumed_samples": self.consumed_samples, "seed": self.dataset.seed,
@@ -645,5 +796,5 @@ def validation_batches(dataset: PretrainingDataset, samples: int, micro_batch: i
         yield collate([dataset[p % dataset.num_samples] for p in range(lo, lo + micro_batch)], pad)
 
 
-__all__ = ["IGNORE_INDEX", "Batch", "step_positions", "BlendedDataset", "open_pretraining_data", "PretrainingDataset",
+__all__ = ["IGNORE_INDEX", "Batch", "step_positions", "BlendedDataset", "TokenBudget", "open_pretraining_data", "PretrainingDataset",
            "PretrainingLoader", "SpecialTokens", "collate", "to_device", "validation_batches"]

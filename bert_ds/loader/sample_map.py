@@ -1,4 +1,5 @@
-"""The sample map: BERT's chunking of documents into samples, built once per dataset.
+"""The sample map: BERT's chunking of documents into samples (or whole documents' pieces), built
+once per dataset.
 
 Chunking rules (BERT's ``create_instances_from_document``):
 - Every document is cut into consecutive chunks of whole sentences; no chunk crosses a
@@ -44,6 +45,16 @@ stops at the sentence that reaches its target, so a count is at most ``max_num_t
 base is <= ``first``; the target is the hash of (seed, shard, sentence); rows are in corpus
 order, so a document's chunks are consecutive. The document itself is needed only by NSP's
 draw of *another* document, which tests the drawn document's sentence range instead.
+
+The documents layout (``DataConfig.layout = "documents"``, :func:`build_document_map`): a sample
+is one document's tokens, ``[CLS] tokens [SEP]`` at load time; a document longer than
+``max_num_tokens`` (the sequence length minus 2) is cut into consecutive pieces of exactly that
+many tokens and a last, shorter one; sentences play no part, so neither does the seed. A row is
+``start << COUNT_BITS | tokens``: ``start`` the piece's first token in the corpus-wide numbering
+(shard s's token j is ``token_base[s] + j``), ``tokens`` its length (< 2^16). A row alone says
+where a sample's tokens are and how long it is, so a draw reads no sentence index, and packing
+micro-batches to a token budget reads one row per sample. Cached beside the BERT maps under a
+key of the shards, the piece length, the split and the held-out share.
 """
 
 from __future__ import annotations
@@ -73,6 +84,8 @@ COUNT_MASK = (1 << COUNT_BITS) - 1
 MAP_DTYPE = np.dtype("<u8")
 _MAX_SENTENCES = 1 << (64 - COUNT_BITS)  # corpus-wide sentence numbers must fit the high bits
 _MAP_VERSION = 5  # 5: one packed uint64 per sample, read with pread
+_DOCUMENT_MAP_VERSION = 1  # the documents layout's map
+_MAX_TOKENS = 1 << (64 - COUNT_BITS)  # corpus-wide token numbers of the documents layout must fit the high bits
 _INDEX_VERSION = 4  # the sentence index's own format (unchanged by map versions 4 -> 5)
 _TARGET_STREAM = 0x5EED  # keeps the target draws apart from every other generator of a seed
 _BUILD_BLOCK = 1 << 16  # documents per vectorised build step: bounds the build's temporary memory
@@ -217,6 +230,53 @@ def _walk_document(offsets: np.ndarray, shard: int, lo: int, hi: int,
     first = np.array(firsts, dtype=np.int64)
     end = np.searchsorted(offsets[1:], offsets[first] + targets.many(shard, first), side="left") + 1
     return first, np.minimum(end, hi)
+
+
+def build_document_map(readers: Sequence[ShardReader], max_num_tokens: int, split: Split = "all",
+                       held_out: float = 0.0) -> np.ndarray:
+    """The (N,) uint64 map of the documents layout for ``readers`` (see the module docstring)."""
+    empty = [np.zeros(0, dtype=MAP_DTYPE)]
+    return np.concatenate(empty + list(_document_parts(readers, max_num_tokens, split, held_out)))
+
+
+def _document_parts(readers: Sequence[ShardReader], max_num_tokens: int, split: Split,
+                    held_out: float) -> Iterator[np.ndarray]:
+    """The documents layout's map as consecutive row blocks; one shard's index held at a time."""
+    if not 1 <= max_num_tokens <= COUNT_MASK:
+        raise ValueError(f"a piece of {max_num_tokens} tokens does not fit the map's {COUNT_BITS}-bit length")
+    if sum(r.num_tokens for r in readers) >= _MAX_TOKENS:
+        raise ShardError(f"{len(readers)} shards hold more than 2^{64 - COUNT_BITS} tokens: too many for the map")
+    starts = bases([r.num_tokens for r in readers])
+    for s, reader in enumerate(readers):
+        docs = np.flatnonzero(kept_documents(s, reader.num_docs, split, held_out))
+        index = reader.read_index() if len(docs) else None
+        for lo in range(0, len(docs), _BUILD_BLOCK):
+            block = docs[lo: lo + _BUILD_BLOCK]
+            first, end = index.offsets[index.bounds[block]], index.offsets[index.bounds[block + 1]]
+            pieces = -(-(end - first) // max_num_tokens)  # every kept document holds a token
+            doc = np.repeat(np.arange(len(block)), pieces)
+            k = np.arange(len(doc)) - np.repeat(np.cumsum(pieces) - pieces, pieces)  # piece number in its document
+            start = first[doc] + k * max_num_tokens
+            length = np.minimum(end[doc] - start, max_num_tokens)
+            yield ((start + starts[s]).astype(MAP_DTYPE) << np.uint64(COUNT_BITS)) | length.astype(MAP_DTYPE)
+        del index  # before the next shard's is read
+
+
+def open_document_map(data: Path, readers: Sequence[ShardReader], max_num_tokens: int, split: Split = "all",
+                      held_out: float = 0.0) -> Cached:
+    """The documents layout's map of the corpus of ``readers``, cached as :func:`open_sample_map`'s."""
+    src = json.dumps([_DOCUMENT_MAP_VERSION, "documents", [r.fingerprint for r in readers], max_num_tokens, split,
+                      held_out], sort_keys=True)
+    key = hashlib.sha256(src.encode()).hexdigest()[:24]
+
+    def build() -> Iterator[np.ndarray]:
+        t0, rows = time.perf_counter(), 0
+        for part in _document_parts(readers, max_num_tokens, split, held_out):
+            rows += len(part)
+            yield part
+        log.info("document map built: %d samples in %.2f s (pid %d)", rows, time.perf_counter() - t0, os.getpid())
+
+    return cached_array(data, f"pieces-{key}.npy", MAP_DTYPE, build)
 
 
 # -- the cache: one build per dataset, read by every process --------------------------------------

@@ -112,6 +112,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--micro-batch-size", type=int, default=t.micro_batch_size, help="sequences per forward pass per rank")
     p.add_argument("--seq-len", type=int, default=d.max_seq_length, help="maximum tokens per sample")
     p.add_argument("--pair-task", default=d.pair_task, choices=["nsp", "sop", "none"], help="sentence-pair task")
+    p.add_argument("--layout", default=d.layout, choices=["sentences", "documents"],
+                   help="samples of whole sentences (BERT's: pairs, short targets) or [CLS] document [SEP], a long "
+                        "document cut into consecutive pieces of --seq-len - 2 tokens; documents needs --pair-task none")
+    p.add_argument("--token-budget", action=argparse.BooleanOptionalAction, default=d.token_budget,
+                   help="fill each micro-batch with samples up to --micro-batch-size x --seq-len tokens, in stream "
+                        "order (a variable number of sequences; --layout documents)")
     p.add_argument("--mask-rate", type=float, default=d.mask_rate, help="share of tokens predicted by the MLM head")
     p.add_argument("--num-workers", type=int, default=d.num_workers, help="loader processes per rank")
     p.add_argument("--val-samples", type=int, default=d.val_samples, help="held-out samples per validation pass")
@@ -204,6 +210,7 @@ def config_from_args(args: argparse.Namespace, vocab_size: int, saved_model: dic
     model = model_from_args(args, vocab_size, saved_model, init)
     data = DataConfig(train=args.data, weights=args.data_weights, val=args.val_data, held_out=args.held_out,
                       whole_word_mask=args.whole_word_mask, max_seq_length=args.seq_len, pair_task=args.pair_task,
+                      layout=args.layout, token_budget=args.token_budget,
                       mask_rate=args.mask_rate, num_workers=args.num_workers, val_samples=args.val_samples)
     optim = OptimConfig(name=args.optimizer, lamb_variant=args.lamb_variant, lr=args.lr, weight_decay=args.weight_decay,
                         warmup_steps=args.warmup_steps, decay=args.decay, grad_clip=args.grad_clip)

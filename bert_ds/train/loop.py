@@ -19,7 +19,7 @@ from bert_ds.checkpoint import store as checkpoint
 from bert_ds.base.errors import ConfigError
 from bert_ds.config import (BatchPlan, TrainConfig, deepspeed_config, engine_json, precision_of, runs_bf16_copy,
                              step_owns_gradients)
-from bert_ds.loader.pretraining import PretrainingDataset, PretrainingLoader, open_pretraining_data, step_positions
+from bert_ds.loader.pretraining import PretrainingDataset, PretrainingLoader, open_pretraining_data
 from bert_ds.model.families import PretrainingModel, build_model
 from bert_ds.model.flops import datasheet_peak_tflops, training_flops
 from bert_ds.optim.builders import bind_to_engine, build_optimizer, build_schedule
@@ -63,7 +63,7 @@ def run(cfg: TrainConfig, resume: bool, rank: int, world: int, device: torch.dev
     train_step = TrainStep(engine, start.optimizer, loader, device, rank, stop,
                            fp16=start.precision == "fp16", faults=options.faults, grad_clip=cfg.optim.grad_clip,
                            owns_gradients=step_owns_gradients(start.ds_cfg), runner=start.runner)
-    step_log = _StepLog(log, progress, cfg, start.plan, rank, world, device, options.log_samples)
+    step_log = _StepLog(log, progress, cfg, loader, rank, world, device, options.log_samples)
     validation = _Validation(start.runner, start.val_set, cfg, rank, world, device, stop, log, progress)
     profiler = StepProfiler(options.profile, Path(cfg.output), device, rank)
     launched = state.step  # the newest step whose work is queued; state.step: the newest one read
@@ -248,9 +248,9 @@ class _StepLog:
     """Each step's record (metrics.jsonl, TensorBoard, progress bar), the --log-samples line,
     a note on a bad step, and the summary's running figures."""
 
-    def __init__(self, log: MetricsLogger, progress: Progress, cfg: TrainConfig, plan: BatchPlan, rank: int,
+    def __init__(self, log: MetricsLogger, progress: Progress, cfg: TrainConfig, loader: PretrainingLoader, rank: int,
                  world: int, device: torch.device, log_samples: str | None):
-        self.log, self.progress, self.cfg, self.plan = log, progress, cfg, plan
+        self.log, self.progress, self.cfg, self.loader = log, progress, cfg, loader
         self.rank, self.world, self.device = rank, world, device
         self.peak = datasheet_peak_tflops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
         self.samples = SampleLog(Path(log_samples)) if log_samples else None
@@ -282,7 +282,7 @@ class _StepLog:
             record["max_memory_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         self.log.log_step(record)
         if self.samples is not None:
-            self.samples.write(state.step, self.rank, step_positions(self.plan, self.rank, result.first_position))
+            self.samples.write(state.step, self.rank, self.loader.step_positions(result.first_position))
         if result.outcome.bad:
             self.log.print(f"step {state.step}: non-finite loss or gradient, update skipped "
                            f"({state.bad_streak} in a row, {state.skipped_steps} skipped in all)")

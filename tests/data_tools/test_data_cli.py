@@ -52,7 +52,7 @@ def test_missing_input_file(tmp_path, capsys):
 def test_neither_or_both_vocab_options(dataset, tmp_path, capsys, vocab_args):
     args = [a.replace("VOCAB", str(dataset / "vocab.txt")) for a in vocab_args]
     msg = _one_line_error(capsys, ["build", "--input", str(dataset / "in.txt"), "--output", str(tmp_path / "o")] + args)
-    assert "exactly one of --vocab FILE or --train-vocab SIZE" in msg
+    assert "exactly one of --vocab FILE, --train-vocab SIZE or --tokenizer PATH" in msg
 
 
 def test_vocabulary_without_special_tokens(dataset, tmp_path, capsys):
