@@ -1,10 +1,13 @@
 """FLOPs accounting shared by every throughput and MFU figure bert-ds prints.
 
 Per real (non-pad) token, forward, for L layers, hidden H, vocabulary V:
-- encoder matmuls: ``24 L H^2`` (QKV 6H^2, attention output 2H^2, FFN 16H^2 with FFN = 4H;
-  in general ``L (8 H^2 + 4 H F)`` for FFN width F);
-- attention scores and values: ``4 L S_eff H`` with S_eff the token's own sequence
-  length (unpadded), so a batch contributes ``4 L H sum_i len_i^2``;
+- encoder matmuls: ``L (8 H^2 + m H F)`` for FFN width F: QKV 6H^2 and the attention output
+  2H^2, then BERT's FFN ``4 H F`` (= 16H^2 at F = 4H: ``24 L H^2`` in all) or a GeGLU's ``6 H F``
+  (its input projection makes 2F: input and gate);
+- attention scores and values: ``4 H`` per (query, key) pair a layer computes: ``4 L H sum_i
+  len_i^2`` for global layers over unpadded sequences; a local layer of window +-w computes
+  only the pairs within its window, ``len (2w + 1) - w (w + 1)`` per sequence longer than
+  ``w + 1`` (:func:`local_pairs`), and these are counted as done;
 - the MLM head on masked tokens only: ``2 H^2 + 2 H V`` per masked token;
 - training = 3 x forward. Embedding lookups, the pooler and NSP head are ignored.
 """
@@ -13,7 +16,7 @@ from __future__ import annotations
 
 import re
 
-from bert_ds.model.config import ModelConfig
+from bert_ds.model.config import AnyModelConfig, ModernBertConfig
 
 # Dense bf16 peak of the device's datasheet, TFLOP/s, for MFU against a public figure, by the
 # name CUDA reports, most specific first: the H100 and H200 come as SXM boards (989), as PCIe
@@ -33,17 +36,33 @@ DATASHEET_PEAKS: tuple[tuple[str, float], ...] = (
 DATASHEET_BF16_TFLOPS = {"A100": 312.0, "H100": 989.0, "H200": 989.0}
 
 
-def training_flops(cfg: ModelConfig, tokens: int, sum_sq_lengths: int, masked_tokens: int) -> float:
+def training_flops(cfg: AnyModelConfig, tokens: int, sum_sq_lengths: int, masked_tokens: int,
+                   local_pairs: int = 0) -> float:
     """FLOPs of one training pass over a batch.
 
-    ``tokens`` real tokens, ``sum_sq_lengths`` the sum over sequences of length^2,
-    ``masked_tokens`` MLM targets.
+    ``tokens`` real tokens, ``sum_sq_lengths`` the sum over sequences of length^2 (the global
+    layers' pairs), ``masked_tokens`` MLM targets, ``local_pairs`` the local layers' pairs
+    (:func:`local_pairs` summed over the sequences; 0 for a model without local layers).
     """
     h, f, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
-    matmuls = layers * (8 * h * h + 4 * h * f) * tokens
-    attention = 4 * layers * h * sum_sq_lengths
+    if isinstance(cfg, ModernBertConfig):
+        ffn, global_layers = 6 * h * f, sum(cfg.is_global(i) for i in range(layers))
+    else:
+        ffn, global_layers = 4 * h * f, layers
+    matmuls = layers * (8 * h * h + ffn) * tokens
+    attention = 4 * h * (global_layers * sum_sq_lengths + (layers - global_layers) * local_pairs)
     mlm = (2 * h * h + 2 * h * cfg.vocab_size) * masked_tokens
     return 3.0 * (matmuls + attention + mlm)
+
+
+def local_pairs(lengths, window: int):
+    """The (query, key) pairs within +-``window`` of one another in sequences of ``lengths`` (a
+    tensor, elementwise): all ``len^2`` where the window spans the sequence, else ``len (2w + 1)``
+    less the ``w (w + 1)`` the two ends lack."""
+    import torch
+
+    return torch.where(lengths <= window + 1, lengths * lengths,
+                       lengths * (2 * window + 1) - window * (window + 1))
 
 
 def datasheet_peak_tflops(device_name: str) -> float | None:

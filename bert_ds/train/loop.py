@@ -276,7 +276,8 @@ class _StepLog:
         }
         peak_s = None  # the step's work in seconds of the devices' datasheet peak
         if self.peak is not None:
-            flops = training_flops(self.cfg.model, int(s["tokens"]), int(s["sum_sq_len"]), int(s["mlm_count"]))
+            flops = training_flops(self.cfg.model, int(s["tokens"]), int(s["sum_sq_len"]), int(s["mlm_count"]),
+                                   int(s["local_pairs"]))
             peak_s = flops / (self.peak * 1e12 * self.world)
             record["mfu"], record["mfu_device"] = peak_s / wall_s, peak_s / step_s
             record["max_memory_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30

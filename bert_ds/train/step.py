@@ -41,6 +41,7 @@ from bert_ds import zero
 from bert_ds.base.errors import BadStepsError
 from bert_ds.loader.pretraining import Batch, PretrainingLoader, to_device
 from bert_ds.model.bert import pretraining_inputs
+from bert_ds.model.flops import local_pairs
 from bert_ds.optim import device_skip
 from bert_ds.train.bf16_copy import Bf16Copy, EngineRunner
 from bert_ds.train.faults import Faults
@@ -65,20 +66,22 @@ class RunState:
 # gradient (ZeRO-0: checked here; ZeRO-1/2: DeepSpeed checks) skips the update, and a
 # stop signal on any rank stops the run after this step.
 STATS = ("loss_sum", "micro_batches", "mlm_correct", "mlm_count", "nsp_correct", "nsp_count", "tokens",
-         "sum_sq_len", "grad_sq", "nonfinite_loss", "nonfinite_grad", "stop")
+         "sum_sq_len", "local_pairs", "grad_sq", "nonfinite_loss", "nonfinite_grad", "stop")
 AT = {name: i for i, name in enumerate(STATS)}
 
 
-def batch_stats(out, batch: Batch, loss: torch.Tensor) -> torch.Tensor:
+def batch_stats(out, batch: Batch, loss: torch.Tensor, window: int = 0) -> torch.Tensor:
     """The STATS of one micro-batch, on the batch's device, made of device values only: a
     Python number turned into a device tensor is a copy from host memory, which on a GPU
     waits for everything queued before it. The step-wide entries (``grad_sq``,
-    ``nonfinite_grad``, ``stop``) are zero here; :class:`TrainStep` fills them."""
+    ``nonfinite_grad``, ``stop``) are zero here; :class:`TrainStep` fills them. ``window``: the
+    model's local layers' (``OpShapes.window``; 0: none), for their attention pairs (FLOPs)."""
     lengths = batch["attention_mask"].sum(dim=1, dtype=torch.float64)
     loss = loss.detach().double()
     zero = torch.zeros((), dtype=torch.float64, device=loss.device)  # filled on the device: no copy
     nsp = (out.nsp_correct, out.nsp_count) if out.nsp_count is not None else (zero, zero)  # --pair-task none
-    parts = [loss, zero + 1, out.mlm_correct, out.mlm_count, *nsp, lengths.sum(), (lengths ** 2).sum(), zero,
+    pairs = local_pairs(lengths, window).sum() if window else zero
+    parts = [loss, zero + 1, out.mlm_correct, out.mlm_count, *nsp, lengths.sum(), (lengths ** 2).sum(), pairs, zero,
              (~torch.isfinite(loss)).double(), zero, zero]
     return torch.stack([x.double() for x in parts])
 
@@ -223,6 +226,7 @@ class TrainStep:
                  owns_gradients: bool = False, runner: EngineRunner | Bf16Copy | None = None):
         self.engine, self.optimizer, self.loader = engine, optimizer, loader
         self.runner = runner if runner is not None else EngineRunner(engine)
+        self.window = engine.module.op_shapes.window  # the local layers' (0: none), for their FLOPs
         self.device, self.rank, self.stop, self.fp16, self.faults = device, rank, stop, fp16, faults
         # Where the step owns the gradients (ZeRO-0 in fp32; ZeRO-1/2 with DeepSpeed's checks off:
         # bert_ds.config.step_owns_gradients) it checks, measures and clips them, and skips a
@@ -300,7 +304,7 @@ class TrainStep:
             with stage("backward"):
                 self.runner.backward(loss)
             with stage("batch_stats"):
-                stats += batch_stats(out, batch, loss)
+                stats += batch_stats(out, batch, loss, self.window)
             if i + 1 < len(batches):
                 with stage("micro_step"):
                     self.engine.step()  # inside the accumulation window DeepSpeed only counts micro-steps

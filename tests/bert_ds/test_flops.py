@@ -21,3 +21,34 @@ from bert_ds.model.flops import datasheet_peak_tflops
 ])
 def test_each_device_gets_its_own_datasheet_peak(name, peak):
     assert datasheet_peak_tflops(name) == peak
+
+
+def test_a_local_layer_counts_the_pairs_within_its_window():
+    """Against a count of the pairs, pair by pair: sequences shorter than, as long as and longer
+    than the window."""
+    import torch
+
+    from bert_ds.model.flops import local_pairs
+
+    window = 3
+    for n in (1, 3, 4, 5, 7, 40):
+        brute = sum(1 for i in range(n) for j in range(n) if abs(i - j) <= window)
+        assert int(local_pairs(torch.tensor([n]), window)) == brute, n
+
+
+def test_the_matmul_flops_are_the_models_linear_layers():
+    """2 FLOPs per weight per token through each Linear of a layer, from the modules themselves:
+    BERT's four projections and its FFN, ModernBERT's Wqkv, Wo and GeGLU (whose Wi makes 2F)."""
+    import torch
+
+    from bert_ds.model.config import model_preset
+    from bert_ds.model.families import meta_model
+    from bert_ds.model.flops import training_flops
+
+    for preset in ("mini", "modernbert-base"):
+        config = model_preset(preset, 1000, kernels="torch")
+        model = meta_model(config)
+        layers = model.bert.encoder.layer if preset == "mini" else model.model.layers
+        linear = sum(m.weight.numel() for layer in layers for m in layer.modules() if isinstance(m, torch.nn.Linear))
+        # one token, no attention pairs, nothing masked: the encoder's matmuls alone, 3 x forward
+        assert training_flops(config, 1, 0, 0) == 3.0 * 2 * linear, preset
