@@ -135,8 +135,10 @@ class PretrainingDataset(Dataset):
         self._token_dtype = np.dtype(self.manifest.token_dtype)
         self.vocab_size = self.manifest.vocab_size
         self.special = SpecialTokens(**self.manifest.special_tokens)
-        # Random replacements skip these ids (a --tokenizer's); None: BERT's [first_regular, V) (module docstring)
-        self._skipped = sorted(set(self.manifest.special_tokens.values())) if given_tokenizer(self.manifest) else None
+        # Random replacements skip the special ids (a --tokenizer's; module docstring): a draw x from
+        # [0, V - k) becomes x + #{i: s_i - i <= x} for the k sorted ids s_i. None: BERT's [first_regular, V).
+        special = sorted(set(self.manifest.special_tokens.values()))
+        self._skipped = np.array(special) - np.arange(len(special)) if given_tokenizer(self.manifest) else None
         if cfg.whole_word_mask and not (self.folders[0] / "vocab.txt").is_file():
             raise ShardError(f"{self.path}: whole_word_mask (--whole-word-mask) needs a WordPiece vocabulary "
                              "(vocab.txt, ## continuations); this dataset was built with --tokenizer")
@@ -383,9 +385,7 @@ class PretrainingDataset(Dataset):
         if self._skipped is None:
             return rng.integers(self.special.first_regular, self.vocab_size, size=n)
         drawn = rng.integers(0, self.vocab_size - len(self._skipped), size=n)
-        for s in self._skipped:  # ascending: past each special id at or below the draw
-            drawn += drawn >= s
-        return drawn
+        return drawn + self._skipped.searchsorted(drawn, side="right")
 
     def _whole_words(self, rng, ids: np.ndarray, candidates: np.ndarray, budget: int) -> np.ndarray:
         # A word starts at a non-continuation piece, or right after [CLS]/[SEP] (a segment
