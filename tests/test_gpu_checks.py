@@ -1,9 +1,11 @@
 """benchmarks/gpu_checks.sh and its kit, rehearsed on this CPU machine.
 
-A lent GPU comes to one session in twenty, for 30 minutes: everything its run needs must
-already work. ``gpu_checks.sh --rehearse`` runs every step here (the same script, steps,
-result files and summary, at tiny shapes), and ``gpu_kit.sh`` builds the wheels the GPU
-machine lacks; a broken step, flag, writer or budget fails here.
+A lent GPU comes to a session now and then, for 15 minutes in all and 10 a command: the
+checks run as two calls of at most 6 minutes each, and everything they need must already
+work. ``gpu_checks.sh --rehearse`` runs every step of both calls here (the same script,
+steps, result files and summary, at tiny shapes), ``--plan`` says what each call holds and
+budgets, and ``gpu_kit.sh`` builds the wheels the GPU machine lacks; a broken step, flag,
+writer or budget fails here.
 """
 
 import json
@@ -20,14 +22,18 @@ from tests.conftest import REPO
 
 SCRIPT = REPO / "benchmarks" / "gpu_checks.sh"
 KIT_SCRIPT = REPO / "benchmarks" / "gpu_kit.sh"
-STEPS = ("kernels_build", "kernels_inspect", "test_cuda_ops", "kernels_bench", "bench", "profile", "main_job",
-         "train_base", "train_base512", "engine_sweep", "summary")
+DATA_SCRIPT = REPO / "benchmarks" / "base_data.sh"
+RECIPES = REPO / "benchmarks" / "recipes"
+CALL_1 = ("kernels_build", "test_cuda_ops", "train_data", "train_base", "two_phase", "train_base512")
+CALL_2 = ("engine_sweep", "bench", "kernels_bench", "profile", "kernels_inspect")
+CALL_S = 360  # the device tool's 10 minutes a command, two calls in a 15-minute lease with its start
+ENGINE_FILES = ("summary.json", "metrics.jsonl", "kernels.json")
 RESULT_FILES = ("steps.txt", "SUMMARY.md", "kernels_bench.json", "bench.json", "bench.md", "profile.json",
-                "profile.md", "train_base_summary.json", "train_base_metrics.jsonl", "train_base_profile.json",
-                "train_base_profile.md", "train_base512_summary.json", "train_base512_profile.json",
+                "profile.md", *(f"{run}_{name}" for run in ("train_base", "train_base512") for name in
+                                (*ENGINE_FILES, "profile.json", "profile.md")),
+                *(f"two_phase_{phase}_{name}" for phase in ("phase1", "phase2") for name in ENGINE_FILES),
                 "engine_sweep/engine_sweep.md", "engine_sweep/compiled/rank0.json",
-                "engine_sweep/compiled/summary.json",
-                *(f"{step}.log" for step in STEPS))
+                "engine_sweep/compiled/summary.json", *(f"{step}.log" for step in (*CALL_1, *CALL_2, "summary")))
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -37,7 +43,8 @@ def _env(**extra: str) -> dict[str, str]:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible: the script would run every check")
 def test_without_a_gpu_the_script_refuses_in_one_line(tmp_path):
     out = tmp_path / "results"
-    proc = subprocess.run(["bash", str(SCRIPT), str(out)], capture_output=True, text=True, timeout=120, env=_env())
+    proc = subprocess.run(["bash", str(SCRIPT), "--call", "1", str(out)], capture_output=True, text=True,
+                          timeout=120, env=_env())
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [f"gpu_checks.sh: no CUDA device is visible to {sys.executable}"]
     assert not out.exists()
@@ -72,16 +79,59 @@ def test_a_python_without_torch_stops_at_once_saying_what_to_do(tmp_path):
         "or set PYTHON to a Python with torch"]
 
 
-def test_an_unknown_option_is_refused_in_one_line(tmp_path):
-    proc = subprocess.run(["bash", str(SCRIPT), "--rehears", str(tmp_path)], capture_output=True, text=True,
+@pytest.mark.parametrize("args, said", [
+    (["--rehears"], "unknown option --rehears"),
+    (["--call", "3"], "--call takes 1 or 2, not '3'"),
+    (["--call", "all"], "--call takes 1 or 2, not 'all'"),
+])
+def test_an_unknown_option_or_call_is_refused_in_one_line(tmp_path, args, said):
+    proc = subprocess.run(["bash", str(SCRIPT), *args, str(tmp_path / "out")], capture_output=True, text=True,
                           timeout=60, env=_env())
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
-        "gpu_checks.sh: unknown option --rehears (usage: gpu_checks.sh [--rehearse] [OUT_DIR])"]
+        f"gpu_checks.sh: {said} (usage: gpu_checks.sh [--rehearse] [--call 1|2] [--plan] [OUT_DIR])"]
+    assert not (tmp_path / "out").exists()
 
 
 def test_the_scripts_parse():
-    for script in (SCRIPT, KIT_SCRIPT):
+    for script in (SCRIPT, KIT_SCRIPT, DATA_SCRIPT):
         assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+
+
+def _plan() -> list[tuple[str, str, int]]:
+    proc = subprocess.run(["bash", str(SCRIPT), "--plan"], capture_output=True, text=True, timeout=30,
+                          env=_env(PYTHON="/nonexistent/python"))  # the plan needs no Python
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "call step budget_s"
+    return [(call, step, int(budget)) for call, step, budget in (line.split() for line in lines[1:])]
+
+
+def test_the_plan_is_two_calls_of_six_minutes_and_the_header_says_the_same():
+    plan = _plan()
+    for call, steps in (("1", CALL_1), ("2", CALL_2)):
+        rows = [(step, budget) for c, step, budget in plan if c == call and not step.startswith("(")]
+        assert [step for step, _ in rows] == [*steps, "summary"]  # what matters most first; the summary last
+        startup = next(budget for c, step, budget in plan if c == call and step == "(start-up)")
+        total = startup + sum(budget for _, budget in rows)
+        assert total <= CALL_S and (call, "(total)", total) in plan, (call, total)
+    assert [(c, step) for c, step, _ in plan if c not in ("1", "2")] == [("-", "main_job")]
+    header = SCRIPT.read_text().split("\nset -u")[0]
+    for _, step, budget in plan:  # each step's row in the header's table, with its budget
+        if not step.startswith("("):
+            assert re.search(rf"^#   {step} .*\b{budget} s\b", header, re.MULTILINE), (step, budget)
+
+
+def test_the_two_phase_check_recipes_go_from_seq_128_to_512_at_base_and_tiny_shapes():
+    from bert_ds.train.phases import PhasePlan
+
+    for name, preset, micro in (("base_two_phase_check.json", "base", (512, 128)),
+                                ("tiny_two_phase_check.json", "tiny", (8, 2))):
+        plan = PhasePlan.load(RECIPES / name)
+        configs = plan.train_configs(30522)
+        assert plan.model["preset"] == preset and [p.name for p in plan.phases] == ["phase1", "phase2"]
+        assert [c.data.max_seq_length for c in configs] == [128, 512]
+        assert tuple(c.micro_batch_size for c in configs) == micro and all(c.steps <= 4 for c in configs)
+        assert plan.first_dataset() == Path("runs/gpu_checks/data30522")  # base_data.sh's, in the default WORK
 
 
 @pytest.fixture
@@ -104,36 +154,92 @@ def kit(tmp_path_factory) -> Path:
     return folder
 
 
-@pytest.mark.long
-def test_the_rehearsal_runs_every_step_and_writes_every_result(kit, tmp_path):
-    out = tmp_path / "rehearsal"
-    proc = subprocess.run(["bash", str(SCRIPT), "--rehearse", str(out)], capture_output=True, text=True,
-                          timeout=1200, cwd=REPO, env=_env(KIT=str(kit)))
+def _steps(out: Path) -> dict[str, list[str]]:
+    """steps.txt by step: [rc, seconds, budget, call, why...]."""
+    return {fields[0]: fields[1:] for fields in
+            (line.split(maxsplit=5) for line in (out / "steps.txt").read_text().splitlines())}
+
+
+def _call(out: Path, call: str, kit: Path) -> str:
+    proc = subprocess.run(["bash", str(SCRIPT), "--rehearse", "--call", call, str(out)], capture_output=True,
+                          text=True, timeout=900, cwd=REPO, env=_env(KIT=str(kit)))
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-5000:]
     assert "== kit (rehearsal): " in log and "install for Python 3.12" in log
-    steps = {name: (int(rc), int(seconds), int(budget)) for name, rc, seconds, budget in
-             (line.split() for line in (out / "steps.txt").read_text().splitlines())}
-    assert list(steps) == list(STEPS)
-    assert all(rc == 0 and seconds < budget for rc, seconds, budget in steps.values()), steps
+    spent, budget = map(int, re.search(r"(\d+)s of the call's (\d+)s\)$", proc.stdout.strip()).groups())
+    assert budget == 3 * CALL_S and spent <= budget  # the rehearsal's budgets: the GPU's, tripled
+    return log
+
+
+@pytest.mark.long
+def test_the_rehearsal_runs_both_calls_and_writes_every_result(kit, tmp_path):
+    out = tmp_path / "rehearsal"
+    _call(out, "1", kit)
+    after_one = _steps(out)
+    assert [name for name, f in after_one.items() if f[0] == "0"] == [*CALL_1, "summary"]
+    assert all(after_one[name][:4] == ["-", "-", after_one[name][2], "2"] and after_one[name][4] == "not in this call"
+               for name in CALL_2)
+    listed = (out / "SUMMARY.md").read_text()
+    assert "- engine_sweep (call 2, budget 555 s): not in this call" in listed
+    assert "`bench.json` is missing: bench did not run, not in this call." in listed
+    _call(out, "2", kit)  # into the same folder: call 1's lines stay, the summary covers both
+    steps = _steps(out)
+    assert list(steps) == [*CALL_1, "main_job", *CALL_2, "summary"]
+    ran = {name: f for name, f in steps.items() if name != "main_job"}
+    assert all(f[0] == "0" and int(f[1]) < int(f[2]) for f in ran.values()), steps
+    assert {name: f[3] for name, f in ran.items()} == {**dict.fromkeys(CALL_1, "1"), **dict.fromkeys(CALL_2, "2"),
+                                                       "summary": "2"}
+    assert steps["main_job"] == ["-", "-", "360", "-", "in neither call (a run without --call runs it)"]
     missing = [name for name in RESULT_FILES if not (out / name).is_file() or (out / name).stat().st_size == 0]
     assert not missing, missing
-    for name in ("kernels_bench.json", "bench.json", "profile.json", "train_base_summary.json",
-                 "train_base_profile.json"):
-        json.loads((out / name).read_text())
+    for run, seq in (("train_base", 64), ("train_base512", 512), ("two_phase_phase1", 128), ("two_phase_phase2", 512)):
+        kernels = json.loads((out / f"{run}_kernels.json").read_text())  # each run's and phase's own record
+        assert (kernels["backend"], kernels["seq"], kernels["ops"]) == ("torch", seq, {}), run
     summary = (out / "SUMMARY.md").read_text()
-    for section in ("## Steps", "## Fused kernels", "## Training throughput", "## One step, profiled",
-                    "## The engine path a user runs", "### Steps 1-3 profiled",
-                    "## The engine path, variant by variant", "### compiled: a profiled step by stage",
+    for section in ("## Steps", "| train_base | 1 | ok |", "| engine_sweep | 2 | ok |", "Not run:",
+                    "- main_job (budget 360 s): in neither call (a run without --call runs it)",
+                    "## Fused kernels", "## kernels=auto's verdicts at seq 128 and 512",
+                    "### seq 512: `train_base512_kernels.json`", "No race: kernels=auto runs torch (no CUDA device",
+                    "- seq 512, `two_phase_phase2`: the same as `train_base512`",
+                    "## Training throughput", "## One step, profiled", "## The engine path a user runs",
+                    "### Steps 1-3 profiled", "## Host syncs of the engine's step at seq 128 and 512",
+                    "No syncs recorded by line", "## The two-phase plan in one process",
+                    "- phase2: 2 steps at seq 512, ", "## The engine path, variant by variant",
+                    "| train_base (call 1) | ", "### compiled: a profiled step by stage",
                     "## Hand-fused kernels or the layers compiled", "- engine path, micro-batch 512: ",
                     "## The shipped config's step by bucket", "- at seq 512 (`train_base512.log`): ",
                     "| stage of the step |"):
-        assert section in summary
+        assert section in summary, section
     assert "could not be summarized" not in summary and "is missing" not in summary
     build = (out / "kernels_build.log").read_text()  # compile_check's report on a kernel source
     for arch, std in (("sm_80", "c\\+\\+17"), ("sm_90", "c\\+\\+20")):
         assert re.search(rf"lamb\.cu\s+{arch} {std}\s+ok\s+2 kernels, max \d+ registers", build), (arch, build)
-    assert "| train_base | ok |" in summary
+
+
+def test_a_call_keeps_the_other_calls_lines_and_starts_no_step_past_its_budget(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    first = "kernels_build 0 55 255 1\ntrain_data 0 12 75 1\nengine_sweep - - 555 2 not in this call\nsummary 1 5 45 1\n"
+    (out / "steps.txt").write_text(first)
+    # 60 s for the call (the rehearsal triples 20), 45 of them held for the summary: no step fits
+    proc = subprocess.run(["bash", str(SCRIPT), "--rehearse", "--call", "2", str(out)], capture_output=True,
+                          text=True, timeout=120, env=_env(CALL_BUDGET_S="20", WORK=str(tmp_path / "work")))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    steps = _steps(out)
+    assert steps["kernels_build"] == ["0", "55", "255", "1"] and steps["train_data"] == ["0", "12", "75", "1"]
+    for name in CALL_2:
+        rc, seconds, budget, call, why = steps[name]
+        assert (rc, seconds, call) == ("-", "-", "2") and why.startswith(f"skipped for budget: its {budget}s did "
+                                                                         "not fit in the ")
+        assert not (out / f"{name}.log").exists()
+    assert steps["summary"][0] == "0" and steps["summary"][3] == "2"  # the summary's budget was held back for it
+    assert steps["main_job"][4] == "in neither call (a run without --call runs it)"
+    assert not (tmp_path / "work" / "data30522").exists()  # the data its steps needed was not built either
+    summary = (out / "SUMMARY.md").read_text()
+    assert "| kernels_build | 1 | ok | 55 | 255 |" in summary
+    assert re.search(r"^- engine_sweep \(call 2, budget 555 s\): skipped for budget: its 555s did not fit in the "
+                     r"-?\d+s the call had left$", summary, re.MULTILINE), summary
+    assert re.search(r"^`bench.json` is missing: bench did not run, skipped for budget: ", summary, re.MULTILINE)
 
 
 def test_the_summary_splits_the_step_by_bucket_at_both_sequence_lengths(tmp_path):
@@ -150,6 +256,101 @@ def test_the_summary_splits_the_step_by_bucket_at_both_sequence_lengths(tmp_path
     assert "| GEMM | 3.00 | 66.7% | 4.50 | 78.3% |" in lines and "| idle | 0.50 | 11.1% | 0.25 | 4.3% |" in lines
     (tmp_path / "train_base512_profile.json").unlink()
     assert "`train_base512_profile.json` is missing: its step did not write it." in step_buckets(tmp_path)
+    (tmp_path / "steps.txt").write_text("train_base512 137 240 240 1\n")
+    assert "`train_base512_profile.json` is missing: train_base512 past its budget." in step_buckets(tmp_path)
+
+
+def _race(runs: str, wall: dict[str, float], device: dict[str, float], excluded: dict[str, str]) -> dict:
+    others = {name: ms for name, ms in wall.items() if name != runs}
+    up = min(others, key=others.__getitem__) if others else None
+    return {"runs": runs, "wall_ms": wall, "device_ms": device, "excluded": excluded, "runner_up": up,
+            "margin": others[up] / wall[runs] if up else None}
+
+
+def test_the_summary_shows_each_runs_verdicts_at_seq_128_and_512(tmp_path):
+    from bert_ds.tools.gpu_summary import verdicts
+
+    at128 = {"varlen_attention": _race("fused", {"native": 1.2, "fused": 0.9}, {"native": 0.8, "fused": 0.85},
+                                       {"sdpa_cudnn": "raised RuntimeError: no kernel"}),
+             "lamb_update": _race("fused", {"fused": 0.2}, {"fused": 0.19}, {})}
+    at512 = {"varlen_attention": _race("native", {"native": 2.0, "fused": 2.5}, {"native": 1.9, "fused": 1.7}, {})}
+    for name, seq, ops in (("train_base", 128, at128), ("train_base512", 512, at512),
+                           ("two_phase_phase1", 128, at128), ("two_phase_phase2", 512, at512)):
+        (tmp_path / f"{name}_kernels.json").write_text(json.dumps(
+            {"setting": "auto", "backend": "plan", "reason": "", "seq": seq, "shapes": {}, "race_version": 3,
+             "ops": ops}))
+    lines = verdicts(tmp_path)
+    assert lines.index("### seq 128: `train_base_kernels.json`") < lines.index("### seq 512: `train_base512_kernels.json`")
+    assert ("| varlen_attention | **fused** | 1.33x over native | native 1.200 (0.800), fused 0.900 (0.850) | "
+            "sdpa_cudnn: raised RuntimeError: no kernel |") in lines
+    assert "| lamb_update | **fused** | only candidate | fused 0.200 (0.190) |  |" in lines
+    assert "| varlen_attention | **native** | 1.25x over fused | native 2.000 (1.900), fused 2.500 (1.700) |  |" in lines
+    assert "- seq 128, `two_phase_phase1`: the same as `train_base`" in lines
+    assert "- seq 512, `two_phase_phase2`: the same as `train_base512`" in lines
+    # phase 2's own race picked otherwise: its table, not the line
+    (tmp_path / "two_phase_phase2_kernels.json").write_text(json.dumps(
+        {"setting": "auto", "backend": "plan", "reason": "", "seq": 512, "shapes": {}, "race_version": 3,
+         "ops": {"varlen_attention": _race("fused", {"native": 2.0, "fused": 1.0}, {"native": 1.9, "fused": 1.0}, {})}}))
+    assert "### seq 512: `two_phase_phase2_kernels.json`" in verdicts(tmp_path)
+    (tmp_path / "train_base512_kernels.json").write_text(json.dumps(
+        {"setting": "auto", "backend": "torch", "reason": "no CUDA device to race on", "seq": 512, "shapes": {},
+         "race_version": 3, "ops": {}}))
+    (tmp_path / "train_base_kernels.json").unlink()  # an older result, or a failed step: named, not an error
+    (tmp_path / "steps.txt").write_text("train_base 1 30 50 1\n")
+    lines = verdicts(tmp_path)
+    assert "No race: kernels=auto runs torch (no CUDA device to race on)." in lines
+    assert "`train_base_kernels.json` is missing: train_base **failed** (exit 1)." in lines
+
+
+def test_the_summary_lists_the_host_syncs_at_both_sequence_lengths(tmp_path):
+    from bert_ds.tools.gpu_summary import host_syncs
+
+    syncs = {"train_base": [{"where": "deepspeed/runtime/engine.py:2251 step", "via": "bert_ds/train/step.py:90 run",
+                             "per_step": 2.0},
+                            {"where": "bert_ds/train/step.py:130 read", "via": "", "per_step": 1.0}],
+             "train_base512": [{"where": "bert_ds/train/step.py:130 read", "via": "", "per_step": 1.0}]}
+    for name, found in syncs.items():
+        (tmp_path / f"{name}_profile.json").write_text(json.dumps({"summary": {
+            "blocking_calls_per_step": {"cudaStreamSynchronize": 3.0}, "host_syncs": found}}))
+    lines = host_syncs(tmp_path)
+    assert "| host sync at | reached from | seq 128 per step | seq 512 per step |" in lines
+    assert "| `deepspeed/runtime/engine.py:2251 step` | `bert_ds/train/step.py:90 run` | 2 | 0 |" in lines
+    assert "| `bert_ds/train/step.py:130 read` |  | 1 | 1 |" in lines
+    assert "- seq 512: host calls that wait for the device, per step (torch.profiler): cudaStreamSynchronize 3" in lines
+    for name in syncs:  # a CPU run: the profiler's count, no recorder
+        (tmp_path / f"{name}_profile.json").write_text(json.dumps({"summary": {"blocking_calls_per_step": {}}}))
+    lines = host_syncs(tmp_path)
+    assert "No syncs recorded by line: the recorder (torch.cuda.set_sync_debug_mode) runs on a GPU." in lines
+    assert "- seq 128: host calls that wait for the device, per step (torch.profiler): none" in lines
+
+
+def test_every_rate_says_its_clock_and_an_older_summarys_is_the_devices(tmp_path):
+    from bert_ds.tools.engine_sweep import table
+    from bert_ds.tools.gpu_summary import engine_path
+
+    older = {"steps": 20, "tokens": 1000, "tokens_per_s": 650000.0, "mfu": 0.35}
+    both = {"steps": 20, "tokens": 1000, "tokens_per_s": 600000.0, "mfu": 0.33, "tokens_per_s_device": 640000.0,
+            "mfu_device": 0.352}
+    for name, summary in (("older", older), ("both", both)):
+        (tmp_path / "sweep" / name).mkdir(parents=True)
+        (tmp_path / "sweep" / name / "summary.json").write_text(json.dumps(summary))
+    lines = table(tmp_path / "sweep")
+    assert lines[4].startswith("| variant | real tokens/s, wall | real tokens/s, device | MFU, wall | MFU, device |")
+    assert "| both | 600,000 | 640,000 | 33.0% | 35.2% |  |  |  |  |" in lines
+    assert "| older | - | 650,000 | - | 35.0% |  |  |  |  |" in lines
+    steps = [{"step": i, "wall_time_s": 0.21, "step_time_s": 0.2} for i in range(1, 10)]
+    (tmp_path / "sweep" / "both" / "metrics.jsonl").write_text("\n".join(map(json.dumps, steps)))
+    (tmp_path / "sweep" / "older" / "metrics.jsonl").write_text(  # a record of before the wall time
+        "\n".join(json.dumps({"step": r["step"], "step_time_s": r["step_time_s"]}) for r in steps))
+    lines = table(tmp_path / "sweep")
+    assert "| both | 600,000 | 640,000 | 33.0% | 35.2% |  | 210.0 / 200.0 |  |  |" in lines
+    assert "| older | - | 650,000 | - | 35.0% |  | - / 200.0 |  |  |" in lines
+    (tmp_path / "train_base_summary.json").write_text(json.dumps(both))
+    (tmp_path / "train_base512_summary.json").write_text(json.dumps(older))
+    lines = engine_path(tmp_path)
+    assert ("- 20 steps, 1,000 real tokens: 600,000 real tokens/s (wall), MFU 33.0%; 640,000 real tokens/s "
+            "(device), MFU 35.2% (MFU against the datasheet peak)") in lines
+    assert "- at seq 512 (`train_base512.log`): 650,000 real tokens/s (device), MFU 35.0%" in lines
 
 
 def test_the_summary_says_which_fusion_is_faster(tmp_path):
@@ -163,22 +364,21 @@ def test_the_summary_says_which_fusion_is_faster(tmp_path):
         (tmp_path / "engine_sweep" / name).mkdir(parents=True)
         (tmp_path / "engine_sweep" / name / "summary.json").write_text(json.dumps({"tokens_per_s": rate}))
     lines = fusions(tmp_path)
-    assert ("- bench loop, base at seq 128: (d) compiled 360,000 real tokens/s against (a) fused 300,000: "
+    assert ("- bench loop, base at seq 128: (d) compiled 360,000 real tokens/s (wall) against (a) fused 300,000: "
             "**(d) compiled**, 1.20x") in lines
-    assert "- bench loop, base at seq 512: not both measured ((a) fused: 200000.0, (d) compiled: - real tokens/s)" in lines
-    assert ("- engine path, micro-batch 512: base-mb512 650,000 real tokens/s against compiled 500,000: "
+    assert ("- bench loop, base at seq 512: not both measured ((a) fused: 200,000, (d) compiled: - real tokens/s, "
+            "wall)") in lines
+    assert ("- engine path, micro-batch 512: base-mb512 650,000 real tokens/s (device) against compiled 500,000: "
             "**base-mb512**, 1.30x") in lines
-
-
-def test_a_run_split_over_calls_keeps_the_other_steps_lines(tmp_path):
-    out = tmp_path / "out"
-    out.mkdir()
-    (out / "steps.txt").write_text("kernels_build 0 55 240\nsummary 1 5 60\n")
-    proc = subprocess.run(["bash", str(SCRIPT), "--rehearse", str(out)], capture_output=True, text=True,
-                          timeout=120, env=_env(ONLY="summary"))
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    lines = [line.split() for line in (out / "steps.txt").read_text().splitlines()]
-    assert [line[:2] for line in lines] == [["kernels_build", "0"], ["summary", "0"]]
+    # the sweep without base-mb512 (the shipped config is call 1's train_base), both with wall times
+    (tmp_path / "engine_sweep" / "base-mb512" / "summary.json").unlink()
+    (tmp_path / "engine_sweep" / "base-mb512").rmdir()
+    (tmp_path / "train_base_summary.json").write_text(json.dumps(
+        {"tokens_per_s": 600000.0, "tokens_per_s_device": 640000.0}))
+    (tmp_path / "engine_sweep" / "compiled" / "summary.json").write_text(json.dumps(
+        {"tokens_per_s": 660000.0, "tokens_per_s_device": 630000.0}))
+    assert ("- engine path, micro-batch 512: compiled 660,000 real tokens/s (wall) against train_base 600,000: "
+            "**compiled**, 1.10x") in fusions(tmp_path)
 
 
 def test_peak_gpu_memory_reaches_the_summary_and_the_sweep_table(tmp_path):
@@ -188,12 +388,15 @@ def test_peak_gpu_memory_reaches_the_summary_and_the_sweep_table(tmp_path):
 
     progress = Progress()
     for gb in (3.5, 7.25, 6.0):  # the largest of the steps' records, not the last
-        progress.add_step({"loss": 1.0, "tokens_per_s": 100.0, "mfu": 0.3, "max_memory_gb": gb})
+        progress.add_step({"loss": 1.0, "wall_time_s": 1.0, "step_time_s": 0.9, "max_memory_gb": gb}, 100.0, 0.3)
     summary = progress.summary(RunState(step=3, tokens=300), tmp_path / "ckpt", 0.0)
     assert summary["max_memory_gb"] == 7.25
     cpu = Progress()
-    cpu.add_step({"loss": 1.0, "tokens_per_s": 100.0})
+    cpu.add_step({"loss": 1.0, "wall_time_s": 1.0, "step_time_s": 1.0}, 100.0, None)
     assert cpu.summary(RunState(step=1), tmp_path, 0.0)["max_memory_gb"] is None
     (tmp_path / "sweep" / "base-mb512").mkdir(parents=True)
     (tmp_path / "sweep" / "base-mb512" / "summary.json").write_text(json.dumps(summary))
-    assert "| base-mb512 | 100 | 30.0% | 7.2 |  |  |  |" in table(tmp_path / "sweep")
+    lines = table(tmp_path / "sweep")
+    heads = [cell.strip() for cell in lines[4].strip("|").split("|")]
+    row = next([cell.strip() for cell in line.strip("|").split("|")] for line in lines if line.startswith("| base-mb512 "))
+    assert row[heads.index("peak memory GiB")] == "7.2"
