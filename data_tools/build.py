@@ -43,6 +43,10 @@ Design choices:
   parent's own rules and the one vocabulary all parts share are :mod:`bert_ds.data_tools.parent`'s.
   A part's manifest records ``build["partition"]`` and lists as sources only what it read;
   its plan key covers its share. An empty share is a dataset of no shards, not an error.
+* The tokenizer: a WordPiece vocabulary trained or loaded (:mod:`bert_ds.data_tools.tokenizer`),
+  whose sentences are encoded one by one as BERT's are, or any fast tokenizer given with
+  ``--tokenizer`` (:mod:`bert_ds.data_tools.fast_tokenizer`), whose lines are encoded with their
+  whitespace (``_Tokenize._as_text``): a byte-level BPE's tokens carry it.
 * Errors: bad input raises :class:`UserError` (one line, exit 2); a failing write
   (disk full) becomes a UserError naming the folder, after the shard writer has
   removed its temporary files.

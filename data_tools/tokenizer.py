@@ -6,7 +6,8 @@ A dataset folder holds its tokenizer in Hugging Face form, made by
 ``special_tokens_map.json`` (transformers 5 writes neither vocab.txt nor the special
 tokens map, so we write both). The build encodes with exactly that
 ``tokenizer.json``, so ``BertTokenizerFast.from_pretrained(DIR)`` reproduces the
-shards' ids.
+shards' ids. A tokenizer given whole with ``--tokenizer`` (a BPE, any ``tokenizer.json``) is
+:mod:`bert_ds.data_tools.fast_tokenizer`'s; both give the build a :class:`TokenizerSpec`.
 
 Design choices:
 

@@ -94,6 +94,17 @@ def test_bpe_shards_decode_to_the_text_and_equal_the_whole_documents_encoding(bu
     assert (built / "tokenizer.json").read_bytes() == (bpe / "tokenizer.json").read_bytes()  # kept as it is
 
 
+def test_worker_processes_write_the_same_bytes(tmp_path, built, bpe):
+    text = _write_text(tmp_path / "in.txt", DOCUMENTS)
+    assert main(["build", "--input", str(text), "--output", str(tmp_path / "ds"), "--tokenizer", str(bpe),
+                 "--workers", "2", "--no-progress", "--shard-tokens", "40"]) == 0  # a shard a document or two
+    assert np.concatenate(_documents(tmp_path / "ds")).tolist() == np.concatenate(_documents(built)).tolist()
+    assert main(["build", "--input", str(text), "--output", str(tmp_path / "ds2"), "--tokenizer", str(bpe),
+                 "--workers", "1", "--no-progress", "--shard-tokens", "40"]) == 0
+    for f in sorted((tmp_path / "ds").iterdir()):
+        assert f.read_bytes() == (tmp_path / "ds2" / f.name).read_bytes(), f.name
+
+
 def test_split_sentences_keep_the_space_between_them(tmp_path, bpe):
     from tokenizers import Tokenizer
 
