@@ -1,2 +1,3 @@
-"""Optimizer math and the learning-rate schedule: LAMB (:mod:`.lamb`) and the builders that
-turn a recipe into an optimizer and schedule (:mod:`.builders`)."""
+"""Optimizer math and the learning-rate schedule: LAMB (:mod:`.lamb`) and StableAdamW
+(:mod:`.stable_adamw`) on the per-parameter machinery they share (:mod:`.fragments`), the
+schedule (:mod:`.schedule`), and the builders that turn a recipe into both (:mod:`.builders`)."""

@@ -1,4 +1,5 @@
-"""Train a small model with LAMB under DeepSpeed ZeRO on CPU ranks; used by test_lamb.py.
+"""Train a small model with LAMB or StableAdamW under DeepSpeed ZeRO on CPU ranks; used by
+test_lamb.py and test_stable_adamw.py.
 
 Run under torchrun (every rank)::
 
@@ -8,13 +9,15 @@ Run under torchrun (every rank)::
 A run name is ``zero{stage}-{precision}-{optimizer}[-{variant}]``: precision ``fp32`` (no bf16/fp16
 section, so results compare exactly), ``bf16``, or ``bf16acc32`` (bf16 with fp32 gradient
 accumulation: DeepSpeed's BF16_Optimizer at stage 1); optimizer ``lamb`` (bert_ds.optim.lamb.Lamb,
-bound after initialize) or ``naive`` (LambReference: one trust ratio per flat partition);
-variant ``nvidia`` (the default) or ``paper`` (see bert_ds/optim/lamb.py).
+bound after initialize) or ``naive`` (LambReference: one trust ratio per flat partition),
+``stable`` (bert_ds.optim.stable_adamw.StableAdamW, bound) or ``stablenaive``
+(StableAdamWReference: one update clipping per flat partition); LAMB's variant ``nvidia`` (the
+default) or ``paper`` (see bert_ds/optim/lamb.py).
 bf16 runs get a non-finite input on one rank at ``OVERFLOW_STEP`` so DeepSpeed's
 overflow check skips that step. All runs of one launch share one process start-up.
 
-The model, data and recipe are defined here once and imported by the test, which
-trains the single-process reference on the concatenated global batches.
+The model, data and recipe are defined here once and imported by the tests, which train the
+single-process reference on the concatenated global batches (:func:`train_single_process`).
 """
 
 from __future__ import annotations
@@ -34,6 +37,9 @@ IN, HIDDEN, OUT = 11, 29, 7  # parameter sizes 319, 29, 29, 29, 203, 7: none div
 LR, BETAS, EPS, WEIGHT_DECAY = 0.02, (0.9, 0.999), 1e-6, 0.1
 CLIP = 1.5         # the global-batch gradient norms run 1.3-1.8: some steps are clipped, some not
 OVERFLOW_STEP = 7  # bf16 runs: one rank sees inf here and the whole step is skipped
+# StableAdamW's, ModernBERT's: its update clipping acts on about a third of this model's
+# parameter-steps (rms up to 1.4), so one clipping per partition would show
+STABLE_BETAS = (0.9, 0.98)
 
 
 def build_model() -> nn.Module:
@@ -46,6 +52,42 @@ def param_groups(model: nn.Module) -> list[dict]:
     params = list(model.parameters())
     return [{"params": [p for p in params if p.ndim >= 2], "weight_decay": WEIGHT_DECAY},
             {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+
+
+def make_optimizer(kind: str, groups: list[dict], variant: str = "nvidia") -> torch.optim.Optimizer:
+    """The optimizer a run name's ``kind`` names (module docstring), with the recipe's settings."""
+    from bert_ds.optim.lamb import Lamb, LambReference
+    from bert_ds.optim.stable_adamw import StableAdamW, StableAdamWReference
+
+    if kind in ("lamb", "naive"):
+        return {"lamb": Lamb, "naive": LambReference}[kind](groups, lr=LR, betas=BETAS, eps=EPS, variant=variant)
+    return {"stable": StableAdamW, "stablenaive": StableAdamWReference}[kind](groups, lr=LR, betas=STABLE_BETAS,
+                                                                              eps=EPS)
+
+
+def train_single_process(kind: str, steps: int = STEPS, clip: float | None = None, skip: tuple[int, ...] = (),
+                         variant: str = "nvidia") -> tuple[list[torch.Tensor], list[float]]:
+    """The model and recipe in one process on the global batches, with DeepSpeed ZeRO's clipping
+    rule where ``clip`` is given; returns (weights, gradient norms before clipping)."""
+    model = build_model()
+    opt = make_optimizer(kind, param_groups(model), variant)
+    x, y = batches()
+    norms = []
+    for s in range(steps):
+        if s in skip:  # DeepSpeed skipped this step: no update, its batch is gone
+            continue
+        opt.zero_grad()
+        F.cross_entropy(model(x[s].reshape(-1, IN)), y[s].reshape(-1)).backward()
+        norm = torch.sqrt(sum(p.grad.double().square().sum() for p in model.parameters()))
+        norms.append(norm.item())
+        if clip is not None:
+            # DeepSpeed ZeRO's rule: divide by (norm + 1e-6) / clip when that exceeds 1.
+            factor = (norm + 1e-6) / clip
+            if factor > 1:
+                for p in model.parameters():
+                    p.grad.mul_(1.0 / factor)
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()], norms
 
 
 def batches() -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,20 +129,18 @@ def train(name: str, rank: int, world: int) -> dict:
 
     from bert_ds import zero
     from bert_ds.optim.builders import bind_to_engine
-    from bert_ds.optim.lamb import Lamb, LambReference
 
     stage_name, precision, kind, *rest = name.split("-")
     variant = rest[0] if rest else "nvidia"
     stage = int(stage_name.removeprefix("zero"))
     model = build_model()
-    opt_cls = {"lamb": Lamb, "naive": LambReference}[kind]
-    optimizer = opt_cls(param_groups(model), lr=LR, betas=BETAS, eps=EPS, variant=variant)
+    optimizer = make_optimizer(kind, param_groups(model), variant)
     step_calls: list[int] = []  # groups present in each optimizer.step() call DeepSpeed makes
     optimizer.register_step_pre_hook(lambda opt, args, kwargs: step_calls.append(len(opt.param_groups)))
     engine, _, _, _ = zero.initialize(model=model, optimizer=optimizer,
                                            config=ds_config(stage, precision, world))
     wrapper = engine.optimizer
-    if kind == "lamb":
+    if kind in ("lamb", "stable"):
         bound = bind_to_engine(optimizer, engine)
         assert bound == (len(optimizer.param_groups) if stage > 0 else 0), bound
     stepped = [list(g["params"]) for g in optimizer.param_groups]  # what DeepSpeed left in the groups

@@ -18,7 +18,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bert_ds.optim.lamb import Lamb, LambReference, _flat_layout, lamb_reference_step
+from bert_ds.optim.fragments import flat_layout
+from bert_ds.optim.lamb import Lamb, LambReference, lamb_reference_step
 from tests.bert_ds import lamb_zero_worker as worker
 from tests.conftest import run_command
 
@@ -35,33 +36,9 @@ def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return max((x - y).abs().max().item() for x, y in zip(a, b, strict=True))
 
 
-def _train_single_process(opt_cls, steps: int = worker.STEPS, clip: float | None = None, skip: tuple[int, ...] = (),
-                          variant: str = "nvidia"):
-    """The worker's model and recipe in one process on the global batches; returns (weights, grad norms)."""
-    model = worker.build_model()
-    opt = opt_cls(worker.param_groups(model), lr=worker.LR, betas=worker.BETAS, eps=worker.EPS, variant=variant)
-    x, y = worker.batches()
-    norms = []
-    for s in range(steps):
-        if s in skip:  # DeepSpeed skipped this step: no update, its batch is gone
-            continue
-        opt.zero_grad()
-        F.cross_entropy(model(x[s].reshape(-1, worker.IN)), y[s].reshape(-1)).backward()
-        norm = torch.sqrt(sum(p.grad.double().square().sum() for p in model.parameters()))
-        norms.append(norm.item())
-        if clip is not None:
-            # DeepSpeed ZeRO's rule: divide by (norm + 1e-6) / clip when that exceeds 1.
-            factor = (norm + 1e-6) / clip
-            if factor > 1:
-                for p in model.parameters():
-                    p.grad.mul_(1.0 / factor)
-        opt.step()
-    return [p.detach().clone() for p in model.parameters()], norms
-
-
 @functools.cache
 def _reference(skip: tuple[int, ...] = (), variant: str = "nvidia"):
-    return _train_single_process(LambReference, clip=worker.CLIP, skip=skip, variant=variant)
+    return worker.train_single_process("naive", clip=worker.CLIP, skip=skip, variant=variant)
 
 
 def _lamb_from_the_formula(w0: list[torch.Tensor], grads: list[list[torch.Tensor]], decays: list[float], *,
@@ -146,8 +123,8 @@ def test_an_unknown_variant_is_refused():
 @pytest.mark.lowest
 def test_foreach_lamb_matches_reference_over_20_steps_with_decay_groups():
     initial = [p.detach().clone() for p in worker.build_model().parameters()]
-    fast, _ = _train_single_process(Lamb)
-    ref, _ = _train_single_process(LambReference)
+    fast, _ = worker.train_single_process("lamb")
+    ref, _ = worker.train_single_process("naive")
     assert _max_diff(fast, ref) <= 1e-6
     # The comparison means something only if LAMB moved every tensor well beyond 1e-6.
     assert min((a - b).abs().max().item() for a, b in zip(ref, initial)) > 1e-2
@@ -235,7 +212,7 @@ def test_segment_norms_are_exact_across_chunk_boundaries_and_large_fragments():
         segments.append((offset, n, i))
         offset += n + 1
     x = torch.randn(offset, generator=torch.Generator().manual_seed(3)) * 0.02
-    layout = _flat_layout(x, segments, len(sizes), None)
+    layout = flat_layout(x, segments, len(sizes), None)
     chunk_squares = layout.chunks.sums(x.square())
     got = layout.slot_sums(torch.stack([chunk_squares, 4 * chunk_squares], dim=1))
     want = [x[s:s + n].double().square().sum() for s, n, _ in segments]
