@@ -59,8 +59,8 @@ from typing import TYPE_CHECKING, Any
 from bert_ds.base.errors import EXIT_INTERRUPTED, EXIT_OK, ConfigError, guarded
 from bert_ds.base.interrupts import deferred_interrupt
 from bert_ds.config import (
-    BF16_CPU_FLAGS, CPU_FP32_DS_CONFIG, DataConfig, OptimConfig, TrainConfig, check_writable, deepspeed_config,
-    machine_ds_config,
+    BF16_CPU_FLAGS, CPU_FP32_DS_CONFIG, DECAYS, OPTIMIZERS, DataConfig, OptimConfig, TrainConfig, check_writable,
+    deepspeed_config, machine_ds_config,
 )
 from bert_ds.model.config import PRESETS, ModelConfig, check_preset, model_preset
 from bert_ds.train.faults import Faults
@@ -121,15 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mask-rate", type=float, default=d.mask_rate, help="share of tokens predicted by the MLM head")
     p.add_argument("--num-workers", type=int, default=d.num_workers, help="loader processes per rank")
     p.add_argument("--val-samples", type=int, default=d.val_samples, help="held-out samples per validation pass")
-    p.add_argument("--optimizer", default=o.name, choices=["lamb", "adamw"], help="optimizer")
-    p.add_argument("--lamb-variant", default=o.lamb_variant, choices=["nvidia", "paper"],
-                   help="LAMB's trust ratio: nvidia (only where weight decay is non-zero, NVIDIA's BERT recipe) "
-                        "or paper (every tensor)")
-    p.add_argument("--lr", type=float, default=o.lr, help="peak learning rate")
-    p.add_argument("--weight-decay", type=float, default=o.weight_decay, help="decoupled weight decay")
-    p.add_argument("--warmup-steps", type=int, default=o.warmup_steps, help="linear warm-up steps")
-    p.add_argument("--decay", default=o.decay, choices=["linear", "poly", "constant"], help="decay after warm-up")
-    p.add_argument("--grad-clip", type=float, default=o.grad_clip, help="global gradient-norm clip (0: off)")
+    _add_optimizer_flags(p, o)
     p.add_argument("--ds-config", default=None,
                    help=f"engine JSON: a file in ds_configs/ or a path (default: {t.ds_config}, or "
                         f"{CPU_FP32_DS_CONFIG} on a CPU without bf16 instructions; resuming, the checkpoint's)")
@@ -160,6 +152,37 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
     return p
+
+
+def _add_optimizer_flags(p: argparse.ArgumentParser, o: _Defaults) -> None:
+    """The optimizer's and the schedule's flags; ``o``: OptimConfig's defaults."""
+    p.add_argument("--optimizer", default=o.name, choices=list(OPTIMIZERS),
+                   help="lamb is BERT's; stable_adamw ModernBERT's, AdamW with per-parameter update clipping; "
+                        "adamw torch's")
+    p.add_argument("--lamb-variant", default=o.lamb_variant, choices=["nvidia", "paper"],
+                   help="LAMB's trust ratio: nvidia (only where weight decay is non-zero, NVIDIA's BERT recipe) "
+                        "or paper (every tensor)")
+    p.add_argument("--lr", type=float, default=o.lr, help="peak learning rate")
+    p.add_argument("--betas", type=float, nargs=2, default=o.betas, metavar=("B1", "B2"),
+                   help="decay rates of the first and second moments (ModernBERT: 0.9 0.98)")
+    p.add_argument("--eps", type=float, default=o.eps, help="added to the second moment's root")
+    p.add_argument("--weight-decay", type=float, default=o.weight_decay,
+                   help="decoupled weight decay (not on biases and LayerNorm weights)")
+    p.add_argument("--decouple-lr", action="store_true", default=o.decouple_lr,
+                   help="adamw, stable_adamw: weight decay scaled by the step's fraction of the peak learning "
+                        "rate instead of by the rate (ModernBERT's, with --weight-decay 1e-5)")
+    p.add_argument("--schedule", default=o.schedule, choices=["bert", "wsd"],
+                   help="bert: warm-up, then --decay over every later step; wsd: warm-up, the peak held, then "
+                        "--decay over the last --decay-share of the steps")
+    p.add_argument("--warmup-steps", type=int, default=o.warmup_steps, help="linear warm-up steps")
+    p.add_argument("--decay", default=o.decay, choices=list(DECAYS),
+                   help="the decay's shape, down to --final-lr-fraction at the last step")
+    p.add_argument("--decay-share", type=float, default=o.decay_share,
+                   help="--schedule wsd: the share of the steps that decay, the last ones")
+    p.add_argument("--final-lr-fraction", type=float, default=o.final_lr_fraction,
+                   help="the decay ends at --lr times this")
+    p.add_argument("--poly-power", type=float, default=o.poly_power, help="exponent of --decay poly")
+    p.add_argument("--grad-clip", type=float, default=o.grad_clip, help="global gradient-norm clip (0: off)")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -212,8 +235,11 @@ def config_from_args(args: argparse.Namespace, vocab_size: int, saved_model: dic
                       whole_word_mask=args.whole_word_mask, max_seq_length=args.seq_len, pair_task=args.pair_task,
                       layout=args.layout, token_budget=args.token_budget,
                       mask_rate=args.mask_rate, num_workers=args.num_workers, val_samples=args.val_samples)
-    optim = OptimConfig(name=args.optimizer, lamb_variant=args.lamb_variant, lr=args.lr, weight_decay=args.weight_decay,
-                        warmup_steps=args.warmup_steps, decay=args.decay, grad_clip=args.grad_clip)
+    optim = OptimConfig(name=args.optimizer, lamb_variant=args.lamb_variant, lr=args.lr, betas=tuple(args.betas),
+                        eps=args.eps, weight_decay=args.weight_decay, decouple_lr=args.decouple_lr,
+                        schedule=args.schedule, warmup_steps=args.warmup_steps, decay=args.decay,
+                        decay_share=args.decay_share, final_lr_fraction=args.final_lr_fraction,
+                        poly_power=args.poly_power, grad_clip=args.grad_clip)
     return TrainConfig(model=model, data=data, optim=optim, output=args.output, steps=args.steps,
                        global_batch_size=args.global_batch_size, micro_batch_size=args.micro_batch_size,
                        ds_config=args.ds_config or ds_config or TrainConfig.ds_config, seed=args.seed,
