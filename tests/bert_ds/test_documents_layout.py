@@ -234,3 +234,28 @@ def test_the_train_command_refuses_the_documents_layout_with_a_pair_task_in_one_
         "error: pair_task: nsp needs sentence pairs, which the documents layout has none of: set pair_task none "
         "(--pair-task none)"], proc.stderr[-2000:]
     assert not (tmp_path / "run").exists()
+
+
+def test_training_saved_on_2_ranks_resumes_on_1_with_the_same_stream_and_losses(corpus, tmp_path):
+    """R8 for token-budget batches, through the trainer: the checkpoint's cursor, --log-samples."""
+    from bert_ds.train.sample_log import consumed_positions
+    from tests.conftest import run_cli
+
+    common = ["bert_ds.train", "--data", str(corpus), "--layout", "documents", "--pair-task", "none",
+              "--token-budget", "--mask-rate", "0.3", "--preset", "tiny", "--steps", "6", "--seq-len", str(SEQ),
+              "--global-batch-size", "8", "--micro-batch-size", "2", "--no-progress", "--num-workers", "0",
+              "--dropout", "0", "--no-tensorboard"]
+
+    def losses(out: Path) -> list[float]:
+        return [r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+                if "loss" in r and "split" not in r]
+
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    run_cli(*common, "--output", str(ref), "--log-samples", str(ref / "samples.jsonl"))
+    run_cli(*common, "--output", str(run), "--log-samples", str(run / "samples.jsonl"), "--save-every", "3",
+            "--exit-after", "3", nproc=2)
+    run_cli(*common, "--output", str(run), "--log-samples", str(run / "samples.jsonl"))
+    stream = consumed_positions(run / "samples.jsonl")
+    assert stream == consumed_positions(ref / "samples.jsonl") == list(range(len(stream)))
+    assert len(stream) != 6 * 8  # steps of a variable number of samples
+    np.testing.assert_allclose(losses(run), losses(ref), rtol=1e-5)
