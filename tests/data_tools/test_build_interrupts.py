@@ -89,7 +89,7 @@ if __name__ == "__main__":
     worker = ctx.Process(target=build._worker_main, args=(theirs,))
     worker.start()
     theirs.close()
-    mine.send(sys.argv[1])
+    mine.send((sys.argv[1], False))  # tokenizer.json, and whether lines are encoded as text
     mine.send(([["Some text here.", "And more."]], [True]))
     while not mine.poll():
         time.sleep(0.01)
