@@ -151,6 +151,40 @@ def sample_data(tmp_path_factory) -> dict[str, Path]:
     return {"train": root / "train", "heldout": root / "heldout"}
 
 
+BPE_SPECIALS = {"pad_token": "[PAD]", "unk_token": "[UNK]", "cls_token": "[CLS]", "sep_token": "[SEP]",
+                "mask_token": "[MASK]"}
+
+
+def make_bpe_tokenizer(folder: Path, lines: list[str], vocab_size: int) -> Path:
+    """A byte-level BPE tokenizer trained on ``lines``, ModernBERT's kind (its special tokens named
+    in its config, ``[CLS] text [SEP]`` on encoding), saved as transformers saves one."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(lines, trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=list(BPE_SPECIALS.values()), show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", special_tokens=[
+        ("[CLS]", tok.token_to_id("[CLS]")), ("[SEP]", tok.token_to_id("[SEP]"))])
+    PreTrainedTokenizerFast(tokenizer_object=tok, **BPE_SPECIALS).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def sample_bpe_data(tmp_path_factory) -> dict[str, Path]:
+    """Train and held-out shards from the sample corpus through a 4,096-entry byte-level BPE
+    (``build --tokenizer``), for ModernBERT-class runs."""
+    root = tmp_path_factory.mktemp("sample-bpe-data")
+    tokenizer = make_bpe_tokenizer(root / "tokenizer", (SAMPLE / "valid.txt").read_text().splitlines(), 4096)
+    for split, text in (("train", "valid.txt"), ("heldout", "test.txt")):
+        run_cli("bert_ds.data_tools", "build", "--input", str(SAMPLE / text), "--output", str(root / split),
+                "--tokenizer", str(tokenizer), "--workers", "1")
+    return {"train": root / "train", "heldout": root / "heldout", "tokenizer": tokenizer}
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The tests marked ``long`` first: pytest-xdist's workers take the collected order in turn
     and steal from each other's tails, so a long test collected late would run alone at the end."""

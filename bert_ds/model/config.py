@@ -207,6 +207,21 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+# The data settings each family trains with unless a flag or a plan says otherwise (DataConfig fields):
+# BERT's sentence pairs with NSP and 15% masking; ModernBERT's whole documents packed to a token
+# budget, no pair task, 30% masking (its recipe).
+DATA_DEFAULTS: dict[str, dict[str, Any]] = {
+    "bert": dict(pair_task="nsp", layout="sentences", token_budget=False, mask_rate=0.15),
+    "modernbert": dict(pair_task="none", layout="documents", token_budget=True, mask_rate=0.30),
+}
+
+
+# The fields --dropout sets, per family: the dropout on the residual stream (BERT's 0.1 by default;
+# ModernBERT's recipe trains without, its embedding and MLP dropouts 0).
+DROPOUT_FIELDS: dict[str, tuple[str, ...]] = {"bert": ("hidden_dropout",),
+                                              "modernbert": ("embedding_dropout", "mlp_dropout")}
+
+
 def check_preset(name: str) -> None:
     """A ConfigError unless ``name`` is one of :data:`PRESETS`."""
     if name not in PRESETS:

@@ -63,7 +63,8 @@ def _demo(run_dir: Path) -> None:
         print(f"steps {s['steps']}, real tokens/s {s['tokens_per_s']:,.0f}, "
               f"loss {s['loss_first']:.3f} -> {s['loss_last']:.3f}")
         if val:
-            print(f"held-out masked-LM accuracy {val['mlm_acc']:.3f} (NSP accuracy {val['nsp_acc']:.3f})")
+            nsp = f" (NSP accuracy {val['nsp_acc']:.3f})" if val["nsp_acc"] == val["nsp_acc"] else ""  # NaN: no pair task
+            print(f"held-out masked-LM accuracy {val['mlm_acc']:.3f}{nsp}")
     print(f"export: {export_dir.resolve()}")
 
 

@@ -62,7 +62,8 @@ from bert_ds.config import (
     BF16_CPU_FLAGS, CPU_FP32_DS_CONFIG, DECAYS, OPTIMIZERS, DataConfig, OptimConfig, TrainConfig, check_writable,
     deepspeed_config, machine_ds_config,
 )
-from bert_ds.model.config import PRESETS, ModelConfig, check_preset, model_preset
+from bert_ds.model.config import (DATA_DEFAULTS, DROPOUT_FIELDS, PRESETS, AnyModelConfig, ModelConfig, check_preset,
+                                  model_config_from_dict, model_preset, preset_arch)
 from bert_ds.train.faults import Faults
 from bert_ds.train.step_range import StepRange
 
@@ -111,14 +112,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--global-batch-size", type=int, default=t.global_batch_size, help="sequences per optimizer step, all ranks")
     p.add_argument("--micro-batch-size", type=int, default=t.micro_batch_size, help="sequences per forward pass per rank")
     p.add_argument("--seq-len", type=int, default=d.max_seq_length, help="maximum tokens per sample")
-    p.add_argument("--pair-task", default=d.pair_task, choices=["nsp", "sop", "none"], help="sentence-pair task")
-    p.add_argument("--layout", default=d.layout, choices=["sentences", "documents"],
-                   help="samples of whole sentences (BERT's: pairs, short targets) or [CLS] document [SEP], a long "
-                        "document cut into consecutive pieces of --seq-len - 2 tokens; documents needs --pair-task none")
-    p.add_argument("--token-budget", action=argparse.BooleanOptionalAction, default=d.token_budget,
+    # The model family's defaults where these four are not given (DATA_DEFAULTS: BERT's, ModernBERT's)
+    p.add_argument("--pair-task", default=None, choices=["nsp", "sop", "none"],
+                   help=f"sentence-pair task (default: the model family's: {_family_defaults('pair_task')})")
+    p.add_argument("--layout", default=None, choices=["sentences", "documents"],
+                   help="samples of whole sentences (pairs, short targets) or [CLS] document [SEP], a long "
+                        "document cut into consecutive pieces of --seq-len - 2 tokens; documents needs --pair-task "
+                        f"none (default: the model family's: {_family_defaults('layout')})")
+    p.add_argument("--token-budget", action=argparse.BooleanOptionalAction, default=None,
                    help="fill each micro-batch with samples up to --micro-batch-size x --seq-len tokens, in stream "
-                        "order (a variable number of sequences; --layout documents)")
-    p.add_argument("--mask-rate", type=float, default=d.mask_rate, help="share of tokens predicted by the MLM head")
+                        "order (a variable number of sequences; --layout documents; default: the model family's: "
+                        f"{_family_defaults('token_budget')})")
+    p.add_argument("--mask-rate", type=float, default=None,
+                   help=f"share of tokens predicted by the MLM head (default: the model family's: "
+                        f"{_family_defaults('mask_rate')})")
     p.add_argument("--num-workers", type=int, default=d.num_workers, help="loader processes per rank")
     p.add_argument("--val-samples", type=int, default=d.val_samples, help="held-out samples per validation pass")
     _add_optimizer_flags(p, o)
@@ -152,6 +159,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
     return p
+
+
+def _family_defaults(field: str) -> str:
+    return ", ".join(f"{arch} {values[field]}" for arch, values in DATA_DEFAULTS.items())
 
 
 def _add_optimizer_flags(p: argparse.ArgumentParser, o: _Defaults) -> None:
@@ -190,7 +201,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def model_from_args(args: argparse.Namespace, vocab_size: int, saved_model: dict[str, Any] | None,
-                    init: InitSource | None = None) -> ModelConfig:
+                    init: InitSource | None = None) -> AnyModelConfig:
     """The model a run asks for. Resuming (``saved_model``: the checkpoint's), every field not
     given on the command line stays as saved, the preset's sizes included when --preset is
     absent; a different size or vocabulary (which comes from the data) is then a refused
@@ -199,7 +210,7 @@ def model_from_args(args: argparse.Namespace, vocab_size: int, saved_model: dict
     given = dict(vocab_size=vocab_size, kernels=args.kernels, activation_checkpointing=args.activation_checkpointing,
                  compile_layers=args.compile_layers)
     if args.dropout is not None:
-        given["hidden_dropout"] = args.dropout
+        given.update(dict.fromkeys(DROPOUT_FIELDS[_arch(args, saved_model, init)], args.dropout))
     if saved_model is None and init is not None and init.model is not None:
         from bert_ds.checkpoint import hf_import  # the source is open: torch is in already
 
@@ -207,9 +218,18 @@ def model_from_args(args: argparse.Namespace, vocab_size: int, saved_model: dict
     if saved_model is None:
         return model_preset(args.preset or DEFAULT_PRESET, **given)
     if args.preset is None:
-        return ModelConfig.from_dict({**saved_model, **given})
+        return model_config_from_dict({**saved_model, **given})
     kept = {k: v for k, v in saved_model.items() if k not in PRESETS.get(args.preset, {})}
     return model_preset(args.preset, **{**kept, **given})
+
+
+def _arch(args: argparse.Namespace, saved_model: dict[str, Any] | None, init: InitSource | None) -> str:
+    """The model family of the run: the checkpoint's, else --preset's, else the --init-from source's."""
+    if saved_model is not None and args.preset is None:
+        return saved_model.get("arch", "bert")
+    if args.preset is None and init is not None and init.model is not None:
+        return init.model["arch"]
+    return preset_arch(args.preset or DEFAULT_PRESET)
 
 
 def ds_config_from_args(args: argparse.Namespace, saved: str | None, cuda: bool) -> tuple[str, str]:
@@ -231,10 +251,11 @@ def config_from_args(args: argparse.Namespace, vocab_size: int, saved_model: dic
                      init: InitSource | None = None, ds_config: str | None = None) -> TrainConfig:
     """The run's config; ``ds_config`` where --ds-config is not given (TrainConfig's default if None)."""
     model = model_from_args(args, vocab_size, saved_model, init)
+    family = {name: value if (value := getattr(args, name)) is not None else default
+              for name, default in DATA_DEFAULTS[model.arch].items()}
     data = DataConfig(train=args.data, weights=args.data_weights, val=args.val_data, held_out=args.held_out,
-                      whole_word_mask=args.whole_word_mask, max_seq_length=args.seq_len, pair_task=args.pair_task,
-                      layout=args.layout, token_budget=args.token_budget,
-                      mask_rate=args.mask_rate, num_workers=args.num_workers, val_samples=args.val_samples)
+                      whole_word_mask=args.whole_word_mask, max_seq_length=args.seq_len, num_workers=args.num_workers,
+                      val_samples=args.val_samples, **family)
     optim = OptimConfig(name=args.optimizer, lamb_variant=args.lamb_variant, lr=args.lr, betas=tuple(args.betas),
                         eps=args.eps, weight_decay=args.weight_decay, decouple_lr=args.decouple_lr,
                         schedule=args.schedule, warmup_steps=args.warmup_steps, decay=args.decay,

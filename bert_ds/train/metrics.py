@@ -58,7 +58,8 @@ class MetricsLogger:
             return
         self._write({**record, "split": "val"})
         self._scalars("val", record, record["step"])
-        self.print(" ".join(f"{k}={_fmt(v)}" for k, v in record.items()), prefix="val")
+        # a NaN (no pair task: no NSP accuracy) stays in the record and out of the line
+        self.print(" ".join(f"{k}={_fmt(v)}" for k, v in record.items() if v == v), prefix="val")
 
     def print(self, message: str, prefix: str = "bert_ds") -> None:
         if not self.enabled:

@@ -69,8 +69,8 @@ def print_summary(s: dict[str, Any]) -> None:
     if s.get("max_memory_gb") is not None:
         lines.append(f"peak GPU memory  {s['max_memory_gb']:.1f} GiB on rank 0 (torch.cuda.max_memory_allocated)")
     if val:
-        lines.append(f"held-out         MLM acc {val['mlm_acc']:.3f}, NSP acc {val['nsp_acc']:.3f}, "
-                     f"MLM loss {val['mlm_loss']:.3f}")
+        nsp = f", NSP acc {val['nsp_acc']:.3f}" if val["nsp_acc"] == val["nsp_acc"] else ""  # NaN: no pair task
+        lines.append(f"held-out         MLM acc {val['mlm_acc']:.3f}{nsp}, MLM loss {val['mlm_loss']:.3f}")
     if s["skipped_steps"]:
         lines.append(f"skipped steps    {s['skipped_steps']} (non-finite or fp16 overflow)")
     if s["stopped_by"]:
