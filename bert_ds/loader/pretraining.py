@@ -35,8 +35,8 @@ Design choices:
   count of consumed samples.
 - Random replacement tokens (the 10% of masking's 80/10/10): BERT's ``[first_regular, V)`` for a
   WordPiece vocabulary, whose special and unused tokens come first; any id but the five special
-  ones for a ``--tokenizer``'s, whose special tokens may sit anywhere (ModernBERT's at 50,280-50,284
-  of 50,368, where BERT's rule would draw only from the 83 unused ids above them).
+  ones for a ``--tokenizer``'s, whose special tokens may sit anywhere (ModernBERT's [CLS] to
+  [MASK] at 50,281-50,284 of 50,368, where BERT's rule would draw only from the 83 ids above them).
 """
 
 from __future__ import annotations
