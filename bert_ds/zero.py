@@ -36,8 +36,9 @@ What this module owns, and why each part needs something DeepSpeed does not publ
 - **Two warnings that say nothing true of a bert-ds run** (:func:`name_cpu_accelerator`,
   :func:`initialize`): DeepSpeed, finding no GPU, warns that it "was unable to detect" one (on
   a CPU machine, where there is none to detect); and it warns of "an untested optimizer" for any
-  client optimizer it did not write, while bert-ds's LAMB (the one such optimizer, ZeRO-0 to 2
-  only) is held to a single-process reference under ZeRO (``tests/bert_ds/test_lamb.py``).
+  client optimizer it did not write, while bert-ds's per-parameter optimizers (LAMB and
+  StableAdamW, ZeRO-0 to 2 only) are held to a single-process reference under ZeRO
+  (``tests/bert_ds/test_lamb.py``, ``tests/bert_ds/test_stable_adamw.py``).
 - **The collective timeout of ZeRO's own group** (:func:`world_group_with_timeout`): DeepSpeed
   runs ZeRO's collectives on a clone of the world group, ``deepspeed.utils.groups._WORLD_GROUP``,
   which it makes with torch's default timeout (30 min) unless one is already there.

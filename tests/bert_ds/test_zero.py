@@ -43,7 +43,7 @@ NOT_DEEPSPEED = {
     "data_ptr", "device", "element_size", "float", "get_world_size", "group", "is_tensor", "items",
     "named_parameters", "new_group", "nn", "optim", "param_groups", "shape", "state", "to", "values", "zeros_like",
     "addFilter", "removeFilter", "getMessage", "environ", "cuda", "is_available",  # logging's, os's, torch's
-    "__init__", "dim", "dtype", "float32", "get_rank",
+    "__init__", "dim", "dtype", "float32", "get_rank", "path", "isfile",
     "flat_partition",  # set by bert_ds.zero; DeepSpeed reads it (RELIED_ON's _get_preflattened_grad_partition)
 }
 
