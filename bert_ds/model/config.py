@@ -103,8 +103,8 @@ class ModernBertConfig:
     attention_dropout: float = 0.0  # on the attention output (after Wo); none inside the attention
     mlp_dropout: float = 0.0  # on the GeGLU's product, before Wo
     norm_eps: float = 1e-5  # every LayerNorm's
-    initializer_range: float = 0.02  # std of the truncated-normal init (cut at initializer_cutoff_factor std)
-    initializer_cutoff_factor: float = 2.0
+    initializer_range: float = 0.02  # std of the truncated-normal init of the input projections and embeddings
+    initializer_cutoff_factor: float = 2.0  # the init's normals are cut at this many std
     kernels: KernelSetting = "auto"  # "cuda": fused kernels or an error; "auto": per op the fastest correct (logged)
     activation_checkpointing: bool = False  # recompute layers in backward: less activation memory, ~1/3 more compute
     compile_layers: bool = False  # torch.compile each encoder layer

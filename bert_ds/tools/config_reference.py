@@ -32,14 +32,15 @@ import typing
 from pathlib import Path
 
 from bert_ds.config import DS_CONFIG_DIR, DataConfig, OptimConfig, TrainConfig
-from bert_ds.model.config import PRESETS, ModelConfig
+from bert_ds.model.config import DATA_DEFAULTS, PRESETS, ModelConfig, ModernBertConfig, preset_arch
 from bert_ds.train import cli
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 
 # (dataclass, section name in a phase plan's JSON)
 SECTIONS: tuple[tuple[type, str], ...] = (
-    (TrainConfig, ""), (DataConfig, "data"), (OptimConfig, "optim"), (ModelConfig, "model"))
+    (TrainConfig, ""), (DataConfig, "data"), (OptimConfig, "optim"), (ModelConfig, "model"),
+    (ModernBertConfig, "model"))
 
 # Flags whose default is not read from a field's default in build_parser, and the field each sets.
 _FLAG_FIELDS = {
@@ -54,9 +55,15 @@ _FLAG_FIELDS = {
     "--ds-config": "ds_config",
     "--no-tensorboard": "tensorboard",
     "--no-progress": "progress",
+    # the model family's default where not given (DATA_DEFAULTS)
+    "--pair-task": "data.pair_task",
+    "--layout": "data.layout",
+    "--token-budget": "data.token_budget",
+    "--mask-rate": "data.mask_rate",
 }
 _DEFAULTS_OF = {"DataConfig": "data.", "OptimConfig": "optim.", "TrainConfig": "", "ModelConfig": "model."}
-PRESET_VOCAB = 30522  # BERT's uncased WordPiece vocabulary: the size the parameter counts assume
+PRESET_VOCAB = {"bert": 30522, "modernbert": 50368}  # the vocabularies the parameter counts assume: BERT's
+# uncased WordPiece, ModernBERT's BPE
 
 
 def field_comments(cls: type) -> dict[str, str]:
@@ -135,7 +142,7 @@ def flags_section() -> list[str]:
         lines += ["| flag | default | sets | meaning |", "|---|---|---|---|"]
         for a in actions:
             flag = ", ".join(f"`{o}`" for o in a.option_strings)
-            value = "required" if a.required else ("off" if a.nargs == 0 else _default(a.default))
+            value = "required" if a.required else ("off" if a.nargs == 0 and a.default is not None else _default(a.default))
             choices = f" ({', '.join(map(str, a.choices))})" if a.choices else ""
             field = sets.get(a.option_strings[0])
             lines.append(f"| {flag} | {value} | {f'`{field}`' if field else ''} | {_cell(a.help)}{choices} |")
@@ -164,23 +171,28 @@ def dataclass_section(cls: type, section: str) -> list[str]:
     return lines + [""]
 
 
-def preset_parameters(name: str, vocab_size: int = PRESET_VOCAB) -> int:
-    """Parameters of BertForPreTraining at a preset, counted on the meta device (nothing allocated)."""
+def preset_parameters(name: str, vocab_size: int | None = None) -> int:
+    """Parameters of the preset's pretraining model (its family's vocabulary by default), counted
+    on the meta device (nothing allocated)."""
     from bert_ds.model.config import model_preset
     from bert_ds.model.families import meta_model
 
+    vocab_size = vocab_size or PRESET_VOCAB[preset_arch(name)]
     return sum(p.numel() for p in meta_model(model_preset(name, vocab_size)).parameters())
 
 
 def presets_section() -> list[str]:
     lines = ["## Presets", "",
              f"`--preset NAME`; in a phase plan `\"model\": {{\"preset\": NAME, ...field overrides}}`. Parameters of "
-             f"the model with MLM and NSP heads at a {PRESET_VOCAB:,}-word vocabulary (the MLM decoder is tied "
-             "to the word embedding).", "",
-             "| preset | layers | hidden | heads | FFN | parameters |", "|---|---:|---:|---:|---:|---:|"]
+             f"the pretraining model (BERT's with MLM and NSP heads at a {PRESET_VOCAB['bert']:,}-word vocabulary, "
+             f"ModernBERT's with its MLM head at {PRESET_VOCAB['modernbert']:,}; the decoder is tied to the token "
+             "embedding). A preset's family sets the data defaults its flags leave out: "
+             + "; ".join(f"{arch}: " + ", ".join(f"`{k}` {_default(v)}" for k, v in values.items())
+                         for arch, values in DATA_DEFAULTS.items()) + ".", "",
+             "| preset | family | layers | hidden | heads | FFN | parameters |", "|---|---|---:|---:|---:|---:|---:|"]
     for name, sizes in PRESETS.items():
-        lines.append(f"| `{name}` | {sizes['num_layers']} | {sizes['hidden_size']} | {sizes['num_heads']} "
-                     f"| {sizes['intermediate_size']} | {preset_parameters(name) / 1e6:.1f}M |")
+        lines.append(f"| `{name}` | {preset_arch(name)} | {sizes['num_layers']} | {sizes['hidden_size']} "
+                     f"| {sizes['num_heads']} | {sizes['intermediate_size']} | {preset_parameters(name) / 1e6:.1f}M |")
     return lines + [""]
 
 
@@ -212,7 +224,8 @@ def page() -> str:
              "checkpoint's `train_config.json` records. Each value is checked when the configuration is built, "
              "so a bad one stops the run in one `error:` line before anything starts.", "",
              "- [Flags](#flags)", "- [TrainConfig](#trainconfig)", "- [DataConfig](#dataconfig)",
-             "- [OptimConfig](#optimconfig)", "- [ModelConfig](#modelconfig)", "- [Presets](#presets)",
+             "- [OptimConfig](#optimconfig)", "- [ModelConfig](#modelconfig) (BERT)",
+             "- [ModernBertConfig](#modernbertconfig)", "- [Presets](#presets)",
              "- [DeepSpeed configs](#deepspeed-configs)", ""]
     lines += flags_section()
     for cls, section in SECTIONS:
