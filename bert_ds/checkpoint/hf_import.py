@@ -59,6 +59,8 @@ from bert_ds.checkpoint.hf_families import FAMILIES, HfFamily
 from bert_ds.model.config import PRESETS, AnyModelConfig, model_config_from_dict, preset_arch
 from bert_ds.checkpoint.resume import FIELDS, REFUSED
 from bert_ds.base.errors import UserError, describe
+from bert_ds.data_tools.fast_tokenizer import load_fast_tokenizer
+from bert_ds.data_tools.manifest import Manifest, given_tokenizer
 from bert_ds.data_tools.tokenizer import load_vocabulary, vocab_entries
 
 # What a source decides about the model: the fields a resume may not change, and the init of fresh heads.
@@ -151,12 +153,17 @@ def _architecture(model: dict[str, Any]) -> dict[str, Any]:
 
 def model_config(source: InitSource, preset: str | None, given: dict[str, Any]) -> AnyModelConfig:
     """The model of a run started from ``source`` (which states its architecture and family).
-    ``given``: the fields the command line sets, ``vocab_size`` (the shards') among them."""
+    ``given``: the fields the command line sets, ``vocab_size`` (the shards') among them. The
+    model keeps its own embedding rows: as many as the shards' tokenizer has ids, or more (a
+    ModernBERT pads its 50,283 ids to 50,368 rows, which no id reaches)."""
     arch = source.model
-    if arch.get("vocab_size") != given["vocab_size"]:
+    if arch.get("vocab_size", 0) < given["vocab_size"]:
+        flag = "--tokenizer" if arch.get("arch") == "modernbert" else "--vocab"
         raise InitFromError(f"{source.origin}: the model has {arch.get('vocab_size')} token embeddings but the "
                             f"shards' tokenizer {given['vocab_size']} tokens; build the shards with the model's "
-                            f"tokenizer (python -m bert_ds.data_tools build --vocab {source.tokenizer or 'ITS_TOKENIZER'} ...)")
+                            f"tokenizer (python -m bert_ds.data_tools build {flag} "
+                            f"{source.tokenizer or 'ITS_TOKENIZER'} ...)")
+    given = {**given, "vocab_size": arch["vocab_size"]}
     if preset is not None:
         if preset not in PRESETS:
             raise InitFromError(f"unknown model preset {preset!r}; choose one of {', '.join(PRESETS)}")
@@ -173,8 +180,14 @@ def model_config(source: InitSource, preset: str | None, given: dict[str, Any]) 
 
 def check_vocabulary(source: InitSource, dataset: Path) -> None:
     """The dataset's tokenizer must be the source's, token for token and in its normalizer (where
-    the source has a tokenizer; its size is checked by :func:`model_config`)."""
+    the source has a tokenizer; its size is checked by :func:`model_config`). A dataset built with
+    ``--tokenizer`` is held to the source's tokenizer by its vocabulary's fingerprint (every id's
+    token and the special ids, :func:`bert_ds.data_tools.fast_tokenizer.vocabulary_fingerprint`)."""
     if source.tokenizer is None:
+        return
+    manifest = Manifest.load(dataset)
+    if given_tokenizer(manifest):
+        _check_fast_tokenizer(source, dataset, manifest)
         return
     theirs, their_norm = load_vocabulary(str(source.tokenizer))
     ours, our_norm = load_vocabulary(str(dataset))
@@ -190,6 +203,17 @@ def check_vocabulary(source: InitSource, dataset: Path) -> None:
     if their_norm is not None and our_norm is not None and their_norm != our_norm:
         raise InitFromError(f"{source.origin}: the model's tokenizer normalizes text as {their_norm}, the shards' "
                             f"({dataset}) as {our_norm}; build the shards with --vocab {source.tokenizer}")
+
+
+def _check_fast_tokenizer(source: InitSource, dataset: Path, manifest: Manifest) -> None:
+    try:
+        theirs = load_fast_tokenizer(str(source.tokenizer))
+    except UserError as e:
+        raise InitFromError(f"{source.origin}: its tokenizer cannot be compared with the shards' ({e})") from None
+    if theirs.fingerprint != manifest.tokenizer_fingerprint:
+        raise InitFromError(f"{source.origin}: the model's tokenizer ({source.tokenizer}) is not the one the shards "
+                            f"were built with ({dataset}: another vocabulary or other special ids); build the shards "
+                            f"with --tokenizer {source.tokenizer}")
 
 
 def shards(index: Path) -> dict[Path, list[str]]:

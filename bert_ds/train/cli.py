@@ -62,7 +62,7 @@ from bert_ds.config import (
     BF16_CPU_FLAGS, CPU_FP32_DS_CONFIG, DECAYS, OPTIMIZERS, DataConfig, OptimConfig, TrainConfig, check_writable,
     deepspeed_config, machine_ds_config,
 )
-from bert_ds.model.config import (DATA_DEFAULTS, DROPOUT_FIELDS, PRESETS, AnyModelConfig, ModelConfig, check_preset,
+from bert_ds.model.config import (ARCHES, DATA_DEFAULTS, DROPOUT_FIELDS, PRESETS, AnyModelConfig, ModelConfig, check_preset,
                                   model_config_from_dict, model_preset, preset_arch)
 from bert_ds.train.faults import Faults
 from bert_ds.train.step_range import StepRange
@@ -219,7 +219,11 @@ def model_from_args(args: argparse.Namespace, vocab_size: int, saved_model: dict
         return model_preset(args.preset or DEFAULT_PRESET, **given)
     if args.preset is None:
         return model_config_from_dict({**saved_model, **given})
-    kept = {k: v for k, v in saved_model.items() if k not in PRESETS.get(args.preset, {})}
+    # The saved fields the preset does not set, of its family: a preset of the other family is then a
+    # refused change of model.arch, never a model of one family with the other's sizes.
+    preset = {"arch": preset_arch(args.preset), **PRESETS[args.preset]}
+    fields = {f.name for f in dataclasses.fields(ARCHES[preset["arch"]])}
+    kept = {k: v for k, v in saved_model.items() if k not in preset and k in fields}
     return model_preset(args.preset, **{**kept, **given})
 
 

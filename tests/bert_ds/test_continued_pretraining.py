@@ -10,6 +10,7 @@ import torch
 import transformers
 
 from bert_ds.checkpoint import hf_import
+from bert_ds.checkpoint.hf_families import BERT
 from bert_ds.train import cli as train
 from bert_ds.config import BatchPlan
 from bert_ds.loader.pretraining import PretrainingLoader, open_pretraining_data
@@ -134,7 +135,7 @@ def _ours(source: hf_import.InitSource) -> BertForPreTraining:
     """Our model with a source's weights (what init_weights installs into the engine)."""
     model = BertForPreTraining(ModelConfig.from_dict({**source.model, "kernels": "torch", "hidden_dropout": 0.0}))
     params = [name for name, _ in model.named_parameters()]
-    weights, _ = hf_import.match(hf_import.read_state(source.weights), params, source.weights)
+    weights, _ = hf_import.match(hf_import.read_state(source.weights), params, source.weights, BERT)
     model.load_state_dict(weights, strict=False)
     return model.eval()
 
@@ -241,7 +242,7 @@ def test_masked_lm_folder_lacks_only_pooler_and_nsp(vocab, tmp_path):
     source_model = _hf_folder(hf, vocab, transformers.BertForMaskedLM)
     source = hf_import.open_source(hf)
     params = [name for name, _ in BertForPreTraining(ModelConfig.from_dict(source.model)).named_parameters()]
-    weights, fresh = hf_import.match(hf_import.read_state(source.weights), params, source.weights)
+    weights, fresh = hf_import.match(hf_import.read_state(source.weights), params, source.weights, BERT)
     assert hf_import.fresh_summary(fresh) == "bert.pooler.dense, cls.seq_relationship"
     theirs = source_model.state_dict()["cls.predictions.transform.dense.weight"]
     assert torch.equal(weights["cls.predictions.transform.dense.weight"], theirs)
@@ -254,11 +255,11 @@ def test_unmatched_and_missing_tensors_are_named(vocab, tmp_path):
     source = hf_import.open_source(hf)
     params = [name for name, _ in BertForPreTraining(ModelConfig.from_dict(source.model)).named_parameters()]
     state = hf_import.read_state(source.weights)
-    with pytest.raises(hf_import.InitFromError, match=r"match no parameter of BERT for pretraining: classifier\.(weight|bias)"):
-        hf_import.match(state, params, source.weights)
+    with pytest.raises(hf_import.InitFromError, match=r"match no parameter of BertForPreTraining: classifier\.(weight|bias)"):
+        hf_import.match(state, params, source.weights, BERT)
     del state["classifier.weight"], state["classifier.bias"], state["bert.encoder.layer.1.output.dense.weight"]
     with pytest.raises(hf_import.InitFromError, match=r"lacks 1 encoder weight\(s\): bert\.encoder\.layer\.1\.output\.dense\.weight"):
-        hf_import.match(state, params, source.weights)
+        hf_import.match(state, params, source.weights, BERT)
 
 
 def test_a_preset_that_disagrees_names_the_fields(vocab, tmp_path):
@@ -304,10 +305,10 @@ def test_the_shards_tokenizer_must_be_the_models(vocab, tmp_path):
 def test_sources_that_cannot_start_a_run_are_one_line(vocab, tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
-    with pytest.raises(hf_import.InitFromError, match="neither a Hugging Face BERT folder"):
+    with pytest.raises(hf_import.InitFromError, match="neither a Hugging Face model folder"):
         hf_import.open_source(empty)
     (empty / "config.json").write_text(json.dumps({"model_type": "roberta"}))
-    with pytest.raises(ConfigError, match="model_type 'roberta'; --init-from takes a BERT model"):
+    with pytest.raises(ConfigError, match="model_type 'roberta'; --init-from takes a bert or modernbert model"):
         hf_import.open_source(empty)
     (empty / "config.json").write_text(json.dumps({"model_type": "bert", "hidden_size": 48}))
     with pytest.raises(hf_import.InitFromError, match="holds config.json but none of model.safetensors, "

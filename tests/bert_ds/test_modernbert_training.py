@@ -58,3 +58,81 @@ def test_a_tiny_modernbert_learns_and_resumes_exactly_after_a_kill(sample_bpe_da
     run_cli(*args, "--exit-after", "20")  # from the checkpoint of step 40 to step 60
     got, reference = _losses(killed), _losses(whole)
     assert max(got) == 60 and all(got[step] == reference[step] for step in range(1, 61)), (got, reference)
+
+
+def _modernbert_folder(folder: Path, tokenizer: Path, vocab_size: int):
+    """A ModernBertForMaskedLM at random init as transformers saves it, with the shards' tokenizer,
+    its embedding rows ``vocab_size`` (as many as the tokenizer's ids, or more, as ModernBERT pads)."""
+    import shutil
+
+    import torch
+    from transformers import ModernBertConfig, ModernBertForMaskedLM
+
+    torch.manual_seed(0)
+    config = ModernBertConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+                              num_attention_heads=2, max_position_embeddings=256, local_attention=16,
+                              pad_token_id=0, bos_token_id=2, eos_token_id=3, cls_token_id=2, sep_token_id=3)
+    model = ModernBertForMaskedLM(config)
+    torch.nn.init.normal_(model.decoder.bias, std=3.0)  # token preferences a fresh model lacks
+    model.save_pretrained(folder)
+    for file in tokenizer.iterdir():
+        shutil.copy(file, folder / file.name)
+    return model
+
+
+@pytest.mark.parametrize("vocab_size", [4096, 4160], ids=["its-tokenizer's-ids", "padded-embedding"])
+def test_continued_pretraining_of_a_modernbert_folder_starts_from_its_loss(sample_bpe_data, tmp_path, vocab_size):
+    """--init-from a ModernBERT folder (no --preset: the shape from its config.json): the first step's
+    loss, before any update, is transformers' on the same batch; the export loads back."""
+    import torch
+    from transformers import AutoModelForMaskedLM
+
+    from bert_ds.checkpoint import hf_import
+    from bert_ds.checkpoint.export import export_checkpoint
+    from bert_ds.config import BatchPlan
+    from bert_ds.loader.pretraining import PretrainingLoader, open_pretraining_data
+    from bert_ds.train import cli as train
+
+    hf = tmp_path / "hf"
+    source = _modernbert_folder(hf, sample_bpe_data["tokenizer"], vocab_size).eval()
+    args = ["--data", str(sample_bpe_data["train"]), "--output", str(tmp_path / "run"), "--init-from", str(hf),
+            "--steps", "2", "--seq-len", "64", "--global-batch-size", "8", "--micro-batch-size", "8",
+            "--ds-config", "zero0_fp32.json", "--held-out", "0", "--no-progress", "--no-tensorboard",
+            "--num-workers", "0"]
+    run_cli("bert_ds.train", *args)
+
+    parsed = train.parse_args(args)
+    cfg = train.config_from_args(parsed, 4096, None, hf_import.open_source(hf))
+    assert (cfg.model.arch, cfg.model.vocab_size, cfg.data.layout, cfg.data.mask_rate) == (
+        "modernbert", vocab_size, "documents", 0.3)
+    stream, _ = open_pretraining_data(cfg.data, cfg.seed)
+    batch = PretrainingLoader(stream, BatchPlan.resolve(8, 8, 1), rank=0).next_step()[0]
+    with torch.no_grad():
+        theirs = source(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                        labels=batch["labels"]).loss.item()
+    first = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["step"] == 1 and abs(first["loss"] - theirs) <= 1e-4, (first["loss"], theirs)
+
+    out = export_checkpoint(tmp_path / "run" / "checkpoints", tmp_path / "export")
+    loaded = AutoModelForMaskedLM.from_pretrained(out)
+    assert type(loaded).__name__ == "ModernBertForMaskedLM" and loaded.config.vocab_size == vocab_size
+
+
+def test_a_bert_run_refuses_a_modernbert_folder_and_a_run_of_one_family_refuses_to_resume_as_the_other(
+        sample_bpe_data, tmp_path):
+    hf = tmp_path / "hf"
+    _modernbert_folder(hf, sample_bpe_data["tokenizer"], 4096)
+    common = ["bert_ds.train", "--data", str(sample_bpe_data["train"]), "--steps", "1", "--seq-len", "64",
+              "--global-batch-size", "8", "--micro-batch-size", "8", "--ds-config", "zero0_fp32.json",
+              "--no-progress", "--no-tensorboard", "--num-workers", "0"]
+    proc = run_cli(*common, "--output", str(tmp_path / "a"), "--init-from", str(hf), "--preset", "tiny",
+                   "--pair-task", "none", "--layout", "documents", check=False)
+    assert proc.returncode == 2 and not (tmp_path / "a").exists()
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: --preset tiny is a bert model, but"), proc.stderr
+
+    run_cli(*common, "--output", str(tmp_path / "b"), "--preset", "modernbert-tiny")
+    proc = run_cli(*common, "--output", str(tmp_path / "b"), "--steps", "2", "--preset", "tiny", "--pair-task", "none",
+                   "--layout", "documents", check=False)
+    assert proc.returncode == 2, proc.stderr
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: cannot resume") and "model.arch: saved modernbert, requested bert" in line, line
