@@ -27,7 +27,7 @@ import pytest
 from bert_ds.tools import config_reference
 from bert_ds.train import cli as train_cli
 from tests import docs_commands as docs
-from tests.conftest import REPO, SAMPLE, cli_env, end, spawn
+from tests.conftest import REPO, SAMPLE, cli_env, end, make_bpe_tokenizer, spawn
 
 README_MAX_LINES = 260  # the issue's "at most ~250"
 # Sentences about earlier versions belong in CHANGELOG.md, not in a page about the software.
@@ -246,7 +246,8 @@ TINY = {
 
 def _workspace(root: Path) -> Path:
     """What the recipes expect to find: text in domain/ and corpus/, a Hugging Face BERT in
-    bert-base-uncased/ and an export of one in runs/domain/hf/, made-up SQuAD v1.1 in squad/ and
+    bert-base-uncased/ and an export of one in runs/domain/hf/, a ModernBERT tokenizer in
+    ModernBERT-base/, the phase plans in bert_ds/recipes/, made-up SQuAD v1.1 in squad/ and
     CoNLL-2003 in conll/ (all made here: nothing is downloaded)."""
     import torch
     import transformers
@@ -271,6 +272,9 @@ def _workspace(root: Path) -> Path:
     shutil.copytree(hf, root / "runs" / "domain" / "hf")
     learnable_squad(root / "squad", sizes=(64, 32))
     learnable_conll(root / "conll")
+    # A ModernBERT tokenizer's stand-in (a byte-level BPE) and the recipes the README names
+    make_bpe_tokenizer(root / "ModernBERT-base", lines, 2048)
+    shutil.copytree(REPO / "bert_ds" / "recipes", root / "bert_ds" / "recipes")
     return root
 
 

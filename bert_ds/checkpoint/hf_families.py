@@ -163,8 +163,11 @@ def _modernbert_hf_config(config: ModernBertConfig):
     layer_types = ["full_attention" if config.is_global(i) else "sliding_attention" for i in range(config.num_layers)]
     rope = {"full_attention": {"rope_type": "default", "rope_theta": config.global_rope_theta},
             "sliding_attention": {"rope_type": "default", "rope_theta": config.local_rope_theta}}
+    # The special tokens' ids are the tokenizer's (the export sets them from it); transformers'
+    # defaults are ModernBERT's own vocabulary's, past a smaller model's embedding rows.
+    no_ids = dict.fromkeys(("cls_token_id", "sep_token_id", "bos_token_id", "eos_token_id"))
     return HFConfig(architectures=["ModernBertForMaskedLM"], tie_word_embeddings=True, layer_types=layer_types,
-                    rope_parameters=rope, **values)
+                    rope_parameters=rope, **no_ids, **values)
 
 
 def _modernbert_from_hf(values: Mapping[str, Any], where: Path) -> dict[str, Any]:

@@ -24,20 +24,30 @@ SENTENCES = (
 
 
 def fill_mask(export_dir: Path, sentences: tuple[str, ...] = SENTENCES, top_k: int = 5) -> list[list[str]]:
-    """Top-k tokens for the [MASK] of each sentence, from the exported model."""
+    """Top-k tokens for the [MASK] of each sentence (written as the tokenizer's mask token), from the
+    exported model: BERT's pretraining class or, for another family, its masked-LM class."""
     import torch
-    from transformers import AutoTokenizer, BertForPreTraining
+    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(export_dir)
-    model = BertForPreTraining.from_pretrained(export_dir).eval()
+    model = _masked_lm_class(export_dir).from_pretrained(export_dir).eval()
     results = []
     with torch.no_grad():
         for text in sentences:
-            enc = tokenizer(text, return_tensors="pt")
+            enc = tokenizer(text.replace("[MASK]", tokenizer.mask_token), return_tensors="pt")
             where = (enc["input_ids"][0] == tokenizer.mask_token_id).nonzero()[0, 0]
-            logits = model(**enc).prediction_logits[0, where]
+            out = model(**enc)
+            logits = (out.prediction_logits if hasattr(out, "prediction_logits") else out.logits)[0, where]
             results.append(tokenizer.convert_ids_to_tokens(logits.topk(top_k).indices.tolist()))
     return results
+
+
+def _masked_lm_class(export_dir: Path):
+    """transformers' class of the export (its config.json's architectures), loading its MLM head whole."""
+    import transformers
+
+    names = json.loads((export_dir / "config.json").read_text()).get("architectures") or ["BertForPreTraining"]
+    return getattr(transformers, names[0])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,7 +62,7 @@ def _demo(run_dir: Path) -> None:
     if not (export_dir / "config.json").is_file():
         raise UserError(f"{export_dir}: no Hugging Face export here (run `./run.sh export` first)")
     import_whole("torch", "transformers")
-    print("== fill-mask with the exported model (transformers.BertForPreTraining) ==")
+    print(f"== fill-mask with the exported model (transformers.{_masked_lm_class(export_dir).__name__}) ==")
     for text, top in zip(SENTENCES, fill_mask(export_dir)):
         print(f"{text}\n    -> {', '.join(top)}")
     summary_file = run_dir / "train" / "summary.json"

@@ -1,4 +1,6 @@
-"""BERT's two-phase recipe (most steps at 128 tokens, then 512) from one JSON file.
+"""A multi-phase recipe from one JSON file: BERT's two phases (most steps at 128 tokens, then
+512), ModernBERT's (1,024 tokens, then a context extension to 8,192 with a larger rotary base,
+then a decay).
 
     python -m bert_ds.train.phases --config bert_ds/recipes/bert_base_two_phase.json
     torchrun --nproc-per-node 8 -m bert_ds.train.phases --config FILE.json
@@ -17,7 +19,13 @@ its name, steps and overrides of the base (``data`` and ``optim`` are merged key
 Design choices:
 - Every phase is an ordinary ``bert_ds.train`` run in ``OUTPUT/<phase name>`` with a
   :class:`~bert_ds.config.TrainConfig` built and validated up front, so a typo in the
-  last phase fails before the first one starts (unknown keys are a ConfigError).
+  last phase fails before the first one starts (unknown keys are a ConfigError). The model's
+  family sets the data settings the plan leaves out, as on the command line
+  (:data:`bert_ds.model.config.DATA_DEFAULTS`: ModernBERT's whole documents, token budget, 30%
+  masking, no pair task).
+- A phase may change what leaves the weights' shapes as they are: the kernels and layer
+  settings, and a ModernBERT's rotary bases (its context extension raises the global layers'
+  theta).
 - A phase after the first starts from the previous phase's final weights
   (``model.safetensors``, fp32 master copy) with a fresh optimizer and LR schedule, so it
   warms up again: what NVIDIA's and Google's BERT recipes do between the phases.
@@ -49,7 +57,7 @@ from typing import Any
 from bert_ds.base.errors import ConfigError
 from bert_ds.config import TrainConfig
 from bert_ds.eval import glue, ner, squad
-from bert_ds.model.config import PRESETS, model_preset
+from bert_ds.model.config import DATA_DEFAULTS, PRESETS, model_preset
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 _MERGED = ("data", "optim")  # sections a phase overrides key by key
@@ -65,7 +73,8 @@ class Evaluation:
     module: Any  # bert_ds.eval.glue, .squad or .ner: stage_args, prepare, run
     args: argparse.Namespace
     prepared: Any
-_PHASE_MODEL_KEYS = ("activation_checkpointing", "compile_layers", "kernels")  # all a phase may change about the model
+# all a phase may change about the model: nothing of the weights' shapes
+_PHASE_MODEL_KEYS = ("activation_checkpointing", "compile_layers", "kernels", "global_rope_theta", "local_rope_theta")
 
 
 @dataclass
@@ -176,6 +185,7 @@ class PhasePlan:
                 d[section] = {**self.base.get(section, {}), **phase.overrides.get(section, {})}
             try:
                 model = model_preset(name, vocab_size, **{**preset, **phase.model})
+                d["data"] = {**DATA_DEFAULTS[model.arch], **d["data"]}
                 configs.append(TrainConfig.from_dict({**d, "model": model.to_dict(), "steps": phase.steps,
                                                       "output": str(Path(self.output) / phase.name)}))
             except ConfigError as e:
