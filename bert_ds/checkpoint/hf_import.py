@@ -60,7 +60,7 @@ from bert_ds.model.config import PRESETS, AnyModelConfig, model_config_from_dict
 from bert_ds.checkpoint.resume import FIELDS, REFUSED
 from bert_ds.base.errors import UserError, describe
 from bert_ds.data_tools.fast_tokenizer import load_fast_tokenizer
-from bert_ds.data_tools.manifest import Manifest, given_tokenizer
+from bert_ds.data_tools.manifest import MANIFEST_NAME, Manifest, given_tokenizer
 from bert_ds.data_tools.tokenizer import load_vocabulary, vocab_entries
 
 # What a source decides about the model: the fields a resume may not change, and the init of fresh heads.
@@ -185,10 +185,11 @@ def check_vocabulary(source: InitSource, dataset: Path) -> None:
     token and the special ids, :func:`bert_ds.data_tools.fast_tokenizer.vocabulary_fingerprint`)."""
     if source.tokenizer is None:
         return
-    manifest = Manifest.load(dataset)
-    if given_tokenizer(manifest):
-        _check_fast_tokenizer(source, dataset, manifest)
-        return
+    if (dataset / MANIFEST_NAME).is_file():
+        manifest = Manifest.load(dataset)
+        if given_tokenizer(manifest):
+            _check_fast_tokenizer(source, dataset, manifest)
+            return
     theirs, their_norm = load_vocabulary(str(source.tokenizer))
     ours, our_norm = load_vocabulary(str(dataset))
     model_tokens, data_tokens = vocab_entries(theirs), vocab_entries(ours)

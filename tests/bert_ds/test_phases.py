@@ -63,7 +63,7 @@ def test_each_phase_builds_its_model_at_its_own_sequence_length(monkeypatch):
     def model(config, train_seq_len=None):
         seq_lens.append(train_seq_len)
         raise Built
-    monkeypatch.setattr(loop, "BertForPreTraining", model)
+    monkeypatch.setattr(loop, "build_model", model)
     for cfg in PhasePlan.load(RECIPES / "bert_base_two_phase.json").train_configs(vocab_size=30522):
         with pytest.raises(Built):
             loop._build_engine(cfg, {}, torch.device("cpu"))
