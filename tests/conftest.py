@@ -155,21 +155,29 @@ BPE_SPECIALS = {"pad_token": "[PAD]", "unk_token": "[UNK]", "cls_token": "[CLS]"
                 "mask_token": "[MASK]"}
 
 
-def make_bpe_tokenizer(folder: Path, lines: list[str], vocab_size: int) -> Path:
-    """A byte-level BPE tokenizer trained on ``lines``, ModernBERT's kind (its special tokens named
-    in its config, ``[CLS] text [SEP]`` on encoding), saved as transformers saves one."""
+def bpe_tokenizer(lines: list[str], vocab_size: int, *, prefix_space: bool = True, **settings):
+    """A byte-level BPE tokenizer trained on ``lines``, ModernBERT's kind: its special tokens named,
+    ``[CLS] A [SEP]`` and ``[CLS] A [SEP] B [SEP]`` on encoding; transformers' generic fast tokenizer
+    with ``settings`` (a special token's name, ``padding_side``...). ModernBERT's own adds no prefix
+    space."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE(unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=prefix_space)
     tok.decoder = decoders.ByteLevel()
     tok.train_from_iterator(lines, trainers.BpeTrainer(
         vocab_size=vocab_size, special_tokens=list(BPE_SPECIALS.values()), show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", special_tokens=[
-        ("[CLS]", tok.token_to_id("[CLS]")), ("[SEP]", tok.token_to_id("[SEP]"))])
-    PreTrainedTokenizerFast(tokenizer_object=tok, **BPE_SPECIALS).save_pretrained(folder)
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B [SEP]",
+        special_tokens=[("[CLS]", tok.token_to_id("[CLS]")), ("[SEP]", tok.token_to_id("[SEP]"))])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, **{**BPE_SPECIALS, **settings})
+
+
+def make_bpe_tokenizer(folder: Path, lines: list[str], vocab_size: int, **options) -> Path:
+    """``bpe_tokenizer`` saved in ``folder`` as transformers saves one."""
+    bpe_tokenizer(lines, vocab_size, **options).save_pretrained(folder)
     return folder
 
 

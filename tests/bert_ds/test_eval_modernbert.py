@@ -16,31 +16,19 @@ from bert_ds.eval.ner_data import NerSplit
 from tests.bert_ds.test_glue import WORDS, learnable_sst2
 from tests.bert_ds.test_ner import ENTITIES, learnable_conll
 from tests.bert_ds.test_squad import COLORS, learnable_squad, official_scores
-from tests.conftest import run_cli
+from tests.conftest import BPE_SPECIALS, run_cli
+from tests.conftest import bpe_tokenizer as trained_bpe
 
-SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+SPECIALS = list(BPE_SPECIALS.values())
 
 
 def bpe_tokenizer(**settings):
     """A byte-level BPE as ModernBERT's is (OLMo's kind: no prefix space, ``[CLS] A [SEP] B [SEP]``),
-    trained on the tests' words, as transformers' generic fast tokenizer."""
-    import transformers
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
+    trained on the tests' words."""
     words = [*WORDS, "good", "bad", *COLORS, *(w for names in ENTITIES.values() for n in names for w in n),
              "what", "color", "?"]
-    backend = Tokenizer(models.BPE(unk_token="[UNK]"))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    backend.train_from_iterator([" ".join(words[i:] + words[:i]) for i in range(len(words))], trainers.BpeTrainer(
-        vocab_size=400, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False))
-    cls, sep = backend.token_to_id("[CLS]"), backend.token_to_id("[SEP]")
-    backend.post_processor = processors.TemplateProcessing(
-        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B [SEP]", special_tokens=[("[CLS]", cls), ("[SEP]", sep)])
-    names = {"pad_token": "[PAD]", "unk_token": "[UNK]", "cls_token": "[CLS]", "sep_token": "[SEP]",
-             "mask_token": "[MASK]"}
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=backend, **{**names, **settings})
+    return trained_bpe([" ".join(words[i:] + words[:i]) for i in range(len(words))], 400, prefix_space=False,
+                       **settings)
 
 
 @pytest.fixture(scope="module")

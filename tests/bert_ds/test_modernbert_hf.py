@@ -19,29 +19,14 @@ from bert_ds.checkpoint.hf_import import InitFromError, match, model_config, ope
 from bert_ds.checkpoint.hf_families import MODERNBERT
 from bert_ds.model.config import model_config_from_dict, model_preset
 from bert_ds.model.modernbert import ModernBertForPreTraining
+from tests.conftest import make_bpe_tokenizer
 
 pytestmark = pytest.mark.lowest  # transformers' ModernBERT, also under the lowest supported transformers
 
-SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-
-
 def _tokenizer(folder: Path) -> Path:
     """A tiny byte-level BPE tokenizer with ModernBERT's kind of special tokens, saved as transformers does."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
     text = ["the european lobster is a species of clawed lobster from the eastern atlantic ocean"] * 20
-    tok.train_from_iterator(text, trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIALS,
-                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", special_tokens=[
-        ("[CLS]", tok.token_to_id("[CLS]")), ("[SEP]", tok.token_to_id("[SEP]"))])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]",
-                                   sep_token="[SEP]", mask_token="[MASK]")
-    fast.save_pretrained(folder)
-    return folder
+    return make_bpe_tokenizer(folder, text, 300, prefix_space=False)
 
 
 @pytest.fixture(scope="module")
