@@ -183,6 +183,8 @@ class TrainConfig:
     steps: int = 1000  # optimizer steps
     global_batch_size: int = 32  # sequences per optimizer step, all ranks together
     micro_batch_size: int = 32  # sequences per forward pass on one rank
+    batch_warmup_steps: int = 0  # steps over which the global batch rises to global_batch_size; 0 = off
+    batch_warmup_start: int = 0  # the global batch of step 1 under batch_warmup_steps (ModernBERT: 768 of 4,608)
     ds_config: str = "zero1_bf16.json"  # a file in ds_configs/ or a path
     seed: int = 1234  # weights, sample order, masks and dropout all follow from it
     log_every: int = 1  # metrics.jsonl gets every step; this paces the console line
@@ -200,6 +202,11 @@ class TrainConfig:
         require(self.steps > 0, "steps", f"must be > 0, got {self.steps}")
         require(self.global_batch_size > 0, "global_batch_size", f"must be > 0, got {self.global_batch_size}")
         require(self.micro_batch_size > 0, "micro_batch_size", f"must be > 0, got {self.micro_batch_size}")
+        require(self.batch_warmup_steps >= 0, "batch_warmup_steps", f"must be >= 0, got {self.batch_warmup_steps}")
+        if self.batch_warmup_steps:
+            require(0 < self.batch_warmup_start <= self.global_batch_size, "batch_warmup_start",
+                    f"must be in (0, global_batch_size {self.global_batch_size}] with batch_warmup_steps, "
+                    f"got {self.batch_warmup_start}")
         require(self.log_every > 0, "log_every", f"must be > 0, got {self.log_every}")
         require(self.val_every >= 0 and self.save_every >= 0, "val_every/save_every", "must be >= 0")
         require(self.exit_after >= 0, "exit_after", f"must be >= 0, got {self.exit_after}")
@@ -245,18 +252,28 @@ def _from_dict(cls: type, d: dict[str, Any], **extra: Any) -> Any:
 
 @dataclass(frozen=True)
 class BatchPlan:
-    """How a global batch splits into ranks and accumulation steps.
+    """How a global batch splits into ranks and accumulation steps, step by step.
 
-    ``global_batch_size == micro_batch_size * grad_accum * world_size`` always holds.
+    ``global_batch_size == micro_batch_size * grad_accum * world_size`` always holds. Under a
+    batch-size warm-up (``warmup_steps`` > 0) step s (1-based) of the first ``warmup_steps``
+    runs fewer accumulation steps: from ``warmup_accum`` at step 1, rising linearly to
+    ``grad_accum`` (ModernBERT's warm-up of its global batch, 768 to 4,608 sequences). The
+    micro-batch stays as it is, so a step's batch moves in whole micro-batches on every rank,
+    ``micro_batch_size x world_size`` sequences at a time.
     """
 
     global_batch_size: int
     micro_batch_size: int
     world_size: int
     grad_accum: int
+    warmup_steps: int = 0
+    warmup_accum: int = 0  # the accumulation steps of step 1 under the warm-up
 
     @classmethod
-    def resolve(cls, global_batch_size: int, micro_batch_size: int, world_size: int) -> BatchPlan:
+    def resolve(cls, global_batch_size: int, micro_batch_size: int, world_size: int, warmup_steps: int = 0,
+                warmup_start: int = 0) -> BatchPlan:
+        """``warmup_start``: the global batch of step 1 under ``warmup_steps``, rounded down to
+        whole micro-batches on every rank (at least one)."""
         per_step = micro_batch_size * world_size
         if global_batch_size % per_step:
             per_rank, fits = divmod(global_batch_size, world_size)
@@ -266,7 +283,27 @@ class BatchPlan:
                 f"global_batch_size {global_batch_size} is not a multiple of micro_batch_size {micro_batch_size}"
                 f" x world_size {world_size} = {per_step}{hint}"
             )
-        return cls(global_batch_size, micro_batch_size, world_size, global_batch_size // per_step)
+        grad_accum = global_batch_size // per_step
+        warmup_accum = min(max(1, warmup_start // per_step), grad_accum) if warmup_steps else 0
+        return cls(global_batch_size, micro_batch_size, world_size, grad_accum, warmup_steps, warmup_accum)
+
+    def accum_at(self, step: int) -> int:
+        """The accumulation steps of optimizer step ``step`` (1-based)."""
+        if step > self.warmup_steps:
+            return self.grad_accum
+        return self.warmup_accum + (self.grad_accum - self.warmup_accum) * (step - 1) // self.warmup_steps
+
+    def batch_at(self, step: int) -> int:
+        """The global batch (sequences, all ranks) of optimizer step ``step``."""
+        return self.accum_at(step) * self.micro_batch_size * self.world_size
+
+    def describe(self) -> str:
+        """The split, for the start-up line: ``32 = 8 x 2 accum x 2 ranks`` and any warm-up."""
+        text = (f"{self.global_batch_size} = {self.micro_batch_size} x {self.grad_accum} accum x "
+                f"{self.world_size} ranks")
+        if self.warmup_steps:
+            text += f", warming up from {self.batch_at(1)} over {self.warmup_steps} steps"
+        return text
 
 
 def check_writable(path: str | Path, flag: str, *, folder: bool) -> None:

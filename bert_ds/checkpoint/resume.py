@@ -110,6 +110,8 @@ FIELDS: dict[str, FieldClass] = {
     "steps": RECORDED,  # extends (or ends earlier) the run and its LR schedule
     "global_batch_size": REFUSED,  # the data cursor counts samples in steps of it
     "micro_batch_size": RECORDED,  # the same global batch, split differently
+    "batch_warmup_steps": REFUSED,  # the steps' batches the cursor continues
+    "batch_warmup_start": REFUSED,
     "ds_config": REFUSED,  # DeepSpeed's own files are laid out for its ZeRO stage and precision
     "seed": REFUSED,  # the sample order and masks the cursor continues
     "log_every": RECORDED,

@@ -608,21 +608,24 @@ def to_device(batch: Batch, device: torch.device,
             for k, v in batch.items()}
 
 
-def step_positions(plan: BatchPlan, rank: int, step_start: int) -> list[list[int]]:
-    """The stream positions of ``rank``'s micro-batches in the step that starts at ``step_start``.
+def step_positions(plan: BatchPlan, rank: int, step_start: int, accum: int | None = None) -> list[list[int]]:
+    """The stream positions of ``rank``'s micro-batches in the step that starts at ``step_start``
+    and runs ``accum`` accumulation steps (default: the plan's).
 
-    The optimizer step that starts at global position c covers [c, c + G); its
-    micro-step m gives rank r the positions c + (m * W + r) * micro + [0, micro).
+    The optimizer step that starts at global position c covers [c, c + G), G its global batch;
+    its micro-step m gives rank r the positions c + (m * W + r) * micro + [0, micro).
     """
     micro = plan.micro_batch_size
+    accum = plan.grad_accum if accum is None else accum
     return [list(range(lo, lo + micro))
-            for lo in (step_start + (m * plan.world_size + rank) * micro for m in range(plan.grad_accum))]
+            for lo in (step_start + (m * plan.world_size + rank) * micro for m in range(accum))]
 
 
 class TokenBudget:
     """Micro-batches filled to a token budget, packed greedily in the global stream's order.
 
-    The step that starts at stream position c is ``K = grad_accum x world_size`` micro-batches,
+    The step that starts at stream position c is ``K = accum x world_size`` micro-batches (accum:
+    the step's accumulation steps, :meth:`BatchPlan.accum_at`),
     made one after another from c: each takes the next samples while their tokens ([CLS] and [SEP]
     included) fit ``budget = micro_batch_size x max_seq_length``, and the first sample that does
     not fit opens the next one (a sample is at most ``max_seq_length``, so each takes at least
@@ -648,23 +651,23 @@ class TokenBudget:
     def __init__(self, dataset: PretrainingDataset | BlendedDataset, plan: BatchPlan, max_seq_length: int):
         self.dataset, self.plan = dataset, plan
         self.budget = plan.micro_batch_size * max_seq_length
-        self.micro_batches = plan.grad_accum * plan.world_size
-        self._steps: dict[int, list[range]] = {}
+        self._steps: dict[tuple[int, int], list[range]] = {}
 
-    def step(self, start: int) -> list[range]:
-        """The K micro-batches (ranges of stream positions, consecutive from ``start``) of the step
-        that starts at ``start``."""
-        if start not in self._steps:
+    def step(self, start: int, accum: int) -> list[range]:
+        """The K = ``accum`` x world_size micro-batches (ranges of stream positions, consecutive
+        from ``start``) of the step that starts at ``start``."""
+        key = (start, accum)
+        if key not in self._steps:
             if len(self._steps) >= self._KEEP:
                 del self._steps[next(iter(self._steps))]
-            self._steps[start] = self._pack(start)
-        return self._steps[start]
+            self._steps[key] = self._pack(start, accum * self.plan.world_size)
+        return self._steps[key]
 
-    def _pack(self, start: int) -> list[range]:
+    def _pack(self, start: int, micro_batches: int) -> list[range]:
         batches: list[range] = []
         lo = pos = start
         used, lengths, at = 0, [], start  # lengths[i]: the sample at position at + i
-        while len(batches) < self.micro_batches:
+        while len(batches) < micro_batches:
             if pos - at >= len(lengths):
                 at, lengths = pos, self.dataset.lengths(pos, pos + self._BLOCK)
             n = lengths[pos - at]
@@ -676,39 +679,45 @@ class TokenBudget:
             pos += 1
         return batches
 
-    def end(self, start: int) -> int:
+    def end(self, start: int, accum: int) -> int:
         """Where the next step starts."""
-        return self.step(start)[-1].stop
+        return self.step(start, accum)[-1].stop
 
-    def rank_positions(self, start: int, rank: int) -> list[list[int]]:
+    def rank_positions(self, start: int, accum: int, rank: int) -> list[list[int]]:
         """``rank``'s micro-batches of the step that starts at ``start``."""
-        return [list(r) for r in self.step(start)[rank:: self.plan.world_size]]
+        return [list(r) for r in self.step(start, accum)[rank:: self.plan.world_size]]
 
 
 class _RankPositions:
-    """Batch sampler: this rank's stream positions, one micro-batch at a time."""
+    """Batch sampler: this rank's stream positions, one micro-batch at a time, from the step
+    after ``steps_done`` that starts at stream position ``consumed``."""
 
-    def __init__(self, plan: BatchPlan, rank: int, consumed: int, packer: TokenBudget | None = None):
-        self.plan, self.rank, self.consumed, self.packer = plan, rank, consumed, packer
+    def __init__(self, plan: BatchPlan, rank: int, consumed: int, steps_done: int = 0,
+                 packer: TokenBudget | None = None):
+        self.plan, self.rank, self.consumed, self.steps_done, self.packer = plan, rank, consumed, steps_done, packer
 
     def __iter__(self) -> Iterator[list[int]]:
-        step_start = self.consumed
+        step_start, step = self.consumed, self.steps_done + 1
         while True:
+            accum = self.plan.accum_at(step)
             if self.packer is None:
-                yield from step_positions(self.plan, self.rank, step_start)
-                step_start += self.plan.global_batch_size
+                yield from step_positions(self.plan, self.rank, step_start, accum)
+                step_start += self.plan.batch_at(step)
             else:
-                yield from self.packer.rank_positions(step_start, self.rank)
-                step_start = self.packer.end(step_start)
+                yield from self.packer.rank_positions(step_start, accum, self.rank)
+                step_start = self.packer.end(step_start, accum)
+            step += 1
 
 
 class PretrainingLoader:
-    """Micro-batches for one rank, resumable from a consumed-sample count."""
+    """Micro-batches for one rank, resumable from a consumed-sample count and the steps taken
+    (which set a step's accumulation steps under a batch-size warm-up)."""
 
     def __init__(self, dataset: PretrainingDataset | BlendedDataset, plan: BatchPlan, rank: int, consumed_samples: int = 0,
                  num_workers: int = 0, pin_memory: bool = False):
         self.dataset, self.plan, self.rank = dataset, plan, rank
         self.consumed_samples = consumed_samples
+        self.steps = 0  # optimizer steps taken
         self.num_workers = num_workers
         # Page-locked batches let the host-to-GPU copy run asynchronously (non_blocking=True);
         # from pageable memory that copy blocks the host until it is done.
@@ -723,7 +732,7 @@ class PretrainingLoader:
             end_loader_workers_at_exit()  # the workers ignore SIGTERM: see there
         loader = DataLoader(
             self.dataset,
-            batch_sampler=_RankPositions(self.plan, self.rank, self.consumed_samples, self.packer),
+            batch_sampler=_RankPositions(self.plan, self.rank, self.consumed_samples, self.steps, self.packer),
             collate_fn=lambda samples: collate(samples, pad),
             num_workers=self.num_workers,
             pin_memory=self.pin_memory,
@@ -737,27 +746,32 @@ class PretrainingLoader:
         return iter(loader)
 
     def next_step(self) -> list[Batch]:
-        """The grad_accum micro-batches of the next optimizer step for this rank."""
+        """The micro-batches of the next optimizer step for this rank (``plan.accum_at`` it)."""
         if self._iter is None:
             self._iter = self._make_iter()
+        step = self.steps + 1
+        accum = self.plan.accum_at(step)
         try:
-            batches = [next(self._iter) for _ in range(self.plan.grad_accum)]
+            batches = [next(self._iter) for _ in range(accum)]
         except ShardError as e:
             raise ShardError(_worker_message(e)) from None
         if self.packer is None:
-            self.consumed_samples += self.plan.global_batch_size
+            self.consumed_samples += self.plan.batch_at(step)
         else:
-            self.consumed_samples = self.packer.end(self.consumed_samples)
+            self.consumed_samples = self.packer.end(self.consumed_samples, accum)
+        self.steps = step
         return batches
 
-    def step_positions(self, step_start: int) -> list[list[int]]:
-        """This rank's stream positions, per micro-batch, in the step that starts at ``step_start``."""
+    def step_positions(self, step: int, step_start: int) -> list[list[int]]:
+        """This rank's stream positions, per micro-batch, in step ``step`` (1-based), which starts
+        at ``step_start``."""
+        accum = self.plan.accum_at(step)
         if self.packer is None:
-            return step_positions(self.plan, self.rank, step_start)
-        return self.packer.rank_positions(step_start, self.rank)
+            return step_positions(self.plan, self.rank, step_start, accum)
+        return self.packer.rank_positions(step_start, accum, self.rank)
 
     def state_dict(self) -> dict[str, int]:
-        return {"consumed_samples": self.consumed_samples, "seed": self.dataset.seed,
+        return {"consumed_samples": self.consumed_samples, "steps": self.steps, "seed": self.dataset.seed,
                 "epoch_samples": self.dataset.num_samples}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
@@ -768,6 +782,9 @@ class PretrainingLoader:
                 f"{self.dataset.num_samples}); resume with the same data and seed"
             )
         self.consumed_samples = int(state["consumed_samples"])
+        # A checkpoint from before batch-size warm-ups has no step count; its plan had none, and
+        # without one every step is alike
+        self.steps = int(state.get("steps", 0))
         self._iter = None
 
 

@@ -62,7 +62,7 @@ from bert_ds.model.config import PRESETS as PRESETS
 from bert_ds.model.config import ModelConfig as ModelConfig
 from bert_ds.model.config import model_preset as model_preset
 from bert_ds.model.mlm import MlmDecoder, PreTrainingOutput, device_count, masked_lm, vocab_columns
-from bert_ds.model.padding import Unpadded, gather_tokens, positions, unpad
+from bert_ds.model.padding import Unpadded, gather_tokens, input_layout
 
 # The config (ModelConfig, PRESETS, model_preset) is in bert_ds/model/config.py: it needs no torch.
 # How each activation is spelt for F.gelu and the bias_gelu kernel.
@@ -405,18 +405,9 @@ class BertForPreTraining(nn.Module):
         Without masked positions the decoder runs on every real token instead (inference,
         export checks).
         """
-        if (unpadded is None) == (attention_mask is None):
-            raise ValueError("pass exactly one of attention_mask (with masked_lm_labels) and unpadded")
-        if unpadded is None:
-            unpadded = unpad(attention_mask, masked_lm_labels)
-        elif masked_lm_labels is not None:
-            raise ValueError("with unpadded, the MLM labels come in unpadded.masked_labels, not masked_lm_labels")
-        batch, seq_len = input_ids.shape
-        if seq_len > self.config.max_position_embeddings:
-            raise ValueError(f"sequence length {seq_len} exceeds max_position_embeddings "
-                             f"{self.config.max_position_embeddings}")
-        token_indices = unpadded.token_indices
-        position_ids = positions(token_indices, seq_len)  # (T,)
+        unpadded, position_ids = input_layout(input_ids, attention_mask, masked_lm_labels, unpadded,
+                                              self.config.max_position_embeddings)
+        token_indices, batch = unpadded.token_indices, input_ids.shape[0]
         hidden, pooled = self.bert(
             gather_tokens(input_ids, token_indices),
             gather_tokens(token_type_ids, token_indices),

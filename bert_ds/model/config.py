@@ -9,6 +9,7 @@ import ModelConfig`` names the same class.
 """
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
@@ -47,27 +48,9 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         require(self.arch == "bert", f"{_PREFIX}arch", f"must be 'bert' for ModelConfig, got {self.arch!r}")
-        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size",
-                     "max_position_embeddings", "type_vocab_size"):
-            value = getattr(self, name)
-            require(_is_int(value) and value > 0, f"{_PREFIX}{name}", f"must be a positive integer, got {value!r}")
-        require(self.hidden_size % self.num_heads == 0, f"{_PREFIX}num_heads",
-                f"must divide hidden_size ({self.hidden_size}), got {self.num_heads}")
-        require(self.hidden_act in _HIDDEN_ACTS, f"{_PREFIX}hidden_act",
-                f"must be one of {', '.join(_HIDDEN_ACTS)}, got {self.hidden_act!r}")
-        for name in ("hidden_dropout", "attention_dropout"):
-            value = getattr(self, name)
-            require(_is_number(value) and 0.0 <= value < 1.0, f"{_PREFIX}{name}", f"must be in [0, 1), got {value!r}")
-        for name in ("layer_norm_eps", "initializer_range"):
-            value = getattr(self, name)
-            require(_is_number(value) and value > 0.0, f"{_PREFIX}{name}", f"must be a positive number, got {value!r}")
-        for name in ("pre_layernorm", "activation_checkpointing", "compile_layers"):
-            value = getattr(self, name)
-            require(isinstance(value, bool), f"{_PREFIX}{name}", f"must be true or false, got {value!r}")
-        require(self.kernels in _KERNEL_SETTINGS, f"{_PREFIX}kernels",
-                f"must be one of {', '.join(_KERNEL_SETTINGS)}, got {self.kernels!r}")
-        require(_is_int(self.pad_token_id) and 0 <= self.pad_token_id < self.vocab_size, f"{_PREFIX}pad_token_id",
-                f"must be a token id in [0, vocab_size={self.vocab_size}), got {self.pad_token_id!r}")
+        _check_fields(self, counts=("type_vocab_size",), positive=("layer_norm_eps", "initializer_range"),
+                      rates=("hidden_dropout", "attention_dropout"), flags=("pre_layernorm",),
+                      activation="hidden_act")
 
     @property
     def head_dim(self) -> int:
@@ -113,35 +96,16 @@ class ModernBertConfig:
 
     def __post_init__(self) -> None:
         require(self.arch == "modernbert", f"{_PREFIX}arch", f"must be 'modernbert' for ModernBertConfig, got {self.arch!r}")
-        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size",
-                     "max_position_embeddings", "global_attn_every_n_layers", "local_attention"):
-            value = getattr(self, name)
-            require(_is_int(value) and value > 0, f"{_PREFIX}{name}", f"must be a positive integer, got {value!r}")
-        require(self.hidden_size % self.num_heads == 0, f"{_PREFIX}num_heads",
-                f"must divide hidden_size ({self.hidden_size}), got {self.num_heads}")
+        _check_fields(self, counts=("global_attn_every_n_layers", "local_attention"),
+                      positive=("global_rope_theta", "local_rope_theta", "norm_eps", "initializer_range",
+                                "initializer_cutoff_factor"),
+                      rates=("embedding_dropout", "attention_dropout", "mlp_dropout"), activation="hidden_activation")
         require(self.head_dim % 2 == 0, f"{_PREFIX}num_heads",
                 f"must leave an even head dimension for the rotary pairs, got {self.head_dim}")
         require(self.local_attention % 2 == 0, f"{_PREFIX}local_attention",
                 f"must be even (the window is +-local_attention/2 tokens), got {self.local_attention}")
         require(self.local_attention <= self.max_position_embeddings, f"{_PREFIX}local_attention",
                 f"must be at most max_position_embeddings ({self.max_position_embeddings}), got {self.local_attention}")
-        for name in ("global_rope_theta", "local_rope_theta", "norm_eps", "initializer_range",
-                     "initializer_cutoff_factor"):
-            value = getattr(self, name)
-            require(_is_number(value) and value > 0.0 and value == value and value != float("inf"),
-                    f"{_PREFIX}{name}", f"must be a positive finite number, got {value!r}")
-        require(self.hidden_activation in _HIDDEN_ACTS, f"{_PREFIX}hidden_activation",
-                f"must be one of {', '.join(_HIDDEN_ACTS)}, got {self.hidden_activation!r}")
-        for name in ("embedding_dropout", "attention_dropout", "mlp_dropout"):
-            value = getattr(self, name)
-            require(_is_number(value) and 0.0 <= value < 1.0, f"{_PREFIX}{name}", f"must be in [0, 1), got {value!r}")
-        for name in ("activation_checkpointing", "compile_layers"):
-            value = getattr(self, name)
-            require(isinstance(value, bool), f"{_PREFIX}{name}", f"must be true or false, got {value!r}")
-        require(self.kernels in _KERNEL_SETTINGS, f"{_PREFIX}kernels",
-                f"must be one of {', '.join(_KERNEL_SETTINGS)}, got {self.kernels!r}")
-        require(_is_int(self.pad_token_id) and 0 <= self.pad_token_id < self.vocab_size, f"{_PREFIX}pad_token_id",
-                f"must be a token id in [0, vocab_size={self.vocab_size}), got {self.pad_token_id!r}")
 
     @property
     def head_dim(self) -> int:
@@ -182,6 +146,36 @@ def _from_dict(cls: type, values: Mapping[str, Any]) -> Any:
     if missing:
         raise ConfigError(f"model config: missing keys {', '.join(missing)}")
     return cls(**values)
+
+
+def _check_fields(config: Any, *, counts: tuple[str, ...], positive: tuple[str, ...], rates: tuple[str, ...],
+                  activation: str, flags: tuple[str, ...] = ()) -> None:
+    """The checks either family's config makes of its fields: the sizes and ``counts`` positive
+    integers, ``positive`` positive finite numbers, ``rates`` in [0, 1), the switches and ``flags``
+    booleans, the ``activation`` field, kernels and pad id among their choices; and the heads
+    divide the hidden size."""
+    for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size",
+                 "max_position_embeddings", *counts):
+        value = getattr(config, name)
+        require(_is_int(value) and value > 0, f"{_PREFIX}{name}", f"must be a positive integer, got {value!r}")
+    require(config.hidden_size % config.num_heads == 0, f"{_PREFIX}num_heads",
+            f"must divide hidden_size ({config.hidden_size}), got {config.num_heads}")
+    for name in positive:
+        value = getattr(config, name)
+        require(_is_number(value) and 0.0 < value < math.inf, f"{_PREFIX}{name}",
+                f"must be a positive finite number, got {value!r}")
+    for name in rates:
+        value = getattr(config, name)
+        require(_is_number(value) and 0.0 <= value < 1.0, f"{_PREFIX}{name}", f"must be in [0, 1), got {value!r}")
+    for name in ("activation_checkpointing", "compile_layers", *flags):
+        value = getattr(config, name)
+        require(isinstance(value, bool), f"{_PREFIX}{name}", f"must be true or false, got {value!r}")
+    value = getattr(config, activation)
+    require(value in _HIDDEN_ACTS, f"{_PREFIX}{activation}", f"must be one of {', '.join(_HIDDEN_ACTS)}, got {value!r}")
+    require(config.kernels in _KERNEL_SETTINGS, f"{_PREFIX}kernels",
+            f"must be one of {', '.join(_KERNEL_SETTINGS)}, got {config.kernels!r}")
+    require(_is_int(config.pad_token_id) and 0 <= config.pad_token_id < config.vocab_size, f"{_PREFIX}pad_token_id",
+            f"must be a token id in [0, vocab_size={config.vocab_size}), got {config.pad_token_id!r}")
 
 
 def _is_int(value: object) -> bool:

@@ -43,7 +43,7 @@ from torch.utils.checkpoint import checkpoint
 from bert_ds.kernels.ops import Backend, OpShapes, local_attention, resolve_backend, varlen_attention
 from bert_ds.model.config import ModernBertConfig
 from bert_ds.model.mlm import MlmDecoder, PreTrainingOutput, masked_lm, vocab_columns
-from bert_ds.model.padding import Unpadded, gather_tokens, positions, unpad
+from bert_ds.model.padding import Unpadded, gather_tokens, input_layout
 
 _GELU_APPROXIMATE = {"gelu": "none", "gelu_tanh": "tanh"}
 
@@ -244,17 +244,8 @@ class ModernBertForPreTraining(nn.Module):
         embeddings); a ``next_sentence_label`` is refused (no sentence-pair head)."""
         if next_sentence_label is not None:
             raise ValueError("a ModernBERT-class model has no next-sentence head: train it with --pair-task none")
-        if (unpadded is None) == (attention_mask is None):
-            raise ValueError("pass exactly one of attention_mask (with masked_lm_labels) and unpadded")
-        if unpadded is None:
-            unpadded = unpad(attention_mask, masked_lm_labels)
-        elif masked_lm_labels is not None:
-            raise ValueError("with unpadded, the MLM labels come in unpadded.masked_labels, not masked_lm_labels")
-        seq_len = input_ids.shape[1]
-        if seq_len > self.config.max_position_embeddings:
-            raise ValueError(f"sequence length {seq_len} exceeds max_position_embeddings "
-                             f"{self.config.max_position_embeddings}")
-        position_ids = positions(unpadded.token_indices, seq_len)  # (T,): each sequence from 0
+        unpadded, position_ids = input_layout(input_ids, attention_mask, masked_lm_labels, unpadded,
+                                              self.config.max_position_embeddings)  # each sequence from 0
         hidden = self.model(gather_tokens(input_ids, unpadded.token_indices), position_ids, unpadded.cu_seqlens,
                             unpadded.max_seqlen)  # (T, H)
         labels = unpadded.masked_labels  # (M,) or None

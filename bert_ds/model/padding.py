@@ -84,6 +84,24 @@ def unpad(attention_mask: torch.Tensor, labels: torch.Tensor | None = None) -> U
     )
 
 
+def input_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, masked_lm_labels: torch.Tensor | None,
+                 unpadded: Unpadded | None, max_positions: int) -> tuple[Unpadded, torch.Tensor]:
+    """A model's packed layout of ``input_ids`` (B, S), padded on the right: ``unpadded`` as the
+    loader computed it (training), or :func:`unpad` of ``attention_mask`` and
+    ``masked_lm_labels`` (the Hugging Face arguments); with each token's position in its
+    sequence (T,). Exactly one of the two ways, and sequences within ``max_positions``."""
+    if (unpadded is None) == (attention_mask is None):
+        raise ValueError("pass exactly one of attention_mask (with masked_lm_labels) and unpadded")
+    if unpadded is None:
+        unpadded = unpad(attention_mask, masked_lm_labels)
+    elif masked_lm_labels is not None:
+        raise ValueError("with unpadded, the MLM labels come in unpadded.masked_labels, not masked_lm_labels")
+    seq_len = input_ids.shape[1]
+    if seq_len > max_positions:
+        raise ValueError(f"sequence length {seq_len} exceeds max_position_embeddings {max_positions}")
+    return unpadded, positions(unpadded.token_indices, seq_len)
+
+
 def positions(token_indices: torch.Tensor, seq_len: int) -> torch.Tensor:
     """Each real token's position in its own sequence (T,): with the padding on the right, its
     offset in its row of the (B, ``seq_len``) grid. Every sequence starts at 0, whatever precedes

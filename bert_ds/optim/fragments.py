@@ -25,6 +25,8 @@ Design choices, and why:
 - **A skip flag read on the device** (``skip_if``, :mod:`bert_ds.optim.device_skip`): where it is
   non-zero, ``step()`` leaves the weights and moments as they were without reading it to the host.
   Every rank still makes its all-reduces, so no rank waits on one the others skip.
+- **Each beside its plain definition** (:class:`PerTensorOptimizer`: the rule on one tensor at a
+  time, ``LambReference``, ``StableAdamWReference``), which the tests hold the fast paths to.
 - **No DeepSpeed here.** Which DeepSpeed layouts these run under is :mod:`bert_ds.zero`'s business.
 """
 
@@ -113,6 +115,33 @@ def adam_state(state: dict, p: torch.Tensor) -> dict:
     return state
 
 
+def closure_loss(closure) -> torch.Tensor | None:
+    """What ``optimizer.step(closure)`` returns: the closure's loss, computed with gradients on."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
+class PerTensorOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
+    """An Adam-family rule applied to each tensor on its own, one statistic per tensor: the
+    plain definitions the fragment optimizers are tested against (handed to DeepSpeed ZeRO, the
+    naive optimizer with one statistic per flat partition). Subclasses give ``_step_tensor``."""
+
+    @abc.abstractmethod
+    def _step_tensor(self, p: torch.Tensor, state: dict, group: dict) -> None:
+        """One step of ``p`` by its gradient; ``state``: its Adam moments, the step counted."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = closure_loss(closure)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self._step_tensor(p, adam_state(self.state[p], p), group)
+        return loss
+
+
 class FragmentOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     """An optimizer with one statistic per model parameter, kept per parameter over bound flat
     tensors. Subclasses step separate tensors in ``_step_plain`` and a bound flat tensor in
@@ -150,10 +179,7 @@ class FragmentOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for group in self.param_groups:
             plain, flats = self._split(group)
             if plain:
@@ -224,4 +250,4 @@ class FragmentOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         """Step a bound flat tensor, one statistic per parameter of ``layout``."""
 
 
-__all__ = ["FlatLayout", "FragmentOptimizer", "adam_state", "flat_layout"]
+__all__ = ["FlatLayout", "FragmentOptimizer", "PerTensorOptimizer", "adam_state", "closure_loss", "flat_layout"]

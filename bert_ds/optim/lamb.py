@@ -54,7 +54,7 @@ import torch
 
 from bert_ds.kernels.ops import Backend, KernelSetting, OpShapes, resolve_backend
 from bert_ds.kernels.lamb import ChunkScales, LambScalars, SkipFactors, lamb_update
-from bert_ds.optim.fragments import FlatLayout, FragmentOptimizer, adam_state
+from bert_ds.optim.fragments import FlatLayout, FragmentOptimizer, PerTensorOptimizer
 
 
 LambVariant = Literal["nvidia", "paper"]
@@ -112,7 +112,7 @@ def lamb_reference_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.
     param.sub_(update * (lr * ratio).to(param.dtype))
 
 
-class LambReference(torch.optim.Optimizer):
+class LambReference(PerTensorOptimizer):
     """Textbook LAMB, one tensor at a time: the definition :class:`Lamb` is tested against.
 
     Each tensor in ``params`` that the variant adapts gets its own trust ratio. Handed to
@@ -125,24 +125,10 @@ class LambReference(torch.optim.Optimizer):
         self.variant = variant
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = adam_state(self.state[p], p)
-                lamb_reference_step(p, p.grad, state["exp_avg"], state["exp_avg_sq"], state["step"],
-                                    lr=group["lr"], betas=group["betas"], eps=group["eps"],
-                                    weight_decay=group["weight_decay"], variant=self.variant)
-        return loss
-
-
-# --------------------------------------------------------------------------- flat tensors
+    def _step_tensor(self, p: torch.Tensor, state: dict, group: dict) -> None:
+        lamb_reference_step(p, p.grad, state["exp_avg"], state["exp_avg_sq"], state["step"], lr=group["lr"],
+                            betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"],
+                            variant=self.variant)
 
 
 def _chunk_scales(layout: FlatLayout, lr: float) -> ChunkScales:

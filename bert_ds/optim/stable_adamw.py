@@ -48,7 +48,7 @@ from collections.abc import Iterable
 import torch
 
 from bert_ds.kernels.lamb import LambScalars, SkipFactors
-from bert_ds.optim.fragments import FlatLayout, FragmentOptimizer, adam_state
+from bert_ds.optim.fragments import FlatLayout, FragmentOptimizer, PerTensorOptimizer
 
 
 def _check_hyperparameters(lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
@@ -63,6 +63,14 @@ def _check_hyperparameters(lr: float, betas: tuple[float, float], eps: float, we
         raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
     if not max_lr > 0.0:
         raise ValueError(f"max_lr must be > 0, got {max_lr}")
+
+
+def _defaults(lr: float, betas: tuple[float, float], eps: float, weight_decay: float, decouple_lr: bool,
+              max_lr: float | None) -> dict:
+    """The param groups' defaults, checked; ``max_lr`` None: ``lr``."""
+    max_lr = lr if max_lr is None else max_lr
+    _check_hyperparameters(lr, betas, eps, weight_decay, max_lr)
+    return dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, decouple_lr=decouple_lr, max_lr=max_lr)
 
 
 def _decay(group: dict) -> float:
@@ -92,7 +100,7 @@ def stable_adamw_reference_step(param: torch.Tensor, grad: torch.Tensor, exp_avg
     param.sub_(lr_t * m_hat / (v_hat.sqrt() + eps))
 
 
-class StableAdamWReference(torch.optim.Optimizer):
+class StableAdamWReference(PerTensorOptimizer):
     """StableAdamW one tensor at a time: the definition :class:`StableAdamW` is tested against.
 
     Each tensor in ``params`` gets its own rms. Handed to DeepSpeed ZeRO it is therefore the
@@ -102,30 +110,12 @@ class StableAdamWReference(torch.optim.Optimizer):
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.99),
                  eps: float = 1e-6, weight_decay: float = 0.0, decouple_lr: bool = False,
                  max_lr: float | None = None):
-        max_lr = lr if max_lr is None else max_lr
-        _check_hyperparameters(lr, betas, eps, weight_decay, max_lr)
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                                      decouple_lr=decouple_lr, max_lr=max_lr))
+        super().__init__(params, _defaults(lr, betas, eps, weight_decay, decouple_lr, max_lr))
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = adam_state(self.state[p], p)
-                stable_adamw_reference_step(p, p.grad, state["exp_avg"], state["exp_avg_sq"], state["step"],
-                                            lr=group["lr"], betas=group["betas"], eps=group["eps"],
-                                            weight_decay=group["weight_decay"], decouple_lr=group["decouple_lr"],
-                                            max_lr=group["max_lr"])
-        return loss
-
-
-# --------------------------------------------------------------------------- StableAdamW
+    def _step_tensor(self, p: torch.Tensor, state: dict, group: dict) -> None:
+        stable_adamw_reference_step(p, p.grad, state["exp_avg"], state["exp_avg_sq"], state["step"], lr=group["lr"],
+                                    betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"],
+                                    decouple_lr=group["decouple_lr"], max_lr=group["max_lr"])
 
 
 class StableAdamW(FragmentOptimizer):
@@ -144,10 +134,7 @@ class StableAdamW(FragmentOptimizer):
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.99),
                  eps: float = 1e-6, weight_decay: float = 0.0, decouple_lr: bool = False,
                  max_lr: float | None = None):
-        max_lr = lr if max_lr is None else max_lr
-        _check_hyperparameters(lr, betas, eps, weight_decay, max_lr)
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                                      decouple_lr=decouple_lr, max_lr=max_lr))
+        super().__init__(params, _defaults(lr, betas, eps, weight_decay, decouple_lr, max_lr))
 
     def _step_plain(self, group: dict, params: list[torch.Tensor]) -> None:
         """Separate tensors, one rms each, in foreach ops."""

@@ -51,7 +51,8 @@ class Bf16Copy:
     (its weights are replaced; the random numbers its initialisation draws are given back, so
     that dropout draws what it would have drawn, and a resumed run repeats an uninterrupted one);
     ``accumulation_steps``: micro-batches per step, each loss divided by it as
-    ``engine.backward`` divides; ``comm_dtype``: the gradients' all-reduce dtype.
+    ``engine.backward`` divides (:meth:`begin_step` changes it); ``comm_dtype``: the gradients'
+    all-reduce dtype.
 
     The engine's own ``forward``/``backward`` are not called: DeepSpeed's micro-step count
     still moves with each ``engine.step()``, and at the boundary its step takes the gradients
@@ -99,6 +100,11 @@ class Bf16Copy:
 
     # ------------------------------------------------------------------ what the step calls
 
+    def begin_step(self, accumulation_steps: int) -> None:
+        """A step of ``accumulation_steps`` micro-batches begins."""
+        set_accumulation(self.engine, accumulation_steps)
+        self.accumulation_steps = accumulation_steps
+
     def __call__(self, *args, **kwargs):
         return self.model(*args, **kwargs)
 
@@ -137,6 +143,13 @@ class Bf16Copy:
         self.model.eval()
 
 
+def set_accumulation(engine, accumulation_steps: int) -> None:
+    """The engine's accumulation steps for the step that begins (a batch-size warm-up changes
+    them): ``engine.backward`` divides each loss by them."""
+    if engine.gradient_accumulation_steps() != accumulation_steps:
+        engine.set_train_batch_size(accumulation_steps * engine.train_micro_batch_size_per_gpu() * engine.dp_world_size)
+
+
 def _all_reduce_mean(t: torch.Tensor, group, world: int, comm_dtype: torch.dtype) -> None:
     """``t`` averaged over ``group`` in place, summed in ``comm_dtype`` (as DeepSpeed averages: the
     sum, then divided by the world size)."""
@@ -153,6 +166,9 @@ class EngineRunner:
 
     def __init__(self, engine):
         self.engine = engine
+
+    def begin_step(self, accumulation_steps: int) -> None:
+        set_accumulation(self.engine, accumulation_steps)
 
     def __call__(self, *args, **kwargs):
         return self.engine(*args, **kwargs)

@@ -111,6 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=t.steps, help="optimizer steps")
     p.add_argument("--global-batch-size", type=int, default=t.global_batch_size, help="sequences per optimizer step, all ranks")
     p.add_argument("--micro-batch-size", type=int, default=t.micro_batch_size, help="sequences per forward pass per rank")
+    p.add_argument("--batch-warmup-steps", type=int, default=t.batch_warmup_steps,
+                   help="steps over which the global batch rises from --batch-warmup-start to --global-batch-size "
+                        "(0: off)")
+    p.add_argument("--batch-warmup-start", type=int, default=t.batch_warmup_start,
+                   help="the global batch of step 1 under --batch-warmup-steps (in whole micro-batches on every rank)")
     p.add_argument("--seq-len", type=int, default=d.max_seq_length, help="maximum tokens per sample")
     # The model family's defaults where these four are not given (DATA_DEFAULTS: BERT's, ModernBERT's)
     p.add_argument("--pair-task", default=None, choices=["nsp", "sop", "none"],
@@ -267,6 +272,7 @@ def config_from_args(args: argparse.Namespace, vocab_size: int, saved_model: dic
                         poly_power=args.poly_power, grad_clip=args.grad_clip)
     return TrainConfig(model=model, data=data, optim=optim, output=args.output, steps=args.steps,
                        global_batch_size=args.global_batch_size, micro_batch_size=args.micro_batch_size,
+                       batch_warmup_steps=args.batch_warmup_steps, batch_warmup_start=args.batch_warmup_start,
                        ds_config=args.ds_config or ds_config or TrainConfig.ds_config, seed=args.seed,
                        val_every=args.val_every,
                        save_every=args.save_every, keep_last=args.keep_last, exit_after=args.exit_after,

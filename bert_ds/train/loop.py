@@ -126,7 +126,8 @@ def batch_plan(cfg: TrainConfig, world: int, found: Path | None) -> BatchPlan:
     """The batch split for ``world`` ranks; a resume that cannot keep the checkpoint's global
     batch (and so its sample order) on this world size says so."""
     try:
-        return BatchPlan.resolve(cfg.global_batch_size, cfg.micro_batch_size, world)
+        return BatchPlan.resolve(cfg.global_batch_size, cfg.micro_batch_size, world, cfg.batch_warmup_steps,
+                                 cfg.batch_warmup_start)
     except ConfigError as e:
         if found is None:
             raise
@@ -220,8 +221,7 @@ def _announce(log: MetricsLogger, cfg: TrainConfig, start: _Start, rank: int, wo
         log.print(note)
     plan, found, output = start.plan, start.found, Path(cfg.output)
     log.print(f"{'resuming from ' + str(found) if found else 'starting'}: model {start.n_params / 1e6:.1f}M params, "
-              f"{start.samples_per_epoch} samples/epoch, batch {plan.global_batch_size} = {plan.micro_batch_size} x "
-              f"{plan.grad_accum} accum x {world} ranks, {start.precision}, "
+              f"{start.samples_per_epoch} samples/epoch, batch {plan.describe()}, {start.precision}, "
               f"ZeRO-{start.ds_cfg['zero_optimization']['stage']}, device {device.type}")
     output.mkdir(parents=True, exist_ok=True)
     if start.changes:
@@ -283,7 +283,7 @@ class _StepLog:
             record["max_memory_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         self.log.log_step(record)
         if self.samples is not None:
-            self.samples.write(state.step, self.rank, self.loader.step_positions(result.first_position))
+            self.samples.write(state.step, self.rank, self.loader.step_positions(state.step, result.first_position))
         if result.outcome.bad:
             self.log.print(f"step {state.step}: non-finite loss or gradient, update skipped "
                            f"({state.bad_streak} in a row, {state.skipped_steps} skipped in all)")

@@ -232,9 +232,11 @@ def main(argv: list[str] | None = None) -> int:
         evaluations = plan.evaluations()  # a typo in the last stage fails before the first phase trains
         if args.check:
             for phase, cfg in zip(plan.phases, configs):
+                warmup = (f" after {cfg.batch_warmup_steps} steps from {cfg.batch_warmup_start}"
+                          if cfg.batch_warmup_steps else "")
                 print(f"{phase.name}: {cfg.steps} steps, seq {cfg.data.max_seq_length}, batch "
-                      f"{cfg.global_batch_size} (micro {cfg.micro_batch_size}), lr {cfg.optim.lr:g}, "
-                      f"warm-up {cfg.optim.warmup_steps}, {cfg.ds_config} -> {cfg.output}")
+                      f"{cfg.global_batch_size}{warmup} (micro {cfg.micro_batch_size}), {cfg.optim.name} lr "
+                      f"{cfg.optim.lr:g}, warm-up {cfg.optim.warmup_steps}, {cfg.ds_config} -> {cfg.output}")
             for e in evaluations:
                 what = (", ".join(t.name for t in e.prepared.tasks) if e.name == "glue" else
                         f"v{e.prepared.layout.version}" if e.name == "squad" else ", ".join(e.prepared.data.splits))

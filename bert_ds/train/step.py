@@ -296,7 +296,12 @@ class TrainStep:
 
     def _forward_backward(self, batches: list[Batch], step: int) -> torch.Tensor:
         stats = torch.zeros(len(STATS), dtype=torch.float64, device=self.device)
+        self.runner.begin_step(len(batches))
         for i, batch in enumerate(batches):
+            # The boundary is the step's last micro-batch, said to the engine: its own count of
+            # micro-steps modulo the accumulation steps misplaces it once those have changed
+            # (a batch-size warm-up)
+            self.engine.set_gradient_accumulation_boundary(i + 1 == len(batches))
             with stage("forward"):
                 batch = to_device(batch, self.device, non_blocking=True)
                 out = forward(self.runner, batch)

@@ -115,6 +115,33 @@ def test_ranks_partition_each_global_batch(dataset):
     assert sorted(seen) == list(range(24, 48))  # no duplicates, no gaps
 
 
+def _rows(batches) -> list[torch.Tensor]:
+    return [b["input_ids"][i][b["attention_mask"][i].bool()] for b in batches for i in range(b["input_ids"].shape[0])]
+
+
+def test_a_batch_warm_up_draws_each_steps_batch_from_the_stream_and_resumes_exactly(dataset):
+    # 2 ranks of micro-batches of 2: batches of 4, 4, 8, 8, 12, 12 sequences
+    plan = BatchPlan.resolve(12, 2, 2, warmup_steps=4, warmup_start=4)
+    loaders = [PretrainingLoader(dataset, plan, r) for r in range(2)]
+    uninterrupted, state = [], None
+    for step in range(1, 7):
+        start = loaders[0].consumed_samples
+        positions = sorted(p for ld in loaders for b in ld.step_positions(step, start) for p in b)
+        per_rank = [ld.next_step() for ld in loaders]
+        assert [len(b) for b in per_rank] == [plan.accum_at(step)] * 2
+        assert positions == list(range(start, start + plan.batch_at(step))) == list(range(start, loaders[1].consumed_samples))
+        uninterrupted.append([_rows(b) for b in per_rank])
+        if step == 3:
+            state = loaders[1].state_dict()
+    assert [len(sum(step, [])) for step in uninterrupted] == [4, 4, 8, 8, 12, 12]
+    resumed = [PretrainingLoader(dataset, plan, r) for r in range(2)]
+    for ld in resumed:
+        ld.load_state_dict(state)
+    for want in uninterrupted[3:]:
+        got = [_rows(ld.next_step()) for ld in resumed]
+        assert all(torch.equal(x, y) for w, g in zip(want, got, strict=True) for x, y in zip(w, g, strict=True))
+
+
 def test_cursor_from_another_dataset_is_refused(dataset):
     loader = PretrainingLoader(dataset, BatchPlan.resolve(4, 4, 1), 0)
     with pytest.raises(Exception, match="another dataset or seed"):

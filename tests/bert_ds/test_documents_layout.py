@@ -138,7 +138,7 @@ def test_token_budget_fills_micro_batches_in_stream_order_and_covers_each_epoch_
     positions, sizes = [], []
     while loader.consumed_samples < 2 * n + 5:
         start = loader.consumed_samples
-        ranges = loader.packer.step(start)
+        ranges = loader.packer.step(start, plan.grad_accum)
         batches = loader.next_step()
         assert ranges[0].start == start and loader.consumed_samples == ranges[-1].stop
         for r, nxt, batch in zip(ranges, ranges[1:] + [None], batches, strict=True):
@@ -195,11 +195,23 @@ def test_resume_after_k_steps_continues_the_stream_exactly_on_any_world_size(dat
     assert _same(_global(resumed, total - k), uninterrupted[k:])
 
 
+def test_a_batch_warm_up_packs_each_step_to_its_own_count_and_resumes_exactly(dataset):
+    plan = BatchPlan.resolve(8, 2, 2, warmup_steps=3, warmup_start=4)  # 1, 1, 1 then 2 micro-batches a rank
+    uninterrupted = _global([PretrainingLoader(dataset, plan, r) for r in range(2)], 6)
+    assert [len(step) for step in uninterrupted] == [2 * plan.accum_at(s) for s in range(1, 7)] == [2, 2, 2, 4, 4, 4]
+    first = [PretrainingLoader(dataset, plan, r) for r in range(2)]
+    _global(first, 2)
+    resumed = [PretrainingLoader(dataset, plan, r) for r in range(2)]
+    for ld in resumed:
+        ld.load_state_dict(first[0].state_dict())
+    assert _same(_global(resumed, 4), uninterrupted[2:])
+
+
 def test_each_rank_logs_the_positions_it_trained_on(dataset):
     plan = BatchPlan.resolve(8, 2, 2)
     loaders = [PretrainingLoader(dataset, plan, r) for r in range(2)]
     start = loaders[0].consumed_samples
-    seen = sorted(p for ld in loaders for b in ld.step_positions(start) for p in b)
+    seen = sorted(p for ld in loaders for b in ld.step_positions(1, start) for p in b)
     for ld in loaders:
         ld.next_step()
     assert seen == list(range(start, loaders[0].consumed_samples))
@@ -210,7 +222,7 @@ def test_a_blend_packs_by_its_components_lengths(corpus, dataset):
     blend = BlendedDataset([dataset, other], [1, 1], seed=11)
     assert blend.lengths(0, 50) == [len(blend[p]["input_ids"]) for p in range(50)]
     packer = TokenBudget(blend, BatchPlan.resolve(4, 2, 1), SEQ)
-    assert all(sum(blend.lengths(r.start, r.stop)) <= 2 * SEQ for r in packer.step(0))
+    assert all(sum(blend.lengths(r.start, r.stop)) <= 2 * SEQ for r in packer.step(0, 2))
 
 
 def test_refusals(corpus):
