@@ -108,14 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch.compile each encoder layer: Inductor fuses its elementwise ops, attention as --kernels picks")
     p.add_argument("--dropout", type=float, default=None,
                    help="hidden dropout (default: the model's 0.1); 0 makes a world-size change exact, see R8")
-    p.add_argument("--steps", type=int, default=t.steps, help="optimizer steps")
-    p.add_argument("--global-batch-size", type=int, default=t.global_batch_size, help="sequences per optimizer step, all ranks")
-    p.add_argument("--micro-batch-size", type=int, default=t.micro_batch_size, help="sequences per forward pass per rank")
-    p.add_argument("--batch-warmup-steps", type=int, default=t.batch_warmup_steps,
-                   help="steps over which the global batch rises from --batch-warmup-start to --global-batch-size "
-                        "(0: off)")
-    p.add_argument("--batch-warmup-start", type=int, default=t.batch_warmup_start,
-                   help="the global batch of step 1 under --batch-warmup-steps (in whole micro-batches on every rank)")
+    _add_batch_flags(p, t)
     p.add_argument("--seq-len", type=int, default=d.max_seq_length, help="maximum tokens per sample")
     # The model family's defaults where these four are not given (DATA_DEFAULTS: BERT's, ModernBERT's)
     p.add_argument("--pair-task", default=None, choices=["nsp", "sop", "none"],
@@ -168,6 +161,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _family_defaults(field: str) -> str:
     return ", ".join(f"{arch} {values[field]}" for arch, values in DATA_DEFAULTS.items())
+
+
+def _add_batch_flags(p: argparse.ArgumentParser, t: _Defaults) -> None:
+    """The steps and the batch's flags; ``t``: TrainConfig's defaults."""
+    p.add_argument("--steps", type=int, default=t.steps, help="optimizer steps")
+    p.add_argument("--global-batch-size", type=int, default=t.global_batch_size, help="sequences per optimizer step, all ranks")
+    p.add_argument("--micro-batch-size", type=int, default=t.micro_batch_size, help="sequences per forward pass per rank")
+    p.add_argument("--batch-warmup-steps", type=int, default=t.batch_warmup_steps,
+                   help="steps over which the global batch rises from --batch-warmup-start to --global-batch-size "
+                        "(0: off)")
+    p.add_argument("--batch-warmup-start", type=int, default=t.batch_warmup_start,
+                   help="the global batch of step 1 under --batch-warmup-steps (in whole micro-batches on every rank)")
 
 
 def _add_optimizer_flags(p: argparse.ArgumentParser, o: _Defaults) -> None:
