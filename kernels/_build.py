@@ -57,8 +57,8 @@ from bert_ds.base.errors import UserError
 
 EXTENSION_NAME = "bert_ds_kernels"
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("layer_norm.cu", "dropout_layer_norm.cu", "bias_gelu.cu", "attention.cu", "lamb.cu", "cross_entropy.cu",
-           "bindings.cpp")
+SOURCES = ("layer_norm.cu", "dropout_layer_norm.cu", "bias_gelu.cu", "geglu.cu", "attention.cu", "lamb.cu",
+           "cross_entropy.cu", "bindings.cpp")
 # SASS for A100 and H100/H200; the sm_90 PTX lets newer GPUs JIT-compile (their
 # verdict is then checked like any other architecture's).
 GENCODE = (

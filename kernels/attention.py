@@ -32,7 +32,9 @@ tiles in an fp32 workspace with atomics, which the binding allocates only then. 
 tiles, their shared memory and their occupancy are derived in the file's header
 (docs/kernels.md has their speed on an H100), and ``kernels=auto`` uses them only where
 its race on the device says they are the fastest. :func:`varlen_attention_packed` takes
-q, k and v as one (T, 3, nh, hd) projection, which the kernels read in place.
+q, k and v as one (T, 3, nh, hd) projection, which the kernels read in place. The same
+kernels take a sliding window (``kernels/local_attention.py``'s fused candidate) and rotate q
+and k as they load them (``kernels/rotary_attention.py``): :func:`packed_fused`.
 
 ``kernels=auto`` races these too (:data:`IMPLEMENTATIONS`), each with this op's signature,
 so that what it costs to bring the tokens to a backend's layout and back is inside what
@@ -65,6 +67,7 @@ from bert_ds.kernels.dispatch import Backend, Impl, choose, fused_extension
 
 FUSED_DTYPES = (torch.float16, torch.bfloat16)
 FUSED_HEAD_DIMS = (32, 64)
+GLOBAL = -1  # the fused kernels' window for every key of the sequence (kernels/local_attention.py takes one)
 # Where torch has kept its varlen FlashAttention entry point, newest first.
 VARLEN_ATTN_LOCATIONS = (("torch.nn.attention.varlen", "varlen_attn"), ("torch.nn.attention", "varlen_attn"))
 # FlashAttention-2's head dims: multiples of 8 up to 256; above 192 its backward runs
@@ -289,7 +292,7 @@ def varlen_attention_fused(
     softmax_scale: float | None = None,
 ) -> torch.Tensor:
     """:func:`varlen_attention_ref` on the fused kernels (no dropout: see :func:`_unsupported`)."""
-    return FusedVarlenAttention.apply(q, k, v, cu_seqlens, max_seqlen, _fused_scale(q, dropout_p, softmax_scale))
+    return FusedVarlenAttention.apply(q, k, v, cu_seqlens, max_seqlen, fused_scale(q, dropout_p, softmax_scale))
 
 
 def varlen_attention_packed_fused(
@@ -305,13 +308,20 @@ def varlen_attention_packed_fused(
     same two kernel calls through :class:`FusedVarlenAttentionPacked`, whose dispatch costs less
     host time: 110-140 against 260 us per forward and backward on a CPU host (2026-11-28), 12
     of each per BERT-Base micro-batch, and the bench loop is host-bound."""
-    scale = _fused_scale(qkv, dropout_p, softmax_scale)
+    return packed_fused(qkv, cu_seqlens, max_seqlen, fused_scale(qkv, dropout_p, softmax_scale))
+
+
+def packed_fused(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, softmax_scale: float,
+                 window: int = GLOBAL, rope_theta: float = 0.0) -> torch.Tensor:
+    """The fused kernels on a packed ``qkv`` (T, 3, nh, hd), read in place: ``window`` tokens seen on
+    each side (:data:`GLOBAL`: all), q and k rotated as they load where ``rope_theta`` > 0
+    (``kernels/rotary_attention.py``); (T, nh, hd). The custom op compiled, the autograd Function eager."""
     if torch.compiler.is_compiling():
-        return packed_attention_fwd(qkv, cu_seqlens, max_seqlen, scale)[0]
-    return FusedVarlenAttentionPacked.apply(qkv, cu_seqlens, max_seqlen, scale)
+        return packed_attention_fwd(qkv, cu_seqlens, max_seqlen, softmax_scale, window, rope_theta)[0]
+    return FusedVarlenAttentionPacked.apply(qkv, cu_seqlens, max_seqlen, softmax_scale, window, rope_theta)
 
 
-def _fused_scale(q: torch.Tensor, dropout_p: float, softmax_scale: float | None) -> float:
+def fused_scale(q: torch.Tensor, dropout_p: float, softmax_scale: float | None) -> float:
     """The softmax scale the fused kernels take (default 1/sqrt(head_dim)); they have no dropout."""
     if dropout_p > 0.0:
         raise ValueError(f"the fused attention kernel has no dropout; got dropout_p={dropout_p}")
@@ -406,6 +416,12 @@ def _unsupported(impl: Impl, q, k, v, cu_seqlens, dropout_p, softmax_scale) -> s
     return ""
 
 
+def fused_problem(q, k, v, cu_seqlens, dropout_p) -> str:
+    """Why the fused kernels cannot take these inputs ("" if they can), windowed or rotary alike:
+    what :func:`varlen_attention` says of its fused candidate."""
+    return _unsupported("fused", q, k, v, cu_seqlens, dropout_p, None)
+
+
 def _layout_problem(impl: Impl, q, k, v, cu_seqlens) -> str:
     """What of the dtypes, the head dim and cu_seqlens the fused kernel or an SDPA backend cannot take."""
     dtypes = FUSED_DTYPES if impl == "fused" else SDPA_DTYPES[impl]
@@ -424,21 +440,23 @@ def _layout_problem(impl: Impl, q, k, v, cu_seqlens) -> str:
 
 
 class FusedVarlenAttention(torch.autograd.Function):
-    """Varlen attention on the fused kernels: q, k, v (T, nh, hd), cu_seqlens (B+1,) int32."""
+    """Varlen attention on the fused kernels: q, k, v (T, nh, hd), cu_seqlens (B+1,) int32; each
+    query sees the keys at most ``window`` positions away (:data:`GLOBAL`: all of its sequence)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens, max_seqlen, softmax_scale):
-        out, lse = fused_extension().varlen_attention_fwd(q, k, v, cu_seqlens, max_seqlen, 0.0, softmax_scale)
+    def forward(ctx, q, k, v, cu_seqlens, max_seqlen, softmax_scale, window=GLOBAL):
+        out, lse = fused_extension().varlen_attention_fwd(q, k, v, cu_seqlens, max_seqlen, 0.0, softmax_scale,
+                                                          window)
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
-        ctx.max_seqlen, ctx.softmax_scale = max_seqlen, softmax_scale
+        ctx.max_seqlen, ctx.softmax_scale, ctx.window = max_seqlen, softmax_scale, window
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
         dq, dk, dv = fused_extension().varlen_attention_bwd(dout, q, k, v, out, lse, cu_seqlens, ctx.max_seqlen,
-                                                            ctx.softmax_scale)
-        return dq, dk, dv, None, None, None
+                                                            ctx.softmax_scale, ctx.window)
+        return dq, dk, dv, None, None, None, None
 
 
 # The packed fused attention, compiled, is a torch.library custom op, forward and backward,
@@ -450,26 +468,31 @@ class FusedVarlenAttention(torch.autograd.Function):
 # _packed_backward). The extension is called on whatever device the inputs are on; off CUDA
 # it does not load.
 
-def _packed_forward(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
-                    softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _packed_forward(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, softmax_scale: float,
+                    window: int, rope_theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``qkv`` (T, 3, nh, hd) -> (out (T, nh, hd), lse (nh, T) float32), q, k, v read in place."""
     q, k, v = qkv.unbind(1)
-    return tuple(fused_extension().varlen_attention_fwd(q, k, v, cu_seqlens, max_seqlen, 0.0, softmax_scale))
+    return tuple(fused_extension().varlen_attention_fwd(q, k, v, cu_seqlens, max_seqlen, 0.0, softmax_scale,
+                                                        window, rope_theta))
 
 
 def _packed_backward(dout: torch.Tensor, qkv: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                     cu_seqlens: torch.Tensor, max_seqlen: int, softmax_scale: float) -> torch.Tensor:
-    """The gradient of ``qkv`` (T, 3, nh, hd), in one contiguous piece laid out like it."""
-    return fused_extension().varlen_attention_bwd_packed(dout, qkv, out, lse, cu_seqlens, max_seqlen, softmax_scale)
+                     cu_seqlens: torch.Tensor, max_seqlen: int, softmax_scale: float, window: int,
+                     rope_theta: float) -> torch.Tensor:
+    """The gradient of ``qkv`` (T, 3, nh, hd), in one contiguous piece laid out like it (of q and k
+    as given: before the kernels rotated them)."""
+    return fused_extension().varlen_attention_bwd_packed(dout, qkv, out, lse, cu_seqlens, max_seqlen, softmax_scale,
+                                                         window, rope_theta)
 
 
 class FusedVarlenAttentionPacked(torch.autograd.Function):
     """:class:`FusedVarlenAttention` of a packed projection ``qkv`` (T, 3, nh, hd), in eager mode."""
 
     @staticmethod
-    def forward(ctx, qkv, cu_seqlens, max_seqlen, softmax_scale):
-        out, lse = _packed_forward(qkv, cu_seqlens, max_seqlen, softmax_scale)
-        _save_for_packed_backward(ctx, (qkv, cu_seqlens, max_seqlen, softmax_scale), (out, lse))
+    def forward(ctx, qkv, cu_seqlens, max_seqlen, softmax_scale, window, rope_theta):
+        inputs = (qkv, cu_seqlens, max_seqlen, softmax_scale, window, rope_theta)
+        out, lse = _packed_forward(*inputs)
+        _save_for_packed_backward(ctx, inputs, (out, lse))
         return out
 
     @staticmethod
@@ -481,7 +504,7 @@ packed_attention_fwd = torch.library.custom_op("bert_ds::packed_attention_fwd", 
 
 
 @packed_attention_fwd.register_fake
-def _packed_attention_fwd_shapes(qkv, cu_seqlens, max_seqlen, softmax_scale):
+def _packed_attention_fwd_shapes(qkv, cu_seqlens, max_seqlen, softmax_scale, window, rope_theta):
     total, _, heads, head_dim = qkv.shape
     return qkv.new_empty(total, heads, head_dim), qkv.new_empty(heads, total, dtype=torch.float32)
 
@@ -490,23 +513,23 @@ packed_attention_bwd = torch.library.custom_op("bert_ds::packed_attention_bwd", 
 
 
 @packed_attention_bwd.register_fake
-def _packed_attention_bwd_shapes(dout, qkv, out, lse, cu_seqlens, max_seqlen, softmax_scale):
+def _packed_attention_bwd_shapes(dout, qkv, out, lse, cu_seqlens, max_seqlen, softmax_scale, window, rope_theta):
     return torch.empty_like(qkv, memory_format=torch.contiguous_format)
 
 
 def _save_for_packed_backward(ctx, inputs, output) -> None:
     """What both forms keep for the backward (the custom op's ``setup_context``)."""
-    qkv, cu_seqlens, max_seqlen, softmax_scale = inputs
+    qkv, cu_seqlens, max_seqlen, softmax_scale, window, rope_theta = inputs
     out, lse = output
     ctx.save_for_backward(qkv, out, lse, cu_seqlens)
-    ctx.max_seqlen, ctx.softmax_scale = max_seqlen, softmax_scale
+    ctx.options = max_seqlen, softmax_scale, window, rope_theta
 
 
 def _packed_gradient(ctx, dout, backward):
-    """The gradients of (qkv, cu_seqlens, max_seqlen, softmax_scale) by ``backward``, the kernel
-    call itself (eager) or its custom op (compiled)."""
+    """The gradients of (qkv, cu_seqlens, max_seqlen, softmax_scale, window, rope_theta) by
+    ``backward``, the kernel call itself (eager) or its custom op (compiled)."""
     qkv, out, lse, cu_seqlens = ctx.saved_tensors
-    return backward(dout, qkv, out, lse, cu_seqlens, ctx.max_seqlen, ctx.softmax_scale), None, None, None
+    return backward(dout, qkv, out, lse, cu_seqlens, *ctx.options), None, None, None, None, None
 
 
 packed_attention_fwd.register_autograd(  # lse is saved for the backward, never differentiated: its gradient unused

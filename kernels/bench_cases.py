@@ -1,4 +1,5 @@
-"""The kernels bench's cases at BERT shapes and their timing, on torch (see :mod:`.bench`).
+"""The kernels bench's cases at BERT shapes (ModernBERT's for GeGLU and the local attention) and
+their timing, on torch (see :mod:`.bench`).
 
 :mod:`.bench` imports this module once its command line is read.
 """
@@ -15,16 +16,19 @@ import torch
 import torch.nn.functional as F
 
 from bert_ds.kernels import probes, speed
+from bert_ds.kernels import local_attention as local
 from bert_ds.kernels.bench_work import (
-    DTYPES, HEAD_DIM, MASKED_SHARE, MODELS, PASSES, attention_work, bias_gelu_work, dropout_add_layer_norm_work,
-    lamb_update_work, layer_norm_work, mlm_cross_entropy_work,
+    DTYPES, HEAD_DIM, LOCAL_WINDOW, MASKED_SHARE, MODELS, PASSES, attention_work, bias_gelu_work,
+    dropout_add_layer_norm_work, geglu_work, lamb_update_work, layer_norm_work, mlm_cross_entropy_work,
 )
 from bert_ds.kernels.ops import (
-    bias_gelu, bias_gelu_ref, dropout_add_layer_norm, dropout_add_layer_norm_ref, layer_norm, layer_norm_ref,
-    mlm_cross_entropy, mlm_cross_entropy_native, mlm_cross_entropy_ref, varlen_attention, varlen_attention_ref,
+    bias_gelu, bias_gelu_ref, dropout_add_layer_norm, dropout_add_layer_norm_ref, geglu, geglu_native, geglu_ref,
+    layer_norm, layer_norm_ref, mlm_cross_entropy, mlm_cross_entropy_native, mlm_cross_entropy_ref, varlen_attention,
+    varlen_attention_ref,
 )
 from bert_ds.kernels.attention import varlen_attn_api
 from bert_ds.kernels.lamb import lamb_update, lamb_update_native
+from bert_ds.model.flops import local_pairs
 
 
 # --------------------------------------------------------------------------- timing
@@ -100,6 +104,19 @@ def bias_gelu_cases(model: str, tokens: int, dtype: torch.dtype, device: str):
     return f"({tokens}, {width}) erf", impls, [x, bias], grad, work
 
 
+def geglu_cases(model: str, tokens: int, dtype: torch.dtype, device: str):
+    """ModernBERT's MLP activation on its Wi projection [input | gate]; "torch native" is the model's
+    ``F.gelu(input) * gate`` on the chunks."""
+    width = MODELS[model]["geglu"]
+    x = torch.randn(tokens, 2 * width, device=device, dtype=dtype)
+    grad = torch.randn(tokens, width, device=device, dtype=dtype)
+    impls = {"fused": lambda x: geglu(x, "none", backend="cuda"),
+             "torch eager": lambda x: geglu_ref(x, "none"),
+             "torch native": lambda x: geglu_native(x, "none")}
+    work = {p: geglu_work(tokens, width, x.element_size(), p) for p in PASSES}
+    return f"({tokens}, 2 x {width}) erf", impls, [x], grad, work
+
+
 def mlm_cross_entropy_cases(model: str, tokens: int, dtype: torch.dtype, device: str):
     """The masked share of ``tokens`` as rows of the decoder's logits, its vocabulary padded to a
     multiple of 8 with -inf (the model's layout); "torch native" is what the model ran before the op."""
@@ -165,6 +182,25 @@ def attention_cases(model: str, tokens: int, dtype: torch.dtype, seq_len: int, d
     work = {p: attention_work(lengths, heads, HEAD_DIM, q.element_size(), p) for p in PASSES}
     shape = f"{batch} x S<={max_seqlen} ({total} tokens), {heads} heads"
     return shape, impls, work
+
+
+def local_attention_cases(model: str, tokens: int, dtype: torch.dtype, seq_len: int, device: str):
+    """ModernBERT's local layers: a window of LOCAL_WINDOW tokens on each side, every candidate of the
+    op (kernels/local_attention.py) on the packed tokens; FLOPs of the pairs within the window."""
+    heads = MODELS[model]["heads"]
+    lengths = loader_lengths(max(1, tokens // seq_len), seq_len, torch.Generator().manual_seed(0))
+    total, max_seqlen = sum(lengths), max(lengths)
+    cu_seqlens = torch.tensor([0, *lengths], device=device).cumsum(0).to(torch.int32)
+    q, k, v = (torch.randn(total, heads, HEAD_DIM, device=device, dtype=dtype) for _ in range(3))
+    grad = torch.randn_like(q)
+    # not "native": varlen_attn where it runs, else the reference, both timed here already
+    named = {"torch eager": local.local_attention_ref,
+             **{name: fn for name, fn in local.IMPLEMENTATIONS.items() if name != "native"}}
+    options = dict(cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, window=LOCAL_WINDOW)
+    impls = {name: (functools.partial(fn, **options), [q, k, v], grad) for name, fn in named.items()}
+    pairs = int(local_pairs(torch.tensor(lengths), LOCAL_WINDOW).sum())  # counted as done: those within the window
+    work = {p: attention_work(lengths, heads, HEAD_DIM, q.element_size(), p, pairs) for p in PASSES}
+    return f"{len(lengths)} x S<={max_seqlen} ({total} tokens), {heads} heads, window +-{LOCAL_WINDOW}", impls, work
 
 
 def _sdpa(backend_name: str, mask: torch.Tensor | None) -> Callable:
@@ -234,9 +270,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     ms, why = measure(fn, args.reps, args.device)
                     add(op, model, shape, impl, "step", ms, why, work, "GB/s")
                 continue
-            if op == "varlen_attention":
-                for seq_len in (128, 512):
-                    shape, impls, work = attention_cases(model, args.tokens, dtype, seq_len, args.device)
+            if op in ("varlen_attention", "local_attention"):
+                # the local layers at ModernBERT's sequence length, or the whole of --tokens if shorter
+                for seq_len in ((128, 512) if op == "varlen_attention" else (min(1024, args.tokens),)):
+                    cases = attention_cases if op == "varlen_attention" else local_attention_cases
+                    shape, impls, work = cases(model, args.tokens, dtype, seq_len, args.device)
                     if args.compile:
                         impls["torch.compile"] = (torch.compile(impls["torch eager"][0]), *impls["torch eager"][1:])
                     for impl, (fn, inputs, grad) in impls.items():
@@ -247,7 +285,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             add(op, model, shape, impl, pass_, ms, why, work[pass_], "TFLOP/s")
                 continue
             cases = {"layer_norm": layer_norm_cases, "dropout_add_layer_norm": dropout_add_layer_norm_cases,
-                     "bias_gelu": bias_gelu_cases, "mlm_cross_entropy": mlm_cross_entropy_cases}[op]
+                     "bias_gelu": bias_gelu_cases, "geglu": geglu_cases, "mlm_cross_entropy": mlm_cross_entropy_cases}[op]
             shape, impls, inputs, grad, work = cases(model, args.tokens, dtype, args.device)
             if args.compile:
                 impls["torch.compile"] = torch.compile(impls["torch eager"])

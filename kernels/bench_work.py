@@ -9,8 +9,11 @@ from dataclasses import dataclass
 from typing import Any
 
 # params: BertForPreTraining's parameter count at BERT's 30,522-token vocabulary (bert_ds.model)
-MODELS = {"base": dict(hidden=768, intermediate=3072, heads=12, params=110_106_428, vocab=30522),
-          "large": dict(hidden=1024, intermediate=4096, heads=16, params=336_226_108, vocab=30522)}
+# geglu: the GeGLU MLP's width of ModernBERT-base/large, which have BERT-base/large's hidden size and heads;
+# window: ModernBERT's local layers' (128 tokens: 64 on each side)
+MODELS = {"base": dict(hidden=768, intermediate=3072, heads=12, params=110_106_428, vocab=30522, geglu=1152),
+          "large": dict(hidden=1024, intermediate=4096, heads=16, params=336_226_108, vocab=30522, geglu=2624)}
+LOCAL_WINDOW = 64
 MASKED_SHARE = 0.15  # BERT's masking rate: the MLM loss's rows per token
 DTYPES = {"bf16": "bfloat16", "fp16": "float16"}  # --dtype: torch's name of each
 PASSES = ("forward", "forward+backward")
@@ -67,12 +70,24 @@ def bias_gelu_work(rows: int, cols: int, itemsize: int, pass_: str) -> Work:
     return _per_pass(forward, backward, pass_)
 
 
-def attention_work(lengths: list[int], heads: int, head_dim: int, itemsize: int, pass_: str) -> Work:
+def geglu_work(rows: int, cols: int, itemsize: int, pass_: str) -> Work:
+    """gelu(input) * gate over a (rows, 2 cols) projection, erf form: x in, y (rows, cols) out.
+    FLOPs per output element, erf and exp counted as one each: 7 forward, 11 backward (gelu,
+    gelu' and the two products)."""
+    elements = rows * cols
+    forward = Work(7 * elements, 3 * elements * itemsize)
+    backward = Work(11 * elements, 5 * elements * itemsize)  # dy, x in; dx out
+    return _per_pass(forward, backward, pass_)
+
+
+def attention_work(lengths: list[int], heads: int, head_dim: int, itemsize: int, pass_: str,
+                   pairs: int | None = None) -> Work:
     """Unpadded attention over sequences of ``lengths``: q, k, v in, out and the fp32 log-sum-exp
-    out. FLOPs: QK^T and PV (4 * nh * hd * L^2 per sequence) forward; the backward recomputes
+    out. FLOPs: QK^T and PV (4 * nh * hd per (query, key) pair: every pair of a sequence, or the
+    ``pairs`` a window leaves, bert_ds.model.flops.local_pairs) forward; the backward recomputes
     QK^T and does four more matmuls of the same size: 2.5x the forward."""
     tokens = sum(lengths)
-    flops = 4 * heads * head_dim * sum(L * L for L in lengths)
+    flops = 4 * heads * head_dim * (sum(L * L for L in lengths) if pairs is None else pairs)
     tensor, lse = tokens * heads * head_dim * itemsize, tokens * heads * 4
     forward = Work(flops, 4 * tensor + lse)
     backward = Work(2.5 * flops, 8 * tensor + lse)  # dout, q, k, v, out, lse in; dq, dk, dv out

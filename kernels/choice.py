@@ -42,7 +42,7 @@ import torch
 from bert_ds.base.errors import UserError
 from bert_ds.kernels import layer_norm, selfcheck, speed
 from bert_ds.kernels._build import device_key, load_extension, no_cuda, recorded, verdict_path
-from bert_ds.kernels.dispatch import OPS, RACED_OPS, SETTINGS, Backend, KernelUnavailable, OpPlan, consult
+from bert_ds.kernels.dispatch import OPS, SETTINGS, Backend, KernelUnavailable, OpPlan, consult
 from bert_ds.kernels.speed import Choice, OpShapes
 
 logger = logging.getLogger(__name__)
@@ -119,7 +119,7 @@ def _auto_backend(shapes: OpShapes) -> Backend:
 
 def plan_of(choices: dict[str, Choice], shapes: OpShapes) -> OpPlan:
     """The winners of a race at ``shapes``, as the plan a model hands to its ops."""
-    return OpPlan(tuple((op, choices[op].runs) for op in RACED_OPS if op in choices), shapes.key)
+    return OpPlan(tuple((op, choices[op].runs) for op in OPS if op in choices), shapes.key)
 
 
 @functools.cache
@@ -252,7 +252,8 @@ def _apex_problem(device: torch.device) -> str:
     if layer_norm.APEX_LAYER_NORM is None:
         return "apex is not installed"
     why = selfcheck.verdict(
-        lambda: selfcheck.check_layer_norm(layer_norm.layer_norm_apex, device, mixed_dtypes=False))
+        lambda: selfcheck.check_layer_norm(layer_norm.layer_norm_apex, device, mixed_dtypes=False,
+                                           without_bias=False))
     return f"failed the self-check: {why}" if why else ""
 
 

@@ -408,6 +408,8 @@ def _cpu_calls() -> dict[str, Callable[[ModuleType], object]]:
         "layer_norm_bwd": lambda m: m.layer_norm_bwd(x, x, None, w, stats, stats),
         "bias_gelu_fwd": lambda m: m.bias_gelu_fwd(x, w, False),
         "bias_gelu_bwd": lambda m: m.bias_gelu_bwd(x, x, w, False),
+        "geglu_fwd": lambda m: m.geglu_fwd(x, False),
+        "geglu_bwd": lambda m: m.geglu_bwd(x[:, :4], x, False),
         "varlen_attention_fwd": lambda m: m.varlen_attention_fwd(q, q, q, cu_seqlens, 4, 0.0, 0.125),
         "varlen_attention_bwd": lambda m: m.varlen_attention_bwd(q, q, q, q, q, lse, cu_seqlens, 4, 0.125),
     }

@@ -45,11 +45,10 @@ from bert_ds.kernels._build import load_extension
 # padded (or, for flash, nested) batch.
 Impl = Literal["native", "fused", "compiled", "apex", "varlen_attn", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn",
                "flex"]
-OPS = ("layer_norm", "dropout_add_layer_norm", "bias_gelu", "varlen_attention", "mlm_cross_entropy", "lamb_update")
-# Ops without a fused kernel yet, raced among PyTorch's own implementations (a model that has none
-# of them, BERT, skips them): the local layers' windowed attention (kernels/local_attention.py).
-TORCH_ONLY_OPS = ("local_attention",)
-RACED_OPS = OPS + TORCH_ONLY_OPS
+OPS = ("layer_norm", "dropout_add_layer_norm", "bias_gelu", "varlen_attention", "mlm_cross_entropy", "lamb_update",
+       "geglu", "local_attention")
+# Every op has a fused kernel and is raced; a model races only the ops it has (speed.OpShapes.has):
+# BERT neither GeGLU nor the local layers' windowed attention (kernels/local_attention.py).
 
 logger = logging.getLogger(__name__)
 

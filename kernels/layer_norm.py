@@ -1,10 +1,12 @@
-"""LayerNorm with an optional fused residual add: ``LayerNorm(x + residual)``.
+"""LayerNorm with an optional fused residual add: ``LayerNorm(x + residual)``, with or without a bias.
 
 Post-LN BERT ends every sublayer with ``LayerNorm(dropout(dense(h)) + h_in)``;
 taking the residual as an argument lets the fused kernel read both inputs once
 instead of materialising the sum. The sum and the statistics are computed in fp32
 whatever the input dtype, because a bf16 mean/variance over ~1000 features loses
-most of its precision; the output is returned in the input dtype.
+most of its precision; the output is returned in the input dtype. ``bias=None`` is a LayerNorm
+without one (``nn.LayerNorm(bias=False)``, ModernBERT's): every implementation then computes no bias
+gradient, and the fused kernels read no bias.
 
 The fused path (``kernels/csrc/layer_norm.cu``) takes float32, float16 and bfloat16
 inputs with a residual and weights of the input dtype or float32 (what autocast over
@@ -55,20 +57,20 @@ APEX_LAYER_NORM = find_apex_layer_norm()
 def layer_norm_ref(
     x: torch.Tensor,
     weight: torch.Tensor,
-    bias: torch.Tensor,
+    bias: torch.Tensor | None,
     eps: float,
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x, residual: (..., H); weight, bias: (H,). Returns (..., H) in x.dtype."""
+    """x, residual: (..., H); weight, bias: (H,) (bias None: none). Returns (..., H) in x.dtype."""
     summed = x.float() if residual is None else x.float() + residual.float()
-    out = F.layer_norm(summed, summed.shape[-1:], weight.float(), bias.float(), eps)
+    out = F.layer_norm(summed, summed.shape[-1:], weight.float(), None if bias is None else bias.float(), eps)
     return out.to(x.dtype)
 
 
 def layer_norm_native(
     x: torch.Tensor,
     weight: torch.Tensor,
-    bias: torch.Tensor,
+    bias: torch.Tensor | None,
     eps: float,
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -83,7 +85,7 @@ def layer_norm_native(
 def layer_norm_fused(
     x: torch.Tensor,
     weight: torch.Tensor,
-    bias: torch.Tensor,
+    bias: torch.Tensor | None,
     eps: float,
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -94,7 +96,7 @@ def layer_norm_fused(
 def layer_norm_apex(
     x: torch.Tensor,
     weight: torch.Tensor,
-    bias: torch.Tensor,
+    bias: torch.Tensor | None,
     eps: float,
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -119,7 +121,7 @@ def _mixed_dtypes(x, weight, bias, residual) -> bool:
 def layer_norm(
     x: torch.Tensor,
     weight: torch.Tensor,
-    bias: torch.Tensor,
+    bias: torch.Tensor | None,
     eps: float,
     residual: torch.Tensor | None = None,
     *,
@@ -137,10 +139,13 @@ def _unsupported(impl: Impl, x, weight, bias, residual) -> str:
         return "" if on_cuda else "its inputs are not all on a CUDA device"
     if impl == "apex" and _mixed_dtypes(x, weight, bias, residual):
         return f"mixed dtypes ({x.dtype} input; apex's LayerNorm takes one dtype)"
+    if impl == "apex" and bias is None:
+        return "no bias (apex's affine LayerNorm takes one)"
     if x.dtype not in FUSED_DTYPES:
         return f"{x.dtype} input (it takes {', '.join(map(str, FUSED_DTYPES))})"
-    if weight.dtype not in (x.dtype, torch.float32) or bias.dtype != weight.dtype:
-        return f"{weight.dtype}/{bias.dtype} weight/bias for {x.dtype} input (they must be {x.dtype} or float32)"
+    if weight.dtype not in (x.dtype, torch.float32) or (bias is not None and bias.dtype != weight.dtype):
+        return (f"{weight.dtype}/{None if bias is None else bias.dtype} weight/bias for {x.dtype} input "
+                f"(they must be {x.dtype} or float32)")
     if residual is not None and residual.dtype not in (x.dtype, torch.float32):
         return f"a {residual.dtype} residual for {x.dtype} input (it must be {x.dtype} or float32)"
     if not on_cuda:
@@ -155,10 +160,12 @@ class FusedLayerNorm(torch.autograd.Function):
     def forward(ctx, x, weight, bias, eps, residual):
         y, mean, rstd = fused_extension().layer_norm_fwd(x, weight, bias, residual, eps)
         ctx.save_for_backward(x, weight, mean, rstd, residual)
+        ctx.with_bias = bias is not None
         return y
 
     @staticmethod
     def backward(ctx, dy):
         x, weight, mean, rstd, residual = ctx.saved_tensors
-        dx, dweight, dbias, dresidual = fused_extension().layer_norm_bwd(dy, x, residual, weight, mean, rstd)
+        dx, dweight, dbias, dresidual = fused_extension().layer_norm_bwd(dy, x, residual, weight, mean, rstd,
+                                                                         ctx.with_bias)
         return dx, dweight, dbias, None, dresidual

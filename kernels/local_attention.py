@@ -19,11 +19,15 @@ padded batch. The other candidates, each with this op's signature, are PyTorch's
   document and within the window" (CUDA: its backward has no CPU kernel), compiled once per process;
 - ``sdpa_efficient``: the padded SDPA restricted to the memory-efficient backend, which takes
   the band as a mask;
-- ``native``: ``varlen_attn`` where it takes the inputs, else the reference.
+- ``native``: ``varlen_attn`` where it takes the inputs, else the reference;
+- ``fused``: the global op's fused kernels (``kernels/csrc/attention.cu``) with the window
+  inside them: a CTA walks only the tiles within the window of one of its rows and masks only
+  in the tiles that are not wholly within every row's window (the file's header). float16 and
+  bfloat16, head_dim 32 or 64, no dropout, any window >= 0.
 
-``kernels=auto`` races them at the model's shapes and window (``kernels/speed.py``); a fused
-kernel with the window inside it is the next step, and until it exists ``kernels=cuda`` runs
-the native op here.
+``kernels=auto`` races them at the model's shapes and window (``kernels/speed.py``), the fused
+one where it passed its self-check (``kernels/selfcheck.py``); ``kernels=cuda`` runs the fused
+one, or says why it cannot.
 """
 
 from __future__ import annotations
@@ -35,7 +39,9 @@ from collections.abc import Callable
 import torch
 from torch.nn.attention import SDPBackend
 
-from bert_ds.kernels.attention import cuda_capability, padded_sdpa, varlen_attn_api, varlen_attn_problem
+from bert_ds.kernels.attention import (
+    FusedVarlenAttention, cuda_capability, fused_problem, fused_scale, padded_sdpa, varlen_attn_api, varlen_attn_problem,
+)
 from bert_ds.kernels.dispatch import Backend, Impl, OpPlan, choose
 
 
@@ -106,8 +112,15 @@ def local_attention_sdpa_efficient(q, k, v, cu_seqlens, max_seqlen, window, drop
                        backend=SDPBackend.EFFICIENT_ATTENTION, window=window)
 
 
+def local_attention_fused(q, k, v, cu_seqlens, max_seqlen, window, dropout_p=0.0, softmax_scale=None):
+    """:func:`local_attention_ref` on the fused kernels, the window inside them (no dropout)."""
+    return FusedVarlenAttention.apply(q, k, v, cu_seqlens, max_seqlen, fused_scale(q, dropout_p, softmax_scale),
+                                      window)
+
+
 IMPLEMENTATIONS: dict[Impl, Callable[..., torch.Tensor]] = {
     "native": local_attention_native,
+    "fused": local_attention_fused,
     "varlen_attn": local_attention_varlen_attn,
     "flex": local_attention_flex,
     "sdpa_efficient": local_attention_sdpa_efficient,
@@ -126,9 +139,8 @@ def local_attention(
     *,
     backend: Backend,
 ) -> torch.Tensor:
-    """:func:`local_attention_ref` on the resolved ``backend`` (``kernels=cuda``: the native op,
-    until a fused kernel takes a window)."""
-    if backend == "cuda" or (isinstance(backend, OpPlan) and not backend.has("local_attention")):
+    """:func:`local_attention_ref` on the resolved ``backend`` (a plan raced without local layers: the native op)."""
+    if isinstance(backend, OpPlan) and not backend.has("local_attention"):
         backend = "torch"
     impl = choose("local_attention", backend, lambda name: _unsupported(name, q, k, v, cu_seqlens, dropout_p,
                                                                           softmax_scale))
@@ -152,6 +164,8 @@ def _unsupported(impl: Impl, q, k, v, cu_seqlens, dropout_p, softmax_scale) -> s
         return f"attention dropout (dropout_p={dropout_p}) is not supported; set attention_dropout=0"
     if impl == "varlen_attn":
         return _varlen_attn_problem(q, k, v, cu_seqlens, dropout_p, softmax_scale)
+    if impl == "fused":
+        return fused_problem(q, k, v, cu_seqlens, dropout_p)
     if cuda_capability(q.device) is None:
         return "its inputs are not on a CUDA device"
     return ""

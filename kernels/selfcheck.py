@@ -27,8 +27,11 @@ from bert_ds.kernels.attention import varlen_attention_fused, varlen_attention_p
 from bert_ds.kernels.bias_gelu import bias_gelu_fused, bias_gelu_ref
 from bert_ds.kernels.cross_entropy import IGNORE_INDEX, mlm_cross_entropy_fused, mlm_cross_entropy_ref
 from bert_ds.kernels.dropout_layer_norm import dropout_add_layer_norm_fused, dropout_add_layer_norm_ref
+from bert_ds.kernels.geglu import geglu_fused, geglu_ref
 from bert_ds.kernels.lamb import Chunks, LambScalars, lamb_update_fused, lamb_update_ref
 from bert_ds.kernels.layer_norm import layer_norm_fused, layer_norm_ref
+from bert_ds.kernels.local_attention import local_attention_fused, local_attention_ref
+from bert_ds.kernels.rotary_attention import rotary_attention_fused, rotary_attention_ref
 
 # atol = TOLERANCE[dtype] * max(1, |truth|_max): room for the case where the same-dtype
 # reference is (nearly) exact, e.g. float32, or a sum the reference rounds only once.
@@ -48,10 +51,13 @@ def fused_checks() -> dict[str, tuple[Callable[..., list[str]], Callable[..., ob
     return {"layer_norm": (check_layer_norm, layer_norm_fused),
             "dropout_add_layer_norm": (check_dropout_add_layer_norm, dropout_add_layer_norm_fused),
             "bias_gelu": (check_bias_gelu, bias_gelu_fused),
-            "varlen_attention": (functools.partial(check_varlen_attention, packed=varlen_attention_packed_fused),
-                                 varlen_attention_fused),
+            "varlen_attention": (functools.partial(check_varlen_attention, packed=varlen_attention_packed_fused,
+                                                   rotary=rotary_attention_fused), varlen_attention_fused),
             "mlm_cross_entropy": (check_mlm_cross_entropy, mlm_cross_entropy_fused),
-            "lamb_update": (check_lamb_update, lamb_update_fused)}
+            "lamb_update": (check_lamb_update, lamb_update_fused),
+            "geglu": (check_geglu, geglu_fused),
+            "local_attention": (functools.partial(check_local_attention, rotary=rotary_attention_fused),
+                                local_attention_fused)}
 
 
 def verdict(check: Callable[[], list[str]]) -> str:
@@ -132,25 +138,31 @@ def exact_problems(case: str, fn, fn_ref, leaves: Tensors) -> list[str]:
 
 
 def check_layer_norm(impl: Callable[..., torch.Tensor], device: torch.device,
-                     mixed_dtypes: bool = True) -> list[str]:
+                     mixed_dtypes: bool = True, without_bias: bool = True) -> list[str]:
     """``impl`` (``layer_norm_ref``'s signature) against the reference; ``mixed_dtypes``: also
-    float32 weights with half inputs (apex's LayerNorm takes one dtype)."""
+    float32 weights with half inputs (apex's LayerNorm takes one dtype); ``without_bias``: also
+    LayerNorms without a bias, on both paths (apex's takes one)."""
     rand = _Inputs(seed=0, device=device)
     problems = []
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
-        for rows, hidden, residual, weight_dtype in ((96, 768, True, dtype), (33, 1024, False, torch.float32),
-                                                     (17, 1023, True, dtype)):
+        for rows, hidden, residual, weight_dtype, bias in ((96, 768, True, dtype, True),
+                                                           (33, 1024, False, torch.float32, False),
+                                                           (17, 1023, True, dtype, True),
+                                                           (24, 100, False, dtype, False)):
             if weight_dtype != dtype and not mixed_dtypes:
                 weight_dtype = dtype
             leaves = {"x": rand(rows, hidden, dtype=dtype, scale=2.0, shift=0.5),
-                      "weight": rand(hidden, dtype=weight_dtype, shift=1.0),
-                      "bias": rand(hidden, dtype=weight_dtype, scale=0.5)}
+                      "weight": rand(hidden, dtype=weight_dtype, shift=1.0)}
+            bias = bias or not without_bias
+            if bias:
+                leaves["bias"] = rand(hidden, dtype=weight_dtype, scale=0.5)
             if residual:
                 leaves["residual"] = rand(rows, hidden, dtype=dtype)
+            case = f"{dtype} ({rows}, {hidden}){' +residual' if residual else ''}{'' if bias else ' no bias'}"
             problems += compare(
-                f"{dtype} ({rows}, {hidden}){' +residual' if residual else ''}",
-                lambda x, weight, bias, residual=None: impl(x, weight, bias, 1e-12, residual),
-                lambda x, weight, bias, residual=None: layer_norm_ref(x, weight, bias, 1e-12, residual),
+                case,
+                lambda x, weight, bias=None, residual=None: impl(x, weight, bias, 1e-12, residual),
+                lambda x, weight, bias=None, residual=None: layer_norm_ref(x, weight, bias, 1e-12, residual),
                 leaves, rand(rows, hidden, dtype=dtype), dtype)
     return problems
 
@@ -207,13 +219,32 @@ def check_bias_gelu(impl: Callable[..., torch.Tensor], device: torch.device) -> 
     return problems
 
 
+def check_geglu(impl: Callable[..., torch.Tensor], device: torch.device) -> list[str]:
+    """``impl`` (``geglu_ref``'s signature) against the reference, in both GELU forms: ModernBERT-base's
+    width (1,152: 16-byte vectors in every dtype), 260 (16-byte vectors in fp32 alone) and 1,031 (scalar)."""
+    rand = _Inputs(seed=7, device=device)
+    problems = []
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for rows, cols, approximate in ((64, 1152, "none"), (9, 1031, "tanh"), (40, 260, "tanh")):
+            leaves = {"x": rand(rows, 2 * cols, dtype=dtype, scale=2.0)}
+            problems += compare(
+                f"{dtype} ({rows}, 2 x {cols}) {approximate}",
+                lambda x, approximate=approximate: impl(x, approximate),
+                lambda x, approximate=approximate: geglu_ref(x, approximate),
+                leaves, rand(rows, cols, dtype=dtype), dtype)
+    return problems
+
+
 def check_varlen_attention(impl: Callable[..., torch.Tensor], device: torch.device,
-                           packed: Callable[..., torch.Tensor] | None = None) -> list[str]:
+                           packed: Callable[..., torch.Tensor] | None = None,
+                           rotary: Callable[..., torch.Tensor] | None = None) -> list[str]:
     """``impl`` (``varlen_attention_ref``'s signature) against the reference, in the dtypes
     the fused kernel takes; and ``packed`` (``varlen_attention_packed``'s: q, k, v read from
-    one (T, 3, nh, hd) projection, the gradient returned in one piece), where given."""
+    one (T, 3, nh, hd) projection, the gradient returned in one piece) and ``rotary``
+    (``rotary_attention_ref``'s: q and k rotated as they load, the global layers' base), where given."""
     rand = _Inputs(seed=2, device=device)
     problems = check_packed_attention(packed, device) if packed is not None else []
+    problems += check_rotary_attention(rotary, device, None, 160000.0) if rotary is not None else []
     for dtype in (torch.float16, torch.bfloat16):
         for lengths, heads, head_dim in (([1, 512, 77, 128], 3, 64), ([3, 65, 1], 2, 32)):
             total, max_seqlen = sum(lengths), max(lengths)
@@ -225,6 +256,48 @@ def check_varlen_attention(impl: Callable[..., torch.Tensor], device: torch.devi
                 lambda q, k, v, rest=rest: impl(q, k, v, *rest),
                 lambda q, k, v, rest=rest: varlen_attention_ref(q, k, v, *rest),
                 leaves, rand(total, heads, head_dim, dtype=dtype), dtype)
+    return problems
+
+
+def check_local_attention(impl: Callable[..., torch.Tensor], device: torch.device,
+                          rotary: Callable[..., torch.Tensor] | None = None) -> list[str]:
+    """``impl`` (``local_attention_ref``'s signature) against the reference, in the dtypes the fused
+    kernel takes: windows inside one tile, ModernBERT's 64 and wider than every tile, over sequences
+    shorter and longer than them; and ``rotary`` (``rotary_attention_ref``'s), windowed, where given."""
+    rand = _Inputs(seed=3, device=device)
+    problems = check_rotary_attention(rotary, device, 64, 10000.0) if rotary is not None else []
+    for dtype in (torch.float16, torch.bfloat16):
+        for lengths, heads, head_dim, window in (([1, 300, 77, 128], 2, 64, 64), ([1, 300, 77, 128], 2, 64, 3),
+                                                 ([3, 260, 1], 2, 32, 130)):
+            total, max_seqlen = sum(lengths), max(lengths)
+            offsets = torch.tensor([0, *lengths], device=device).cumsum(0).to(torch.int32)
+            rest = (offsets, max_seqlen, window, 0.0, head_dim ** -0.5)  # cu_seqlens, max_seqlen, window, dropout, scale
+            leaves = {name: rand(total, heads, head_dim, dtype=dtype) for name in ("q", "k", "v")}
+            problems += compare(
+                f"{dtype} lengths {lengths} heads {heads} head_dim {head_dim} window {window}",
+                lambda q, k, v, rest=rest: impl(q, k, v, *rest),
+                lambda q, k, v, rest=rest: local_attention_ref(q, k, v, *rest),
+                leaves, rand(total, heads, head_dim, dtype=dtype), dtype)
+    return problems
+
+
+def check_rotary_attention(rotary: Callable[..., torch.Tensor], device: torch.device, window: int | None,
+                           rope_theta: float, lengths: tuple[int, ...] = (1, 128, 77, 300)) -> list[str]:
+    """``rotary`` (``rotary_attention_ref``'s signature: an unrotated (T, 3, nh, hd) projection, q and k
+    rotated by the model's rotary, each sequence from position 0) against the reference, in both
+    dtypes, at head dims 64 and 32."""
+    rand = _Inputs(seed=6, device=device)
+    lengths, problems = list(lengths), []
+    offsets = torch.tensor([0, *lengths], device=device).cumsum(0).to(torch.int32)
+    for dtype in (torch.float16, torch.bfloat16):
+        for heads, head_dim in ((2, 64), (2, 32)):
+            rest = (offsets, max(lengths), rope_theta, window, 0.0, head_dim ** -0.5)
+            problems += compare(f"rotary {dtype} lengths {lengths} head_dim {head_dim} window {window} "
+                                f"theta {rope_theta:g}",
+                                lambda qkv, rest=rest: rotary(qkv, *rest),
+                                lambda qkv, rest=rest: rotary_attention_ref(qkv, *rest),
+                                {"qkv": rand(sum(lengths), 3, heads, head_dim, dtype=dtype)},
+                                rand(sum(lengths), heads, head_dim, dtype=dtype), dtype)
     return problems
 
 

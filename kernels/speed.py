@@ -4,7 +4,7 @@ Candidates per op (:data:`IMPLEMENTATIONS`, native first):
 
 - ``native``: the PyTorch-native op (``<op>_native``), always;
 - ``fused``: our fused kernel, where the extension loads and the op passed its self-check;
-- ``compiled`` (LayerNorm, dropout + LayerNorm, bias + GELU, attention, the MLM loss): the op's
+- ``compiled`` (LayerNorm, dropout + LayerNorm, bias + GELU, GeGLU, attention, the MLM loss): the op's
   reference under ``torch.compile`` (``kernels/compiled.py``); not LAMB's update, whose callback
   between its passes and in-place updates would split the compiled graph;
 - ``apex`` (LayerNorm only): apex's fused LayerNorm, where apex is installed and it passes
@@ -63,18 +63,20 @@ from bert_ds.kernels.bias_gelu import IMPLEMENTATIONS as BIAS_GELU
 from bert_ds.kernels.bias_gelu import bias_gelu_ref
 from bert_ds.kernels.cross_entropy import IMPLEMENTATIONS as MLM_CROSS_ENTROPY
 from bert_ds.kernels.cross_entropy import mlm_cross_entropy_ref
-from bert_ds.kernels.dispatch import RACED_OPS
+from bert_ds.kernels.dispatch import OPS
 from bert_ds.kernels.local_attention import IMPLEMENTATIONS as LOCAL_ATTENTION
 from bert_ds.kernels.local_attention import local_attention_ref
 from bert_ds.kernels.dropout_layer_norm import IMPLEMENTATIONS as DROPOUT_ADD_LAYER_NORM
 from bert_ds.kernels.dropout_layer_norm import dropout_add_layer_norm_ref
+from bert_ds.kernels.geglu import IMPLEMENTATIONS as GEGLU
+from bert_ds.kernels.geglu import geglu_ref
 from bert_ds.kernels.layer_norm import IMPLEMENTATIONS as LAYER_NORM
 from bert_ds.kernels.layer_norm import layer_norm_ref
 
 # Per op, its implementations by name (dispatch.Impl), native first, all with its reference's signature.
 IMPLEMENTATIONS = {"layer_norm": LAYER_NORM, "dropout_add_layer_norm": DROPOUT_ADD_LAYER_NORM, "bias_gelu": BIAS_GELU,
                    "varlen_attention": attention.IMPLEMENTATIONS, "mlm_cross_entropy": MLM_CROSS_ENTROPY,
-                   "lamb_update": lamb.IMPLEMENTATIONS, "local_attention": LOCAL_ATTENTION}
+                   "lamb_update": lamb.IMPLEMENTATIONS, "local_attention": LOCAL_ATTENTION, "geglu": GEGLU}
 LAYER_NORM_EPS = 1e-12  # BERT's
 CALLS_PER_SAMPLE = 10  # calls per timed sample, so that one sample is well above the clock's resolution
 SAMPLES = 5
@@ -110,6 +112,7 @@ class OpShapes:
     hidden_dropout: float = 0.1  # the model's (BERT's): dropout_add_layer_norm is timed with the training's mask
     vocab: int = 30522  # the model's vocabulary: mlm_cross_entropy is timed at its decoder's padded width
     window: int = 0  # the local layers' window, tokens on each side; 0: the model has none (local_attention not raced)
+    geglu: bool = False  # the MLP is GeGLU on a (T, 2 x intermediate) projection (ModernBERT); False: geglu not raced
 
     def __post_init__(self) -> None:
         for name in ("hidden", "intermediate", "num_heads", "max_seqlen", "tokens", "vocab"):
@@ -117,6 +120,8 @@ class OpShapes:
                 raise ValueError(f"OpShapes.{name} must be a positive integer, got {getattr(self, name)!r}")
         if not isinstance(self.window, int) or self.window < 0:
             raise ValueError(f"OpShapes.window must be an integer >= 0, got {self.window!r}")
+        if not isinstance(self.geglu, bool):
+            raise ValueError(f"OpShapes.geglu must be True or False, got {self.geglu!r}")
         if self.hidden % self.num_heads:
             raise ValueError(f"OpShapes.num_heads ({self.num_heads}) must divide hidden ({self.hidden})")
         if self.approximate not in ("none", "tanh") or not isinstance(getattr(torch, self.dtype, None), torch.dtype):
@@ -128,6 +133,15 @@ class OpShapes:
     @property
     def head_dim(self) -> int:
         return self.hidden // self.num_heads
+
+    def has(self, op: str) -> bool:
+        """Whether a model of these shapes runs ``op``, and so races it: the local attention only with
+        local layers (a window), GeGLU only in a GeGLU MLP; BERT has neither."""
+        if op == "local_attention":
+            return self.window > 0
+        if op == "geglu":
+            return self.geglu
+        return True
 
     @property
     def masked_rows(self) -> int:
@@ -153,7 +167,8 @@ class OpShapes:
         """Names these shapes in the record: a verdict holds for the shapes it was raced at."""
         return (f"{self.dtype} hidden {self.hidden} ffn {self.intermediate} heads {self.num_heads} "
                 f"seq {self.max_seqlen} tokens {self.tokens} gelu {self.approximate} dropout {self.hidden_dropout:g} "
-                f"vocab {self.vocab}" + (f" window {self.window}" if self.window else ""))
+                f"vocab {self.vocab}" + (f" window {self.window}" if self.window else "")
+                + (" geglu" if self.geglu else ""))
 
     def describe(self) -> str:
         lengths = self.lengths()
@@ -253,7 +268,7 @@ def candidates(fused_problems: Mapping[str, str], apex_problem: str,
     """
     timed: dict[str, dict[str, Callable[..., torch.Tensor]]] = {}
     excluded: dict[str, dict[str, str]] = {}
-    for op in RACED_OPS:
+    for op in OPS:
         problems = {"fused": fused_problems.get(op, "not checked")} if "fused" in IMPLEMENTATIONS[op] else {}
         if op == "layer_norm":
             problems["apex"] = apex_problem
@@ -267,7 +282,7 @@ def candidates(fused_problems: Mapping[str, str], apex_problem: str,
 
 def candidate_names() -> dict[str, list[str]]:
     """Per op, the names of its candidates: a race recorded with other candidates is run again."""
-    return {op: list(IMPLEMENTATIONS[op]) for op in RACED_OPS}
+    return {op: list(IMPLEMENTATIONS[op]) for op in OPS}
 
 
 def race(shapes: OpShapes, device: torch.device, timed: Mapping[str, Mapping[str, Callable[..., torch.Tensor]]],
@@ -277,8 +292,8 @@ def race(shapes: OpShapes, device: torch.device, timed: Mapping[str, Mapping[str
     choices = {}
     with torch.inference_mode(False), torch.enable_grad(), torch.autocast(device.type, enabled=False):
         for op, implementations in timed.items():
-            if op == "local_attention" and not shapes.window:
-                continue  # the model has no local layers
+            if not shapes.has(op):
+                continue  # the model has no such op (BERT: no local layers, no GeGLU)
             case = _case(op, shapes, device)
             wall_ms, device_ms, left_out = {}, {}, dict(excluded.get(op, {}))
             for name, fn in implementations.items():
@@ -383,6 +398,10 @@ def _case(op: str, shapes: OpShapes, device: torch.device) -> _AutogradCase | _L
         leaves = {"x": rand(tokens, shapes.intermediate), "bias": rand(shapes.intermediate)}
         return _AutogradCase(lambda fn, t: fn(t["x"], t["bias"], shapes.approximate),
                              leaves, rand(tokens, shapes.intermediate).detach(), bias_gelu_ref, dtype)
+    if op == "geglu":  # on the MLP's Wi projection, [input | gate]
+        leaves = {"x": rand(tokens, 2 * shapes.intermediate)}
+        return _AutogradCase(lambda fn, t: fn(t["x"], shapes.approximate),
+                             leaves, rand(tokens, shapes.intermediate).detach(), geglu_ref, dtype)
     if op == "varlen_attention":
         # As the model runs it: q, k and v as one (T, 3, nh, hd) projection, which a candidate reads in
         # place or as three views (attention.packed_form), and its gradient in one piece

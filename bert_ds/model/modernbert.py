@@ -24,8 +24,17 @@ Design choices, and why:
   (:func:`~bert_ds.kernels.ops.varlen_attention`), the local ones through
   :func:`~bert_ds.kernels.ops.local_attention`; ``kernels=auto`` picks each op's fastest
   correct implementation among PyTorch's own at the model's shapes (``kernels/speed.py``).
+- **The MLP and the norms through the kernels' ops** too: the GeGLU activation on ``Wi``'s whole
+  output (:func:`~bert_ds.kernels.ops.geglu`, whose fused kernel reads the input and gate halves in
+  place) and every LayerNorm (:func:`~bert_ds.kernels.ops.layer_norm` with ``bias=None``), raced
+  like the rest. Their native forms compute what ``nn.LayerNorm(bias=False)`` and
+  ``F.gelu(input) * gate`` did here before, as transformers' model does (a CPU's half-precision
+  LayerNorm aside, which takes the fp32 reference, as BERT's does).
 - **Rotary embeddings in fp32**, as transformers applies them: cos and sin are computed in fp32
-  and rounded to the model's dtype, q and k rotated in fp32 and rounded back.
+  and rounded to the model's dtype, q and k rotated in fp32 and rounded back. Where an attention
+  op runs its fused kernel (``kernels=cuda``, or ``auto`` where it won the race) the layer hands
+  the kernel the unrotated projection and its base instead, and the kernel rotates q and k as
+  it loads them (``kernels/rotary_attention.py``: cos and sin in fp32, not rounded).
 - **What BERT shares**: the padded, tied MLM decoder on the masked rows only and the fp32 loss
   (:mod:`bert_ds.model.mlm`), the output type, the unpadded layout. What differs is in this
   file; nothing in :mod:`bert_ds.model.bert` knows of it.
@@ -40,7 +49,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from bert_ds.kernels.ops import Backend, OpShapes, local_attention, resolve_backend, varlen_attention
+from bert_ds.kernels.ops import (
+    Backend, OpShapes, geglu, layer_norm, local_attention, resolve_backend, rotary_attention_fused, rotary_runs_fused,
+    varlen_attention,
+)
 from bert_ds.model.config import ModernBertConfig
 from bert_ds.model.mlm import MlmDecoder, PreTrainingOutput, masked_lm, vocab_columns
 from bert_ds.model.padding import Unpadded, gather_tokens, input_layout
@@ -48,16 +60,23 @@ from bert_ds.model.padding import Unpadded, gather_tokens, input_layout
 _GELU_APPROXIMATE = {"gelu": "none", "gelu_tanh": "tanh"}
 
 
-def _layer_norm(hidden_size: int, eps: float) -> nn.LayerNorm:
-    """ModernBERT's LayerNorm: a weight, no bias."""
-    return nn.LayerNorm(hidden_size, eps=eps, bias=False)
+class ModernBertLayerNorm(nn.LayerNorm):
+    """ModernBERT's LayerNorm: a weight, no bias (``nn.LayerNorm(bias=False)``'s parameter, so its one
+    key is transformers'), run by the kernels' op on the model's backend."""
+
+    def __init__(self, hidden_size: int, eps: float, backend: Backend) -> None:
+        super().__init__(hidden_size, eps=eps, bias=False)
+        self.backend = backend
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return layer_norm(x, self.weight, None, self.eps, backend=self.backend)
 
 
 class ModernBertEmbeddings(nn.Module):
-    def __init__(self, config: ModernBertConfig) -> None:
+    def __init__(self, config: ModernBertConfig, backend: Backend) -> None:
         super().__init__()
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
-        self.norm = _layer_norm(config.hidden_size, config.norm_eps)
+        self.norm = ModernBertLayerNorm(config.hidden_size, config.norm_eps, backend)
         self.drop = nn.Dropout(config.embedding_dropout)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -95,15 +114,21 @@ class ModernBertAttention(nn.Module):
         self.dropout_p = config.attention_dropout
         # None: global; else the tokens seen on each side
         self.window = None if config.is_global(layer) else config.local_attention // 2
+        self.rope_theta = config.global_rope_theta if config.is_global(layer) else config.local_rope_theta
         self.backend = backend
 
     def forward(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cu_seqlens: torch.Tensor,
                 max_seqlen: int) -> torch.Tensor:
         """hidden (T, H), rope: cos, sin (T, hd) -> (T, H)."""
         qkv = self.Wqkv(hidden).view(-1, 3, self.num_heads, self.head_dim)  # (T, 3, nh, hd): rows Q, K, V
+        dropout_p = self.dropout_p if self.training else 0.0
+        if rotary_runs_fused(qkv, cu_seqlens, self.window, dropout_p, self.backend):
+            # The fused kernels rotate q and k as they load them (this layer's base; each sequence from
+            # position 0, as rope's): no rotated copy is written, and qkv's gradient comes back whole.
+            context = rotary_attention_fused(qkv, cu_seqlens, max_seqlen, self.rope_theta, self.window)
+            return self.out_drop(self.Wo(context.reshape(-1, self.num_heads * self.head_dim)))  # (T, H)
         q, k, v = qkv.unbind(1)
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        dropout_p = self.dropout_p if self.training else 0.0
         if self.window is None:
             context = varlen_attention(q, k, v, cu_seqlens, max_seqlen, dropout_p, backend=self.backend)
         else:
@@ -114,27 +139,29 @@ class ModernBertAttention(nn.Module):
 class ModernBertMLP(nn.Module):
     """GeGLU: ``Wo(drop(gelu(input) * gate))`` with ``(input, gate) = Wi(x).chunk(2)``."""
 
-    def __init__(self, config: ModernBertConfig) -> None:
+    def __init__(self, config: ModernBertConfig, backend: Backend) -> None:
         super().__init__()
         self.Wi = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.Wo = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.drop = nn.Dropout(config.mlp_dropout)
         self.approximate = _GELU_APPROXIMATE[config.hidden_activation]
+        self.backend = backend
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (T, H) -> (T, H)."""
-        inputs, gate = self.Wi(x).chunk(2, dim=-1)  # (T, I) each
-        return self.Wo(self.drop(F.gelu(inputs, approximate=self.approximate) * gate))
+        activated = geglu(self.Wi(x), self.approximate, backend=self.backend)  # (T, 2I) [input | gate] -> (T, I)
+        return self.Wo(self.drop(activated))
 
 
 class ModernBertEncoderLayer(nn.Module):
     def __init__(self, config: ModernBertConfig, layer: int, backend: Backend) -> None:
         super().__init__()
         # Layer 0's input is the embeddings' output, normalised already.
-        self.attn_norm = nn.Identity() if layer == 0 else _layer_norm(config.hidden_size, config.norm_eps)
+        self.attn_norm = nn.Identity() if layer == 0 else ModernBertLayerNorm(config.hidden_size, config.norm_eps,
+                                                                               backend)
         self.attn = ModernBertAttention(config, layer, backend)
-        self.mlp_norm = _layer_norm(config.hidden_size, config.norm_eps)
-        self.mlp = ModernBertMLP(config)
+        self.mlp_norm = ModernBertLayerNorm(config.hidden_size, config.norm_eps, backend)
+        self.mlp = ModernBertMLP(config, backend)
 
     def forward(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cu_seqlens: torch.Tensor,
                 max_seqlen: int) -> torch.Tensor:
@@ -146,9 +173,9 @@ class ModernBertModel(nn.Module):
     def __init__(self, config: ModernBertConfig, backend: Backend) -> None:
         super().__init__()
         self.config = config
-        self.embeddings = ModernBertEmbeddings(config)
+        self.embeddings = ModernBertEmbeddings(config, backend)
         self.layers = nn.ModuleList(ModernBertEncoderLayer(config, i, backend) for i in range(config.num_layers))
-        self.final_norm = _layer_norm(config.hidden_size, config.norm_eps)
+        self.final_norm = ModernBertLayerNorm(config.hidden_size, config.norm_eps, backend)
         if config.compile_layers:
             for layer in self.layers:
                 layer.compile(dynamic=True)
@@ -171,10 +198,10 @@ class ModernBertModel(nn.Module):
 
 
 class ModernBertPredictionHead(nn.Module):
-    def __init__(self, config: ModernBertConfig) -> None:
+    def __init__(self, config: ModernBertConfig, backend: Backend) -> None:
         super().__init__()
         self.dense = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
-        self.norm = _layer_norm(config.hidden_size, config.norm_eps)
+        self.norm = ModernBertLayerNorm(config.hidden_size, config.norm_eps, backend)
         self.approximate = _GELU_APPROXIMATE[config.hidden_activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -194,10 +221,10 @@ class ModernBertForPreTraining(nn.Module):
             hidden=config.hidden_size, intermediate=config.intermediate_size, num_heads=config.num_heads,
             max_seqlen=train_seq_len or config.max_position_embeddings,
             approximate=_GELU_APPROXIMATE[config.hidden_activation], hidden_dropout=config.mlp_dropout,
-            vocab=config.vocab_size, window=config.local_attention // 2)
+            vocab=config.vocab_size, window=config.local_attention // 2, geglu=True)
         self.backend = resolve_backend(config.kernels, self.op_shapes)
         self.model = ModernBertModel(config, self.backend)
-        self.head = ModernBertPredictionHead(config)
+        self.head = ModernBertPredictionHead(config, self.backend)
         self.decoder = MlmDecoder(config.hidden_size, config.vocab_size, device="meta")
         self.decoder.weight = self.model.embeddings.tok_embeddings.weight  # tied
         self.decoder.bias = nn.Parameter(torch.zeros(config.vocab_size))

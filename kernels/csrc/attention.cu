@@ -111,10 +111,47 @@
 // Both are one kernel template (kOneTile): only dQ's store differs, so both compute the
 // same bits (tests/kernels/test_cuda_emulated.py checks it).
 //
+// Sliding window and rotary embeddings (a ModernBERT-class encoder's local layers, and its Q
+// and K in every layer) are template options of both kernels, so that the instances BERT
+// runs are compiled as they were:
+// - kWindowed: query i sees key j of its sequence only where |i - j| <= window (window >= 0;
+//   window tokens on each side). The forward walks only the key tiles that hold a key within
+//   the window of one of its queries: from the tile of max(0, m0 - window) to the one of
+//   min(len - 1, last query + window). It masks inside a tile only where the tile is not
+//   wholly within every query's window (or reaches past the sequence end). A row may see no
+//   key of a tile, even none of the first tiles it meets: its running max is then -inf, and
+//   the tile's exponentials are taken against 0 instead (FlashAttention's Check_inf), so that
+//   no inf - inf gives NaN. The backward walks only the query tiles within the window of its
+//   keys. A warp whose keys lie outside the window of every query of a tile skips its
+//   products (as a warp past the sequence end does) and dQ's k loop skips those 16-key steps,
+//   whose dS^T rows it never reads. At ModernBERT's window of 64 the hd-64 backward's CTA (128
+//   keys) meets 4 query tiles of 64, and in the first and the last of them half its warps
+//   skip.
+// - kRotary: q and k are rotated as their tiles land in shared memory, so that no rotated copy
+//   of either is written. The pairs are transformers' (ModernBERT's): head dim d < HD/2 with
+//   d + HD/2, turned by the angle pos * theta^(-2d/HD), pos the token's offset in its own
+//   sequence (each sequence starts at 0). A thread copies whole pairs of 16-byte chunks of a
+//   row (head dims 8c .. 8c + 7 and their partners HD/2 further: copy_qk_tile_async) and, once
+//   its cp_async_wait has landed them, rotates those bytes in place (rotate_own_pairs): bytes
+//   only its own copies wrote, so the barrier that publishes the tile publishes them rotated,
+//   and no barrier is added. The frequencies theta^(-2d/HD) come from the host (computed in
+//   double, a __grid_constant__ parameter: the kernels read them from the constant bank at the
+//   thread's head dims, where 8 of them held in registers across the forward's key loop made
+//   the hd-32 forward spill); the angle pos * frequency is taken in fp32, as transformers' is,
+//   reduced to [-pi, pi] (two fma with 2 pi in two parts) and the hardware's sincos there
+//   (accurate to ~2^-21; the library's sincosf keeps a path for huge angles that uses local
+//   memory). The reference rounds cos and sin to the model's dtype; these do not. The backward computes
+//   with the rotated tiles as the forward did: dK and dQ come out with respect to the rotated
+//   k and q, and each is turned back by the same angle (the rotation's transpose) before it
+//   is stored or added up. For that a thread holds both members of every pair of its dQ
+//   columns: a warp's dQ columns are kDqCols / 2 of each half of the head dim (the same sums
+//   as before, in another order of the columns over the warps, so the same bits).
+//
 // Not supported: dropout (the binding refuses dropout_p > 0), causal masks, head dims
 // other than 32 and 64.
 #include <math.h>
 
+#include <cmath>
 #include <type_traits>
 
 #include "common.cuh"
@@ -191,6 +228,119 @@ __device__ __forceinline__ void copy_tile_async(T* tile, const T* src, int64_t r
   }
 }
 
+// ---------------------------------------------------------------- rotary embeddings (kRotary)
+
+// The chunk pairs of a rotary tile: pair p is row p / kPairs, chunk p % kPairs (head dims
+// 8c .. 8c + 7) and its partner chunk HD/2 further. Thread x takes pairs x, x + THREADS, ...:
+// its chunk c is x % kPairs, the same in every row, so its frequencies are too.
+template <int HD>
+constexpr int kRotaryPairs = HD / 16;  // chunk pairs per row
+
+// A q or k tile: with kRotary copied by whole chunk pairs (see above), so that the thread that
+// rotates a pair (rotate_own_pairs) is the one whose copies wrote it; else as copy_tile_async.
+template <typename T, int HD, int ROWS, int THREADS, bool kRotary>
+__device__ __forceinline__ void copy_qk_tile_async(T* tile, const T* src, int64_t row_stride, int valid) {
+  if constexpr (!kRotary) {
+    copy_tile_async<T, HD, ROWS, THREADS>(tile, src, row_stride, valid);
+  } else {
+    constexpr int kPairs = kRotaryPairs<HD>, kStride = HD + 8, kTotal = ROWS * kPairs;
+    static_assert(THREADS % kPairs == 0, "a thread's chunk pair is the same in every row");
+#pragma unroll
+    for (int i = 0; i < (kTotal + THREADS - 1) / THREADS; ++i) {
+      const int p = i * THREADS + threadIdx.x;
+      if (kTotal % THREADS != 0 && p >= kTotal) break;  // the hd-32 backward's query tile: 64 pairs, 128 threads
+      const int r = p / kPairs, c = p % kPairs;
+      const bool real = r < valid;  // a zero-filled row still names a real address (row 0)
+      const T* from = src + (real ? r : 0) * row_stride + c * 8;
+      cp_async_16(tile + r * kStride + c * 8, from, real);
+      cp_async_16(tile + r * kStride + c * 8 + HD / 2, from + HD / 2, real);
+    }
+  }
+}
+
+// sin and cos of a rotary angle (0 <= angle < 2^24): reduced to [-pi, pi] by two fma with 2 pi
+// in two parts, then the hardware's sincos, accurate to ~2^-21 there.
+__device__ __forceinline__ void rotary_sincos(float angle, float* s, float* c) {
+  const float turns = rintf(angle * 0.159154943091895336f);  // 1 / (2 pi)
+  float r = fmaf(-turns, 6.28318548202514648f, angle);       // 2 pi rounded to fp32 ...
+  r = fmaf(-turns, -1.74845553146951715e-7f, r);             // ... and what that rounding left off
+  __sincosf(r, s, c);
+}
+
+// The rotary frequencies theta^(-2d/HD) of head dims d < HD/2 (HD <= 64), computed on the host.
+struct RotaryFreqs {
+  float inv_freq[32];
+};
+
+// The angle of head dim d (< HD/2) at position pos: pos * theta^(-2d/HD).
+__device__ __forceinline__ float rotary_angle(int pos, int d, const RotaryFreqs& freqs) {
+  return (float)pos * freqs.inv_freq[d];
+}
+
+// Rotates, in place, the chunk pairs of rows [0, valid) that this thread's copy_qk_tile_async
+// copied, row r being at position pos0 + r of its sequence: x[d] <- x[d] cos - x[d + HD/2] sin,
+// x[d + HD/2] <- x[d + HD/2] cos + x[d] sin, in fp32, rounded to T. Call it after the
+// cp_async_wait that lands those copies and before the barrier that publishes the tile.
+template <typename T, int HD, int ROWS, int THREADS>
+__device__ __forceinline__ void rotate_own_pairs(T* tile, int valid, int pos0, const RotaryFreqs& freqs) {
+  constexpr int kPairs = kRotaryPairs<HD>, kStride = HD + 8, kTotal = ROWS * kPairs;
+  const int c = threadIdx.x % kPairs;  // head dims 8c .. 8c + 7 (and their partners) in every row
+#pragma unroll
+  for (int i = 0; i < (kTotal + THREADS - 1) / THREADS; ++i) {
+    const int p = i * THREADS + threadIdx.x;
+    const int r = p / kPairs;
+    if ((kTotal % THREADS != 0 && p >= kTotal) || r >= valid) break;  // rows only grow with i
+    T* const first = tile + r * kStride + c * 8;
+    uint4 lo = ld_shared(reinterpret_cast<const uint4*>(first));
+    uint4 hi = ld_shared(reinterpret_cast<const uint4*>(first + HD / 2));
+    T* const x1 = reinterpret_cast<T*>(&lo);
+    T* const x2 = reinterpret_cast<T*>(&hi);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      float s, co;
+      rotary_sincos(rotary_angle(pos0 + r, c * 8 + e, freqs), &s, &co);
+      const float a = to_float(x1[e]), b = to_float(x2[e]);
+      x1[e] = from_float<T>(a * co - b * s);
+      x2[e] = from_float<T>(b * co + a * s);
+    }
+    st_shared(reinterpret_cast<uint4*>(first), lo);
+    st_shared(reinterpret_cast<uint4*>(first + HD / 2), hi);
+  }
+}
+
+// The gradient (g1, g2) of a rotated pair (head dims d and d + HD/2 at position pos), turned
+// into the gradient of the pair before the rotation: the rotation's transpose.
+__device__ __forceinline__ void unrotate(float& g1, float& g2, int pos, int d, const RotaryFreqs& freqs) {
+  float s, c;
+  rotary_sincos(rotary_angle(pos, d, freqs), &s, &c);
+  const float a = g1, b = g2;
+  g1 = a * c + b * s;
+  g2 = b * c - a * s;
+}
+
+// ---------------------------------------------------------------- sliding window (kWindowed)
+
+// Tokens [lo, hi) of a sequence of len: of the other side (keys of a query tile, queries of a key
+// tile), those within `window` of one of the tokens [first, last]; all of them without a window.
+struct Span {
+  int lo, hi;
+};
+
+template <bool kWindowed>
+__device__ __forceinline__ Span window_span(int first, int last, int len, int window) {
+  if constexpr (kWindowed) {
+    const int lo = first - window, hi = last + window + 1;  // window <= len (the kernels clamp it): no overflow
+    return {lo > 0 ? lo : 0, hi < len ? hi : len};
+  } else {
+    return {0, len};
+  }
+}
+
+// Whether token ranges [a0, a1] and [b0, b1] hold a pair at most `window` apart.
+__device__ __forceinline__ bool within_window(int a0, int a1, int b0, int b1, int window) {
+  return a1 >= b0 - window && a0 <= b1 + window;
+}
+
 // Where lane points ldmatrix_x4 (see common.cuh) to fetch mma operands from a
 // row-major shared tile with `stride` elements per row:
 //
@@ -211,10 +361,12 @@ template <typename T>
 __device__ __forceinline__ const T* b_rows_n(const T* tile, int stride, int n0, int k0, int lane) {
   return tile + (n0 + lane % 8 + (lane / 16) * 8) * stride + k0 + ((lane / 8) % 2) * 8;
 }
-// The same B operands stored as rows = k, cols = n (a V tile for P V); ldmatrix .trans.
+// The same B operands stored as rows = k, cols = n (a V tile for P V); ldmatrix .trans. The
+// second n8 tile starts `second` columns after the first (dQ's takes the other half of the
+// head dim: see attention_bwd_kernel).
 template <typename T>
-__device__ __forceinline__ const T* b_rows_k(const T* tile, int stride, int n0, int k0, int lane) {
-  return tile + (k0 + lane % 8 + ((lane / 8) % 2) * 8) * stride + n0 + (lane / 16) * 8;
+__device__ __forceinline__ const T* b_rows_k(const T* tile, int stride, int n0, int k0, int lane, int second = 8) {
+  return tile + (k0 + lane % 8 + ((lane / 8) % 2) * 8) * stride + n0 + (lane / 16) * second;
 }
 
 // The accumulators of n8 tiles 2j and 2j+1 (16 rows x 16 columns, fp32) as the A operand
@@ -257,13 +409,16 @@ __device__ __forceinline__ void mma_abt(float (&acc)[MT][NT][4], const uint32_t 
 // acc (16 MT x 8 NT) += A B over one k step: a[mt] a 16 x 16 A operand, B rows k0 .. k0 + 15
 // of a tile stored rows = k, cols = n (ldmatrix .trans). One step at a time because the
 // callers make A on the fly (accumulators_as_a, or dS read transposed for dQ = dS K).
-template <typename T, int MT, int NT>
+// kSecond: the columns between n8 tiles 2np and 2np + 1 of acc. 8: the tiles follow each
+// other (tile nt at column 8 nt); HD/2: tile 2np at column 8 np and 2np + 1 at 8 np + HD/2,
+// each column with its rotary partner (dQ's).
+template <typename T, int MT, int NT, int kSecond = 8>
 __device__ __forceinline__ void mma_ab_step(float (&acc)[MT][NT][4], const uint32_t (&a)[MT][4], const T* tile,
                                             int stride, int k0, int lane) {
 #pragma unroll
   for (int np = 0; np < NT / 2; ++np) {
     uint32_t b[4];
-    ldmatrix_x4_trans(b, b_rows_k(tile, stride, np * 16, k0, lane));
+    ldmatrix_x4_trans(b, b_rows_k(tile, stride, kSecond == 8 ? np * 16 : np * 8, k0, lane, kSecond));
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
       mma_16816<T>(acc[mt][2 * np], a[mt], b[0], b[1]);
@@ -304,8 +459,10 @@ __device__ __forceinline__ void load_a_strips(uint32_t (&a)[MT][KT][4], const T*
 // Online softmax over one key tile, in place: s holds scale_log2 * q.k on entry (masked
 // keys -inf) and P = exp2(s - m_new) on exit; O (acc) and l (row_sum) are rescaled by
 // exp2(m_old - m_new). Row r = 2 mt + i of this thread is row g + 8 i of strip mt; its
-// columns live in the 4 threads of a quad.
-template <int MT, int NT, int DT>
+// columns live in the 4 threads of a quad. kEmptyRows: a row may have no key in the tile,
+// nor in the tiles before it (a window): its max is then -inf and its terms are taken
+// against 0, which makes them 0 and the correction 0, where -inf - -inf would be NaN.
+template <bool kEmptyRows, int MT, int NT, int DT>
 __device__ __forceinline__ void online_softmax(float (&s)[MT][NT][4], float (&acc)[MT][DT][4],
                                                float (&row_max)[MT][2], float (&row_sum)[MT][2]) {
 #pragma unroll
@@ -317,15 +474,16 @@ __device__ __forceinline__ void online_softmax(float (&s)[MT][NT][4], float (&ac
       for (int nt = 0; nt < NT; ++nt) tile_max = fmaxf(tile_max, fmaxf(s[mt][nt][2 * i], s[mt][nt][2 * i + 1]));
       tile_max = fmaxf(tile_max, __shfl_xor_sync(kFullMask, tile_max, 1));
       tile_max = fmaxf(tile_max, __shfl_xor_sync(kFullMask, tile_max, 2));
-      // Every tile holds at least one real key, so tile_max is finite and the
-      // correction is 0 on the first tile (exp2(-inf)), never NaN.
-      const float correction = exp2f(row_max[mt][i] - tile_max);
+      // Without a window every tile holds at least one real key, so tile_max is finite
+      // and the correction is 0 on the first tile (exp2(-inf)), never NaN.
+      const float base = kEmptyRows && tile_max == -INFINITY ? 0.f : tile_max;
+      const float correction = exp2f(row_max[mt][i] - base);
       row_max[mt][i] = tile_max;
       float sum = row_sum[mt][i] * correction;
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
-        s[mt][nt][2 * i] = exp2f(s[mt][nt][2 * i] - tile_max);
-        s[mt][nt][2 * i + 1] = exp2f(s[mt][nt][2 * i + 1] - tile_max);
+        s[mt][nt][2 * i] = exp2f(s[mt][nt][2 * i] - base);
+        s[mt][nt][2 * i + 1] = exp2f(s[mt][nt][2 * i + 1] - base);
         sum += s[mt][nt][2 * i] + s[mt][nt][2 * i + 1];
       }
       row_sum[mt][i] = sum;  // this thread's columns only; the quad is summed at the end
@@ -338,11 +496,14 @@ __device__ __forceinline__ void online_softmax(float (&s)[MT][NT][4], float (&ac
   }
 }
 
-template <typename T, int HD>
+// The forward's options: a window of `window` tokens on each side (kWindowed), q and k rotated
+// as they load (kRotary, with the frequencies of freqs). See the header.
+template <typename T, int HD, bool kWindowed, bool kRotary>
 __global__ void __launch_bounds__(kFwdThreads, 2)
 attention_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                      const int* __restrict__ cu_seqlens, T* __restrict__ out, float* __restrict__ lse,
-                     int num_heads, int64_t total, int64_t qkv_stride, float scale_log2) {
+                     int num_heads, int64_t total, int64_t qkv_stride, float scale_log2, int window,
+                     const __grid_constant__ RotaryFreqs freqs) {
   constexpr int kBlockN = kFwdBlockN<HD>;
   constexpr int MT = kFwdWarpTiles;
   constexpr int kStride = HD + 8;
@@ -358,6 +519,11 @@ attention_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* 
   const int len = cu_seqlens[blockIdx.y + 1] - start;
   const int m0 = blockIdx.x * kFwdBlockM;  // the tile's first query, counted within the sequence
   if (m0 >= len) return;                   // the whole CTA: grid.x is sized for the longest sequence
+  const int w = window < len ? window : len;  // a wider window sees what this one does
+  const int last_query = (m0 + kFwdBlockM < len ? m0 + kFwdBlockM : len) - 1;
+  // The keys one of the tile's queries sees; the first key tile is the one that holds the first.
+  const Span keys = window_span<kWindowed>(m0, last_query, len, w);
+  const int first_n0 = keys.lo / kBlockN * kBlockN;
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;  // accumulator rows g, g + 8; columns 2t, 2t + 1 of each n8 tile
@@ -366,20 +532,24 @@ attention_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* 
   // q, k and v may be views of one packed (total, 3, num_heads, HD) projection: qkv_stride apart
   const int64_t in_base = (int64_t)start * qkv_stride + (int64_t)head * HD;
   auto copy_kv = [&](T* stage, int n0) {
-    copy_tile_async<T, HD, kBlockN, kFwdThreads>(stage, k + in_base + n0 * qkv_stride, qkv_stride, len - n0);
+    copy_qk_tile_async<T, HD, kBlockN, kFwdThreads, kRotary>(stage, k + in_base + n0 * qkv_stride, qkv_stride,
+                                                             len - n0);
     copy_tile_async<T, HD, kBlockN, kFwdThreads>(stage + kTile, v + in_base + n0 * qkv_stride, qkv_stride,
                                                  len - n0);
     cp_async_commit();
   };
 
   T* const q_stage = stages + Smem::kStage;
-  copy_tile_async<T, HD, kFwdBlockM, kFwdThreads>(q_stage, q + in_base + m0 * qkv_stride, qkv_stride, len - m0);
+  copy_qk_tile_async<T, HD, kFwdBlockM, kFwdThreads, kRotary>(q_stage, q + in_base + m0 * qkv_stride, qkv_stride,
+                                                              len - m0);
   cp_async_commit();
-  copy_kv(stages, 0);
-  cp_async_wait<1>();  // this thread's Q copies have landed (K, V of tile 0 may still fly)
-  __syncthreads();     // barrier: every thread's Q copies have landed
+  copy_kv(stages, first_n0);
+  cp_async_wait<1>();  // this thread's Q copies have landed (K, V of the first tile may still fly)
+  if constexpr (kRotary) rotate_own_pairs<T, HD, kFwdBlockM, kFwdThreads>(q_stage, len - m0, m0, freqs);
+  __syncthreads();     // barrier: every thread's Q copies have landed (and are rotated)
   uint32_t qa[MT][HD / 16][4];  // this warp's 32 query rows, the A operands of S = Q K^T
   load_a_strips(qa, q_stage, kStride, warp * 16 * MT, lane);
+  const int row0 = m0 + warp * 16 * MT + g;  // this thread's first row; the others are 8 apart
 
   float acc[MT][HD / 8][4] = {};  // O, unnormalised: n8 tile dt covers head dims 8 dt .. 8 dt + 7
   float row_max[MT][2], row_sum[MT][2];  // rows g, g + 8 of each strip; the max in log2 units
@@ -389,18 +559,22 @@ attention_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* 
     row_sum[mt][0] = row_sum[mt][1] = 0.f;
   }
 
-  for (int j = 0, n0 = 0; n0 < len; ++j, n0 += kBlockN) {
+  for (int j = 0, n0 = first_n0; n0 < keys.hi; ++j, n0 += kBlockN) {
+    T* const sK = stages + (j % 2) * Smem::kStage;
     cp_async_wait<0>();  // this thread's copies of tile j have landed (the only group in flight)
-    // Barrier: every thread's copies of tile j have landed, and every warp is done with
-    // the other stage (tile j - 1, or Q before tile 1), which the prefetch below refills.
+    if constexpr (kRotary) rotate_own_pairs<T, HD, kBlockN, kFwdThreads>(sK, len - n0, n0, freqs);
+    // Barrier: every thread's copies of tile j have landed (and K is rotated), and every warp is
+    // done with the other stage (tile j - 1, or Q before tile 1), which the prefetch below refills.
     __syncthreads();
-    if (n0 + kBlockN < len) copy_kv(stages + ((j + 1) % 2) * Smem::kStage, n0 + kBlockN);
-    const T* sK = stages + (j % 2) * Smem::kStage;
+    if (n0 + kBlockN < keys.hi) copy_kv(stages + ((j + 1) % 2) * Smem::kStage, n0 + kBlockN);
     const T* sV = sK + kTile;
 
     float s[MT][kBlockN / 8][4] = {};  // S for 32 queries x kBlockN keys
     mma_abt(s, qa, sK, kStride, lane);
-    const bool partial = n0 + kBlockN > len;  // only the last tile has keys past the end
+    // Only the last tile has keys past the end; with a window, every tile that is not wholly
+    // within every query's window has keys some query does not see.
+    const bool partial = n0 + kBlockN > len ||
+                         (kWindowed && !(n0 >= last_query - w && n0 + kBlockN - 1 <= m0 + w));
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
@@ -408,11 +582,13 @@ attention_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* 
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int key = n0 + nt * 8 + 2 * t + (e & 1);
-          s[mt][nt][e] = partial && key >= len ? -INFINITY : s[mt][nt][e] * scale_log2;
+          const int row = row0 + mt * 16 + 8 * (e / 2);
+          const bool unseen = key >= len || (kWindowed && (row - key > w || key - row > w));
+          s[mt][nt][e] = partial && unseen ? -INFINITY : s[mt][nt][e] * scale_log2;
         }
       }
     }
-    online_softmax(s, acc, row_max, row_sum);
+    online_softmax<kWindowed>(s, acc, row_max, row_sum);
 
     // O += P V: k runs over the tile's keys, 16 per mma.
     mma_pb(acc, s, sV, kStride, lane);
@@ -425,8 +601,8 @@ attention_fwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* 
       float sum = row_sum[mt][i];
       sum += __shfl_xor_sync(kFullMask, sum, 1);
       sum += __shfl_xor_sync(kFullMask, sum, 2);
-      const int row = m0 + warp * 16 * MT + mt * 16 + g + 8 * i;
-      if (row < len) {
+      const int row = row0 + mt * 16 + 8 * i;
+      if (row < len) {  // every real query sees at least itself: sum > 0
         const float inv = 1.f / sum;
         T* o = out + base + row * row_stride;
 #pragma unroll
@@ -473,13 +649,16 @@ __device__ __forceinline__ QueryRowStats fetch_row_stats(const float* lse, const
   return {lse[at0 + m0 + i] * kLog2e, dsum[at0 + m0 + i]};
 }
 
-template <typename T, int HD, bool kOneTile>
+// The backward's options, as the forward's (kWindowed, kRotary); kOneTile: every sequence fits
+// one key tile (the launcher's choice, from max_seqlen).
+template <typename T, int HD, bool kOneTile, bool kWindowed, bool kRotary>
 __global__ void __launch_bounds__(kBwdThreads<HD>, BwdTiles<HD>::kMinBlocks)
 attention_bwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                      const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ dsum,
                      const int* __restrict__ cu_seqlens, float* __restrict__ dq_accum, T* __restrict__ dq,
                      T* __restrict__ dk, T* __restrict__ dv, int num_heads, int64_t total, int64_t qkv_stride,
-                     int64_t dqkv_stride, float scale, float scale_log2) {
+                     int64_t dqkv_stride, float scale, float scale_log2, int window,
+                     const __grid_constant__ RotaryFreqs freqs) {
   using Tiles = BwdTiles<HD>;
   using Smem = BwdSmem<T, HD>;
   constexpr int kWarps = Tiles::kWarps, kThreads = kBwdThreads<HD>;
@@ -489,8 +668,10 @@ attention_bwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* 
   constexpr int kStride = HD + 8;          // Q, K, V, dO tiles: (rows, head dim)
   constexpr int kSStride = kBlockM + 8;    // dS^T tile: (keys, queries)
   constexpr int kQTile = Smem::kQTile;
-  // dQ = dS K: warp w takes query strip w % kDqStrips and the (w / kDqStrips)-th of
-  // kWarps / kDqStrips column groups of the head dim.
+  // dQ = dS K: warp w takes query strip w % kDqStrips and kDqCols of the head dims: kDqCols / 2
+  // of each half, from column dq_col0 and dq_col0 + HD/2 on, so that a thread holds both
+  // members of every rotary pair (n8 tile 2i of its dQ at column dq_col0 + 8 i, tile 2i + 1
+  // at that + HD/2).
   constexpr int kDqStrips = kBlockM / 16;
   constexpr int kDqCols = HD * kDqStrips / kWarps;
   static_assert(kWarps % kDqStrips == 0 && kDqCols % 16 == 0, "dQ work must split evenly over the warps");
@@ -508,6 +689,11 @@ attention_bwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* 
   const int len = cu_seqlens[blockIdx.y + 1] - start;
   const int n0 = blockIdx.x * kBlockN;  // the tile's first key, counted within the sequence
   if (n0 >= len) return;
+  const int w = window < len ? window : len;  // a wider window sees what this one does
+  const int keys_here = len - n0 < kBlockN ? len - n0 : kBlockN;
+  // The queries that see one of the tile's keys; the first query tile is the one that holds the first.
+  const Span queries = window_span<kWindowed>(n0, n0 + keys_here - 1, len, w);
+  const int first_m0 = queries.lo / kBlockM * kBlockM;
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
@@ -519,7 +705,7 @@ attention_bwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* 
   const int64_t stats_at = (int64_t)head * total + start;  // (head, start) in lse and dsum
   auto copy_q_do = [&](int stage, int m0) {
     T* const sQ = stages + stage * 2 * kQTile;
-    copy_tile_async<T, HD, kBlockM, kThreads>(sQ, q + in_base + m0 * qkv_stride, qkv_stride, len - m0);
+    copy_qk_tile_async<T, HD, kBlockM, kThreads, kRotary>(sQ, q + in_base + m0 * qkv_stride, qkv_stride, len - m0);
     copy_tile_async<T, HD, kBlockM, kThreads>(sQ + kQTile, dout + base + m0 * row_stride, row_stride, len - m0);
     cp_async_commit();
   };
@@ -530,13 +716,14 @@ attention_bwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* 
     }
   };
 
-  copy_tile_async<T, HD, kBlockN, kThreads>(sK, k + in_base + n0 * qkv_stride, qkv_stride, len - n0);
+  copy_qk_tile_async<T, HD, kBlockN, kThreads, kRotary>(sK, k + in_base + n0 * qkv_stride, qkv_stride, len - n0);
   copy_tile_async<T, HD, kBlockN, kThreads>(sV, v + in_base + n0 * qkv_stride, qkv_stride, len - n0);
   cp_async_commit();
-  copy_q_do(0, 0);
-  store_stats(0, fetch_row_stats<kBlockM>(lse, dsum, stats_at, 0, len));
+  copy_q_do(0, first_m0);
+  store_stats(0, fetch_row_stats<kBlockM>(lse, dsum, stats_at, first_m0, len));
   cp_async_wait<1>();  // this thread's K, V copies have landed (query tile 0 may still fly)
-  __syncthreads();     // barrier: every thread's K, V copies have landed
+  if constexpr (kRotary) rotate_own_pairs<T, HD, kBlockN, kThreads>(sK, len - n0, n0, freqs);
+  __syncthreads();     // barrier: every thread's K, V copies have landed (and K is rotated)
   // This warp's 16 MT keys as A operands (rows = keys, k = head dim), kept for the whole pass.
   const int key0 = warp * 16 * MT;  // the warp's first key, counted within the tile
   uint32_t ka[MT][HD / 16][4], va[MT][HD / 16][4];
@@ -544,7 +731,6 @@ attention_bwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* 
   load_a_strips(va, sV, kStride, key0, lane);
   // A warp whose keys all lie past the sequence end has P = 0 everywhere: it skips the
   // products and leaves its dS^T rows unwritten, and dQ's k loop stops before them.
-  const int keys_here = len - n0 < kBlockN ? len - n0 : kBlockN;
   const bool has_keys = key0 < keys_here;
   const int dq_key_steps = (keys_here + 15) / 16;
   // Keys past the sequence end get P = 0. Not needed for the result (their dK, dV are
@@ -557,26 +743,32 @@ attention_bwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* 
   }
   float dk_acc[MT][HD / 8][4] = {};
   float dv_acc[MT][HD / 8][4] = {};
-  const int dq_strip = warp % kDqStrips, dq_col0 = (warp / kDqStrips) * kDqCols;
+  const int dq_strip = warp % kDqStrips, dq_col0 = (warp / kDqStrips) * (kDqCols / 2);
 
-  for (int j = 0, m0 = 0; m0 < len; ++j, m0 += kBlockM) {
+  for (int j = 0, m0 = first_m0; m0 < queries.hi; ++j, m0 += kBlockM) {
     const int cur = j % 2, next = 1 - cur;
+    T* const sQ = stages + cur * 2 * kQTile;
     cp_async_wait<0>();  // this thread's copies of query tile j have landed
-    // Barrier: tile j (every thread's copies, and its lse, D) is visible; every warp is
-    // done with the other stage (tile j - 1), refilled below, and with dS^T, rewritten below.
+    if constexpr (kRotary) rotate_own_pairs<T, HD, kBlockM, kThreads>(sQ, len - m0, m0, freqs);
+    // Barrier: tile j (every thread's copies, Q rotated, and its lse, D) is visible; every warp
+    // is done with the other stage (tile j - 1), refilled below, and with dS^T, rewritten below.
     __syncthreads();
-    const bool more = m0 + kBlockM < len;
+    const bool more = m0 + kBlockM < queries.hi;
     QueryRowStats next_stats{};
     if (more) {
       copy_q_do(next, m0 + kBlockM);
       next_stats = fetch_row_stats<kBlockM>(lse, dsum, stats_at, m0 + kBlockM, len);  // lands during the math
     }
-    const T* sQ = stages + cur * 2 * kQTile;
     const T* sdO = sQ + kQTile;
     const float* lse_cur = sLse + cur * kBlockM;
     const float* dsum_cur = sDsum + cur * kBlockM;
+    // With a window: the tile's last query (its rows past the end have P = 0 by their lse),
+    // and whether this warp's keys are within the window of one of the tile's queries.
+    const int last_query = (m0 + kBlockM < len ? m0 + kBlockM : len) - 1;
+    const bool warp_sees =
+        has_keys && (!kWindowed || within_window(n0 + key0, n0 + key0 + 16 * MT - 1, m0, last_query, w));
 
-    if (has_keys) {
+    if (warp_sees) {
       // P^T = exp2(scale_log2 * K Q^T - lse_log2): 16 MT keys x kBlockM queries.
       float p[MT][kBlockM / 8][4] = {};
       mma_abt(p, ka, sQ, kStride, lane);
@@ -584,10 +776,15 @@ attention_bwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* 
       for (int nt = 0; nt < kBlockM / 8; ++nt) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const float lse_q = ld_shared(&lse_cur[nt * 8 + 2 * t + (e & 1)]);
+          const int query = nt * 8 + 2 * t + (e & 1);  // within the tile
+          const float lse_q = ld_shared(&lse_cur[query]);
 #pragma unroll
-          for (int mt = 0; mt < MT; ++mt)
-            p[mt][nt][e] = key_real[mt][e / 2] ? exp2f(p[mt][nt][e] * scale_log2 - lse_q) : 0.f;
+          for (int mt = 0; mt < MT; ++mt) {
+            const int key = n0 + key0 + mt * 16 + g + 8 * (e / 2);
+            const int apart = m0 + query - key;
+            const bool seen = key_real[mt][e / 2] && (!kWindowed || (apart <= w && apart >= -w));
+            p[mt][nt][e] = seen ? exp2f(p[mt][nt][e] * scale_log2 - lse_q) : 0.f;
+          }
         }
       }
 
@@ -628,29 +825,42 @@ attention_bwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* 
     __syncthreads();  // barrier: every warp's dS^T rows are written
 
     // dQ = dS K for this warp's 16 queries and kDqCols head dims: A = dS read transposed
-    // from dS^T, B = K (rows = keys = k); k runs over the tile's keys that hold a real one.
+    // from dS^T, B = K (rows = keys = k); k runs over the tile's keys that hold a real one
+    // and, with a window, lie within the window of one of the tile's queries: the steps
+    // whose warp wrote its dS^T rows above.
     float dq_acc[1][kDqCols / 8][4] = {};
     for (int kj = 0; kj < dq_key_steps; ++kj) {
+      if (kWindowed && !within_window(n0 + kj * 16, n0 + kj * 16 + 15, m0, last_query, w)) continue;
       uint32_t da[1][4];
       ldmatrix_x4_trans(da[0], a_cols(sdS, kSStride, dq_strip * 16, kj * 16, lane));
-      mma_ab_step<T>(dq_acc, da, sK + dq_col0, kStride, kj * 16, lane);
+      mma_ab_step<T, 1, kDqCols / 8, HD / 2>(dq_acc, da, sK + dq_col0, kStride, kj * 16, lane);
     }
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       const int row = m0 + dq_strip * 16 + g + 8 * i;
       if (row < len) {
+        if constexpr (kRotary) {  // the gradient of the rotated q, turned back: q's
+#pragma unroll
+          for (int dp = 0; dp < kDqCols / 16; ++dp) {
+#pragma unroll
+            for (int c = 0; c < 2; ++c)
+              unrotate(dq_acc[0][2 * dp][2 * i + c], dq_acc[0][2 * dp + 1][2 * i + c], row,
+                       dq_col0 + dp * 8 + 2 * t + c, freqs);
+          }
+        }
         const int64_t at = base + row * row_stride + dq_col0 + 2 * t;  // in dq_accum
         const int64_t dq_at = grad_base + row * dqkv_stride + dq_col0 + 2 * t;
 #pragma unroll
         for (int dt = 0; dt < kDqCols / 8; ++dt) {
+          const int col = (dt / 2) * 8 + (dt % 2) * (HD / 2);  // n8 tile dt's, from dq_col0
           if constexpr (kOneTile) {
             // The only key tile of the sequence: this is the whole of dQ, stored once.
-            *reinterpret_cast<uint32_t*>(dq + dq_at + dt * 8) =
+            *reinterpret_cast<uint32_t*>(dq + dq_at + col) =
                 pack2<T>(dq_acc[0][dt][2 * i] * scale, dq_acc[0][dt][2 * i + 1] * scale);
           } else {
             // Every key tile of the sequence adds to these rows.
-            atomicAdd(dq_accum + at + dt * 8, dq_acc[0][dt][2 * i] * scale);
-            atomicAdd(dq_accum + at + dt * 8 + 1, dq_acc[0][dt][2 * i + 1] * scale);
+            atomicAdd(dq_accum + at + col, dq_acc[0][dt][2 * i] * scale);
+            atomicAdd(dq_accum + at + col + 1, dq_acc[0][dt][2 * i + 1] * scale);
           }
         }
       }
@@ -664,6 +874,15 @@ attention_bwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* 
     for (int i = 0; i < 2; ++i) {
       const int key = n0 + key0 + mt * 16 + g + 8 * i;
       if (key < len) {
+        if constexpr (kRotary) {  // the gradient of the rotated k, turned back: k's
+#pragma unroll
+          for (int dt = 0; dt < HD / 16; ++dt) {
+#pragma unroll
+            for (int c = 0; c < 2; ++c)
+              unrotate(dk_acc[mt][dt][2 * i + c], dk_acc[mt][dt + HD / 16][2 * i + c], key, dt * 8 + 2 * t + c,
+                       freqs);
+          }
+        }
         const int64_t at = grad_base + key * dqkv_stride + 2 * t;
 #pragma unroll
         for (int dt = 0; dt < HD / 8; ++dt) {
@@ -690,6 +909,20 @@ __global__ void __launch_bounds__(256) convert_kernel(const float* __restrict__ 
 
 // ---------------------------------------------------------------- launch
 
+// Whether the kernels of a head dim and options are compiled in: all of them, except where the
+// CPU emulation builds an edited copy of this file (a planted mistake) whose check runs one
+// configuration, BDS_EMULATE_HEAD_DIM, BDS_EMULATE_WINDOWED and BDS_EMULATE_ROTARY (0 or 1): that
+// copy then compiles its 3 kernels of the 24 per dtype (as BDS_EMULATE_DTYPE does, common.cuh).
+constexpr bool compiled_attention([[maybe_unused]] int head_dim, [[maybe_unused]] bool windowed,
+                                  [[maybe_unused]] bool rotary) {
+#ifdef BDS_EMULATE_HEAD_DIM
+  return head_dim == BDS_EMULATE_HEAD_DIM && windowed == (BDS_EMULATE_WINDOWED != 0) &&
+         rotary == (BDS_EMULATE_ROTARY != 0);
+#else
+  return true;
+#endif
+}
+
 // Calls f(T{}, std::integral_constant<int, HD>{}) for the supported dtypes and head dims.
 template <typename F>
 cudaError_t with_attention_types(int dtype, int head_dim, F&& f) {
@@ -707,9 +940,38 @@ cudaError_t with_attention_types(int dtype, int head_dim, F&& f) {
   return cudaErrorInvalidValue;
 }
 
+// Calls f(std::bool_constant<kWindowed>{}, std::bool_constant<kRotary>{}): a window where
+// window >= 0, rotary embeddings where rope_theta > 0 (at head dim HD: compiled_attention).
+template <int HD, typename F>
+cudaError_t with_attention_options(int window, float rope_theta, F&& f) {
+  auto with = [&](auto windowed, auto rotary) -> cudaError_t {
+    if constexpr (compiled_attention(HD, decltype(windowed)::value, decltype(rotary)::value)) {
+      return f(windowed, rotary);
+    } else {
+      return cudaErrorInvalidValue;
+    }
+  };
+  auto with_rotary = [&](auto windowed) -> cudaError_t {
+    return rope_theta > 0.f ? with(windowed, std::true_type{}) : with(windowed, std::false_type{});
+  };
+  return window >= 0 ? with_rotary(std::true_type{}) : with_rotary(std::false_type{});
+}
+
+// The kernels' rotary frequencies for a base theta: theta^(-2d/head_dim) of d < head_dim/2, in
+// double, rounded once to fp32 (zeros without a theta: the kernels then do not read them).
+RotaryFreqs rotary_freqs(float rope_theta, int head_dim) {
+  RotaryFreqs freqs{};
+  for (int d = 0; rope_theta > 0.f && d < head_dim / 2; ++d)
+    freqs.inv_freq[d] = (float)std::pow((double)rope_theta, -2.0 * d / head_dim);
+  return freqs;
+}
+
 bool valid_sizes(int batch, int64_t total, int num_heads, int max_seqlen) {
   return batch >= 0 && batch <= 65535 && total >= 0 && num_heads > 0 && num_heads <= 65535 && max_seqlen >= 0;
 }
+
+// A rotary base: none (0) or a finite positive theta.
+bool valid_rope_theta(float rope_theta) { return rope_theta == 0.f || (rope_theta > 0.f && std::isfinite(rope_theta)); }
 
 // A token stride of q, k, v or their gradients: at least a token's heads, and a multiple of
 // 8 elements, so that every row starts 16-byte aligned for cp.async and the 4-byte stores.
@@ -732,19 +994,36 @@ bool bwd_accumulates(int head_dim, int max_seqlen) {
   return max_seqlen > (head_dim == 32 ? kBwdBlockN<32> : kBwdBlockN<64>);
 }
 
-template <typename T, int HD, bool kOneTile>
+template <typename T, int HD, bool kWindowed, bool kRotary>
+cudaError_t launch_fwd(const void* q, const void* k, const void* v, const int* cu_seqlens, void* out, float* lse,
+                       int batch, int64_t total, int64_t qkv_stride, int num_heads, int max_seqlen, int window,
+                       float rope_theta, float softmax_scale, cudaStream_t stream) {
+  constexpr int kBytes = FwdSmem<T, HD>::kBytes;
+  const cudaError_t err = allow_dynamic_smem(attention_fwd_kernel<T, HD, kWindowed, kRotary>, kBytes);
+  if (err != cudaSuccess) return err;
+  const dim3 grid((max_seqlen + kFwdBlockM - 1) / kFwdBlockM, batch, num_heads);
+  attention_fwd_kernel<T, HD, kWindowed, kRotary><<<grid, kFwdThreads, kBytes, stream>>>(
+      static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v), cu_seqlens,
+      static_cast<T*>(out), lse, num_heads, total, qkv_stride, softmax_scale * kLog2e, window,
+      rotary_freqs(rope_theta, HD));
+  return cudaGetLastError();
+}
+
+template <typename T, int HD, bool kOneTile, bool kWindowed, bool kRotary>
 cudaError_t launch_bwd(const void* q, const void* k, const void* v, const void* dout, const float* lse,
                        const float* dsum, const int* cu_seqlens, float* dq_accum, void* dq, void* dk, void* dv,
                        int batch, int64_t total, int64_t qkv_stride, int64_t dqkv_stride, int num_heads,
-                       int max_seqlen, float softmax_scale, cudaStream_t stream) {
+                       int max_seqlen, int window, float rope_theta, float softmax_scale, cudaStream_t stream) {
   constexpr int kBytes = BwdSmem<T, HD>::kBytes;
-  cudaError_t err = allow_dynamic_smem(attention_bwd_kernel<T, HD, kOneTile>, kBytes);
+  auto* const kernel = attention_bwd_kernel<T, HD, kOneTile, kWindowed, kRotary>;
+  cudaError_t err = allow_dynamic_smem(kernel, kBytes);
   if (err != cudaSuccess) return err;
   const dim3 grid(kOneTile ? 1 : (max_seqlen + kBwdBlockN<HD> - 1) / kBwdBlockN<HD>, batch, num_heads);
-  attention_bwd_kernel<T, HD, kOneTile><<<grid, kBwdThreads<HD>, kBytes, stream>>>(
+  kernel<<<grid, kBwdThreads<HD>, kBytes, stream>>>(
       static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v), static_cast<const T*>(dout),
       lse, dsum, cu_seqlens, dq_accum, static_cast<T*>(dq), static_cast<T*>(dk), static_cast<T*>(dv), num_heads,
-      total, qkv_stride, dqkv_stride, softmax_scale, softmax_scale * kLog2e);
+      total, qkv_stride, dqkv_stride, softmax_scale, softmax_scale * kLog2e, window,
+      rotary_freqs(rope_theta, HD));
   return cudaGetLastError();
 }
 
@@ -756,21 +1035,20 @@ using namespace bds;
 extern "C" cudaError_t bds_varlen_attention_fwd(const void* q, const void* k, const void* v, const int* cu_seqlens,
                                                 void* out, float* lse, int batch, int64_t total,
                                                 int64_t qkv_stride, int num_heads, int head_dim, int max_seqlen,
-                                                float softmax_scale, int dtype, cudaStream_t stream) {
-  if (!valid_sizes(batch, total, num_heads, max_seqlen) || !valid_stride(qkv_stride, num_heads, head_dim))
+                                                int window, float rope_theta, float softmax_scale, int dtype,
+                                                cudaStream_t stream) {
+  if (!valid_sizes(batch, total, num_heads, max_seqlen) || !valid_stride(qkv_stride, num_heads, head_dim) ||
+      !valid_rope_theta(rope_theta))
     return cudaErrorInvalidValue;
   return with_attention_types(dtype, head_dim, [&](auto t, auto hd) -> cudaError_t {
     using T = decltype(t);
     constexpr int HD = decltype(hd)::value;
     if (batch == 0 || total == 0 || max_seqlen == 0) return cudaSuccess;
-    constexpr int kBytes = FwdSmem<T, HD>::kBytes;
-    const cudaError_t err = allow_dynamic_smem(attention_fwd_kernel<T, HD>, kBytes);
-    if (err != cudaSuccess) return err;
-    const dim3 grid((max_seqlen + kFwdBlockM - 1) / kFwdBlockM, batch, num_heads);
-    attention_fwd_kernel<T, HD><<<grid, kFwdThreads, kBytes, stream>>>(
-        static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v), cu_seqlens,
-        static_cast<T*>(out), lse, num_heads, total, qkv_stride, softmax_scale * kLog2e);
-    return cudaGetLastError();
+    return with_attention_options<HD>(window, rope_theta, [&](auto windowed, auto rotary) -> cudaError_t {
+      return launch_fwd<T, HD, decltype(windowed)::value, decltype(rotary)::value>(
+          q, k, v, cu_seqlens, out, lse, batch, total, qkv_stride, num_heads, max_seqlen, window, rope_theta,
+          softmax_scale, stream);
+    });
   });
 }
 
@@ -778,10 +1056,11 @@ extern "C" cudaError_t bds_varlen_attention_bwd(const void* dout, const void* q,
                                                 const void* out, const float* lse, const int* cu_seqlens,
                                                 void* dq, void* dk, void* dv, float* dq_accum, float* dsum,
                                                 int batch, int64_t total, int64_t qkv_stride, int64_t dqkv_stride,
-                                                int num_heads, int head_dim, int max_seqlen, float softmax_scale,
-                                                int dtype, cudaStream_t stream) {
+                                                int num_heads, int head_dim, int max_seqlen, int window,
+                                                float rope_theta, float softmax_scale, int dtype,
+                                                cudaStream_t stream) {
   if (!valid_sizes(batch, total, num_heads, max_seqlen) || !valid_stride(qkv_stride, num_heads, head_dim) ||
-      !valid_stride(dqkv_stride, num_heads, head_dim))
+      !valid_stride(dqkv_stride, num_heads, head_dim) || !valid_rope_theta(rope_theta))
     return cudaErrorInvalidValue;
   return with_attention_types(dtype, head_dim, [&](auto t, auto hd) -> cudaError_t {
     using T = decltype(t);
@@ -799,13 +1078,17 @@ extern "C" cudaError_t bds_varlen_attention_bwd(const void* dout, const void* q,
         static_cast<const T*>(dout), static_cast<const T*>(out), dsum, num_heads, total);
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
 
-    if (!accumulates)  // one key tile per sequence: dQ is written by the kernel, no sum, no conversion
-      return launch_bwd<T, HD, true>(q, k, v, dout, lse, dsum, cu_seqlens, nullptr, dq, dk, dv, batch, total,
-                                     qkv_stride, dqkv_stride, num_heads, max_seqlen, softmax_scale, stream);
-    if ((err = launch_bwd<T, HD, false>(q, k, v, dout, lse, dsum, cu_seqlens, dq_accum, dq, dk, dv, batch, total,
-                                        qkv_stride, dqkv_stride, num_heads, max_seqlen, softmax_scale,
-                                        stream)) != cudaSuccess)
-      return err;
+    err = with_attention_options<HD>(window, rope_theta, [&](auto windowed, auto rotary) -> cudaError_t {
+      constexpr bool kWindowed = decltype(windowed)::value, kRotary = decltype(rotary)::value;
+      if (!accumulates)  // one key tile per sequence: dQ is written by the kernel, no sum, no conversion
+        return launch_bwd<T, HD, true, kWindowed, kRotary>(q, k, v, dout, lse, dsum, cu_seqlens, nullptr, dq, dk,
+                                                           dv, batch, total, qkv_stride, dqkv_stride, num_heads,
+                                                           max_seqlen, window, rope_theta, softmax_scale, stream);
+      return launch_bwd<T, HD, false, kWindowed, kRotary>(q, k, v, dout, lse, dsum, cu_seqlens, dq_accum, dq, dk,
+                                                          dv, batch, total, qkv_stride, dqkv_stride, num_heads,
+                                                          max_seqlen, window, rope_theta, softmax_scale, stream);
+    });
+    if (err != cudaSuccess || !accumulates) return err;
 
     const int64_t wanted = (elements + 255) / 256, cap = 16LL * device_sm_count();
     convert_kernel<T><<<(unsigned)(wanted < cap ? wanted : cap), 256, 0, stream>>>(

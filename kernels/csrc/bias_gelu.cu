@@ -12,9 +12,6 @@
 // - Grids are one wave of resident blocks (the occupancy API): the kernels stride over
 //   the rows, so more blocks would only add a tail, and fewer backward row slabs keep
 //   the partial sums small.
-#include <initializer_list>
-#include <type_traits>
-
 #include "common.cuh"
 
 namespace bds {
@@ -22,26 +19,6 @@ namespace {
 
 constexpr int kFwdThreads = 256;
 constexpr int kBwdRowGroups = 8;  // threadIdx.y of the backward: rows handled side by side
-
-constexpr float kInvSqrt2 = 0.70710678118654752f;     // 1 / sqrt(2)
-constexpr float kInvSqrt2Pi = 0.39894228040143268f;   // 1 / sqrt(2 pi)
-constexpr float kSqrt2OverPi = 0.79788456080286536f;  // sqrt(2 / pi)
-constexpr float kTanhCubic = 0.044715f;
-
-template <bool kTanh>
-__device__ __forceinline__ float gelu(float h) {
-  if (kTanh) return 0.5f * h * (1.f + tanhf(kSqrt2OverPi * (h + kTanhCubic * h * h * h)));
-  return 0.5f * h * (1.f + erff(h * kInvSqrt2));
-}
-
-template <bool kTanh>
-__device__ __forceinline__ float gelu_grad(float h) {
-  if (kTanh) {
-    const float th = tanhf(kSqrt2OverPi * (h + kTanhCubic * h * h * h));
-    return 0.5f * (1.f + th) + 0.5f * h * (1.f - th * th) * kSqrt2OverPi * (1.f + 3.f * kTanhCubic * h * h);
-  }
-  return 0.5f * (1.f + erff(h * kInvSqrt2)) + h * kInvSqrt2Pi * expf(-0.5f * h * h);
-}
 
 // Grid-stride over kVec-element vectors of the flattened (rows, cols) tensor; cols % kVec == 0.
 template <typename T, typename BT, int kVec, bool kTanh>
@@ -122,12 +99,6 @@ int bwd_slabs(int64_t rows, int cols) {
   return (int)(slabs < 1 ? 1 : slabs);
 }
 
-bool all_aligned(std::initializer_list<const void*> pointers) {
-  for (const void* p : pointers)
-    if (!aligned_to(p, 16)) return false;
-  return true;
-}
-
 template <typename F>
 cudaError_t with_dtypes(int dtype, int bias_dtype, F&& f) {
   return with_dtype(dtype, [&](auto t) -> cudaError_t {
@@ -136,17 +107,6 @@ cudaError_t with_dtypes(int dtype, int bias_dtype, F&& f) {
     if (bias_dtype == BDS_FLOAT32) return f(t, float{});
     return cudaErrorInvalidValue;
   });
-}
-
-// Calls f(std::integral_constant<int, kVec>, std::integral_constant<bool, kTanh>).
-template <int kWide, typename F>
-cudaError_t with_shape(bool wide, bool tanh_approx, F&& f) {
-  if (wide) {
-    return tanh_approx ? f(std::integral_constant<int, kWide>{}, std::true_type{})
-                       : f(std::integral_constant<int, kWide>{}, std::false_type{});
-  }
-  return tanh_approx ? f(std::integral_constant<int, 1>{}, std::true_type{})
-                     : f(std::integral_constant<int, 1>{}, std::false_type{});
 }
 
 }  // namespace
@@ -163,7 +123,7 @@ extern "C" cudaError_t bds_bias_gelu_fwd(const void* x, const void* bias, void* 
     using BT = decltype(bt);
     constexpr int kWide = 16 / sizeof(T);
     const bool wide = cols % kWide == 0 && all_aligned({x, bias, y});
-    return with_shape<kWide>(wide, tanh_approx != 0, [&](auto vec, auto tanh_form) -> cudaError_t {
+    return with_gelu_shape<kWide>(wide, tanh_approx != 0, [&](auto vec, auto tanh_form) -> cudaError_t {
       constexpr int kVec = decltype(vec)::value;
       const int64_t num_vecs = rows * cols / kVec;
       const dim3 grid(fwd_blocks<T, BT, kVec, decltype(tanh_form)::value>(num_vecs));
@@ -186,7 +146,7 @@ extern "C" int bds_bias_gelu_bwd_parts(int64_t rows, int cols) {
           using T = decltype(t);
           using BT = decltype(bt);
           constexpr int kWide = 16 / sizeof(T);
-          return with_shape<kWide>(cols % kWide == 0, tanh_approx, [&](auto vec, auto tanh_form) -> cudaError_t {
+          return with_gelu_shape<kWide>(cols % kWide == 0, tanh_approx, [&](auto vec, auto tanh_form) -> cudaError_t {
             const int s = bwd_slabs<T, BT, decltype(vec)::value, decltype(tanh_form)::value>(rows, cols);
             slabs = s > slabs ? s : slabs;
             return cudaSuccess;
@@ -207,7 +167,7 @@ extern "C" cudaError_t bds_bias_gelu_bwd(const void* dy, const void* x, const vo
     using BT = decltype(bt);
     constexpr int kWide = 16 / sizeof(T);
     const bool wide = cols % kWide == 0 && all_aligned({dy, x, bias, dx});
-    return with_shape<kWide>(wide, tanh_approx != 0, [&](auto vec, auto tanh_form) -> cudaError_t {
+    return with_gelu_shape<kWide>(wide, tanh_approx != 0, [&](auto vec, auto tanh_form) -> cudaError_t {
       constexpr int kVec = decltype(vec)::value;
       constexpr bool kTanh = decltype(tanh_form)::value;
       const int cols_per_block = 32 * kVec;

@@ -100,18 +100,22 @@ RowNormOutputs row_norm_outputs(const at::Tensor& x) {
   return {hidden, rows, at::empty_like(x), at::empty({rows}, stats), at::empty({rows}, stats)};
 }
 
-std::vector<at::Tensor> layer_norm_fwd(const at::Tensor& x_in, const at::Tensor& weight_in, const at::Tensor& bias_in,
+// bias may be None: a LayerNorm without one (ModernBERT's).
+std::vector<at::Tensor> layer_norm_fwd(const at::Tensor& x_in, const at::Tensor& weight_in,
+                                       const c10::optional<at::Tensor>& bias_in,
                                        const c10::optional<at::Tensor>& residual_in, double eps) {
   const at::Device device = x_in.device();
   check_cuda(x_in, "x", device);
   check_cuda(weight_in, "weight", device);
-  check_cuda(bias_in, "bias", device);
+  if (bias_in) check_cuda(*bias_in, "bias", device);
   check_layer_norm_params(x_in, weight_in, "weight");
-  TORCH_CHECK(bias_in.sizes() == weight_in.sizes() && bias_in.scalar_type() == weight_in.scalar_type(),
-              "bias must match weight in shape and dtype");
+  if (bias_in)
+    TORCH_CHECK(bias_in->sizes() == weight_in.sizes() && bias_in->scalar_type() == weight_in.scalar_type(),
+                "bias must match weight in shape and dtype");
   if (residual_in) check_residual(*residual_in, x_in);
   const c10::cuda::CUDAGuard guard(device);
-  const at::Tensor x = x_in.contiguous(), weight = weight_in.contiguous(), bias = bias_in.contiguous();
+  const at::Tensor x = x_in.contiguous(), weight = weight_in.contiguous();
+  const at::Tensor bias = bias_in ? bias_in->contiguous() : at::Tensor();
   const at::Tensor residual = residual_in ? residual_in->contiguous() : at::Tensor();
   auto [hidden, rows, y, mean, rstd] = row_norm_outputs(x);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
@@ -119,19 +123,21 @@ std::vector<at::Tensor> layer_norm_fwd(const at::Tensor& x_in, const at::Tensor&
   {
     pybind11::gil_scoped_release no_gil;
     err = bds_layer_norm_fwd(x.data_ptr(), residual.defined() ? residual.data_ptr() : nullptr, weight.data_ptr(),
-                             bias.data_ptr(), y.data_ptr(), mean.data_ptr<float>(), rstd.data_ptr<float>(), rows,
-                             hidden, static_cast<float>(eps), dtype_code(x.scalar_type()),
-                             residual_code(residual, x), dtype_code(weight.scalar_type()), stream);
+                             bias.defined() ? bias.data_ptr() : nullptr, y.data_ptr(), mean.data_ptr<float>(),
+                             rstd.data_ptr<float>(), rows, hidden, static_cast<float>(eps),
+                             dtype_code(x.scalar_type()), residual_code(residual, x),
+                             dtype_code(weight.scalar_type()), stream);
   }
   check_launch(err, "layer_norm forward");
   return {y, mean, rstd};
 }
 
 // Returns (dx, dweight, dbias, dresidual): dresidual is dx itself when the residual has x's
-// dtype, the same values in fp32 for an fp32 residual, undefined (None) without a residual.
+// dtype, the same values in fp32 for an fp32 residual, undefined (None) without a residual; dbias
+// is undefined (None) where with_bias is false (a LayerNorm without a bias: none is computed).
 std::vector<at::Tensor> layer_norm_bwd(const at::Tensor& dy_in, const at::Tensor& x_in,
                                        const c10::optional<at::Tensor>& residual_in, const at::Tensor& weight_in,
-                                       const at::Tensor& mean, const at::Tensor& rstd) {
+                                       const at::Tensor& mean, const at::Tensor& rstd, bool with_bias) {
   const at::Device device = x_in.device();
   check_cuda(dy_in, "dy", device);
   check_cuda(x_in, "x", device);
@@ -152,11 +158,12 @@ std::vector<at::Tensor> layer_norm_bwd(const at::Tensor& dy_in, const at::Tensor
   const at::Tensor residual = residual_in ? residual_in->contiguous() : at::Tensor();
   const at::Tensor mean_c = mean.contiguous(), rstd_c = rstd.contiguous();
   const int parts = bds_layer_norm_bwd_parts(rows, hidden);
-  at::Tensor workspace = at::empty({2 * (int64_t)parts * hidden}, x.options().dtype(at::kFloat));
+  const int64_t grads = with_bias ? 2 : 1;  // workspace rows of [dweight | dbias], or of [dweight]
+  at::Tensor workspace = at::empty({grads * parts * hidden}, x.options().dtype(at::kFloat));
   at::Tensor dx = at::empty_like(x);
   const bool separate_dresidual = residual.defined() && residual.scalar_type() != x.scalar_type();
   at::Tensor dresidual = separate_dresidual ? at::empty_like(residual) : at::Tensor();
-  at::Tensor dweight = at::empty_like(weight), dbias = at::empty_like(weight);
+  at::Tensor dweight = at::empty_like(weight), dbias = with_bias ? at::empty_like(weight) : at::Tensor();
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   cudaError_t err;
   {
@@ -164,7 +171,7 @@ std::vector<at::Tensor> layer_norm_bwd(const at::Tensor& dy_in, const at::Tensor
     err = bds_layer_norm_bwd(dy.data_ptr(), x.data_ptr(), residual.defined() ? residual.data_ptr() : nullptr,
                              weight.data_ptr(), mean_c.data_ptr<float>(), rstd_c.data_ptr<float>(), dx.data_ptr(),
                              separate_dresidual ? dresidual.data_ptr() : nullptr, dweight.data_ptr(),
-                             dbias.data_ptr(), workspace.data_ptr<float>(), parts, rows, hidden,
+                             with_bias ? dbias.data_ptr() : nullptr, workspace.data_ptr<float>(), parts, rows, hidden,
                              dtype_code(x.scalar_type()), residual_code(residual, x),
                              dtype_code(weight.scalar_type()), stream);
   }
@@ -332,6 +339,60 @@ std::vector<at::Tensor> bias_gelu_bwd(const at::Tensor& dy_in, const at::Tensor&
   return {dx, dbias};
 }
 
+// ---------------------------------------------------------------- gelu(input) * gate (GeGLU)
+
+// x (..., 2 * cols): each row's input half, then its gate half. Returns cols.
+int geglu_width(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) > 0 && x.size(-1) % 2 == 0,
+              "x must end in an input half and a gate half (an even, non-empty last dimension), got shape ",
+              x.sizes());
+  return checked_int(x.size(-1) / 2, "GeGLU width");
+}
+
+// Returns y (..., cols).
+at::Tensor geglu_fwd(const at::Tensor& x_in, bool tanh_approx) {
+  check_cuda(x_in, "x", x_in.device());
+  const int cols = geglu_width(x_in);
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const at::Tensor x = x_in.contiguous();
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = cols;
+  at::Tensor y = at::empty(shape, x.options());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  cudaError_t err;
+  {
+    pybind11::gil_scoped_release no_gil;
+    err = bds_geglu_fwd(x.data_ptr(), y.data_ptr(), y.numel() / cols, cols, tanh_approx,
+                        dtype_code(x.scalar_type()), stream);
+  }
+  check_launch(err, "geglu forward");
+  return y;
+}
+
+// Returns dx, laid out as x (contiguous): the input half's gradient, then the gate half's.
+at::Tensor geglu_bwd(const at::Tensor& dy_in, const at::Tensor& x_in, bool tanh_approx) {
+  const at::Device device = x_in.device();
+  check_cuda(dy_in, "dy", device);
+  check_cuda(x_in, "x", device);
+  const int cols = geglu_width(x_in);
+  TORCH_CHECK(dy_in.scalar_type() == x_in.scalar_type() && dy_in.dim() == x_in.dim() && dy_in.size(-1) == cols &&
+                  dy_in.sizes().slice(0, dy_in.dim() - 1) == x_in.sizes().slice(0, x_in.dim() - 1),
+              "dy must have x's dtype and shape with its last dimension halved, got ", dy_in.scalar_type(),
+              " of shape ", dy_in.sizes(), " for x of shape ", x_in.sizes());
+  const c10::cuda::CUDAGuard guard(device);
+  const at::Tensor dy = dy_in.contiguous(), x = x_in.contiguous();
+  at::Tensor dx = at::empty_like(x);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  cudaError_t err;
+  {
+    pybind11::gil_scoped_release no_gil;
+    err = bds_geglu_bwd(dy.data_ptr(), x.data_ptr(), dx.data_ptr(), dy.numel() / cols, cols, tanh_approx,
+                        dtype_code(x.scalar_type()), stream);
+  }
+  check_launch(err, "geglu backward");
+  return dx;
+}
+
 // ---------------------------------------------------------------- varlen attention
 
 void check_attention_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -378,14 +439,31 @@ AttentionInputs attention_inputs(const at::Tensor& q, const at::Tensor& k, const
   return {aligned_contiguous(q), aligned_contiguous(k), aligned_contiguous(v), heads * head_dim};
 }
 
+// Which keys a query sees and how q, k are rotated, as the launchers take them: window < 0
+// (every key) or the tokens on each side (a window wider than any sequence sees what one of
+// INT_MAX does); rope_theta 0 (no rotation) or a finite positive rotary base.
+struct AttentionOptions {
+  int window;
+  float rope_theta;
+};
+
+AttentionOptions attention_options(int64_t window, double rope_theta) {
+  TORCH_CHECK_VALUE(rope_theta == 0.0 || (std::isfinite(rope_theta) && rope_theta > 0.0 &&
+                                          rope_theta <= std::numeric_limits<float>::max()),
+                    "rope_theta must be 0 (no rotary embeddings) or a finite positive base, got ", rope_theta);
+  const int64_t widest = std::numeric_limits<int>::max();
+  return {window < 0 ? -1 : (int)(window < widest ? window : widest), static_cast<float>(rope_theta)};
+}
+
 // Returns (out, lse); out is contiguous, lse is (num_heads, total) float32.
 std::vector<at::Tensor> varlen_attention_fwd(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
                                              const at::Tensor& cu_seqlens_in, int64_t max_seqlen, double dropout_p,
-                                             double softmax_scale) {
+                                             double softmax_scale, int64_t window, double rope_theta) {
   TORCH_CHECK_VALUE(dropout_p == 0.0, "the fused varlen_attention has no dropout (dropout_p=", dropout_p,
                     "): set attention_dropout to 0, or run kernels=torch");
   check_attention_inputs(q_in, k_in, v_in, cu_seqlens_in, max_seqlen);
   TORCH_CHECK_VALUE(std::isfinite(softmax_scale), "softmax_scale must be finite, got ", softmax_scale);
+  const AttentionOptions options = attention_options(window, rope_theta);
   const c10::cuda::CUDAGuard guard(q_in.device());
   const AttentionInputs in = attention_inputs(q_in, k_in, v_in);
   const at::Tensor cu_seqlens = cu_seqlens_in.contiguous();
@@ -398,8 +476,9 @@ std::vector<at::Tensor> varlen_attention_fwd(const at::Tensor& q_in, const at::T
     pybind11::gil_scoped_release no_gil;
     err = bds_varlen_attention_fwd(in.q.data_ptr(), in.k.data_ptr(), in.v.data_ptr(), cu_seqlens.data_ptr<int>(),
                                    out.data_ptr(), lse.data_ptr<float>(), (int)(cu_seqlens.numel() - 1), total,
-                                   in.stride, (int)heads, (int)head_dim, (int)max_seqlen,
-                                   static_cast<float>(softmax_scale), dtype_code(in.q.scalar_type()), stream);
+                                   in.stride, (int)heads, (int)head_dim, (int)max_seqlen, options.window,
+                                   options.rope_theta, static_cast<float>(softmax_scale),
+                                   dtype_code(in.q.scalar_type()), stream);
   }
   check_launch(err, "varlen_attention forward");
   return {out, lse};
@@ -408,9 +487,11 @@ std::vector<at::Tensor> varlen_attention_fwd(const at::Tensor& q_in, const at::T
 // The backward into dq, dk, dv (views laid out like q, every token dqkv_stride elements apart).
 void attention_bwd_into(const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in,
                         const at::Tensor& v_in, const at::Tensor& out_in, const at::Tensor& lse_in,
-                        const at::Tensor& cu_seqlens_in, int64_t max_seqlen, double softmax_scale, at::Tensor& dq,
-                        at::Tensor& dk, at::Tensor& dv, int64_t dqkv_stride) {
+                        const at::Tensor& cu_seqlens_in, int64_t max_seqlen, double softmax_scale,
+                        int64_t window, double rope_theta, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv,
+                        int64_t dqkv_stride) {
   check_attention_inputs(q_in, k_in, v_in, cu_seqlens_in, max_seqlen);
+  const AttentionOptions options = attention_options(window, rope_theta);
   const at::Device device = q_in.device();
   check_cuda(dout_in, "dout", device);
   check_cuda(out_in, "out", device);
@@ -440,8 +521,8 @@ void attention_bwd_into(const at::Tensor& dout_in, const at::Tensor& q_in, const
                                    out.data_ptr(), lse.data_ptr<float>(), cu_seqlens.data_ptr<int>(), dq.data_ptr(),
                                    dk.data_ptr(), dv.data_ptr(), dq_accum_ptr, dsum.data_ptr<float>(),
                                    (int)(cu_seqlens.numel() - 1), total, in.stride, dqkv_stride, (int)heads,
-                                   (int)head_dim, (int)max_seqlen, static_cast<float>(softmax_scale),
-                                   dtype_code(in.q.scalar_type()), stream);
+                                   (int)head_dim, (int)max_seqlen, options.window, options.rope_theta,
+                                   static_cast<float>(softmax_scale), dtype_code(in.q.scalar_type()), stream);
   }
   check_launch(err, "varlen_attention backward");
 }
@@ -450,11 +531,11 @@ void attention_bwd_into(const at::Tensor& dout_in, const at::Tensor& q_in, const
 std::vector<at::Tensor> varlen_attention_bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
                                              const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
                                              const at::Tensor& cu_seqlens, int64_t max_seqlen,
-                                             double softmax_scale) {
+                                             double softmax_scale, int64_t window, double rope_theta) {
   TORCH_CHECK(q.dim() == 3, "q must be (total_tokens, num_heads, head_dim), got shape ", q.sizes());
   const auto options = q.options().memory_format(at::MemoryFormat::Contiguous);
   at::Tensor dq = at::empty(q.sizes(), options), dk = at::empty(q.sizes(), options), dv = at::empty(q.sizes(), options);
-  attention_bwd_into(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, softmax_scale, dq, dk, dv,
+  attention_bwd_into(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, softmax_scale, window, rope_theta, dq, dk, dv,
                      q.size(1) * q.size(2));
   return {dq, dk, dv};
 }
@@ -464,13 +545,13 @@ std::vector<at::Tensor> varlen_attention_bwd(const at::Tensor& dout, const at::T
 // into it, so the projection's backward reads one gradient, with no copy or sum.
 at::Tensor varlen_attention_bwd_packed(const at::Tensor& dout, const at::Tensor& qkv, const at::Tensor& out,
                                        const at::Tensor& lse, const at::Tensor& cu_seqlens, int64_t max_seqlen,
-                                       double softmax_scale) {
+                                       double softmax_scale, int64_t window, double rope_theta) {
   TORCH_CHECK(qkv.dim() == 4 && qkv.size(1) == 3,
               "qkv must be (total_tokens, 3, num_heads, head_dim), got shape ", qkv.sizes());
   at::Tensor dqkv = at::empty(qkv.sizes(), qkv.options().memory_format(at::MemoryFormat::Contiguous));
   at::Tensor dq = dqkv.select(1, 0), dk = dqkv.select(1, 1), dv = dqkv.select(1, 2);
   attention_bwd_into(dout, qkv.select(1, 0), qkv.select(1, 1), qkv.select(1, 2), out, lse, cu_seqlens, max_seqlen,
-                     softmax_scale, dq, dk, dv, dqkv.stride(0));
+                     softmax_scale, window, rope_theta, dq, dk, dv, dqkv.stride(0));
   return dqkv;
 }
 
@@ -637,12 +718,13 @@ void lamb_apply(const at::Tensor& param, const at::Tensor& exp_avg, const at::Te
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "bert-ds fused CUDA kernels: LayerNorm(x + residual), LayerNorm(dropout(x + bias) + residual), "
-            "gelu(x + bias), varlen attention, MLM cross-entropy, LAMB";
+            "gelu(x + bias), gelu(input) * gate, varlen attention, MLM cross-entropy, LAMB";
   m.attr("source_hash") = BDS_STRINGIFY(BDS_SOURCE_HASH);
   m.def("layer_norm_fwd", &layer_norm_fwd, "LayerNorm(x + residual) forward -> (y, mean, rstd)", py::arg("x"),
         py::arg("weight"), py::arg("bias"), py::arg("residual"), py::arg("eps"));
   m.def("layer_norm_bwd", &layer_norm_bwd, "LayerNorm(x + residual) backward -> (dx, dweight, dbias, dresidual)",
-        py::arg("dy"), py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("mean"), py::arg("rstd"));
+        py::arg("dy"), py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("mean"), py::arg("rstd"),
+        py::arg("with_bias") = true);
   m.def("dropout_layer_norm_fwd", &dropout_layer_norm_fwd,
         "LayerNorm(dropout(x + bias) + residual) forward -> (y, mean, rstd)", py::arg("x"), py::arg("bias"),
         py::arg("residual"), py::arg("weight"), py::arg("ln_bias"), py::arg("eps"), py::arg("dropout_p"),
@@ -655,16 +737,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("tanh_approx"));
   m.def("bias_gelu_bwd", &bias_gelu_bwd, "gelu(x + bias) backward -> (dx, dbias)", py::arg("dy"), py::arg("x"),
         py::arg("bias"), py::arg("tanh_approx"));
+  m.def("geglu_fwd", &geglu_fwd, "gelu(input) * gate forward, x = [input | gate]", py::arg("x"),
+        py::arg("tanh_approx"));
+  m.def("geglu_bwd", &geglu_bwd, "gelu(input) * gate backward -> dx = [dinput | dgate]", py::arg("dy"),
+        py::arg("x"), py::arg("tanh_approx"));
+  // window: < 0 every key, else the tokens seen on each side; rope_theta: 0, or the rotary base of q and k
   m.def("varlen_attention_fwd", &varlen_attention_fwd, "varlen attention forward -> (out, lse)", py::arg("q"),
         py::arg("k"), py::arg("v"), py::arg("cu_seqlens"), py::arg("max_seqlen"), py::arg("dropout_p"),
-        py::arg("softmax_scale"));
+        py::arg("softmax_scale"), py::arg("window") = -1, py::arg("rope_theta") = 0.0);
   m.def("varlen_attention_bwd", &varlen_attention_bwd, "varlen attention backward -> (dq, dk, dv)",
         py::arg("dout"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"),
-        py::arg("cu_seqlens"), py::arg("max_seqlen"), py::arg("softmax_scale"));
+        py::arg("cu_seqlens"), py::arg("max_seqlen"), py::arg("softmax_scale"), py::arg("window") = -1,
+        py::arg("rope_theta") = 0.0);
   m.def("varlen_attention_bwd_packed", &varlen_attention_bwd_packed,
         "varlen attention backward of a packed (total, 3, heads, head_dim) qkv -> dqkv, laid out alike",
         py::arg("dout"), py::arg("qkv"), py::arg("out"), py::arg("lse"), py::arg("cu_seqlens"),
-        py::arg("max_seqlen"), py::arg("softmax_scale"));
+        py::arg("max_seqlen"), py::arg("softmax_scale"), py::arg("window") = -1, py::arg("rope_theta") = 0.0);
   m.def("mlm_cross_entropy_fwd", &mlm_cross_entropy_fwd,
         "MLM cross-entropy forward -> per row (loss, lse, correct)", py::arg("logits"), py::arg("labels"),
         py::arg("ignore_index"));

@@ -1,7 +1,7 @@
 // Device helpers shared by the kernels: dtype conversion, vector access, warp
 // reductions, the per-column reduction of fp32 partial sums, the launch helpers of the
 // row kernels (one warp per row) and the sum of their warps' column partials per CTA, the
-// counter-based random numbers of dropout (Philox),
+// counter-based random numbers of dropout (Philox), GELU and its derivative (bias + GELU, GeGLU),
 // the two tensor-core instructions the attention uses (ldmatrix, mma.sync m16n8k16) and
 // its shared-memory access (cp.async, ld_shared/st_shared).
 //
@@ -16,6 +16,7 @@
 #include <stdint.h>
 
 #include <initializer_list>
+#include <type_traits>
 
 #include "launchers.h"
 
@@ -92,6 +93,55 @@ __device__ __forceinline__ void store_floats(T* dst, const float (&in)[N]) {
 }
 
 inline bool aligned_to(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+
+inline bool all_aligned(std::initializer_list<const void*> pointers) {
+  for (const void* p : pointers)
+    if (!aligned_to(p, 16)) return false;
+  return true;
+}
+
+// ----------------------------------------------------------------- GELU (bias + GELU, GeGLU)
+
+constexpr float kInvSqrt2 = 0.70710678118654752f;     // 1 / sqrt(2)
+constexpr float kInvSqrt2Pi = 0.39894228040143268f;   // 1 / sqrt(2 pi)
+constexpr float kSqrt2OverPi = 0.79788456080286536f;  // sqrt(2 / pi)
+constexpr float kTanhCubic = 0.044715f;
+
+struct GeluAt {
+  float value, grad;  // gelu(h) and gelu'(h)
+};
+
+// GELU and its derivative at h in fp32 with the accurate erff/tanhf: the erf form, or the tanh
+// approximation with kTanh (torch's approximate="tanh"). Both from one erff/tanhf, for a backward
+// that needs both (GeGLU's); a caller of one of them leaves the other to dead-code elimination.
+template <bool kTanh>
+__device__ __forceinline__ GeluAt gelu_at(float h) {
+  if (kTanh) {
+    const float th = tanhf(kSqrt2OverPi * (h + kTanhCubic * h * h * h));
+    return {0.5f * h * (1.f + th),
+            0.5f * (1.f + th) + 0.5f * h * (1.f - th * th) * kSqrt2OverPi * (1.f + 3.f * kTanhCubic * h * h)};
+  }
+  const float one_plus_erf = 1.f + erff(h * kInvSqrt2);
+  return {0.5f * h * one_plus_erf, 0.5f * one_plus_erf + h * kInvSqrt2Pi * expf(-0.5f * h * h)};
+}
+
+template <bool kTanh>
+__device__ __forceinline__ float gelu(float h) { return gelu_at<kTanh>(h).value; }
+
+template <bool kTanh>
+__device__ __forceinline__ float gelu_grad(float h) { return gelu_at<kTanh>(h).grad; }
+
+// Calls f(std::integral_constant<int, kVec>, std::integral_constant<bool, kTanh>): kVec = kWide
+// (a 16-byte vector) where `wide`, else 1 (scalar accesses); kTanh from tanh_approx.
+template <int kWide, typename F>
+cudaError_t with_gelu_shape(bool wide, bool tanh_approx, F&& f) {
+  if (wide) {
+    return tanh_approx ? f(std::integral_constant<int, kWide>{}, std::true_type{})
+                       : f(std::integral_constant<int, kWide>{}, std::false_type{});
+  }
+  return tanh_approx ? f(std::integral_constant<int, 1>{}, std::true_type{})
+                     : f(std::integral_constant<int, 1>{}, std::false_type{});
+}
 
 // ----------------------------------------------------------------- reductions
 

@@ -23,20 +23,22 @@ enum BdsDtype { BDS_FLOAT32 = 0, BDS_FLOAT16 = 1, BDS_BFLOAT16 = 2 };
 
 // ---------------------------------------------------------------- LayerNorm(x + residual)
 // x, y: (rows, hidden) of `dtype`; residual (may be NULL): (rows, hidden) of `residual_dtype`;
-// weight, bias: (hidden,) of `weight_dtype`; the residual and weight dtypes equal `dtype` or
-// are fp32. mean, rstd: (rows,) fp32, saved for the backward.
+// weight, bias (may be NULL: no bias): (hidden,) of `weight_dtype`; the residual and weight dtypes
+// equal `dtype` or are fp32. mean, rstd: (rows,) fp32, saved for the backward.
 cudaError_t bds_layer_norm_fwd(const void* x, const void* residual, const void* weight, const void* bias,
                                void* y, float* mean, float* rstd, int64_t rows, int hidden, float eps,
                                int dtype, int residual_dtype, int weight_dtype, cudaStream_t stream);
 
 // Rows of fp32 partial sums the backward may use (an upper bound: its grid is one wave of
 // the device, from the occupancy API; a row per CTA, or per warp off the register path): pass a
-// workspace of 2 * parts * hidden floats. Its contents are ignored and overwritten.
+// workspace of 2 * parts * hidden floats (parts * hidden suffice without a bias gradient). Its
+// contents are ignored and overwritten.
 int bds_layer_norm_bwd_parts(int64_t rows, int hidden);
 
 // dx: (rows, hidden) of `dtype`, the gradient of both x and residual; dresidual (may be NULL):
 // the same values in `residual_dtype` (pass it when that differs from `dtype`); dweight, dbias:
-// (hidden,) of `weight_dtype`, reduced in fp32 (per-CTA partials, then a column sum).
+// (hidden,) of `weight_dtype`, reduced in fp32 (per-CTA partials, then a column sum); dbias NULL
+// for a LayerNorm without a bias (no bias gradient is computed).
 cudaError_t bds_layer_norm_bwd(const void* dy, const void* x, const void* residual, const void* weight,
                                const float* mean, const float* rstd, void* dx, void* dresidual, void* dweight,
                                void* dbias, float* workspace, int parts, int64_t rows, int hidden,
@@ -84,6 +86,17 @@ cudaError_t bds_bias_gelu_bwd(const void* dy, const void* x, const void* bias, v
                               float* workspace, int parts, int64_t rows, int cols, int tanh_approx,
                               int dtype, int bias_dtype, cudaStream_t stream);
 
+// ---------------------------------------------------------------- gelu(input) * gate (GeGLU)
+// x: (rows, 2 * cols) of `dtype`, each row its input half then its gate half (ModernBERT's Wi
+// projection, as `chunk(2, dim=-1)` splits it); y: (rows, cols) = gelu(input) * gate.
+// tanh_approx: 0 = exact erf form, 1 = tanh approximation.
+cudaError_t bds_geglu_fwd(const void* x, void* y, int64_t rows, int cols, int tanh_approx, int dtype,
+                          cudaStream_t stream);
+
+// dx: (rows, 2 * cols), laid out as x: d_input = dy * gate * gelu'(input), d_gate = dy * gelu(input).
+cudaError_t bds_geglu_bwd(const void* dy, const void* x, void* dx, int64_t rows, int cols, int tanh_approx,
+                          int dtype, cudaStream_t stream);
+
 // ---------------------------------------------------------------- varlen attention
 // q, k, v: (total, num_heads, head_dim) of `dtype` (fp16 or bf16), head_dim 32 or 64, each
 // token qkv_stride elements after the one before (num_heads * head_dim when contiguous;
@@ -91,23 +104,28 @@ cudaError_t bds_bias_gelu_bwd(const void* dy, const void* x, const void* bias, v
 // multiple of 8, 16-byte aligned rows); out: (total, num_heads, head_dim) contiguous.
 // cu_seqlens: (batch + 1,) int32 on the device, sequence b = rows cu_seqlens[b]:cu_seqlens[b+1];
 // every sequence is at most max_seqlen long. lse: (num_heads, total) fp32, the natural-log
-// sum of exp(scale * q.k) of each query row, saved for the backward.
+// sum of exp(scale * q.k) of each query row over the keys it sees, saved for the backward.
+// window: query i sees key j of its sequence only where |i - j| <= window; < 0: every key.
+// rope_theta: > 0: q and k are rotated as they are read (rotary embeddings of base rope_theta,
+// head dim d < head_dim/2 paired with d + head_dim/2, each token at its offset in its own
+// sequence), nothing rotated is written; 0: q and k as they are.
 cudaError_t bds_varlen_attention_fwd(const void* q, const void* k, const void* v, const int* cu_seqlens,
                                      void* out, float* lse, int batch, int64_t total, int64_t qkv_stride,
-                                     int num_heads, int head_dim, int max_seqlen, float softmax_scale, int dtype,
-                                     cudaStream_t stream);
+                                     int num_heads, int head_dim, int max_seqlen, int window, float rope_theta,
+                                     float softmax_scale, int dtype, cudaStream_t stream);
 
 // dout: like out (contiguous); dq, dk, dv: like q, each token dqkv_stride elements apart (views
 // of one packed gradient, or contiguous). Workspaces (contents ignored, overwritten): dq_accum
 // (total, num_heads, head_dim) fp32, where the key tiles add their dq contributions, needed
 // only where bds_varlen_attention_bwd_accumulates says so (may be NULL otherwise); dsum
-// (num_heads, total) fp32, rowsum(dout * out).
+// (num_heads, total) fp32, rowsum(dout * out). window and rope_theta: the forward's; with a
+// rope_theta, dq and dk are the gradients of q and k as given (before their rotation).
 cudaError_t bds_varlen_attention_bwd(const void* dout, const void* q, const void* k, const void* v,
                                      const void* out, const float* lse, const int* cu_seqlens,
                                      void* dq, void* dk, void* dv, float* dq_accum, float* dsum,
                                      int batch, int64_t total, int64_t qkv_stride, int64_t dqkv_stride,
-                                     int num_heads, int head_dim, int max_seqlen, float softmax_scale, int dtype,
-                                     cudaStream_t stream);
+                                     int num_heads, int head_dim, int max_seqlen, int window, float rope_theta,
+                                     float softmax_scale, int dtype, cudaStream_t stream);
 
 // 1 when the backward at this head dim adds dq up in dq_accum (some sequence may span more than
 // one key tile: max_seqlen over 128); 0 when every sequence fits one key tile and dq is written

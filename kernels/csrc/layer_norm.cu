@@ -1,4 +1,5 @@
-// LayerNorm(x + residual) * weight + bias, forward and backward.
+// LayerNorm(x + residual) * weight + bias, forward and backward; the bias may be absent (ModernBERT's
+// LayerNorms have none).
 //
 // Design:
 // - One warp per row. Statistics are fp32 and two-pass (mean, then the mean of squared
@@ -19,6 +20,10 @@
 //   rather than per warp is a quarter of the partial sums to write and read back (at BERT-Base on
 //   an H100: 396 rows, 2.4 MB each way, where there were 1,584, 9.7 MB, beside the 101 MB of dy,
 //   x, residual and dx the pass must move).
+// - Without a bias (a null bias pointer forward, a null dbias backward) nothing reads a bias, and
+//   the workspace rows are [dweight] alone: no bias gradient is written, nor summed by column_sum.
+//   The register path still adds up its lanes' dbias (a register add per element beside the row's
+//   loads) rather than take a second instantiation of the kernel.
 // - Grids are one wave: every kernel strides over the rows, and the launchers launch as
 //   many blocks as the device holds at once (the occupancy API), never more. A fixed
 //   multiple of the SM count left a tail: 4 blocks per SM where 2-3 fit.
@@ -84,9 +89,9 @@ ln_fwd_registers(const T* __restrict__ x, const RT* __restrict__ residual, const
 #pragma unroll
     for (int i = 0; i < kPerLane; ++i) {
       const int col = (i * 32 + lane) * kVec;
-      float w[kVec], b[kVec], out[kVec];
+      float w[kVec], b[kVec] = {}, out[kVec];
       load_floats(weight + col, w);
-      load_floats(bias + col, b);
+      if (bias != nullptr) load_floats(bias + col, b);
 #pragma unroll
       for (int j = 0; j < kVec; ++j) out[j] = (v[i][j] - mean) * rstd * w[j] + b[j];
       store_floats(y + offset + col, out);
@@ -122,8 +127,10 @@ ln_fwd_general(const T* __restrict__ x, const RT* __restrict__ residual, const W
     }
     const float rstd = rsqrtf(warp_sum(squares) / hidden + eps);
     T* yr = y + row * hidden;
-    for (int j = lane; j < hidden; j += 32)
-      yr[j] = from_float<T>((value(j) - mean) * rstd * to_float(weight[j]) + to_float(bias[j]));
+    for (int j = lane; j < hidden; j += 32) {
+      const float b = bias == nullptr ? 0.f : to_float(bias[j]);
+      yr[j] = from_float<T>((value(j) - mean) * rstd * to_float(weight[j]) + b);
+    }
     if (lane == 0) {
       mean_out[row] = mean;
       rstd_out[row] = rstd;
@@ -135,13 +142,15 @@ ln_fwd_general(const T* __restrict__ x, const RT* __restrict__ residual, const W
 //
 // With xhat = (h - mean) * rstd, g = weight * dy and means over the row:
 //   dh = rstd * (g - mean(g) - xhat * mean(g * xhat)),   dweight = sum_rows dy * xhat,
-//   dbias = sum_rows dy.   dh is the gradient of both x and residual.
+//   dbias = sum_rows dy.   dh is the gradient of both x and residual. with_bias false: no dbias
+//   in the workspace (its rows are [dweight] alone).
 
 template <typename T, typename RT, typename WT, int H>
 __global__ void __launch_bounds__(kThreads)
 ln_bwd_registers(const T* __restrict__ dy, const T* __restrict__ x, const RT* __restrict__ residual,
                  const WT* __restrict__ weight, const float* __restrict__ mean, const float* __restrict__ rstd,
-                 T* __restrict__ dx, RT* __restrict__ dresidual, float* __restrict__ parts, int64_t rows) {
+                 T* __restrict__ dx, RT* __restrict__ dresidual, float* __restrict__ parts, int64_t rows,
+                 bool with_bias) {
   constexpr int kVec = 16 / sizeof(T);
   constexpr int kPerLane = H / (32 * kVec);
   static_assert(H % (32 * kVec) == 0, "the register path needs hidden % (32 * vector width) == 0");
@@ -195,9 +204,9 @@ ln_bwd_registers(const T* __restrict__ dy, const T* __restrict__ x, const RT* __
   // The CTA's row of the workspace, zeros included (a CTA with no rows), so the column sum needs
   // no memset.
   __shared__ __align__(16) float stage[kWarpsPerBlock][H];
-  float* own = parts + (int64_t)blockIdx.x * 2 * H;
+  float* own = parts + (int64_t)blockIdx.x * (with_bias ? 2 : 1) * H;
   block_column_sum(stage, dw, own);
-  block_column_sum(stage, db, own + H);
+  if (with_bias) block_column_sum(stage, db, own + H);  // with_bias is the whole grid's: no divergent barrier
 }
 
 template <typename T, typename RT, typename WT>
@@ -205,16 +214,18 @@ __global__ void __launch_bounds__(kThreads)
 ln_bwd_general(const T* __restrict__ dy, const T* __restrict__ x, const RT* __restrict__ residual,
                const WT* __restrict__ weight, const float* __restrict__ mean, const float* __restrict__ rstd,
                T* __restrict__ dx, RT* __restrict__ dresidual, float* __restrict__ parts, int64_t rows,
-               int hidden) {
+               int hidden, bool with_bias) {
   const int lane = threadIdx.x % 32;
   const int warp = blockIdx.x * kWarpsPerBlock + threadIdx.x / 32;
   const int num_warps = gridDim.x * kWarpsPerBlock;
-  // The warp's own workspace row [dweight | dbias]; lane l only ever touches columns l, l + 32, ...
-  float* dwp = parts + (int64_t)(2 * warp) * hidden;
-  float* dbp = parts + (int64_t)(2 * warp + 1) * hidden;  // (as dwp + hidden, ptxas spilled 4-8 bytes)
+  // The warp's own workspace row [dweight | dbias] ([dweight] without a bias); lane l only ever
+  // touches columns l, l + 32, ...
+  const int grads = with_bias ? 2 : 1;
+  float* dwp = parts + (int64_t)(grads * warp) * hidden;
+  float* dbp = parts + (int64_t)(grads * warp + 1) * hidden;  // (as dwp + hidden, ptxas spilled 4-8 bytes)
   for (int j = lane; j < hidden; j += 32) {
     dwp[j] = 0.f;
-    dbp[j] = 0.f;
+    if (with_bias) dbp[j] = 0.f;
   }
   for (int64_t row = warp; row < rows; row += num_warps) {
     const int64_t offset = row * hidden;
@@ -239,7 +250,7 @@ ln_bwd_general(const T* __restrict__ dy, const T* __restrict__ x, const RT* __re
       dx[offset + j] = from_float<T>(dh);
       if (dresidual != nullptr) dresidual[offset + j] = from_float<RT>(dh);
       dwp[j] += d * xhat;
-      dbp[j] += d;
+      if (with_bias) dbp[j] += d;
     }
   }
 }
@@ -328,6 +339,7 @@ extern "C" cudaError_t bds_layer_norm_bwd(const void* dy, const void* x, const v
                                           int dtype, int residual_dtype, int weight_dtype, cudaStream_t stream) {
   if (hidden <= 0 || rows < 0 || parts < kWarpsPerBlock) return cudaErrorInvalidValue;
   const bool fast = register_row_path(hidden, {dy, x, residual, weight, dx, dresidual, workspace});
+  const bool with_bias = dbias != nullptr;
   if (residual == nullptr) residual_dtype = dtype;
   return with_row_dtypes(dtype, residual_dtype, weight_dtype, [&](auto t, auto rt, auto wt) -> cudaError_t {
     using T = decltype(t);
@@ -344,18 +356,20 @@ extern "C" cudaError_t bds_layer_norm_bwd(const void* dy, const void* x, const v
     const dim3 grid(blocks < parts / rows_per_block ? blocks : parts / rows_per_block);
     if (fast && hidden == 768) {
       ln_bwd_registers<T, RT, WT, 768><<<grid, kThreads, 0, stream>>>(dys, xs, rs, ws, mean, rstd, dxs, drs,
-                                                                  workspace, rows);
+                                                                  workspace, rows, with_bias);
     } else if (fast && hidden == 1024) {
       ln_bwd_registers<T, RT, WT, 1024><<<grid, kThreads, 0, stream>>>(dys, xs, rs, ws, mean, rstd, dxs, drs,
-                                                                   workspace, rows);
+                                                                   workspace, rows, with_bias);
     } else {
       ln_bwd_general<T, RT, WT><<<grid, kThreads, 0, stream>>>(dys, xs, rs, ws, mean, rstd, dxs, drs, workspace,
-                                                           rows, hidden);
+                                                           rows, hidden, with_bias);
     }
     cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
     // Only the launched blocks' rows hold partial sums; [dweight | dbias] in one pass.
-    return column_sum(workspace, (int)grid.x * rows_per_block, 2 * hidden, hidden, static_cast<WT*>(dweight),
-                      static_cast<WT*>(dbias), stream);
+    const int written = (int)grid.x * rows_per_block;
+    if (!with_bias) return column_sum(workspace, written, hidden, static_cast<WT*>(dweight), stream);
+    return column_sum(workspace, written, 2 * hidden, hidden, static_cast<WT*>(dweight), static_cast<WT*>(dbias),
+                      stream);
   });
 }

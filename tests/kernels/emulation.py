@@ -98,12 +98,15 @@ def csrc_sources() -> list[Path]:
 
 
 def build_library(sources: Iterable[str | Path] | Mapping[str, str], out_dir: str | Path,
-                  name: str = "libbds_emu.so", *, dtype: str | None = None) -> Path:
+                  name: str = "libbds_emu.so", *, dtype: str | None = None,
+                  defines: Mapping[str, int | str] | None = None) -> Path:
     """Compiles ``sources`` into ``out_dir / name`` and returns its path.
 
     ``dtype`` (a ``BdsDtype`` name, ``"BDS_FLOAT32"``): compile that dtype's kernels alone
     (``compiled_dtype`` in common.cuh), for an edited copy of a kernel that is checked in one
     dtype: a third of the compile, which is most of such a test's time on a cold cache.
+    ``defines``: more macros for the compile, ``{name: value}``, e.g. attention.cu's
+    ``BDS_EMULATE_HEAD_DIM`` (``compiled_attention``), which narrow an edited copy to what its check runs.
 
     Every source is written into ``out_dir`` rewritten (:func:`rewrite_for_emulation`); ``.cu`` files
     become ``.cpp`` translation units. Headers given here shadow kernels/csrc's for the
@@ -126,7 +129,8 @@ def build_library(sources: Iterable[str | Path] | Mapping[str, str], out_dir: st
             headers[path.name] = written.read_text()
     if not units:
         raise BuildError("no .cu or .cpp file among the sources")
-    flags = [*CXXFLAGS, *([f"-DBDS_EMULATE_DTYPE={dtype}"] if dtype else [])]
+    flags = [*CXXFLAGS, *([f"-DBDS_EMULATE_DTYPE={dtype}"] if dtype else []),
+             *(f"-D{name}={value}" for name, value in (defines or {}).items())]
     key = _headers_key(include, headers, flags)
     objects = [_object(Path(unit), key, include, flags) for unit in units]
     library = out_dir / name

@@ -59,16 +59,19 @@ def assert_close_to_reference(name: str, ours: torch.Tensor, same_dtype: torch.T
 # --------------------------------------------------------------------------- layer norm
 
 def layer_norm_fp64(x, weight, bias, eps, residual=None):
+    """bias None: a LayerNorm without one."""
     h = x.double() if residual is None else x.double() + residual.double()
     mean = h.mean(dim=-1, keepdim=True)
     var = ((h - mean) ** 2).mean(dim=-1, keepdim=True)
-    return (h - mean) / torch.sqrt(var + eps) * weight.double() + bias.double()
+    scaled = (h - mean) / torch.sqrt(var + eps) * weight.double()
+    return scaled if bias is None else scaled + bias.double()
 
 
 def layer_norm_same_dtype(x, weight, bias, eps, residual=None):
     """What PyTorch computes in the input dtype (with the weights cast to it)."""
     summed = x if residual is None else x + residual
-    return F.layer_norm(summed, summed.shape[-1:], weight.to(x.dtype), bias.to(x.dtype), eps)
+    return F.layer_norm(summed, summed.shape[-1:], weight.to(x.dtype), None if bias is None else bias.to(x.dtype),
+                        eps)
 
 
 def dropout_layer_norm_fp64(x, bias, residual, weight, ln_bias, eps, dropout_p, keep):
@@ -94,6 +97,20 @@ def gelu_fp64(x, bias, approximate):
 
 def gelu_same_dtype(x, bias, approximate):
     return F.gelu(x + bias.to(x.dtype), approximate=approximate)
+
+
+# --------------------------------------------------------------------------- GeGLU
+
+def geglu_fp64(x, approximate):
+    """gelu(input) * gate over x's halves [input | gate], in fp64 by the formula."""
+    inputs, gate = x.double().chunk(2, dim=-1)
+    return gelu_fp64(inputs, torch.zeros((), dtype=torch.float64), approximate) * gate
+
+
+def geglu_same_dtype(x, approximate):
+    """What PyTorch computes in x's dtype: the GELU and the product each rounded to it."""
+    inputs, gate = x.chunk(2, dim=-1)
+    return F.gelu(inputs, approximate=approximate) * gate
 
 
 # --------------------------------------------------------------------------- MLM cross-entropy
@@ -197,7 +214,8 @@ class StandInAttentionExtension:
     def __init__(self) -> None:
         self.calls = 0
 
-    def varlen_attention_fwd(self, q, k, v, cu_seqlens, max_seqlen, dropout_p, scale):
+    def varlen_attention_fwd(self, q, k, v, cu_seqlens, max_seqlen, dropout_p, scale, window=-1, rope_theta=0.0):
+        assert window < 0 and rope_theta == 0.0, "the stand-in attends globally, to q and k as they are"
         self.calls += 1
         out, lse = torch.empty_like(q, memory_format=torch.contiguous_format), []
         for lo, hi in _sequences(cu_seqlens):
@@ -207,7 +225,9 @@ class StandInAttentionExtension:
         lse = torch.cat(lse, dim=1)  # (nh, T)
         return out, (lse.t().contiguous() if self.transpose_lse else lse)
 
-    def varlen_attention_bwd_packed(self, dout, qkv, out, lse, cu_seqlens, max_seqlen, scale):
+    def varlen_attention_bwd_packed(self, dout, qkv, out, lse, cu_seqlens, max_seqlen, scale, window=-1,
+                                    rope_theta=0.0):
+        assert window < 0 and rope_theta == 0.0, "the stand-in attends globally, to q and k as they are"
         dqkv = torch.zeros(qkv.shape, dtype=torch.float32)
         for lo, hi in _sequences(cu_seqlens):
             q, k, v = qkv[lo:hi].float().unbind(1)

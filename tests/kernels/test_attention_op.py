@@ -55,7 +55,7 @@ def test_the_op_passes_torch_opcheck(stand_in, lengths):
     """Schema, declared shapes against the kernels' outputs, the registered gradient, and the
     op traced with symbolic sizes (torch.library.opcheck)."""
     qkv, cu_seqlens = _qkv(lengths)
-    results = opcheck(torch.ops.bert_ds.packed_attention_fwd.default, (qkv, cu_seqlens, max(lengths), SCALE))
+    results = opcheck(torch.ops.bert_ds.packed_attention_fwd.default, (qkv, cu_seqlens, max(lengths), SCALE, -1, 0.0))
     assert set(results.values()) == {"SUCCESS"}, results
 
 
@@ -63,7 +63,7 @@ def test_opcheck_finds_a_kernel_whose_output_differs_from_the_declared_shapes(st
     stand_in.transpose_lse = True
     qkv, cu_seqlens = _qkv([3, 4])
     with pytest.raises(Exception, match=r"test_faketensor failed .* output\[1\]: Shapes"):
-        opcheck(torch.ops.bert_ds.packed_attention_fwd.default, (qkv, cu_seqlens, 4, SCALE))
+        opcheck(torch.ops.bert_ds.packed_attention_fwd.default, (qkv, cu_seqlens, 4, SCALE, -1, 0.0))
 
 
 def test_a_compiled_graph_holds_the_op_as_one_node_at_any_token_count(stand_in):

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from bert_ds.kernels import bench, bench_cases, bench_work
+from bert_ds.model.flops import local_pairs
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible: the bench would run")
@@ -71,6 +72,35 @@ def test_attention_work_counts_useful_flops_of_unpadded_sequences():
     fwd = bench_work.attention_work([3, 5], 2, 4, 2, "forward")
     assert fwd == bench_work.Work(1088, 4 * 128 + 64)
     assert bench_work.attention_work([3, 5], 2, 4, 2, "forward+backward") == bench_work.Work(3.5 * 1088, 12 * 128 + 128)
+
+
+def test_windowed_attention_work_counts_the_pairs_within_the_window_as_done():
+    # a window of 1 in sequences of 3 and 5: 7 and 13 pairs (bert_ds.model.flops.local_pairs), against 9 + 25
+    pairs = int(local_pairs(torch.tensor([3, 5]), 1).sum())
+    assert pairs == 20
+    assert bench_work.attention_work([3, 5], 2, 4, 2, "forward", pairs) == bench_work.Work(32 * 20, 4 * 128 + 64)
+
+
+def test_geglu_work_reads_both_halves_and_writes_both_gradients():
+    # 4 rows of 2 x 6 bf16: x 96 B, y 48 B; backward dy 48 B, x 96 B in, dx 96 B out
+    assert bench_work.geglu_work(4, 6, 2, "forward") == bench_work.Work(7 * 24, 144)
+    assert bench_work.geglu_work(4, 6, 2, "forward+backward") == bench_work.Work(18 * 24, 144 + 240)
+
+
+def test_modernbert_cases_time_every_candidate_of_their_ops():
+    """GeGLU at ModernBERT-base's width, the local attention at its window with each of the op's
+    candidates (its native one aside: varlen_attn or the reference, timed as themselves)."""
+    from bert_ds.kernels import local_attention
+
+    shape, impls, inputs, grad, work = bench_cases.geglu_cases("base", 8, torch.float32, "cpu")
+    assert inputs[0].shape == (8, 2 * 1152) and grad.shape == (8, 1152) and "2 x 1152" in shape
+    assert set(impls) == {"fused", "torch eager", "torch native"}
+    torch.testing.assert_close(impls["torch native"](*inputs), impls["torch eager"](*inputs))
+    shape, impls, work = bench_cases.local_attention_cases("base", 300, torch.float32, 150, "cpu")
+    assert set(impls) == {"torch eager", *local_attention.IMPLEMENTATIONS} - {"native"} and "window +-64" in shape
+    fn, (q, k, v), grad = impls["torch eager"]
+    assert q.shape[1:] == (12, 64) and fn(q, k, v).shape == q.shape
+    assert work["forward"].flops < bench_work.attention_work([q.shape[0]], 12, 64, 4, "forward").flops
 
 
 def test_mlm_cross_entropy_work_counts_each_input_and_output_once():

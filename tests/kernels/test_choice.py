@@ -43,8 +43,9 @@ RECORDED = f"choices {SHAPES.key}"
 MS = 1e-3  # the fake clock counts seconds
 # The candidates the fixture stands in for (apex aside: it is no candidate unless a test installs it).
 STOOD_IN = {op: [name for name in impls if name not in ("native", "apex")] for op, impls in speed.IMPLEMENTATIONS.items()}
-# A model without local layers (BERT's SHAPES: window 0) races every op but the local attention.
-TIMED_PER_RACE = sum(1 + len(names) for op, names in STOOD_IN.items() if op not in dispatch.TORCH_ONLY_OPS)
+# A model without local layers or GeGLU (BERT's SHAPES) races every op but those two.
+RACED_HERE = [op for op in dispatch.OPS if SHAPES.has(op)]
+TIMED_PER_RACE = sum(1 + len(STOOD_IN[op]) for op in RACED_HERE)
 
 
 class FakeClock:
@@ -132,7 +133,7 @@ def auto(monkeypatch, tmp_path):
 
     Auto.clock = clock
     Auto.new_process()
-    for op in dispatch.RACED_OPS:
+    for op in dispatch.OPS:
         Auto.costs(op, native=2.0, **{name: 1.0 if name == "fused" else 3.0 for name in STOOD_IN[op]})
     yield Auto
     Auto.new_process()
@@ -674,7 +675,7 @@ def test_the_choice_is_logged_once_per_shapes_with_its_margin_and_timings(auto, 
         "native 2.000 ms (2.000), fused 1.000 ms (1.000), compiled 3.000 ms (3.000), varlen_attn 3.000 ms (3.000), "
         "sdpa_flash 3.000 ms (3.000), sdpa_efficient 3.000 ms (3.000), sdpa_cudnn 3.000 ms (3.000))",
     ]
-    assert len(choices) == 2 * len(dispatch.OPS) and sum("at seq 16:" in m for m in choices) == len(dispatch.OPS)
+    assert len(choices) == 2 * len(RACED_HERE) and sum("at seq 16:" in m for m in choices) == len(RACED_HERE)
     races = [r.getMessage() for r in caplog.records if "timing each op's candidates" in r.getMessage()]
     assert races == [f"kernels=auto: timing each op's candidates on Fake H100 at {shapes.describe()}"
                      for shapes in (SHAPES, PHASE_2)]
@@ -696,24 +697,29 @@ def test_the_model_has_its_own_shapes_timed(auto):
     assert sorted(v["shapes"]["max_seqlen"] for k, v in record.items() if k.startswith("choices ")) == [6, 12]
 
 
-def test_a_model_with_local_layers_races_their_attention_and_bert_does_not(auto, monkeypatch):
-    """A ModernBERT-class model's shapes carry its window: its plan holds the local attention's
-    winner among PyTorch's candidates (no fused one), raced at that window; a BERT's plan has none."""
+def test_a_model_with_local_layers_and_geglu_races_them_and_bert_does_not(auto, monkeypatch):
+    """A ModernBERT-class model's shapes carry its window and its GeGLU MLP: its plan holds the local
+    attention's winner among the fused kernel and PyTorch's candidates, raced at that window, and GeGLU's
+    among the fused kernel, the native op and the compiled reference; a BERT's plan has neither."""
     from bert_ds.model import modernbert
     from bert_ds.model.config import model_preset
     from bert_ds.model.modernbert import ModernBertForPreTraining
 
     monkeypatch.setattr(modernbert, "OpShapes", functools.partial(speed.OpShapes, tokens=64))  # as the fixture's BERT
 
-    auto.costs("local_attention", flex=(1.0, 1.0), varlen_attn=(4.0, 0.5))
+    auto.costs("local_attention", fused=(2.5, 0.2), flex=(1.0, 1.0), varlen_attn=(4.0, 0.5))
+    auto.costs("geglu", native=2.0, fused=1.5, compiled=1.0)
     config = model_preset("modernbert-tiny", 50, hidden_size=16, intermediate_size=24, local_attention=6)
     model = ModernBertForPreTraining(config, train_seq_len=8)
     assert model.op_shapes.window == 3 and "window 3" in model.op_shapes.key
     assert model.backend.winner("local_attention") == "flex"
     verdict = choice.op_choices(model.op_shapes)["local_attention"]
-    assert set(verdict.wall_ms) == {"native", "varlen_attn", "flex", "sdpa_efficient"}
-    assert "fused" not in verdict.excluded  # no fused kernel to speak of
-    assert not _model(8).backend.has("local_attention")
+    assert set(verdict.wall_ms) == {"native", "fused", "varlen_attn", "flex", "sdpa_efficient"}
+    assert model.op_shapes.geglu and model.op_shapes.key.endswith(" geglu")
+    assert model.backend.winner("geglu") == "compiled"
+    assert set(choice.op_choices(model.op_shapes)["geglu"].wall_ms) == {"native", "fused", "compiled"}
+    bert_plan = _model(8).backend
+    assert not bert_plan.has("local_attention") and not bert_plan.has("geglu")
 
 
 def test_the_optimizer_follows_the_model_s_plan(auto):
@@ -862,7 +868,7 @@ def test_compiled_attention_compiles_once_for_every_batch():
 def test_the_op_s_candidates_are_compiled_where_torch_compile_makes_sense():
     assert {op: "compiled" in impls for op, impls in speed.IMPLEMENTATIONS.items()} == {
         "layer_norm": True, "dropout_add_layer_norm": True, "bias_gelu": True, "varlen_attention": True,
-        "mlm_cross_entropy": True, "lamb_update": False,
+        "mlm_cross_entropy": True, "lamb_update": False, "geglu": True,
         "local_attention": False}  # its compiled candidate is FlexAttention's, with the window in its block mask
     assert isinstance(attention.IMPLEMENTATIONS["compiled"], CompiledReference)
 
@@ -887,6 +893,8 @@ def test_the_other_ops_compiled_candidates_decline_only_host_tensors():
     x = torch.randn(2, 8, dtype=torch.bfloat16)
     assert layer_norm._unsupported("compiled", x, torch.ones(8), torch.zeros(8), None) == (
         "its inputs are not all on a CUDA device")
+    assert layer_norm._unsupported("apex", x, torch.ones(8, dtype=x.dtype), None, None) == (
+        "no bias (apex's affine LayerNorm takes one)")
     assert bias_gelu._unsupported("compiled", x, torch.zeros(8)) == "its inputs are not all on a CUDA device"
     assert dropout_layer_norm._unsupported("compiled", x, None, x, torch.ones(8), torch.zeros(8)) == (
         "its inputs are not all on a CUDA device")

@@ -27,8 +27,8 @@ from tests.kernels import emulation
 from bert_ds.kernels.selfcheck import mlm_rows
 from tests.kernels.helpers import (
     ATOL, assert_close_to_reference, attention_per_sequence, cu_seqlens_of, dropout_keep, dropout_layer_norm_fp64,
-    dropout_layer_norm_same_dtype, gelu_fp64, gelu_same_dtype, layer_norm_fp64, layer_norm_same_dtype, misaligned,
-    mlm_cross_entropy_fp64, rand, scaled_atol,
+    dropout_layer_norm_same_dtype, geglu_fp64, geglu_same_dtype, gelu_fp64, gelu_same_dtype, layer_norm_fp64,
+    layer_norm_same_dtype, misaligned, mlm_cross_entropy_fp64, rand, scaled_atol,
 )
 
 CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -70,8 +70,10 @@ class Emulated:
             "bds_bias_gelu_fwd": [P, P, P, L, I, I, I, I, P],
             "bds_bias_gelu_bwd_parts": [L, I],
             "bds_bias_gelu_bwd": [P, P, P, P, P, P, I, L, I, I, I, I, P],
-            "bds_varlen_attention_fwd": [P, P, P, P, P, P, I, L, L, I, I, I, F, I, P],
-            "bds_varlen_attention_bwd": [P, P, P, P, P, P, P, P, P, P, P, P, I, L, L, L, I, I, I, F, I, P],
+            "bds_geglu_fwd": [P, P, L, I, I, I, P],
+            "bds_geglu_bwd": [P, P, P, L, I, I, I, P],
+            "bds_varlen_attention_fwd": [P, P, P, P, P, P, I, L, L, I, I, I, I, F, F, I, P],
+            "bds_varlen_attention_bwd": [P, P, P, P, P, P, P, P, P, P, P, P, I, L, L, L, I, I, I, I, F, F, I, P],
             "bds_varlen_attention_bwd_accumulates": [I, I],
             "bds_mlm_cross_entropy_fwd": [P, P, P, P, P, L, I, L, I, P],
             "bds_mlm_cross_entropy_bwd": [P, P, P, P, P, L, I, L, I, P],
@@ -125,14 +127,16 @@ class Emulated:
                    CODES[x.dtype], CODES[(residual if residual is not None else x).dtype], CODES[weight.dtype], None)
         return y, mean, rstd
 
-    def layer_norm_bwd(self, dy, x, residual, weight, mean, rstd):
+    def layer_norm_bwd(self, dy, x, residual, weight, mean, rstd, with_bias=True):
         dy, x, residual, weight, mean, rstd = map(self._guarded, (dy, x, residual, weight, mean, rstd))
         hidden = x.shape[-1]
         rows = x.numel() // hidden
         parts = self.lib.bds_layer_norm_bwd_parts(rows, hidden)
-        workspace = self._empty(2 * parts * hidden, dtype=torch.float32)  # every part must be written
+        # every part must be written; without a bias the binding's workspace is half as large
+        workspace = self._empty((2 if with_bias else 1) * parts * hidden, dtype=torch.float32)
         dx = self._empty(*x.shape, dtype=x.dtype)
-        dw, db = self._empty(hidden, dtype=weight.dtype), self._empty(hidden, dtype=weight.dtype)
+        dw = self._empty(hidden, dtype=weight.dtype)
+        db = self._empty(hidden, dtype=weight.dtype) if with_bias else None
         separate = residual is not None and residual.dtype != x.dtype
         dresidual = self._empty(*residual.shape, dtype=residual.dtype) if separate else None
         self._call("bds_layer_norm_bwd", dy, x, residual, weight, mean, rstd, dx, dresidual, dw, db, workspace, parts,
@@ -184,41 +188,63 @@ class Emulated:
                    CODES[x.dtype], CODES[bias.dtype], None)
         return dx, db
 
-    def varlen_attention_fwd(self, q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale):
+    def geglu_fwd(self, x, tanh_approx):
+        x = self._guarded(x)
+        cols = x.shape[-1] // 2
+        y = self._empty(*x.shape[:-1], cols, dtype=x.dtype)
+        self._call("bds_geglu_fwd", x, y, y.numel() // cols, cols, int(tanh_approx), CODES[x.dtype], None)
+        return y
+
+    def geglu_bwd(self, dy, x, tanh_approx):
+        dy, x = self._guarded(dy), self._guarded(x)
+        cols = x.shape[-1] // 2
+        dx = self._empty(*x.shape, dtype=x.dtype)
+        self._call("bds_geglu_bwd", dy, x, dx, dy.numel() // cols, cols, int(tanh_approx), CODES[x.dtype], None)
+        return dx
+
+    # window: < 0 every key, else the tokens seen on each side; rope_theta: 0, or the rotary base of q and k
+    def varlen_attention_fwd(self, q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale, window=-1,
+                             rope_theta=0.0):
         assert dropout_p == 0.0, "the binding refuses dropout"
         q, k, v = map(self._guarded, (q, k, v))
-        return self._attention_fwd(q, k, v, q.shape[1] * q.shape[2], cu_seqlens, max_seqlen, softmax_scale)
+        return self._attention_fwd(q, k, v, q.shape[1] * q.shape[2], cu_seqlens, max_seqlen, softmax_scale, window,
+                                   rope_theta)
 
-    def varlen_attention_fwd_packed(self, qkv, cu_seqlens, max_seqlen, softmax_scale):
+    def varlen_attention_fwd_packed(self, qkv, cu_seqlens, max_seqlen, softmax_scale, window=-1, rope_theta=0.0):
         """q, k, v read in place from one (total, 3, heads, head_dim) projection, as the binding does."""
         qkv = self._guarded(qkv)
-        return self._attention_fwd(*qkv.unbind(1), qkv.stride(0), cu_seqlens, max_seqlen, softmax_scale)
+        return self._attention_fwd(*qkv.unbind(1), qkv.stride(0), cu_seqlens, max_seqlen, softmax_scale, window,
+                                   rope_theta)
 
-    def _attention_fwd(self, q, k, v, qkv_stride, cu_seqlens, max_seqlen, softmax_scale):
+    def _attention_fwd(self, q, k, v, qkv_stride, cu_seqlens, max_seqlen, softmax_scale, window, rope_theta):
         total, heads, head_dim = q.shape
         out = self._empty(total, heads, head_dim, dtype=q.dtype)
         lse = self._empty(heads, total, dtype=torch.float32)
         self._call("bds_varlen_attention_fwd", q, k, v, cu_seqlens, out, lse, cu_seqlens.numel() - 1, total,
-                   qkv_stride, heads, head_dim, max_seqlen, softmax_scale, CODES[q.dtype], None)
+                   qkv_stride, heads, head_dim, max_seqlen, max(window, -1), rope_theta, softmax_scale,
+                   CODES[q.dtype], None)
         return out, lse
 
-    def varlen_attention_bwd(self, dout, q, k, v, out, lse, cu_seqlens, max_seqlen, softmax_scale):
+    def varlen_attention_bwd(self, dout, q, k, v, out, lse, cu_seqlens, max_seqlen, softmax_scale, window=-1,
+                             rope_theta=0.0):
         q, k, v = map(self._guarded, (q, k, v))
         grads = [self._empty(*q.shape, dtype=q.dtype) for _ in range(3)]
         stride = q.shape[1] * q.shape[2]
-        self._attention_bwd(dout, q, k, v, stride, out, lse, cu_seqlens, max_seqlen, softmax_scale, grads, stride)
+        self._attention_bwd(dout, q, k, v, stride, out, lse, cu_seqlens, max_seqlen, softmax_scale, window,
+                            rope_theta, grads, stride)
         return tuple(grads)
 
-    def varlen_attention_bwd_packed(self, dout, qkv, out, lse, cu_seqlens, max_seqlen, softmax_scale):
+    def varlen_attention_bwd_packed(self, dout, qkv, out, lse, cu_seqlens, max_seqlen, softmax_scale, window=-1,
+                                    rope_theta=0.0):
         """dq, dk, dv written into one (total, 3, heads, head_dim) gradient, as the binding does."""
         qkv = self._guarded(qkv)
         dqkv = self._empty(*qkv.shape, dtype=qkv.dtype)
         self._attention_bwd(dout, *qkv.unbind(1), qkv.stride(0), out, lse, cu_seqlens, max_seqlen, softmax_scale,
-                            dqkv.unbind(1), dqkv.stride(0))
+                            window, rope_theta, dqkv.unbind(1), dqkv.stride(0))
         return dqkv
 
-    def _attention_bwd(self, dout, q, k, v, qkv_stride, out, lse, cu_seqlens, max_seqlen, softmax_scale, grads,
-                       dqkv_stride):
+    def _attention_bwd(self, dout, q, k, v, qkv_stride, out, lse, cu_seqlens, max_seqlen, softmax_scale, window,
+                       rope_theta, grads, dqkv_stride):
         dout, out, lse = map(self._guarded, (dout, out, lse))
         total, heads, head_dim = q.shape
         accumulates = self.lib.bds_varlen_attention_bwd_accumulates(head_dim, max_seqlen)
@@ -226,7 +252,7 @@ class Emulated:
         dsum = self._empty(heads, total, dtype=torch.float32)
         self._call("bds_varlen_attention_bwd", dout, q, k, v, out, lse, cu_seqlens, *grads, dq_accum, dsum,
                    cu_seqlens.numel() - 1, total, qkv_stride, dqkv_stride, heads, head_dim, max_seqlen,
-                   softmax_scale, CODES[q.dtype], None)
+                   max(window, -1), rope_theta, softmax_scale, CODES[q.dtype], None)
 
     def mlm_cross_entropy_fwd(self, logits, labels, ignore_index):
         logits, labels = self._guarded(logits), labels.contiguous()
@@ -313,6 +339,105 @@ def test_layer_norm(emu, dtype, rows, hidden, aligned, with_residual):
     ours = {"x": dx, "weight": dw, "bias": db, "residual": dres}
     for name in inputs:
         assert_close_to_reference(f"d{name}", ours[name], same[name], truth[name], atol * rows)
+
+
+def check_layer_norm_without_bias(emu, dtype, rows, hidden, aligned):
+    """ModernBERT's LayerNorm (no bias, no residual): the output, dx and dweight against fp64; the
+    backward writes no bias gradient (its dbias is NULL) and its partial sums fit the bias-free
+    workspace, half the size (a row written past it hits the guards). Raises AssertionError on
+    the first difference."""
+    inputs = {"x": rand(rows, hidden, dtype=dtype, seed=1, scale=2.0, shift=0.3),
+              "weight": rand(hidden, dtype=dtype, seed=3, shift=1.0)}
+    if not aligned:
+        inputs["x"] = misaligned(inputs["x"])
+    grad_out = rand(rows, hidden, dtype=dtype, seed=5)
+    y, mean, rstd = emu.layer_norm_fwd(inputs["x"], inputs["weight"], None, None, 1e-5)
+    dx, dw, db, _ = emu.layer_norm_bwd(grad_out, inputs["x"], None, inputs["weight"], mean, rstd, with_bias=False)
+    assert db is None
+
+    def truth_fn(**t):
+        return layer_norm_fp64(bias=None, eps=1e-5, **t)
+
+    def torch_fn(**t):
+        return layer_norm_same_dtype(bias=None, eps=1e-5, **t)
+
+    assert_close_to_reference("y", y, torch_fn(**inputs), truth_fn(**inputs), ATOL[dtype])
+    truth, same = _fp64_grads(truth_fn, inputs, grad_out), _same_dtype_grads(torch_fn, inputs, grad_out)
+    for name, ours in (("x", dx), ("weight", dw)):
+        assert_close_to_reference(f"d{name}", ours, same[name], truth[name], scaled_atol(dtype, truth[name]))
+
+
+# 768 and 1024 aligned: the register path (more rows than the emulated device's 16 warps: the grid
+# strides); 1023, 100 and a misaligned 768: the general path
+LN_WITHOUT_BIAS_CASES = [(6, 768, True), (37, 1024, True), (37, 1023, True), (5, 100, True), (3, 768, False)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,hidden,aligned", LN_WITHOUT_BIAS_CASES)
+def test_layer_norm_without_bias(emu, dtype, rows, hidden, aligned):
+    check_layer_norm_without_bias(emu, dtype, rows, hidden, aligned)
+
+
+def test_layer_norm_without_bias_equals_one_with_a_zero_bias_bit_for_bit(emu):
+    """Bit for bit: a zero bias adds 0 to every output, and the weight's gradient is summed in the same
+    order with or without the bias's beside it."""
+    x, weight, dy = rand(37, 768, seed=1, scale=2.0), rand(768, seed=2, shift=1.0), rand(37, 768, seed=3)
+    y, mean, rstd = emu.layer_norm_fwd(x, weight, torch.zeros(768), None, 1e-5)
+    y_free, mean_free, rstd_free = emu.layer_norm_fwd(x, weight, None, None, 1e-5)
+    assert torch.equal(y, y_free) and torch.equal(mean, mean_free) and torch.equal(rstd, rstd_free)
+    dx, dw, _, _ = emu.layer_norm_bwd(dy, x, None, weight, mean, rstd)
+    dx_free, dw_free, _, _ = emu.layer_norm_bwd(dy, x, None, weight, mean, rstd, with_bias=False)
+    assert torch.equal(dx, dx_free) and torch.equal(dw, dw_free)
+
+
+# Copies of layer_norm.cu whose bias-free backward lays its workspace rows out as with a bias (two
+# rows a CTA or a warp): (after this anchor, this text, becomes this). The rows then land past the
+# half-size workspace and where the column sum does not read. Run in a child: a row written past the
+# guards corrupts the process's memory.
+LN_WITHOUT_BIAS_PLANTED = {
+    "register path: a CTA's row at a bias's stride": (
+        "ln_bwd_registers(", "(int64_t)blockIdx.x * (with_bias ? 2 : 1) * H", "(int64_t)blockIdx.x * 2 * H"),
+    "general path: a warp's row at a bias's stride": (
+        "ln_bwd_general(", "const int grads = with_bias ? 2 : 1;", "const int grads = 2;"),
+}
+
+_RUN_LAYER_NORM_WITHOUT_BIAS = """
+import ctypes
+import torch
+from tests.kernels.test_cuda_emulated import Emulated, check_layer_norm_without_bias
+
+emu = Emulated(ctypes.CDLL({library!r}))
+for rows, hidden in ((37, 768), (5, 100)):
+    try:
+        check_layer_norm_without_bias(emu, torch.float32, rows, hidden, True)
+    except AssertionError as error:
+        print("comparison failed:", str(error).splitlines()[0], flush=True)
+        break
+else:
+    print("every comparison passed", flush=True)
+"""
+
+
+def test_the_bias_free_layer_norm_checks_pass_on_the_real_source_in_a_child(emu):
+    outcome = emulation.run_python(_RUN_LAYER_NORM_WITHOUT_BIAS.format(library=emu.lib._name))
+    assert outcome.returncode == 0 and "every comparison passed" in outcome.stdout, outcome.stderr[-2000:]
+
+
+@pytest.mark.parametrize("planted", sorted(LN_WITHOUT_BIAS_PLANTED))
+def test_a_planted_mistake_fails_the_bias_free_layer_norm(tmp_path, planted):
+    if reason := emulation.unavailable():
+        pytest.skip(reason)
+    anchor, old, new = LN_WITHOUT_BIAS_PLANTED[planted]
+    sources = {name: (emulation.CSRC / name).read_text() for name in ("layer_norm.cu", "common.cuh")}
+    source = sources["layer_norm.cu"]
+    at = source.index(old, source.index(anchor, source.index("namespace bds")))  # in the definition named
+    sources["layer_norm.cu"] = source[:at] + new + source[at + len(old):]
+    library = emulation.build_library(sources, tmp_path, dtype="BDS_FLOAT32")
+    outcome = emulation.run_python(_RUN_LAYER_NORM_WITHOUT_BIAS.format(library=str(library)))
+    assert "every comparison passed" not in outcome.stdout, f"{planted}: the planted bug went unnoticed"
+    # the guards' finding, or the process ended by the memory the rows overwrote past them
+    found = re.search(r"comparison failed: .*(wrote out of bounds|dweight: non-finite)", outcome.stdout)
+    assert found or outcome.returncode < 0, outcome.stdout + outcome.stderr[-2000:]
 
 
 @pytest.mark.parametrize("hidden", [1024, 1023])
@@ -607,6 +732,76 @@ def test_bias_gelu(emu, dtype, approximate, rows, cols, aligned, bias_fp32):
     assert_close_to_reference("dbias", dbias, same["bias"], truth["bias"], atol * rows)
 
 
+# --------------------------------------------------------------------------- GeGLU
+
+# (rows, cols, aligned), cols the width of each half. 1031: scalar accesses; 40: 16-byte vectors in
+# every dtype, and more vectors than the emulated device's 1,024 threads, whose stride (in rows and
+# columns) wraps past a row's end; 12: vectors in fp32 alone; misaligned: scalar.
+GEGLU_CASES = [(9, 1031, True), (300, 40, True), (5, 12, True), (3, 256, False)]
+
+
+def check_geglu(emu, dtype, approximate, rows, cols, aligned):
+    """The kernels against fp64 on a (rows, 2 x cols) projection [input | gate]: the output, and the
+    input half's and the gate half's gradients each. Raises AssertionError on the first difference."""
+    x = rand(rows, 2 * cols, dtype=dtype, seed=1, scale=3.0)
+    if not aligned:
+        x = misaligned(x)
+    grad_out = rand(rows, cols, dtype=dtype, seed=2)
+    y = emu.geglu_fwd(x, approximate == "tanh")
+    dx = emu.geglu_bwd(grad_out, x, approximate == "tanh")
+    assert y.dtype == dx.dtype == dtype and dx.shape == x.shape
+
+    atol = ATOL[dtype]
+    assert_close_to_reference("y", y, geglu_same_dtype(x, approximate), geglu_fp64(x, approximate), atol)
+    truth = _fp64_grads(lambda x: geglu_fp64(x, approximate), {"x": x}, grad_out)["x"]
+    same = _same_dtype_grads(lambda x: geglu_same_dtype(x, approximate), {"x": x}, grad_out)["x"]
+    for name, half in (("dinput", slice(None, cols)), ("dgate", slice(cols, None))):
+        assert_close_to_reference(name, dx[:, half], same[:, half], truth[:, half], atol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("rows,cols,aligned", GEGLU_CASES)
+def test_geglu(emu, dtype, approximate, rows, cols, aligned):
+    check_geglu(emu, dtype, approximate, rows, cols, aligned)
+
+
+def test_geglu_of_no_rows_launches_nothing(emu):
+    x, dy = rand(0, 16, dtype=torch.bfloat16), rand(0, 8, dtype=torch.bfloat16)
+    assert emu.geglu_fwd(x, False).shape == (0, 8) and emu.geglu_bwd(dy, x, True).shape == (0, 16)
+
+
+# Copies of the sources with one planted mistake: (file, after this anchor, this text, becomes this,
+# what check_geglu then reports, for the GELU form it shows in). Built and run in this process: the
+# guards turn a stray write into an assertion.
+GEGLU_PLANTED = {
+    "input and gate halves swapped in the forward": (
+        "geglu.cu", "geglu_fwd_kernel(", "load_floats(input, a);\n    load_floats(input + cols, g);",
+        "load_floats(input + cols, a);\n    load_floats(input, g);", "y: error", "none"),
+    "the backward's halves written the wrong way round": (
+        "geglu.cu", "geglu_bwd_kernel(", "store_floats(dx + input, a);\n    store_floats(dx + input + cols, g);",
+        "store_floats(dx + input, g);\n    store_floats(dx + input + cols, a);", "dinput: error", "none"),
+    "the erf form's derivative with 1 / sqrt(2) for 1 / sqrt(2 pi)": (
+        "common.cuh", "GeluAt gelu_at(", "h * kInvSqrt2Pi * expf", "h * kInvSqrt2 * expf", "dinput: error", "none"),
+    "the tanh form's derivative without the cubic's factor 3": (
+        "common.cuh", "GeluAt gelu_at(", "(1.f + 3.f * kTanhCubic * h * h)", "(1.f + kTanhCubic * h * h)",
+        "dinput: error", "tanh"),
+}
+
+
+@pytest.mark.parametrize("planted", sorted(GEGLU_PLANTED))
+def test_a_planted_mistake_fails_the_geglu_comparison(emu, tmp_path, planted):
+    file, anchor, old, new, report, approximate = GEGLU_PLANTED[planted]
+    sources = {name: (emulation.CSRC / name).read_text() for name in ("geglu.cu", "common.cuh")}
+    source = sources[file]
+    at = source.index(old, source.index(anchor, source.index("namespace bds")))  # in the definition named
+    sources[file] = source[:at] + new + source[at + len(old):]
+    broken = Emulated(ctypes.CDLL(str(emulation.build_library(sources, tmp_path, dtype="BDS_FLOAT32"))))
+    check_geglu(emu, torch.float32, approximate, 300, 40, True)  # the real source passes this very case
+    with pytest.raises(AssertionError, match=report):
+        check_geglu(broken, torch.float32, approximate, 300, 40, True)
+
+
 # --------------------------------------------------------------------------- MLM cross-entropy
 
 # (dtype, rows, vocab, width, aligned). The first is the model's layout (-inf padding to a multiple
@@ -852,8 +1047,10 @@ def broken_attention(tmp_path_factory):
             source = (emulation.CSRC / "attention.cu").read_text()
             assert source.count(removed) == 1, f"{broken}: the line to remove is not in attention.cu exactly once"
             sources = {"attention.cu": source.replace(removed, ""), "common.cuh": (emulation.CSRC / "common.cuh").read_text()}
-            # the run's one dtype (bf16) alone: a third of attention.cu's compile
-            built[broken] = str(emulation.build_library(sources, tmp_path_factory.mktemp("broken"), dtype="BDS_BFLOAT16"))
+            # the run's one configuration alone (bf16, head dim 64, no window, no rotary): 3 of attention.cu's 48 kernels
+            built[broken] = str(emulation.build_library(
+                sources, tmp_path_factory.mktemp("broken"), dtype="BDS_BFLOAT16",
+                defines={"BDS_EMULATE_HEAD_DIM": 64, "BDS_EMULATE_WINDOWED": 0, "BDS_EMULATE_ROTARY": 0}))
         return built[broken]
     return library
 
@@ -874,6 +1071,11 @@ def test_attention_missing_a_synchronisation_fails_in_the_emulator(broken_attent
 def emulated_cuda(emu, monkeypatch):
     """``backend="cuda"`` runs the ops' fused path (dispatch, autograd Functions) on the emulated
     launchers, with CPU tensors: the Python glue is tested with the real kernel source."""
+    return run_ops_on(emu, monkeypatch)
+
+
+def run_ops_on(emu: Emulated, monkeypatch) -> Emulated:
+    """What :func:`emulated_cuda` sets up, for a test module with a library of its own."""
     from bert_ds.kernels import choice, dispatch
 
     passed = {op: "" for op in dispatch.OPS}
@@ -882,7 +1084,8 @@ def emulated_cuda(emu, monkeypatch):
     monkeypatch.setattr(choice, "op_verdicts", lambda: passed)
     monkeypatch.setattr(dispatch, "_verdicts", lambda: passed)
     modules = {"layer_norm": "layer_norm", "dropout_add_layer_norm": "dropout_layer_norm", "bias_gelu": "bias_gelu",
-               "varlen_attention": "attention", "mlm_cross_entropy": "cross_entropy", "lamb_update": "lamb"}
+               "varlen_attention": "attention", "mlm_cross_entropy": "cross_entropy", "lamb_update": "lamb",
+               "geglu": "geglu", "local_attention": "local_attention"}
     for op in dispatch.OPS:  # the inputs are on the CPU by design: waive that reason, and only that
         module = importlib.import_module(f"bert_ds.kernels.{modules[op]}")
 
@@ -908,6 +1111,7 @@ def test_public_ops_run_the_emulated_kernels_through_autograd(emulated_cuda):
     ln_inputs = {"x": rand(5, 768, dtype=dtype, seed=1, scale=2.0), "residual": rand(5, 768, dtype=dtype, seed=2),
                  "weight": rand(768, dtype=dtype, seed=3, shift=1.0), "bias": rand(768, dtype=dtype, seed=4)}
     gelu_inputs = {"x": rand(7, 256, dtype=dtype, seed=5, scale=2.0), "bias": rand(256, dtype=dtype, seed=6)}
+    geglu_inputs = {"x": rand(2, 3, 2 * 136, dtype=dtype, seed=11, scale=2.0)}  # leading dims of a padded batch
     lengths = [3, 70]
     cu_seqlens = cu_seqlens_of(lengths)
     attn_inputs = {n: rand(73, 2, 64, dtype=dtype, seed=s) for n, s in (("q", 7), ("k", 8), ("v", 9))}
@@ -916,6 +1120,8 @@ def test_public_ops_run_the_emulated_kernels_through_autograd(emulated_cuda):
          lambda **t: layer_norm_fp64(eps=1e-12, **t), lambda **t: layer_norm_same_dtype(eps=1e-12, **t)),
         ("bias_gelu", gelu_inputs, lambda **t: kernels.bias_gelu(approximate="tanh", backend="cuda", **t),
          lambda **t: gelu_fp64(approximate="tanh", **t), lambda **t: gelu_same_dtype(approximate="tanh", **t)),
+        ("geglu", geglu_inputs, lambda **t: kernels.geglu(approximate="none", backend="cuda", **t),
+         lambda **t: geglu_fp64(approximate="none", **t), lambda **t: geglu_same_dtype(approximate="none", **t)),
         ("varlen_attention", attn_inputs,
          lambda **t: kernels.varlen_attention(cu_seqlens=cu_seqlens, max_seqlen=70, backend="cuda", **t),
          lambda **t: attention_per_sequence(lengths=lengths, **t),
@@ -1013,6 +1219,62 @@ def test_tiny_model_trains_alike_on_the_emulated_kernels(emulated_cuda, precisio
             loss.backward()
             optimizer.step()
             curves[kernels_choice].append(loss.item())
+    for fused, reference in zip(curves["cuda"], curves["torch"]):
+        assert abs(fused - reference) <= 0.02 * reference, curves
+    assert curves["cuda"][-1] < curves["cuda"][0], curves
+
+
+def test_tiny_modernbert_trains_alike_on_the_emulated_kernels(emulated_cuda, monkeypatch):
+    """Under kernels=cuda a ModernBERT's GeGLU (on Wi's whole output), its bias-free LayerNorms and
+    its attention run the fused kernels: the global and the local layers' (windows shorter than the
+    sequences), each handed the unrotated projection and its rotary base (the MLM loss too). With
+    bf16 parameters, three SGD steps' losses within 2% of kernels=torch's (whose rotary and
+    attention run in PyTorch), and falling."""
+    import dataclasses
+
+    from bert_ds.model.config import model_preset
+    from bert_ds.model.modernbert import ModernBertForPreTraining
+
+    calls, attention = [], set()
+
+    def counted(name: str):
+        run = getattr(emulated_cuda, name)
+        return lambda *args, **kwargs: calls.append(name) or run(*args, **kwargs)
+    for name in ("geglu_fwd", "geglu_bwd", "layer_norm_fwd", "layer_norm_bwd", "varlen_attention_bwd_packed"):
+        monkeypatch.setattr(emulated_cuda, name, counted(name))
+    forward = emulated_cuda.varlen_attention_fwd
+
+    def attention_forward(q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale, window=-1, rope_theta=0.0):
+        attention.add(("global" if window < 0 else f"window {window}", rope_theta))
+        return forward(q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale, window, rope_theta)
+    monkeypatch.setattr(emulated_cuda, "varlen_attention_fwd", attention_forward)
+    vocab, seq_len = 128, 24
+    config = model_preset("modernbert-tiny", vocab, num_layers=3, local_attention=8, max_position_embeddings=seq_len,
+                          kernels="torch")
+    generator = torch.Generator().manual_seed(0)
+    mask = (torch.arange(seq_len)[None, :] < torch.tensor([seq_len, 1, 9, 17])[:, None]).long()
+    ids = torch.randint(5, vocab, (4, seq_len), generator=generator) * mask
+    labels = torch.where((torch.rand(4, seq_len, generator=generator) < 0.3) & mask.bool(), ids, IGNORE_INDEX)
+    labels[0, 1] = ids[0, 1]
+
+    torch.manual_seed(0)
+    state = ModernBertForPreTraining(config).state_dict()
+    curves = {}
+    for kernels_choice in ("torch", "cuda"):
+        model = ModernBertForPreTraining(dataclasses.replace(config, kernels=kernels_choice))
+        assert model.backend == kernels_choice
+        model.load_state_dict(state)
+        model.to(torch.bfloat16)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        curves[kernels_choice] = []
+        for _ in range(3):
+            loss = model(ids, attention_mask=mask, masked_lm_labels=labels).loss
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            curves[kernels_choice].append(loss.item())
+    assert set(calls) == {"geglu_fwd", "geglu_bwd", "layer_norm_fwd", "layer_norm_bwd", "varlen_attention_bwd_packed"}
+    assert attention == {("global", config.global_rope_theta), ("window 4", config.local_rope_theta)}, attention
     for fused, reference in zip(curves["cuda"], curves["torch"]):
         assert abs(fused - reference) <= 0.02 * reference, curves
     assert curves["cuda"][-1] < curves["cuda"][0], curves

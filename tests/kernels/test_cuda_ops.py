@@ -24,8 +24,8 @@ from bert_ds.kernels.selfcheck import mlm_rows
 from bert_ds.model.padding import IGNORE_INDEX
 from tests.kernels.helpers import (
     ATOL, assert_close_to_reference, attention_per_sequence, cu_seqlens_of, dropout_keep, dropout_layer_norm_fp64,
-    dropout_layer_norm_same_dtype, gelu_fp64, gelu_same_dtype, layer_norm_fp64, layer_norm_same_dtype, misaligned,
-    mlm_cross_entropy_fp64, non_contiguous, rand, scaled_atol,
+    dropout_layer_norm_same_dtype, geglu_fp64, geglu_same_dtype, gelu_fp64, gelu_same_dtype, layer_norm_fp64,
+    layer_norm_same_dtype, misaligned, mlm_cross_entropy_fp64, non_contiguous, rand, scaled_atol,
 )
 
 pytestmark = [
@@ -96,6 +96,19 @@ def test_layer_norm(dtype, hidden, with_residual, layout):
     same = _grads(lambda **t: layer_norm_same_dtype(eps=eps, **t), inputs, grad_out)
     truth = _grads(lambda **t: layer_norm_fp64(eps=eps, **t), inputs, grad_out, torch.float64)
     _check(f"layer_norm {dtype} {hidden}", fused, same, truth, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [768, 1024, 1023])
+def test_layer_norm_without_bias(dtype, hidden):
+    """ModernBERT's LayerNorm (no bias, no residual): no bias gradient, the rest against fp64."""
+    inputs = {"x": rand(257, hidden, dtype=dtype, seed=1, scale=2.0, shift=0.5, device="cuda"),
+              "weight": rand(hidden, dtype=dtype, seed=3, shift=1.0, device="cuda")}
+    grad_out = rand(257, hidden, dtype=dtype, seed=5, device="cuda")
+    fused = _grads(lambda **t: kernels.layer_norm(bias=None, eps=1e-5, backend="cuda", **t), inputs, grad_out)
+    same = _grads(lambda **t: layer_norm_same_dtype(bias=None, eps=1e-5, **t), inputs, grad_out)
+    truth = _grads(lambda **t: layer_norm_fp64(bias=None, eps=1e-5, **t), inputs, grad_out, torch.float64)
+    _check(f"layer_norm without bias {dtype} {hidden}", fused, same, truth, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -255,6 +268,25 @@ def test_bias_gelu_with_fp32_bias(dtype):
     _check(f"bias_gelu {dtype} x, fp32 bias", fused, same, truth, dtype)
 
 
+# --------------------------------------------------------------------------- GeGLU
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cols", [1152, 2624, 1031])  # ModernBERT-base's and -large's, and a scalar width
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("layout", ["contiguous", "strided", "misaligned"])
+def test_geglu(dtype, cols, approximate, layout):
+    inputs = {"x": rand(129, 2 * cols, dtype=dtype, seed=1, scale=3.0, device="cuda")}
+    if layout == "strided":
+        inputs["x"] = non_contiguous(inputs["x"])
+    elif layout == "misaligned":
+        inputs["x"] = misaligned(inputs["x"])
+    grad_out = rand(129, cols, dtype=dtype, seed=2, device="cuda")
+    fused = _grads(lambda **t: kernels.geglu(approximate=approximate, backend="cuda", **t), inputs, grad_out)
+    same = _grads(lambda **t: geglu_same_dtype(approximate=approximate, **t), inputs, grad_out)
+    truth = _grads(lambda **t: geglu_fp64(approximate=approximate, **t), inputs, grad_out, torch.float64)
+    _check(f"geglu {dtype} {cols} {approximate}", fused, same, truth, dtype)
+
+
 # --------------------------------------------------------------------------- MLM cross-entropy
 
 def _mlm_loss_and_grad(fn, logits, labels, dloss):
@@ -392,9 +424,24 @@ def test_the_packed_attention_op_declares_what_the_kernels_return(max_extra):
     torch.compile (register_fake) are the outputs', and the registered gradient is the kernels'."""
     lengths, heads, head_dim = [1, 5, 70, 128, 33], 12, 64
     qkv = rand(sum(lengths), 3, heads, head_dim, dtype=torch.bfloat16, seed=1, device="cuda").requires_grad_()
-    args = (qkv, cu_seqlens_of(lengths, device="cuda"), 128 + max_extra, 1 / math.sqrt(head_dim))
-    results = torch.library.opcheck(torch.ops.bert_ds.packed_attention_fwd.default, args)
-    assert set(results.values()) == {"SUCCESS"}, results
+    cu_seqlens = cu_seqlens_of(lengths, device="cuda")
+    for window, rope_theta in ((-1, 0.0), (64, 10000.0)):  # BERT's layers; a ModernBERT local layer's
+        args = (qkv, cu_seqlens, 128 + max_extra, 1 / math.sqrt(head_dim), window, rope_theta)
+        results = torch.library.opcheck(torch.ops.bert_ds.packed_attention_fwd.default, args)
+        assert set(results.values()) == {"SUCCESS"}, (window, rope_theta, results)
+
+
+def test_the_window_and_the_rotary_embeddings_pass_the_self_check():
+    """The self-check's cases of the local attention and of the rotary path (global and windowed),
+    run on this GPU: windows inside a tile, ModernBERT's 64 and wider than every tile, both dtypes
+    and head dims, bases 10,000 and 160,000, against local_attention_ref and rotary_attention_ref."""
+    from bert_ds.kernels import selfcheck
+    from bert_ds.kernels.local_attention import local_attention_fused
+    from bert_ds.kernels.rotary_attention import rotary_attention_fused
+
+    cuda = torch.device("cuda")
+    assert selfcheck.check_local_attention(local_attention_fused, cuda, rotary=rotary_attention_fused) == []
+    assert selfcheck.check_rotary_attention(rotary_attention_fused, cuda, None, 160000.0) == []
 
 
 def test_varlen_attention_refuses_dropout():

@@ -61,6 +61,25 @@ def test_native_layer_norm_gradients_are_the_reference_s_in_float32():
         assert torch.equal(ours, reference)
 
 
+def test_native_layer_norm_without_bias_is_torch_s_bias_free_layer_norm():
+    """bias=None in float32: ``nn.LayerNorm(bias=False)`` (what ModernBERT's norms ran before the op) bit
+    for bit, output and gradients."""
+    norm = torch.nn.LayerNorm(1023, eps=1e-5, bias=False)
+    with torch.no_grad():
+        norm.weight.copy_(rand(1023, seed=3) + 1.0)
+    x0, grad_out = rand(6, 1023, seed=1, scale=3.0) + 0.5, rand(6, 1023, seed=2)
+
+    def run(fn):
+        x = x0.clone().requires_grad_()
+        norm.weight.grad = None
+        out = fn(x)
+        out.backward(grad_out)
+        return out, x.grad, norm.weight.grad
+
+    for ours, theirs in zip(run(lambda x: layer_norm_native(x, norm.weight, None, norm.eps)), run(norm)):
+        assert torch.equal(ours, theirs)
+
+
 DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
 
 
@@ -68,6 +87,7 @@ DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
 @pytest.mark.parametrize("check, native", [
     (selfcheck.check_layer_norm, layer_norm_native),
     (selfcheck.check_bias_gelu, kernels.bias_gelu_native),
+    (selfcheck.check_geglu, kernels.geglu_native),
     (selfcheck.check_varlen_attention, kernels.varlen_attention_native),
     (selfcheck.check_mlm_cross_entropy, kernels.mlm_cross_entropy_native),
     (selfcheck.check_lamb_update, lamb_update_native),
@@ -158,6 +178,31 @@ def test_native_bias_gelu_in_bfloat16_keeps_the_dtype_and_a_float32_bias_takes_t
     torch.testing.assert_close(out, F.gelu(x + bias), rtol=0, atol=0)
     fp32_bias = bias.float()
     assert torch.equal(kernels.bias_gelu_native(x, fp32_bias, "tanh"), kernels.bias_gelu_ref(x, fp32_bias, "tanh"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_geglu_is_what_the_model_computed_and_the_reference_in_float32(dtype):
+    """Bit for bit ModernBERT's MLP before the op (transformers' too): ``F.gelu(input) * gate`` on the
+    halves of Wi's output, output and gradient; in float32 that is the reference itself."""
+    x0, grad_out = rand(6, 2 * 1031, dtype=dtype, seed=1, scale=3.0), rand(6, 1031, dtype=dtype, seed=2)
+
+    def run(fn):
+        x = x0.clone().requires_grad_()
+        out = fn(x)
+        out.backward(grad_out)
+        return out, x.grad
+
+    def before(x):
+        inputs, gate = x.chunk(2, dim=-1)
+        return F.gelu(inputs, approximate="tanh") * gate
+
+    native = run(lambda x: kernels.geglu_native(x, "tanh"))
+    assert native[0].dtype == dtype
+    for ours, expected in zip(native, run(before)):
+        assert torch.equal(ours, expected)
+    if dtype == torch.float32:
+        for ours, reference in zip(native, run(lambda x: kernels.geglu_ref(x, "tanh"))):
+            assert torch.equal(ours, reference)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -258,7 +303,8 @@ def test_kernels_torch_runs_the_native_ops(monkeypatch):
     for module, name in ((attention, "varlen_attention"), (sys.modules["bert_ds.kernels.layer_norm"], "layer_norm"),
                          (sys.modules["bert_ds.kernels.bias_gelu"], "bias_gelu"),
                          (sys.modules["bert_ds.kernels.dropout_layer_norm"], "dropout_add_layer_norm"),
-                         (sys.modules["bert_ds.kernels.cross_entropy"], "mlm_cross_entropy")):
+                         (sys.modules["bert_ds.kernels.cross_entropy"], "mlm_cross_entropy"),
+                         (sys.modules["bert_ds.kernels.geglu"], "geglu")):
         native = module.IMPLEMENTATIONS["native"]
         monkeypatch.setitem(module.IMPLEMENTATIONS, "native",
                             lambda *args, native=native, name=name: calls.append(name) or native(*args))
@@ -269,7 +315,9 @@ def test_kernels_torch_runs_the_native_ops(monkeypatch):
     kernels.bias_gelu(x, bias, "none", backend="torch")
     kernels.dropout_add_layer_norm(x, bias, x, bias, bias, 1e-12, 0.1, backend="torch")
     kernels.mlm_cross_entropy(x, torch.arange(8), backend="torch")
-    assert calls == ["varlen_attention", "layer_norm", "bias_gelu", "dropout_add_layer_norm", "mlm_cross_entropy"]
+    kernels.geglu(x, "none", backend="torch")
+    assert calls == ["varlen_attention", "layer_norm", "bias_gelu", "dropout_add_layer_norm", "mlm_cross_entropy",
+                     "geglu"]
 
 
 def test_the_native_ops_compile_into_one_graph():

@@ -100,6 +100,24 @@ def test_layer_norm_ref_grads_match_formula(with_residual):
         assert _max_err(ours[name], expected[name]) <= 1e-5, name
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_layer_norm_ref_without_bias_matches_formula(dtype):
+    """bias=None: a LayerNorm without one (ModernBERT's), and no bias gradient."""
+    leaves = {"x": _rand(5, 3, 1023, seed=1, scale=3.0) + 0.5, "weight": _rand(1023, seed=3) + 1.0}
+    grad_out = _rand(5, 3, 1023, seed=5)
+    x, weight = (leaves[name].to(dtype, copy=True).requires_grad_() for name in ("x", "weight"))
+    out = kernels.layer_norm_ref(x, weight, None, 1e-5)
+    expected = _layer_norm_fp64(x, weight, torch.zeros(()), 1e-5)
+    same_dtype = F.layer_norm(x, (1023,), weight, None, 1e-5)
+    assert out.dtype == dtype and _max_err(out, expected) <= 2 * _max_err(same_dtype, expected) + 1e-5
+    out.float().backward(grad_out)
+    truth = {name: t.double().requires_grad_() for name, t in leaves.items()}
+    _layer_norm_fp64(truth["x"], truth["weight"], torch.zeros(()), 1e-5).backward(grad_out.double())
+    if dtype == torch.float32:
+        for name, ours in (("x", x), ("weight", weight)):
+            assert _max_err(ours.grad, truth[name].grad) <= 1e-4, name
+
+
 def test_layer_norm_public_op_runs_reference_on_torch():
     x, weight, bias = _rand(4, 33, seed=1), _rand(33, seed=2), _rand(33, seed=3)
     residual = _rand(4, 33, seed=4)
@@ -240,6 +258,53 @@ def test_bias_gelu_public_op_runs_reference_on_torch():
                        kernels.bias_gelu_ref(x, bias, "tanh"))
 
 
+# --------------------------------------------------------------------------- geglu
+
+def _geglu_fp64(x, approximate):
+    inputs, gate = x.double().chunk(2, dim=-1)
+    return _gelu_fp64(inputs, torch.zeros(()), approximate) * gate
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("width", [1, 1031])
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_geglu_ref_matches_formula(dtype, approximate, width, contiguous):
+    x = _rand(7, 2 * width, dtype=dtype, seed=1, scale=3.0)
+    if not contiguous:
+        x = _non_contiguous(x)
+
+    out = kernels.geglu_ref(x, approximate)
+    expected = _geglu_fp64(x, approximate)
+    same_dtype = F.gelu(x[:, :width], approximate=approximate) * x[:, width:]
+    assert out.dtype == dtype and out.shape == (7, width)
+    assert _max_err(out, expected) <= 2 * _max_err(same_dtype, expected) + 1e-6
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_geglu_ref_grads_match_formula(approximate):
+    x0, grad_out = _rand(9, 82, seed=1, scale=3.0), _rand(9, 41, seed=3)
+
+    def grad(fn, dtype):
+        x = x0.to(dtype, copy=True).requires_grad_()
+        fn(x, approximate).backward(grad_out.to(dtype))
+        return x.grad
+
+    assert _max_err(grad(kernels.geglu_ref, torch.float32), grad(_geglu_fp64, torch.float64)) <= 1e-5
+
+
+def test_geglu_public_op_runs_the_native_op_on_torch():
+    x = _rand(3, 22, seed=1)
+    assert torch.equal(kernels.geglu(x, "tanh", backend="torch"), kernels.geglu_native(x, "tanh"))
+
+
+def test_geglu_refuses_an_unknown_approximation_and_an_odd_width():
+    with pytest.raises(ValueError, match="approximate"):
+        kernels.geglu(_rand(2, 8, seed=1), "sigmoid", backend="torch")
+    with pytest.raises(ValueError, match="an even last dimension"):
+        kernels.geglu(_rand(2, 7, seed=1), "none", backend="torch")
+
+
 # --------------------------------------------------------------------------- varlen attention
 
 def _attention_per_sequence(q, k, v, lengths, softmax_scale):
@@ -377,6 +442,8 @@ def test_cuda_branch_of_ops_is_never_a_silent_fallback():
         kernels.layer_norm(x, weight, bias, 1e-5, backend="cuda")
     with pytest.raises(KernelUnavailable):
         kernels.bias_gelu(x, bias, "none", backend="cuda")
+    with pytest.raises(KernelUnavailable):
+        kernels.geglu(x, "none", backend="cuda")
     q, k, v, cu_seqlens = _varlen_inputs([2], num_heads=1, head_dim=8, dtype=torch.float32)
     with pytest.raises(KernelUnavailable):
         kernels.varlen_attention(q, k, v, cu_seqlens, 2, backend="cuda")
@@ -453,6 +520,23 @@ def test_inputs_a_kernel_cannot_take_are_an_error_under_cuda_and_a_logged_fallba
         assert dispatch.choose("bias_gelu", plan, lambda impl: problem) == "native"
     fallbacks = [r for r in fake_extension.records if problem in r.getMessage()]
     assert len(fallbacks) == 1 and fallbacks[0].levelno == logging.WARNING
+
+
+def test_a_width_the_geglu_kernel_cannot_take_is_one_error_under_cuda_and_one_warning_under_auto(fake_extension):
+    """A projection whose halves overflow the kernels' 32-bit column index (a meta tensor: no memory):
+    kernels=cuda stops with one line that names the setting; a plan whose geglu winner is the fused
+    kernel says so once and runs the native op."""
+    x = torch.empty(2, 2 ** 32 + 2, device="meta")
+    with pytest.raises(KernelUnavailable) as refused:
+        kernels.geglu(x, "none", backend="cuda")
+    message = str(refused.value)
+    assert message.startswith("kernels=cuda: geglu cannot run fused: a width of 4294967298 ") and "\n" not in message
+    plan = OpPlan((("geglu", "fused"),), OpShapes(geglu=True).key)
+    for _ in range(3):
+        assert kernels.geglu(x, "none", backend=plan).shape == (2, 2 ** 31 + 1)
+    fallbacks = [r.getMessage() for r in fake_extension.records if r.levelno == logging.WARNING]
+    assert fallbacks == ["kernels=auto: geglu runs the native op where fused cannot: a width of 4294967298 (it takes "
+                         "halves of 1 to 2147483647 columns)"]
 
 
 def test_fused_attention_declines_dropout_and_host_tensors():

@@ -195,12 +195,16 @@ def _attention_math(kernels):
     return [k for k in kernels if k.source == "attention.cu" and re.search(r"fwd|bwd", k.name.split("<")[0])]
 
 
-def _attention_kind(kernel) -> tuple[str, int, str]:
-    """(kernel name, head dim, "one tile" / "general" / "") of an attention matmul kernel."""
-    found = re.fullmatch(r"(attention_\w+_kernel)<\w+, (\d+)(?:, (true|false))?>", kernel.name)
+def _attention_kind(kernel) -> tuple[str, int, str, tuple[bool, bool]]:
+    """(kernel name, head dim, "one tile" / "general" / "", (windowed, rotary)) of an attention
+    matmul kernel: attention_fwd_kernel<T, HD, kWindowed, kRotary>,
+    attention_bwd_kernel<T, HD, kOneTile, kWindowed, kRotary>."""
+    found = re.fullmatch(r"(attention_\w+_kernel)<\w+, (\d+)((?:, (?:true|false))+)>", kernel.name)
     assert found, kernel.name
-    path = {"true": "one tile", "false": "general", None: ""}[found.group(3)]
-    return found.group(1), int(found.group(2)), path
+    flags = [flag == "true" for flag in found.group(3).split(", ")[1:]]
+    path = {True: "one tile", False: "general"}[flags.pop(0)] if found.group(1) == "attention_bwd_kernel" else ""
+    assert len(flags) == 2, kernel.name
+    return found.group(1), int(found.group(2)), path, (flags[0], flags[1])
 
 
 # What attention.cu's header designs, per (kernel, head dim): warps per CTA, CTAs per SM on
@@ -282,6 +286,20 @@ def test_attention_occupancy_is_as_designed(compiled, arch):
            if (k.threads // 32, k.ctas_per_sm, k.dynamic_smem, k.smem) != (*ATTENTION_DESIGN[_attention_kind(k)[:2]], 0)
            or k.dynamic_smem > 166912]
     assert not off, "\n".join(off)
+
+
+@needs_nvcc
+def test_attention_has_every_option_for_both_archs(compiled):
+    """Each head dim's forward and both backward paths with and without a window and rotary
+    embeddings (attention.cu's header): the design and atomics tests above and below see every one."""
+    kernels, _ = compiled
+    options = {(False, False), (True, False), (False, True), (True, True)}
+    for arch in kinspect.DEVICES:
+        kinds = {_attention_kind(k) for k in _attention_math(kernels) if k.arch == arch}
+        wanted = {(name, hd, path, option) for name, hd in ATTENTION_DESIGN
+                  for path in (("one tile", "general") if name == "attention_bwd_kernel" else ("",))
+                  for option in options}
+        assert kinds == wanted, (arch, sorted(wanted - kinds), sorted(kinds - wanted))
 
 
 @needs_nvcc
@@ -370,4 +388,20 @@ def test_cross_entropy_kernels_hold_every_thread_of_an_sm(compiled, arch):
            f"{k.ptx['atom/red']} atom/red" for k in ce
            if (k.threads, k.ctas_per_sm) != CROSS_ENTROPY_DESIGN[base(k)] or k.registers > 32 or k.spills
            or k.ptx["atom/red"]]
+    assert not off, "\n".join(off)
+
+
+@needs_nvcc
+@pytest.mark.parametrize("arch", sorted(kinspect.DEVICES))
+def test_geglu_kernels_keep_loads_in_flight(compiled, arch):
+    """GeGLU is elementwise and memory-bound (geglu.cu's header): every instantiation, forward and
+    backward, 16-byte vectors or scalar, keeps at least 1,024 threads resident per SM (4 CTAs of
+    256) to keep loads in flight, with no shared memory and no global atomics (no reduction)."""
+    kernels, with_sass = compiled
+    geglu = [k for k in kernels if k.source == "geglu.cu" and k.arch == arch]
+    assert {k.name.split("<")[0] for k in geglu} == {"geglu_fwd_kernel", "geglu_bwd_kernel"}, [k.name for k in geglu]
+    off = [f"{k.name} sm_{arch}: {k.ctas_per_sm} CTAs of {k.threads} ({k.limiter}: {k.registers} registers), "
+           f"{k.smem} B shared memory, {k.ptx['atom/red']} atom/red" for k in geglu
+           if (k.ctas_per_sm or 0) * (k.threads or 0) < 1024 or k.smem or k.ptx["atom/red"]
+           or (with_sass and k.sass["ATOM/RED"])]
     assert not off, "\n".join(off)

@@ -38,6 +38,7 @@
 
 #define __shared__ static  // before host_defines.h, which leaves a defined __shared__ alone
 #define __launch_bounds__(...)
+#define __grid_constant__  // a kernel parameter read in place on a GPU; here one like any other
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -94,6 +95,12 @@ inline cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(int* blocks, F,
 }
 
 inline float rsqrtf(float x) { return 1.f / std::sqrt(x); }
+// The hardware's fast sine and cosine (the kernels call it on [-pi, pi], where it is accurate to
+// ~2^-21): the library's, which is closer.
+inline void __sincosf(float x, float* s, float* c) {
+  *s = std::sin(x);
+  *c = std::cos(x);
+}
 
 // ----------------------------------------------------------------- fibers and barriers
 

@@ -1,0 +1,101 @@
+"""Attention with rotary embeddings on q and k (RoPE), as a ModernBERT-class encoder runs it: the
+fused kernels rotate q and k as they load them, so that no rotated copy of either is written.
+
+Not an op of its own and not raced: it is what the attention ops (:func:`~bert_ds.kernels.attention.varlen_attention`
+for the global layers, :func:`~bert_ds.kernels.local_attention.local_attention` for the local ones)
+run where their fused kernel runs (:func:`rotary_runs_fused`: ``kernels=cuda``, or ``kernels=auto``
+where the fused kernel won the op's race). Anywhere else the model rotates q and k itself, in
+PyTorch, and hands them to the op: the rotation costs the same for every other candidate, which
+the race leaves out.
+
+The rotation is transformers' (ModernBERT's), which :func:`rotary_ref` writes down and the model
+(``bert_ds/model/modernbert.py``, ``apply_rotary``) computes alike (a test holds the two equal):
+head dim d < hd/2 is paired with d + hd/2 and both are turned by the angle
+``pos * theta ** (-2d / hd)``, where ``pos`` is the token's offset in its own sequence (each
+sequence of the packed batch starts at 0), with cos and sin computed in fp32 and rounded to
+q's dtype, the rotation in fp32. The kernels compute cos and sin in fp32 and do not round them;
+their backward turns the gradients of the rotated q and k back, so that the gradient of the
+packed projection is that of q and k as the projection made them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from bert_ds.kernels.attention import GLOBAL, fused_problem, fused_scale, packed_fused, varlen_attention_ref
+from bert_ds.kernels.dispatch import Backend, OpPlan, choose
+from bert_ds.kernels.local_attention import local_attention_ref
+
+
+def sequence_positions(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """Each of the ``total`` packed tokens' offset in its own sequence (T,) int64: 0 at every start."""
+    starts = cu_seqlens.long()
+    token = torch.arange(total, device=cu_seqlens.device)
+    sequence = torch.searchsorted(starts[1:], token, right=True)  # (T,) which sequence each token is in
+    return token - starts[sequence]
+
+
+def rotary_ref(x: torch.Tensor, cu_seqlens: torch.Tensor, rope_theta: float) -> torch.Tensor:
+    """x (T, nh, hd) rotated: pair (d, d + hd/2) of token t turned by ``pos(t) * rope_theta ** (-2d / hd)``.
+
+    cos and sin are computed in fp32 and rounded to x's dtype, the rotation is computed in fp32
+    (in x's dtype where that is wider: float64, for a reference's truth) and rounded to it."""
+    total, _, head_dim = x.shape
+    positions = sequence_positions(cu_seqlens, total)
+    inv_freq = 1.0 / (rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=x.device) / head_dim))
+    freqs = positions.float()[:, None] * inv_freq  # (T, hd/2)
+    angles = torch.cat((freqs, freqs), dim=-1)  # (T, hd)
+    compute = torch.promote_types(x.dtype, torch.float32)
+    cos = angles.cos().to(x.dtype)[:, None, :].to(compute)  # (T, 1, hd)
+    sin = angles.sin().to(x.dtype)[:, None, :].to(compute)
+    wide = x.to(compute)
+    first, second = wide.chunk(2, dim=-1)
+    return (wide * cos + torch.cat((-second, first), dim=-1) * sin).to(x.dtype)
+
+
+def rotary_attention_ref(
+    qkv: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    rope_theta: float,
+    window: int | None = None,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+) -> torch.Tensor:
+    """qkv (T, 3, nh, hd), the unrotated projection; returns (T, nh, hd): q and k rotated by
+    :func:`rotary_ref`, then the global op's reference (``window`` None) or the local one's."""
+    q, k, v = qkv.unbind(1)
+    q, k = rotary_ref(q, cu_seqlens, rope_theta), rotary_ref(k, cu_seqlens, rope_theta)
+    if window is None:
+        return varlen_attention_ref(q, k, v, cu_seqlens, max_seqlen, dropout_p, softmax_scale)
+    return local_attention_ref(q, k, v, cu_seqlens, max_seqlen, window, dropout_p, softmax_scale)
+
+
+def rotary_attention_fused(
+    qkv: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    rope_theta: float,
+    window: int | None = None,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+) -> torch.Tensor:
+    """:func:`rotary_attention_ref` on the fused kernels, q, k and v read in place from ``qkv``; the
+    gradient of ``qkv`` comes back in one piece (no dropout)."""
+    if not rope_theta > 0.0:
+        raise ValueError(f"rope_theta must be a positive rotary base, got {rope_theta}")
+    return packed_fused(qkv, cu_seqlens, max_seqlen, fused_scale(qkv, dropout_p, softmax_scale),
+                        GLOBAL if window is None else window, rope_theta)
+
+
+def rotary_runs_fused(qkv: torch.Tensor, cu_seqlens: torch.Tensor, window: int | None, dropout_p: float,
+                      backend: Backend) -> bool:
+    """Whether the attention op of a layer with this ``window`` (None: global) runs its fused kernel
+    under ``backend`` for these inputs, and so :func:`rotary_attention_fused` runs in its place.
+    Under ``kernels=cuda`` inputs the kernel cannot take are an error that says why, as the op's."""
+    op = "varlen_attention" if window is None else "local_attention"
+    if isinstance(backend, OpPlan) and not backend.has(op):
+        return False  # a plan raced without local layers: the op runs its native path
+    q, k, v = qkv.unbind(1)
+    return choose(op, backend, lambda impl: fused_problem(q, k, v, cu_seqlens, dropout_p) if impl == "fused"
+                  else "") == "fused"
