@@ -29,23 +29,29 @@
 #   train_base512    train_base at seq 512, phase 2 of the recipe            60 s    ~63 s
 #                    (micro-batch 128, 2 a step); reads that race's verdicts
 #   summary          python -m bert_ds.tools.gpu_summary: SUMMARY.md        15 s    6 s
-#   call 2: the variants
+#   call 2: ModernBERT, then BERT's variants
 #   (start-up)       the checks, the kit's install                          15 s
-#   engine_sweep     benchmarks/engine_sweep.sh: the shipped config with    185 s   ~176 s
-#                    its layers compiled, on ZeRO-2, on PyTorch's ops; 10
-#                    steps each, each step split by stage (its reference,
-#                    micro-batch 512 with the fused kernels, is train_base)
-#   bench            python -m bert_ds.tools.bench: (a) fused, (b) torch,    55 s    42 s (30 steps)
+#   modernbert_1024  python -m bert_ds.tools.bench --preset modernbert-base  60 s    not run
+#                    --seq-len 1024: (a) kernels=auto, (b) torch, against
+#                    transformers' ModernBertForMaskedLM with (c) SDPA and
+#                    (f) flash_attention_2 (or why not), 10 timed steps,
+#                    the first-batch loss check, the goal
+#   modernbert_8192  the same at seq 8192                                    75 s    not run
+#   engine_sweep     benchmarks/engine_sweep.sh: the shipped config with    85 s    ~176 s
+#                    its layers compiled, 10 steps, each split by stage
+#                    (its reference, micro-batch 512 with the fused
+#                    kernels, is train_base)
+#   bench            python -m bert_ds.tools.bench: (a) fused, (b) torch,    45 s    42 s (30 steps)
 #                    (c) transformers at BERT-Base seq 128 and 512, 10
 #                    timed steps, goals and projection
 #   kernels_bench    python -m bert_ds.kernels.bench --models base: each op  45 s    64 s (and Large)
 #                    against eager, compile, SDPA, varlen_attn, its roofline
 #   profile          python -m bert_ds.tools.profile_step: one BERT-Base      20 s    15 s
 #                    step of (a) under torch.profiler
+#   summary          the same, over both calls' results                     15 s
+#   in neither call (a run without --call runs them, last)
 #   kernels_inspect  python -m bert_ds.kernels.inspect --summary: registers, 25 s    17 s
 #                    spills, CTAs per SM as that machine's nvcc builds them
-#   summary          the same, over both calls' results                     15 s
-#   in neither call (a run without --call runs it, last)
 #   main_job         ./run.sh: the main job on the GPU (ZeRO-1 bf16, LAMB,   120 s   90 s
 #                    export, fill-mask), MAIN_STEPS steps
 #
@@ -58,8 +64,11 @@
 # what it spent, less the summary's budget, held back for it) covers the step's budget.
 # Left out of the calls to fit: bench (d), the layers compiled in the bench loop (the engine's
 # `compiled` answers the same question on the path a user runs; BENCH_ARGS="--variants
-# a,b,c,d" adds it), BERT-Large's shapes in kernels_bench, and main_job (its data build is
-# train_data; the rest, a tiny model through run.sh, export and fill-mask, ran on three GPUs).
+# a,b,c,d" adds it), BERT-Large's shapes in kernels_bench, the sweep's ZeRO-2 and PyTorch-ops
+# variants (measured at other micro-batches; benchmarks/engine_sweep.sh runs them), so that
+# ModernBERT's two benches fit in call 2, kernels_inspect (measured on an H100 and an H200), and
+# main_job (its data build is train_data; the rest, a tiny model through run.sh, export and
+# fill-mask, ran on three GPUs).
 # What did not run (not in this call, skipped for budget, a module missing) has its line in
 # steps.txt and is listed in SUMMARY.md.
 #
@@ -106,11 +115,13 @@ train_data       1   25
 train_base       1   50
 two_phase        1   80
 train_base512    1   60
-engine_sweep     2   185
-bench            2   55
+modernbert_1024  2   60
+modernbert_8192  2   75
+engine_sweep     2   85
+bench            2   45
 kernels_bench    2   45
 profile          2   20
-kernels_inspect  2   25
+kernels_inspect  -   25
 main_job         -   120
 summary          *   15
 "
@@ -324,9 +335,13 @@ print(" ".join(m for m in ("deepspeed", "transformers", "tokenizers", "safetenso
 echo "== modules missing: ${missing:-none} (start-up: ${SECONDS}s)"
 
 # ------------------------------------------------------------------ the steps' settings
+declare -A mseq
 if ((rehearse)); then
     kbench=(--device cpu --models base --tokens 256 --lamb-elements 100000 --reps 1 --no-compile)
     bench=(--device cpu --preset tiny --seq-len 64 --batch-size 8 --vocab-size 2048 --steps 2 --warmup 1 --no-probes)
+    # ModernBERT's two lengths as a CPU's: both past the tiny preset's window of +-16
+    mbench=(--device cpu --preset modernbert-tiny --batch-size 4 --vocab-size 2048 --steps 2 --warmup 1 --no-probes)
+    mseq=([modernbert_1024]=64 [modernbert_8192]=128)
     profile=(--device cpu --preset tiny --seq-len 64 --steps 1)
     main_steps=${MAIN_STEPS:-3}
     base_steps=${BASE_STEPS:-3}
@@ -341,6 +356,8 @@ if ((rehearse)); then
 else
     kbench=(--models base)
     bench=(--steps 10 --warmup 3)
+    mbench=(--preset modernbert-base --steps 10 --warmup 3)
+    mseq=([modernbert_1024]=1024 [modernbert_8192]=8192)
     profile=(--preset base --seq-len 128)
     main_steps=${MAIN_STEPS:-300}
     base_steps=${BASE_STEPS:-20}
@@ -350,9 +367,9 @@ else
     base512=(--preset base --seq-len 512 --micro-batch-size 128 --global-batch-size 256 --ds-config zero1_bf16.json
              --num-workers 4)
     recipe=benchmarks/recipes/base_two_phase_check.json
-    # the shipped micro-batch (512, measured as train_base) in the forms not measured yet on a GPU:
-    # the layers compiled first (its first step compiles), ZeRO-2, PyTorch's ops
-    sweep=(STEPS=10 BUDGET_S=85 VARIANTS="compiled zero2 torch-ops")
+    # the shipped micro-batch (512, measured as train_base) in the form not measured yet on a GPU:
+    # the layers compiled (its first step compiles)
+    sweep=(STEPS=10 BUDGET_S=80 VARIANTS="compiled")
 fi
 data=$work/data30522
 
@@ -400,6 +417,10 @@ done
 engine_run train_base512 "${base512[@]}"
 
 # ------------------------------------------------------------------ call 2
+for name in modernbert_1024 modernbert_8192; do
+    step "$name" "$python" -m bert_ds.tools.bench --json "$out/$name.json" --markdown "$out/$name.md" \
+        --seq-len "${mseq[$name]}" "${mbench[@]}"
+done
 step engine_sweep env "${sweep[@]}" PYTHON="$python" bash benchmarks/engine_sweep.sh "$data" "$out/engine_sweep"
 # shellcheck disable=SC2086  # BENCH_ARGS is a list of words
 step bench "$python" -m bert_ds.tools.bench --json "$out/bench.json" --markdown "$out/bench.md" --variants a,b,c \

@@ -25,11 +25,13 @@ KIT_SCRIPT = REPO / "benchmarks" / "gpu_kit.sh"
 DATA_SCRIPT = REPO / "benchmarks" / "base_data.sh"
 RECIPES = REPO / "benchmarks" / "recipes"
 CALL_1 = ("kernels_build", "test_cuda_ops", "train_data", "train_base", "two_phase", "train_base512")
-CALL_2 = ("engine_sweep", "bench", "kernels_bench", "profile", "kernels_inspect")
+CALL_2 = ("modernbert_1024", "modernbert_8192", "engine_sweep", "bench", "kernels_bench", "profile")
+NEITHER = ("kernels_inspect", "main_job")  # a run without --call runs them
 CALL_S = 360  # the device tool's 10 minutes a command, two calls in a 15-minute lease with its start
 ENGINE_FILES = ("summary.json", "metrics.jsonl", "kernels.json")
 RESULT_FILES = ("steps.txt", "SUMMARY.md", "kernels_bench.json", "bench.json", "bench.md", "profile.json",
-                "profile.md", *(f"{run}_{name}" for run in ("train_base", "train_base512") for name in
+                "profile.md", *(f"modernbert_{seq}.{ext}" for seq in (1024, 8192) for ext in ("json", "md")),
+                *(f"{run}_{name}" for run in ("train_base", "train_base512") for name in
                                 (*ENGINE_FILES, "profile.json", "profile.md")),
                 *(f"two_phase_{phase}_{name}" for phase in ("phase1", "phase2") for name in ENGINE_FILES),
                 "engine_sweep/engine_sweep.md", "engine_sweep/compiled/rank0.json",
@@ -114,7 +116,7 @@ def test_the_plan_is_two_calls_of_six_minutes_and_the_header_says_the_same():
         startup = next(budget for c, step, budget in plan if c == call and step == "(start-up)")
         total = startup + sum(budget for _, budget in rows)
         assert total <= CALL_S and (call, "(total)", total) in plan, (call, total)
-    assert [(c, step) for c, step, _ in plan if c not in ("1", "2")] == [("-", "main_job")]
+    assert [(c, step) for c, step, _ in plan if c not in ("1", "2")] == [("-", step) for step in NEITHER]
     header = SCRIPT.read_text().split("\nset -u")[0]
     for _, step, budget in plan:  # each step's row in the header's table, with its budget
         if not step.startswith("("):
@@ -180,16 +182,17 @@ def test_the_rehearsal_runs_both_calls_and_writes_every_result(kit, tmp_path):
     assert all(after_one[name][:4] == ["-", "-", after_one[name][2], "2"] and after_one[name][4] == "not in this call"
                for name in CALL_2)
     listed = (out / "SUMMARY.md").read_text()
-    assert "- engine_sweep (call 2, budget 555 s): not in this call" in listed
+    assert "- engine_sweep (call 2, budget 255 s): not in this call" in listed
     assert "`bench.json` is missing: bench did not run, not in this call." in listed
     _call(out, "2", kit)  # into the same folder: call 1's lines stay, the summary covers both
     steps = _steps(out)
-    assert list(steps) == [*CALL_1, "main_job", *CALL_2, "summary"]
-    ran = {name: f for name, f in steps.items() if name != "main_job"}
+    assert list(steps) == [*CALL_1, *NEITHER, *CALL_2, "summary"]
+    ran = {name: f for name, f in steps.items() if name not in NEITHER}
     assert all(f[0] == "0" and int(f[1]) < int(f[2]) for f in ran.values()), steps
     assert {name: f[3] for name, f in ran.items()} == {**dict.fromkeys(CALL_1, "1"), **dict.fromkeys(CALL_2, "2"),
                                                        "summary": "2"}
     assert steps["main_job"] == ["-", "-", "360", "-", "in neither call (a run without --call runs it)"]
+    assert steps["kernels_inspect"] == ["-", "-", "75", "-", "in neither call (a run without --call runs it)"]
     missing = [name for name in RESULT_FILES if not (out / name).is_file() or (out / name).stat().st_size == 0]
     assert not missing, missing
     for run, seq in (("train_base", 64), ("train_base512", 512), ("two_phase_phase1", 128), ("two_phase_phase2", 512)):
@@ -201,7 +204,10 @@ def test_the_rehearsal_runs_both_calls_and_writes_every_result(kit, tmp_path):
                     "## Fused kernels", "## kernels=auto's verdicts at seq 128 and 512",
                     "### seq 512: `train_base512_kernels.json`", "No race: kernels=auto runs torch (no CUDA device",
                     "- seq 512, `two_phase_phase2`: the same as `train_base512`",
-                    "## Training throughput", "## One step, profiled", "## The engine path a user runs",
+                    "## Training throughput", "## ModernBERT against transformers",
+                    "| 64 | (a) bert-ds, kernels=auto | ", "| 128 | (c) transformers (SDPA) | ",
+                    "| 128 | (f) transformers (flash_attention_2) | not run: ",
+                    "- seq 64: first-batch losses within ", "## One step, profiled", "## The engine path a user runs",
                     "### Steps 1-3 profiled", "## Host syncs of the engine's step at seq 128 and 512",
                     "No syncs recorded by line", "## The two-phase plan in one process",
                     "- phase2: 2 steps at seq 512, ", "## The engine path, variant by variant",
@@ -219,7 +225,7 @@ def test_the_rehearsal_runs_both_calls_and_writes_every_result(kit, tmp_path):
 def test_a_call_keeps_the_other_calls_lines_and_starts_no_step_past_its_budget(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
-    first = "kernels_build 0 55 255 1\ntrain_data 0 12 75 1\nengine_sweep - - 555 2 not in this call\nsummary 1 5 45 1\n"
+    first = "kernels_build 0 55 255 1\ntrain_data 0 12 75 1\nengine_sweep - - 255 2 not in this call\nsummary 1 5 45 1\n"
     (out / "steps.txt").write_text(first)
     # 60 s for the call (the rehearsal triples 20), 45 of them held for the summary: no step fits
     proc = subprocess.run(["bash", str(SCRIPT), "--rehearse", "--call", "2", str(out)], capture_output=True,
@@ -237,7 +243,7 @@ def test_a_call_keeps_the_other_calls_lines_and_starts_no_step_past_its_budget(t
     assert not (tmp_path / "work" / "data30522").exists()  # the data its steps needed was not built either
     summary = (out / "SUMMARY.md").read_text()
     assert "| kernels_build | 1 | ok | 55 | 255 |" in summary
-    assert re.search(r"^- engine_sweep \(call 2, budget 555 s\): skipped for budget: its 555s did not fit in the "
+    assert re.search(r"^- engine_sweep \(call 2, budget 255 s\): skipped for budget: its 255s did not fit in the "
                      r"-?\d+s the call had left$", summary, re.MULTILINE), summary
     assert re.search(r"^`bench.json` is missing: bench did not run, skipped for budget: ", summary, re.MULTILINE)
 
@@ -400,3 +406,24 @@ def test_peak_gpu_memory_reaches_the_summary_and_the_sweep_table(tmp_path):
     heads = [cell.strip() for cell in lines[4].strip("|").split("|")]
     row = next([cell.strip() for cell in line.strip("|").split("|")] for line in lines if line.startswith("| base-mb512 "))
     assert row[heads.index("peak memory GiB")] == "7.2"
+
+
+def test_the_summary_shows_modernbert_against_both_transformers_and_what_did_not_run(tmp_path):
+    from bert_ds.tools.gpu_summary import modernbert
+
+    ran = {"ms_per_step": 80.0, "real_tokens_per_s": 400000.0, "speedup_vs_transformers": 1.9,
+           "speedup_vs_flash_attention_2": None, "mfu_vs_datasheet_bf16": 0.333, "mfu_vs_matmul": 0.42,
+           "peak_memory_gib": 30.5, "first_batch_loss": 10.9}
+    config = {"seq_len": 1024, "results": {"a": ran, "f": {"not_run": "the flash-attn package is not installed"}},
+              "loss_check": {"fp32": 10.9001, "run_precision": 10.9012, "precision": "bf16", "tolerance": 0.045}}
+    goal = {"goal": "(a) >= 1.5x the real tokens/s of (f) transformers flash_attention_2 at seq 1024",
+            "measured": "not measured: (f) not run: the flash-attn package is not installed", "met": None}
+    (tmp_path / "modernbert_1024.json").write_text(json.dumps({"configs": [config], "goals": [goal]}))
+    (tmp_path / "steps.txt").write_text("modernbert_8192 124 225 225 2\n")
+    lines = modernbert(tmp_path)
+    assert "| 1024 | (a) bert-ds, kernels=auto | 80.0 | 400,000 | 1.90x | - | 33.3% | 42.0% | 30.5 GiB | 10.9000 |" in lines
+    assert ("| 1024 | (f) transformers (flash_attention_2) | not run: the flash-attn package is not installed "
+            "| | | | | | | |") in lines
+    assert "- seq 1024: first-batch losses within 0.045 of the reference's 10.9001 (fp32; 10.9012 in bf16)" in lines
+    assert f"- {goal['goal']}: measured {goal['measured']}, **not measured**" in lines
+    assert "`modernbert_8192.json` is missing: modernbert_8192 past its budget." in lines

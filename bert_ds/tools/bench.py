@@ -3,6 +3,7 @@
     python -m bert_ds.tools.bench [--device cpu|cuda] [--preset base[,large]] [--seq-len 128[,512]]
                                   [--variants a,b,c] [--steps N] [--warmup N] [--data DIR]
                                   [--json FILE] [--markdown FILE]
+    python -m bert_ds.tools.bench --preset modernbert-base [--seq-len 1024[,8192]] [--variants a,b,c,f] ...
 
 For every (preset, sequence length) it times four ways to train the same BERT on the
 same batches, one after the other, each a loop of loader -> host-to-device copy ->
@@ -21,16 +22,32 @@ forward -> backward -> optimizer step:
   says which of the two fusions is faster on the device; its first step compiles (warm-up), so
   it runs when asked for (``--variants a,b,c,d``; ``benchmarks/gpu_checks.sh`` asks).
 
-It prints a markdown table per configuration and the projection of the anchor run
+A ModernBERT preset (``modernbert-tiny``, ``-base``, ``-large``; one model family per run) times
+its own variants the same way, on the documents layout's batches (whole documents, 30% masked,
+no pair task; :data:`bert_ds.model.config.DATA_DEFAULTS`) at seq 1,024 and 8,192 on a GPU:
+
+- (a) bert_ds's ``bert_ds.model.modernbert`` with ``kernels=auto`` (each op's fastest correct
+  implementation at these shapes), unpadded, the local layers computing their windows alone, the
+  MLM decoder on masked tokens only, and StableAdamW, the optimizer of ModernBERT's recipe;
+- (b) the same with ``kernels=torch``;
+- (c) ``transformers.ModernBertForMaskedLM`` with SDPA (a local window is a mask over the whole
+  row) and torch's fused AdamW, fed the padded batch and dense labels;
+- (f) the same with ``attn_implementation="flash_attention_2"``, where the flash-attn package is
+  installed and a CUDA device runs it; elsewhere its row says which of the two is missing.
+It prints a markdown table per configuration and, for BERT, the projection of the anchor run
 (:mod:`bert_ds.tools.projection`); ``--json`` and ``--markdown`` keep every figure.
 
 Design choices, and why:
 
-- **Same work, checked.** All four start from the same weights (bert_ds's, loaded
-  into transformers by name: the names are Hugging Face's) and see the same batches.
-  Before timing, each computes the loss of the first batch without dropout; the losses
-  are printed side by side, so a mismatch in weights or inputs cannot hide behind a
-  speed-up. No DeepSpeed engine wraps any of them: its cost is the same for all four.
+- **Same work, checked.** All variants start from the same weights (bert_ds's, loaded into
+  transformers' class through the export's mapping, :mod:`bert_ds.checkpoint.hf_families`: the
+  names are Hugging Face's) and see the same batches. Before a variant is timed, its loss on the
+  first batch without dropout is held to the reference's, bert_ds on PyTorch's ops in fp32
+  (:class:`~bert_ds.tools.bench_variants.LossCheck`): within twice the reference's own error in the
+  run's precision plus 1e-4 of the loss in fp32, 2^-8 in bf16. A variant outside it stops the run
+  with a message naming it (a mismatch in weights or inputs cannot hide behind a speed-up); the
+  losses are printed side by side. No DeepSpeed engine wraps any variant: its cost is the same
+  for all of them.
 - **Precision.** bf16 autocast with fp32 weights and optimizer state on CUDA, the usual
   way to run transformers in bf16, given to all four alike; fp32 on CPU. ``--precision``
   overrides.
@@ -44,7 +61,9 @@ Design choices, and why:
   pair with 15% of its tokens masked, over BERT's 30,522 words (``--vocab-size``).
   Synthetic samples go through the same loader, so data time is measured the same way.
 - **Batch size.** ``--batch-size``, or ``--tokens-per-step`` / S sequences (16,384 tokens
-  on CUDA: 128 x 128 and 32 x 512; 4,096 on CPU).
+  on CUDA: 128 x 128 and 32 x 512; 4,096 on CPU). A ModernBERT preset's default on CUDA is
+  32,768 tokens (32 x 1,024, 4 x 8,192), the micro-batch ``kernels=auto`` races its ops at
+  (``kernels/speed.py``), so that the ops run at the shapes their verdicts were timed at.
 - **Timing.** ``--warmup`` steps per variant run first and are excluded (allocator,
   cuBLAS heuristics, loader workers starting, kernel loading); then ``--steps`` timed
   steps. The timed window is wall time between two device synchronizations, so real
@@ -54,7 +73,8 @@ Design choices, and why:
   steps) or, on CPU, the host clock; the process CPU time is recorded too.
 - **One FLOPs accounting.** Useful FLOPs are :func:`bert_ds.model.flops.training_flops` for all
   variants (the work a step must do, not what transformers spends on padding and
-  unmasked logits), so MFU and tokens/s rank alike. MFU is against the datasheet dense
+  unmasked logits; a ModernBERT's local layers credited with the pairs within their windows,
+  :func:`bert_ds.model.flops.local_pairs`), so MFU and tokens/s rank alike. MFU is against the datasheet dense
   bf16 peak (known GPUs) and against a matmul measured in the same run (the best of one
   probe before and one after the variants; :mod:`bert_ds.kernels.probes`), next to a copy probe.
 - **Peak memory** per variant is ``torch.cuda.max_memory_allocated`` over its whole life
@@ -73,23 +93,45 @@ import argparse
 import dataclasses
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from bert_ds.base.atomic import atomic_write
 from bert_ds.base.errors import ConfigError, guarded
 from bert_ds.base.interrupts import import_whole
-from bert_ds.model.config import PRESETS, model_preset
+from bert_ds.model.config import PRESETS, model_preset, preset_arch
 from bert_ds.model.flops import training_flops
-from bert_ds.tools.bench_settings import BASELINE, DEFAULT_VARIANTS, VARIANTS, BenchSettings
+from bert_ds.tools.bench_settings import (
+    BASELINE, DEFAULT_VARIANTS, FLASH_BASELINE, VARIANTS_OF, BenchSettings,
+)
 from bert_ds.tools.projection import ANCHOR, anchor_mfu, hours_minutes, project
 
 BERT_VOCAB_SIZE = 30522  # bert-base-uncased: the vocabulary of the published models
-TOKENS_PER_STEP = {"cpu": 4096, "cuda": 16384}
 DEFAULT_STEPS = {"cpu": (1, 4), "cuda": (10, 30)}  # (warm-up, timed) per variant
+
+
+@dataclass(frozen=True)
+class FamilyDefaults:
+    """What a run of a model family's presets takes where its flags are not given."""
+
+    name: str  # in the report's title
+    vocab_size: int  # of synthetic batches: the published models'
+    seq_lens: dict[str, str]  # by device
+    tokens_per_step: dict[str, int]  # by device
+
+
+FAMILY_DEFAULTS = {
+    "bert": FamilyDefaults("BERT", BERT_VOCAB_SIZE, {"cuda": "128,512", "cpu": "128"}, {"cuda": 16384, "cpu": 4096}),
+    # ModernBERT's vocabulary padded to 50,368; its recipe's two lengths; the race's 32,768 tokens on CUDA
+    "modernbert": FamilyDefaults("ModernBERT", 50368, {"cuda": "1024,8192", "cpu": "128"},
+                                 {"cuda": 32768, "cpu": 4096}),
+}
 # The issue's goals for a GPU in bf16: (a)'s tokens/s over (c)'s per sequence length, and (a)'s MFU.
 SPEEDUP_GOALS = {128: 2.5, 512: 3.0}
 MFU_GOAL = (128, 0.50)
+# ModernBERT-base's: (a)'s tokens/s over (f)'s, transformers with FlashAttention-2, at seq 1,024
+MODERNBERT_SPEEDUP_GOAL = (1024, 1.5)
 
 
 def _int_list(text: str, what: str) -> list[int]:
@@ -109,56 +151,90 @@ def run(s: BenchSettings) -> dict[str, Any]:
     and projection computed from them."""
     from bert_ds.tools import bench_variants  # torch, the model, transformers: once the command line is read
 
-    result = bench_variants.measure(s, [VARIANTS[key] for key in s.variants])
+    result = bench_variants.measure(s, [VARIANTS_OF[s.arch][key] for key in s.variants])
     add_rates(result)
     result["goals"] = goals(result)
     result["projection"] = projection(result)
     return result
 
 
+def _ran(results: dict[str, Any], key: str) -> dict[str, Any] | None:
+    """Variant ``key``'s figures where it ran, else None."""
+    x = results.get(key)
+    return None if x is None or "not_run" in x else x
+
+
 def add_rates(result: dict[str, Any]) -> None:
-    """MFU against both peaks and the speed-up over the baseline, once the probes are in."""
+    """MFU against both peaks and the speed-ups over transformers (SDPA; FlashAttention-2 where it
+    ran), once the probes are in."""
     peak, measured = result["datasheet_bf16_tflops"], result["probes"].get("matmul_tflops")
     for config in result["configs"]:
-        base = config["results"].get(BASELINE)
-        base = None if base is None or "not_run" in base else base
+        base, flash = _ran(config["results"], BASELINE), _ran(config["results"], FLASH_BASELINE)
         for x in config["results"].values():
             if "not_run" in x:
                 continue
             x["mfu_vs_datasheet_bf16"] = x["useful_tflops"] / peak if peak else None
             x["mfu_vs_matmul"] = x["useful_tflops"] / measured if measured else None
             x["speedup_vs_transformers"] = x["real_tokens_per_s"] / base["real_tokens_per_s"] if base else None
+            x["speedup_vs_flash_attention_2"] = x["real_tokens_per_s"] / flash["real_tokens_per_s"] if flash else None
 
 
 def goals(result: dict[str, Any]) -> list[dict[str, Any]]:
-    """The GPU goals, each with its measured figure; only for BERT-Base runs on CUDA."""
+    """The GPU goals, each with its measured figure (``met`` None: not measured); only for
+    BERT-Base and ModernBERT-base runs on CUDA."""
     if result["settings"]["device"] != "cuda":
         return []
     out = []
     for config in result["configs"]:
-        if config["preset"] != "base" or "a" not in config["results"]:
-            continue
-        a, seq = config["results"]["a"], config["seq_len"]
-        if "not_run" in a:
-            out.append({"goal": f"(a) at seq {seq}", "measured": f"not run: {a['not_run']}", "met": False})
-            continue
-        if seq in SPEEDUP_GOALS and a["speedup_vs_transformers"] is not None:
-            out.append({"goal": f"(a) >= {SPEEDUP_GOALS[seq]}x the real tokens/s of (c) at seq {seq}",
-                        "measured": f"{a['speedup_vs_transformers']:.2f}x",
-                        "met": a["speedup_vs_transformers"] >= SPEEDUP_GOALS[seq]})
-        if seq == MFU_GOAL[0] and a["mfu_vs_datasheet_bf16"] is not None:
-            out.append({"goal": f"(a) >= {MFU_GOAL[1]:.0%} MFU against the datasheet bf16 peak at seq {seq}",
-                        "measured": f"{a['mfu_vs_datasheet_bf16']:.1%}", "met": a["mfu_vs_datasheet_bf16"] >= MFU_GOAL[1]})
+        out += modernbert_goals(config) if preset_arch(config["preset"]) == "modernbert" else bert_goals(config)
     return out
 
 
-def projection(result: dict[str, Any]) -> dict[str, Any]:
+def modernbert_goals(config: dict[str, Any]) -> list[dict[str, Any]]:
+    """ModernBERT-base's goal at seq 1,024: (a) against (f), transformers with FlashAttention-2."""
+    seq, goal = MODERNBERT_SPEEDUP_GOAL
+    results = config["results"]
+    if config["preset"] != "modernbert-base" or config["seq_len"] != seq or "a" not in results:
+        return []
+    name = f"(a) >= {goal}x the real tokens/s of (f) transformers flash_attention_2 at seq {seq}"
+    a, flash = results["a"], results.get(FLASH_BASELINE)
+    if "not_run" in a:
+        return [{"goal": name, "measured": f"(a) not run: {a['not_run']}", "met": False}]
+    if flash is None or "not_run" in flash:
+        why = "not asked for (--variants)" if flash is None else f"not run: {flash['not_run']}"
+        return [{"goal": name, "measured": f"not measured: (f) {why}", "met": None}]
+    speedup = a["speedup_vs_flash_attention_2"]
+    return [{"goal": name, "measured": f"{speedup:.2f}x", "met": speedup >= goal}]
+
+
+def bert_goals(config: dict[str, Any]) -> list[dict[str, Any]]:
+    """BERT-Base's goals: (a)'s speed-up over (c) at seq 128 and 512, its MFU at 128."""
+    if config["preset"] != "base" or "a" not in config["results"]:
+        return []
+    a, seq = config["results"]["a"], config["seq_len"]
+    if "not_run" in a:
+        return [{"goal": f"(a) at seq {seq}", "measured": f"not run: {a['not_run']}", "met": False}]
+    out = []
+    if seq in SPEEDUP_GOALS and a["speedup_vs_transformers"] is not None:
+        out.append({"goal": f"(a) >= {SPEEDUP_GOALS[seq]}x the real tokens/s of (c) at seq {seq}",
+                    "measured": f"{a['speedup_vs_transformers']:.2f}x",
+                    "met": a["speedup_vs_transformers"] >= SPEEDUP_GOALS[seq]})
+    if seq == MFU_GOAL[0] and a["mfu_vs_datasheet_bf16"] is not None:
+        out.append({"goal": f"(a) >= {MFU_GOAL[1]:.0%} MFU against the datasheet bf16 peak at seq {seq}",
+                    "measured": f"{a['mfu_vs_datasheet_bf16']:.1%}", "met": a["mfu_vs_datasheet_bf16"] >= MFU_GOAL[1]})
+    return out
+
+
+def projection(result: dict[str, Any]) -> dict[str, Any] | None:
     """The anchor run (BERT-Base, 32.8B tokens, 8x A100) at each variant's MFU against the datasheet peak.
 
     Without a datasheet peak (a CPU, an unknown GPU) there is no MFU to carry to an A100:
     ``variants`` is then empty and ``why`` says so; the anchor's own figures are still given.
+    None for a ModernBERT run: the anchor is a BERT-Base's.
     """
     configs = result["configs"]
+    if preset_arch(configs[0]["preset"]) != "bert":
+        return None
     config = next((c for c in configs if c["seq_len"] == 128 and c["preset"] == "base"),
                   next((c for c in configs if c["seq_len"] == 128), configs[0]))
     b = config["batches"]
@@ -183,8 +259,9 @@ def _fmt(x: float | None, spec: str, suffix: str = "") -> str:
 
 def markdown(r: dict[str, Any]) -> str:
     s, env = r["settings"], r["environment"]
+    family = FAMILY_DEFAULTS[preset_arch(s["presets"][0])].name
     lines = [
-        "# BERT pretraining throughput: bert_ds against transformers",
+        f"# {family} pretraining throughput: bert_ds against transformers",
         "",
         f"- device: {env['device']}" + (f" (driver {env['driver']}, CUDA {env['cuda']})" if env.get("driver") else "")
         + f"; torch {env['torch']}; commit {(env['git_commit'] or '?')[:12]}{' (dirty)' if env['git_dirty'] else ''}",
@@ -201,35 +278,57 @@ def markdown(r: dict[str, Any]) -> str:
                      + (f"; datasheet bf16 dense peak {r['datasheet_bf16_tflops']:.0f} TFLOP/s"
                         if r["datasheet_bf16_tflops"] else ""))
     for c in r["configs"]:
-        b = c["batches"]
-        lines += [
-            "", f"## {c['preset']}, seq {c['seq_len']}, batch {c['batch_size']}", "",
-            f"{c['source']}; vocabulary {c['vocab_size']:,}; {b['mean_real_length']:.1f} real tokens/sample, "
-            f"{b['full_length_share']:.0%} full length, {b['padding_share']:.1%} padding, "
-            f"{b['masked_per_step']:.0f} masked tokens/step. Work per step: {b['useful_gflop_per_step']:,.1f} GFLOP "
-            f"useful (the accounting of bert_ds/model/flops.py), {b['padded_dense_gflop_per_step']:,.1f} GFLOP computed "
-            f"by a padded model with a dense MLM decoder ({b['padded_dense_gflop_per_step'] / b['useful_gflop_per_step']:.2f}x).",
-            "",
-            "Rates by the host's wall clock over the timed steps (what a training loop takes for them).", "",
-            "| variant | kernels | wall ms/step | real tokens/s | vs (c) | data wait | useful TFLOP/s | MFU datasheet "
-            "| MFU matmul | peak memory | first-batch loss |",
-            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-        ]
-        for key, x in c["results"].items():
-            if "not_run" in x:
-                lines.append(f"| ({key}) {x['description']} | not run: {x['not_run']} |" + " |" * 9)
-                continue
-            lines.append(
-                f"| ({key}) {x['description']} | {x['kernels']} | {x['ms_per_step']:,.1f} | "
-                f"{x['real_tokens_per_s']:,.0f} | {_fmt(x['speedup_vs_transformers'], '.2f', 'x')} | "
-                f"{x['data_wait_share']:.1%} | {x['useful_tflops']:.3f} | "
-                f"{_fmt(x['mfu_vs_datasheet_bf16'], '.1%')} | {_fmt(x['mfu_vs_matmul'], '.1%')} | "
-                f"{_fmt(x['peak_memory_gib'], '.2f', ' GiB')} | {x['first_batch_loss']:.4f} |")
+        lines += config_markdown(c)
     if r["goals"]:
         lines += ["", "## Goals", ""]
-        lines += [f"- {g['goal']}: measured {g['measured']}, **{'met' if g['met'] else 'not met'}**" for g in r["goals"]]
-    lines += projection_markdown(r["projection"])
+        lines += [f"- {g['goal']}: measured {g['measured']}, **{met_text(g['met'])}**" for g in r["goals"]]
+    if r["projection"]:
+        lines += projection_markdown(r["projection"])
     return "\n".join(lines)
+
+
+def met_text(met: bool | None) -> str:
+    return "not measured" if met is None else "met" if met else "not met"
+
+
+def config_markdown(c: dict[str, Any]) -> list[str]:
+    """One configuration's section: its batches, the loss check, and a row per variant (with a
+    column for the speed-up over (f) where the family has it)."""
+    b, check = c["batches"], c["loss_check"]
+    flash = FLASH_BASELINE in c["results"]
+    windows = ", the local layers' window pairs counted as done" if b["local_pairs_per_step"] else ""
+    heads = ["variant", "kernels", "wall ms/step", "real tokens/s", "vs (c)", *(["vs (f)"] if flash else []),
+             "data wait", "useful TFLOP/s", "MFU datasheet", "MFU matmul", "peak memory", "first-batch loss"]
+    lines = [
+        "", f"## {c['preset']}, seq {c['seq_len']}, batch {c['batch_size']}", "",
+        f"{c['source']}; vocabulary {c['vocab_size']:,}; {b['mean_real_length']:.1f} real tokens/sample, "
+        f"{b['full_length_share']:.0%} full length, {b['padding_share']:.1%} padding, "
+        f"{b['masked_per_step']:.0f} masked tokens/step. Work per step: {b['useful_gflop_per_step']:,.1f} GFLOP "
+        f"useful (the accounting of bert_ds/model/flops.py{windows}), {b['padded_dense_gflop_per_step']:,.1f} GFLOP "
+        f"computed by a padded model with a dense MLM decoder "
+        f"({b['padded_dense_gflop_per_step'] / b['useful_gflop_per_step']:.2f}x).",
+        "",
+        f"First-batch loss check: the reference (bert_ds on PyTorch's ops) gives {check['fp32']:.6f} in fp32 and "
+        f"{check['run_precision']:.6f} in {check['precision']}; every variant below is within "
+        f"{check['tolerance']:.3g} of the fp32 loss.",
+        "",
+        "Rates by the host's wall clock over the timed steps (what a training loop takes for them).", "",
+        "| " + " | ".join(heads) + " |", "|---|---|" + "---:|" * (len(heads) - 2),
+    ]
+    for key, x in c["results"].items():
+        if "not_run" in x:
+            lines.append(f"| ({key}) {x['description']} | not run: {x['not_run']} |" + " |" * (len(heads) - 2))
+            continue
+        speedups = [_fmt(x["speedup_vs_transformers"], ".2f", "x")]
+        if flash:
+            speedups.append(_fmt(x["speedup_vs_flash_attention_2"], ".2f", "x"))
+        lines.append(
+            f"| ({key}) {x['description']} | {x['kernels']} | {x['ms_per_step']:,.1f} | "
+            f"{x['real_tokens_per_s']:,.0f} | {' | '.join(speedups)} | "
+            f"{x['data_wait_share']:.1%} | {x['useful_tflops']:.3f} | "
+            f"{_fmt(x['mfu_vs_datasheet_bf16'], '.1%')} | {_fmt(x['mfu_vs_matmul'], '.1%')} | "
+            f"{_fmt(x['peak_memory_gib'], '.2f', ' GiB')} | {x['first_batch_loss']:.4f} |")
+    return lines
 
 
 def projection_markdown(p: dict[str, Any]) -> list[str]:
@@ -269,21 +368,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="where the variants run (default: cuda where torch sees a CUDA device, else cpu)")
     p.add_argument("--precision", choices=["fp32", "bf16"], default=None,
                    help="fp32, or bf16 autocast for every variant (default: fp32 on cpu, bf16 on cuda)")
-    p.add_argument("--preset", default="base", help=f"comma-separated model sizes: {', '.join(PRESETS)}")
-    p.add_argument("--seq-len", default=None, help="comma-separated sequence lengths (default: 128,512 on cuda, "
-                   "128 on cpu)")
+    p.add_argument("--preset", default="base", help=f"comma-separated model sizes of one family: {', '.join(PRESETS)}")
+    p.add_argument("--seq-len", default=None, help="comma-separated sequence lengths (default: BERT 128,512 on cuda, "
+                   "ModernBERT 1024,8192; 128 on cpu)")
     p.add_argument("--batch-size", type=int, default=None, help="sequences per step (default: tokens-per-step / S)")
     p.add_argument("--tokens-per-step", type=int, default=None,
-                   help=f"sets the batch size when --batch-size is not given (default: {TOKENS_PER_STEP})")
+                   help="sets the batch size when --batch-size is not given (default: "
+                   + "; ".join(f"{d.name} {d.tokens_per_step}" for d in FAMILY_DEFAULTS.values()) + ")")
     p.add_argument("--steps", type=int, default=None, help=f"timed steps per variant (default: {DEFAULT_STEPS})")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps per variant before the timed ones")
-    p.add_argument("--variants", default=DEFAULT_VARIANTS,
-                   help=f"comma-separated subset (default {DEFAULT_VARIANTS}; d compiles first, seconds to minutes): "
-                   + "; ".join(f"{k}: {v.description}" for k, v in VARIANTS.items()))
+    p.add_argument("--variants", default=None,
+                   help="comma-separated subset of the presets' family's (default: BERT "
+                   f"{DEFAULT_VARIANTS['bert']}, d compiles first, seconds to minutes; ModernBERT "
+                   f"{DEFAULT_VARIANTS['modernbert']}): "
+                   + " ".join(f"{FAMILY_DEFAULTS[arch].name}: " + "; ".join(f"{k}: {v.description}" for k, v in
+                                                                           variants.items()) + "."
+                              for arch, variants in VARIANTS_OF.items()))
     p.add_argument("--lr", type=float, default=1e-4, help="learning rate of every optimizer")
     p.add_argument("--data", default=None, help="dataset folder (data_tools build): batches from real shards")
     p.add_argument("--workers", type=int, default=None, help="loader worker processes (default: 2 on cuda, 0 on cpu)")
-    p.add_argument("--vocab-size", type=int, default=BERT_VOCAB_SIZE, help="vocabulary of synthetic batches")
+    p.add_argument("--vocab-size", type=int, default=None, help="vocabulary of synthetic batches (default: "
+                   + "; ".join(f"{d.name} {d.vocab_size}" for d in FAMILY_DEFAULTS.values()) + ")")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the batches")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--no-probes", action="store_true", help="skip the matmul and copy probes")
@@ -295,14 +400,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def settings_from(args: argparse.Namespace) -> BenchSettings:
     device = args.device or visible_device()
     warmup, steps = DEFAULT_STEPS[device]
+    presets = [x.strip() for x in args.preset.split(",") if x.strip()]
+    if not presets:
+        raise ConfigError("--preset is empty")
+    arch = preset_arch(presets[0])  # the family's defaults (BenchSettings checks that the others share it)
+    family = FAMILY_DEFAULTS[arch]
     return BenchSettings(
-        device=device, precision=args.precision or ("bf16" if device == "cuda" else "fp32"),
-        presets=[x.strip() for x in args.preset.split(",") if x.strip()],
-        seq_lens=_int_list(args.seq_len or ("128,512" if device == "cuda" else "128"), "--seq-len"),
-        batch_size=args.batch_size, tokens_per_step=args.tokens_per_step or TOKENS_PER_STEP[device],
+        device=device, precision=args.precision or ("bf16" if device == "cuda" else "fp32"), presets=presets,
+        seq_lens=_int_list(args.seq_len or family.seq_lens[device], "--seq-len"),
+        batch_size=args.batch_size, tokens_per_step=args.tokens_per_step or family.tokens_per_step[device],
         steps=steps if args.steps is None else args.steps, warmup=warmup if args.warmup is None else args.warmup,
-        variants=[x.strip() for x in args.variants.split(",") if x.strip()], lr=args.lr,
-        vocab_size=args.vocab_size, data=args.data,
+        variants=[x.strip() for x in (args.variants or DEFAULT_VARIANTS[arch]).split(",") if x.strip()], lr=args.lr,
+        vocab_size=args.vocab_size or family.vocab_size, data=args.data,
         workers=(2 if device == "cuda" else 0) if args.workers is None else args.workers,
         seed=args.seed, probes=not args.no_probes)
 

@@ -3,9 +3,10 @@
     python -m bert_ds.tools.gpu_summary RESULTS_DIR
 
 Reads what the steps wrote (``steps.txt``, the logs, ``kernels_bench.json``, ``bench.json``,
-``profile.json``, and of each engine run, ``train_base``, ``train_base512`` and each phase of
-``two_phase``, its ``<run>_summary.json``, ``<run>_metrics.jsonl``, ``<run>_kernels.json`` and
-``<run>_profile.json``) and writes ``RESULTS_DIR/SUMMARY.md``, also printed:
+``modernbert_1024.json``, ``modernbert_8192.json``, ``profile.json``, and of each engine run,
+``train_base``, ``train_base512`` and each phase of ``two_phase``, its ``<run>_summary.json``,
+``<run>_metrics.jsonl``, ``<run>_kernels.json`` and ``<run>_profile.json``) and writes
+``RESULTS_DIR/SUMMARY.md``, also printed:
 
 - the device, driver and versions (torch, CUDA, Python, transformers, tokenizers,
   DeepSpeed: read in this process, which runs on the same Python as the steps), the commit;
@@ -18,6 +19,9 @@ Reads what the steps wrote (``steps.txt``, the logs, ``kernels_bench.json``, ``b
   matmul peak, and the fastest other implementation;
 - BERT-Base at seq 128 and 512: real tokens/s and MFU of bert-ds fused, bert-ds on
   PyTorch's ops and transformers, the goals, and the projected seed run;
+- ModernBERT-base at seq 1,024 and 8,192 (``modernbert_1024.json``, ``modernbert_8192.json``):
+  bert-ds (``kernels=auto``, PyTorch's ops) against transformers with SDPA and with
+  FlashAttention-2 (or why that did not run), the first-batch loss check, the goal;
 - one profiled step: wall, GPU-busy and idle time, launches, host syncs, top kernels;
 - the engine path a user runs (``train_base``): real tokens/s, MFU, step time, data wait,
   and three of its steps profiled the same way (``--profile-steps``), engine included;
@@ -57,6 +61,9 @@ from bert_ds.tools.engine_sweep import rate_text, rates, read_run
 
 BENCH_VARIANTS = {"a": "bert-ds fused", "b": "bert-ds, PyTorch ops", "c": "transformers (SDPA)",
                   "d": "bert-ds, layers compiled"}
+MODERNBERT_VARIANTS = {"a": "bert-ds, kernels=auto", "b": "bert-ds, PyTorch ops", "c": "transformers (SDPA)",
+                       "f": "transformers (flash_attention_2)"}
+MODERNBERT_STEPS = ("modernbert_1024", "modernbert_8192")  # the bench of ModernBERT-base, one step a length
 VERDICT = re.compile(r"^\s+(\w+)\s+runs (\w+) \((.*)$")  # the build's line per op: "  op  runs X (...)..."
 PYTEST_CLOSING = re.compile(r"\b\d+ (passed|failed|skipped|errors?|deselected)\b.* in [\d.]+s")
 ENGINE_RUNS = {"train_base": 128, "train_base512": 512}  # the shipped config through the engine, by seq
@@ -274,8 +281,7 @@ def throughput(results: Path) -> list[str]:
             lines.append(f"| {config['preset']} | {config['seq_len']} | ({key}) {name} | {r['ms_per_step']:.1f} | "
                          f"{r['real_tokens_per_s']:,.0f} | {_percent(r.get('mfu_vs_datasheet_bf16'))} | "
                          f"{_percent(r.get('mfu_vs_matmul'))} |")
-    lines += [""] + [f"- {g['goal']}: measured {g['measured']}, {'met' if g['met'] else '**not met**'}"
-                     for g in bench.get("goals", [])]
+    lines += [""] + _goal_lines(bench.get("goals", []))
     projection = bench.get("projection") or {}
     if projection.get("variants"):
         anchor = projection["anchor"]
@@ -284,6 +290,44 @@ def throughput(results: Path) -> list[str]:
         lines += [f"- ({key}) {BENCH_VARIANTS.get(key, key)}: {v['seconds'] / 3600:.1f} h, "
                   f"{v['speedup']:.2f}x the anchor" for key, v in projection["variants"].items()]
     return lines + [""]
+
+
+def _goal_lines(goals: list[dict[str, Any]]) -> list[str]:
+    verdict = {True: "met", False: "**not met**", None: "**not measured**"}
+    return [f"- {g['goal']}: measured {g['measured']}, {verdict[g['met']]}" for g in goals]
+
+
+def modernbert(results: Path) -> list[str]:
+    """ModernBERT-base against transformers at seq 1,024 and 8,192 (one step and file each)."""
+    lines = ["## ModernBERT against transformers (`modernbert_*.md`: the bench loop; the host's wall time)", "",
+             "| seq | variant | ms/step | real tokens/s | vs (c) | vs (f) | MFU (datasheet) | MFU (measured matmul) "
+             "| peak memory | first-batch loss |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    notes, goals = [], []
+    for step in MODERNBERT_STEPS:
+        bench = _json(results / f"{step}.json")
+        if bench is None:
+            notes += _missing(f"{step}.json", results, step)
+            continue
+        for config in bench["configs"]:
+            lines += [_modernbert_row(config["seq_len"], key, r) for key, r in config["results"].items()]
+            check = config["loss_check"]
+            notes.append(f"- seq {config['seq_len']}: first-batch losses within {check['tolerance']:.3g} of the "
+                         f"reference's {check['fp32']:.4f} (fp32; {check['run_precision']:.4f} in "
+                         f"{check['precision']})")
+        goals += bench.get("goals", [])
+    return lines + [""] + notes + [""] + _goal_lines(goals) + [""]
+
+
+def _modernbert_row(seq: int, key: str, r: dict[str, Any]) -> str:
+    name = f"({key}) {MODERNBERT_VARIANTS.get(key, key)}"
+    if "not_run" in r:
+        return f"| {seq} | {name} | not run: {r['not_run'][:100]} | | | | | | | |"
+    speedups = [f"{x:.2f}x" if x is not None else "-" for x in (r.get("speedup_vs_transformers"),
+                                                                 r.get("speedup_vs_flash_attention_2"))]
+    memory = "-" if r.get("peak_memory_gib") is None else f"{r['peak_memory_gib']:.1f} GiB"
+    return (f"| {seq} | {name} | {r['ms_per_step']:.1f} | {r['real_tokens_per_s']:,.0f} | {' | '.join(speedups)} | "
+            f"{_percent(r.get('mfu_vs_datasheet_bf16'))} | {_percent(r.get('mfu_vs_matmul'))} | {memory} | "
+            f"{r['first_batch_loss']:.4f} |")
 
 
 def profile(results: Path) -> list[str]:
@@ -456,7 +500,7 @@ def _faster(first: float | None, second: float | None, first_name: str, second_n
             f"{fast_rate / slow_rate:.2f}x")
 
 
-SECTIONS = (header, steps_table, kernels, verdicts, throughput, profile, engine_path, host_syncs, step_buckets,
+SECTIONS = (header, steps_table, kernels, verdicts, throughput, modernbert, profile, engine_path, host_syncs, step_buckets,
             two_phase, sweep, fusions)
 
 

@@ -1,5 +1,7 @@
-"""bert_ds.tools.bench: the four variants in one run, their figures, the goals and the projection."""
+"""bert_ds.tools.bench: the four variants in one run, their figures, the goals and the projection;
+ModernBERT's against transformers' ModernBertForMaskedLM, and the first-batch loss check."""
 
+import importlib.util
 import json
 
 import numpy as np
@@ -14,6 +16,9 @@ from tests.conftest import run_cli
 
 SMOKE = ["--device", "cpu", "--preset", "tiny", "--steps", "2", "--warmup", "1", "--batch-size", "8", "--seq-len", "64",
          "--vocab-size", "2048"]  # the smallest shapes that run every variant: the bench's paths, not its figures
+# ModernBERT's: seq 64 is past the tiny preset's window of +-16, so its local layers compute fewer pairs
+MODERNBERT_SMOKE = ["--device", "cpu", "--preset", "modernbert-tiny", "--steps", "2", "--warmup", "1", "--batch-size",
+                    "4", "--seq-len", "64", "--vocab-size", "2048"]
 
 
 def _table_rows(text):
@@ -71,13 +76,18 @@ def test_two_sequence_lengths_in_one_run_from_real_shards(sample_data, tmp_path)
         assert all(x["mfu_vs_matmul"] is None for x in config["results"].values())  # --no-probes
 
 
-def test_bf16_autocast_path_runs(tmp_path):
-    """The CUDA default (bf16 autocast for every variant asked for), exercised on the CPU."""
-    bench.main([*SMOKE, "--precision", "bf16", "--steps", "1", "--no-probes", "--json", str(tmp_path / "b.json")])
+@pytest.mark.parametrize("smoke", [SMOKE, [*MODERNBERT_SMOKE, "--variants", "a,c"]], ids=["bert", "modernbert"])
+def test_bf16_autocast_path_runs(smoke, tmp_path):
+    """The CUDA default (bf16 autocast for every variant asked for), exercised on the CPU: the
+    variants pass the loss check's bf16 allowance."""
+    assert bench.main([*smoke, "--precision", "bf16", "--steps", "1", "--no-probes",
+                       "--json", str(tmp_path / "b.json")]) == 0
     result = json.loads((tmp_path / "b.json").read_text())
     assert result["settings"]["precision"] == "bf16"
-    losses = [x["first_batch_loss"] for x in result["configs"][0]["results"].values()]
+    (config,) = result["configs"]
+    losses = [x["first_batch_loss"] for x in config["results"].values()]
     assert max(losses) - min(losses) < 0.05  # bf16 rounding, same model
+    assert config["loss_check"]["tolerance"] < 0.05  # and the allowance is of that size, not a blank cheque
 
 
 def test_a_variant_that_cannot_run_fused_is_reported_and_the_others_still_run(monkeypatch):
@@ -172,6 +182,9 @@ def test_synthetic_samples_depend_only_on_seed_and_position():
     (["--seq-len", "128,abc"], "--seq-len"),
     (["--seq-len", "1024"], "--seq-len"),
     (["--preset", "huge"], "preset"),
+    (["--preset", "tiny,modernbert-tiny"], "one model family per run"),
+    (["--preset", "modernbert-tiny", "--variants", "a,d"], "--variants"),
+    (["--preset", "modernbert-tiny", "--seq-len", "2048"], "--seq-len must be in [8, 1024]"),
     (["--data", "/nonexistent/data"], "--data"),
 ])
 def test_bad_settings_are_one_line_errors(args, message, capsys):
@@ -185,3 +198,95 @@ def test_cuda_without_a_gpu_is_a_one_line_error(capsys):
     assert bench.main([*SMOKE, "--device", "cuda"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:") and "CUDA" in err[0]
+
+
+def test_modernbert_runs_beside_transformers_modernbert_with_its_figures(tmp_path):
+    from bert_ds.model.config import model_preset
+    from bert_ds.model.flops import training_flops
+
+    proc = run_cli("bert_ds.tools.bench", *MODERNBERT_SMOKE, "--threads", "1", "--json", str(tmp_path / "m.json"),
+                   "--markdown", str(tmp_path / "m.md"))
+    assert (tmp_path / "m.md").read_text().strip() == proc.stdout.strip()
+    assert proc.stdout.startswith("# ModernBERT pretraining throughput") and "## Projection" not in proc.stdout
+    rows = _table_rows(proc.stdout)
+    assert [row[0][:3] for row in rows] == ["(a)", "(b)", "(c)", "(f)"]
+    for row in rows[:3]:  # ms/step, tokens/s, vs (c), data wait, TFLOP/s, MFU vs matmul: measured, > 0
+        assert all(_number(row[i]) > 0 for i in (2, 3, 4, 7, 9)), row
+        assert row[5] == "n/a" and row[8] == "n/a" and row[10] == "n/a"  # no (f), no datasheet peak, no GPU memory
+    result = json.loads((tmp_path / "m.json").read_text())
+    assert result["arch"] == "modernbert" and result["goals"] == [] and result["projection"] is None
+    (config,) = result["configs"]
+    figures, check = config["results"], config["loss_check"]
+    flash = "flash-attn package is not installed" if importlib.util.find_spec("flash_attn") is None else "CUDA"
+    assert flash in figures["f"]["not_run"]  # said plainly, in the row and the JSON
+    assert "| (f) transformers ModernBertForMaskedLM: flash_attention_2, padded, fused AdamW | not run: " in proc.stdout
+    for key in "abc":
+        x = figures[key]
+        for name in ("ms_per_step", "real_tokens_per_s", "useful_tflops", "mfu_vs_matmul", "speedup_vs_transformers"):
+            assert x[name] > 0, (key, name)
+        assert x["peak_memory_gib"] is None and x["speedup_vs_flash_attention_2"] is None
+        assert abs(x["first_batch_loss"] - check["fp32"]) <= check["tolerance"]
+    assert check["precision"] == "fp32" and check["tolerance"] == pytest.approx(1e-4 * check["fp32"])
+    assert figures["a"]["optimizer"] == "stable_adamw" and figures["c"]["kernels"] == "SDPA"
+    # MFU by the one accounting, the local layers credited with their windows' pairs only
+    b = config["batches"]
+    assert 0 < b["local_pairs_per_step"] < b["sum_sq_len_per_step"]
+    cfg = model_preset("modernbert-tiny", 2048)
+    useful = training_flops(cfg, b["real_tokens_per_step"], b["sum_sq_len_per_step"], b["masked_per_step"],
+                            b["local_pairs_per_step"])
+    assert b["useful_gflop_per_step"] == pytest.approx(useful / 1e9)
+    assert b["masked_per_step"] / b["real_tokens_per_step"] == pytest.approx(0.3, abs=0.02)  # ModernBERT's rate
+    assert figures["a"]["mfu_vs_matmul"] == pytest.approx(figures["a"]["useful_tflops"] / result["probes"]["matmul_tflops"])
+
+
+def test_a_planted_weight_mismatch_is_refused_before_it_is_timed(monkeypatch, tmp_path, capsys):
+    real = bench_variants.transformers_model
+
+    def planted(v, cfg, weights, device):  # transformers gets a decoder bias ours does not have
+        return real(v, cfg, {**weights, "decoder.bias": weights["decoder.bias"] + 1.0 * torch.randn(cfg.vocab_size)},
+                    device)
+
+    timed = []
+    monkeypatch.setattr(bench_variants, "transformers_model", planted)
+    monkeypatch.setattr(bench_variants, "time_variant", lambda *args: timed.append(args) or pytest.fail("timed"))
+    assert bench.main([*MODERNBERT_SMOKE, "--variants", "c", "--no-probes", "--json", str(tmp_path / "m.json")]) == 2
+    (err,) = capsys.readouterr().err.strip().splitlines()
+    assert err.startswith("error: modernbert-tiny at seq 64: (c) transformers ModernBertForMaskedLM: SDPA")
+    assert "first-batch loss of" in err and "fp32 allows" in err and "same weights" in err
+    assert not timed and not (tmp_path / "m.json").exists()
+
+
+def test_the_loss_check_allows_twice_the_references_own_error_and_the_precisions_slack():
+    from bert_ds.tools.bench_settings import MODERNBERT_VARIANTS
+    from bert_ds.tools.bench_variants import LOSS_SLACK, LossCheck, LossMismatch
+
+    v = MODERNBERT_VARIANTS["c"]
+    tolerance = 2 * 0.003 + LOSS_SLACK["bf16"] * 10.0
+    check = LossCheck(fp32=10.0, run_precision=10.003, precision="bf16", tolerance=tolerance)
+    check.hold(v, 10.0 + 0.99 * tolerance, "here")
+    for wrong in (10.0 + 1.01 * tolerance, 10.0 - 1.01 * tolerance, float("nan")):
+        with pytest.raises(LossMismatch, match="bf16 allows"):
+            check.hold(v, wrong, "here")
+
+
+def test_modernbert_goal_is_against_flash_attention_2_and_says_when_it_is_not_measured():
+    def config(f):
+        results = {"a": {"speedup_vs_flash_attention_2": 1.6}, "c": {}, **({"f": f} if f is not None else {})}
+        return {"preset": "modernbert-base", "seq_len": 1024, "results": results}
+
+    result = {"settings": {"device": "cuda"}}
+    (met,) = bench.goals({**result, "configs": [config({"real_tokens_per_s": 1.0})]})
+    assert (met["measured"], met["met"]) == ("1.60x", True) and "flash_attention_2 at seq 1024" in met["goal"]
+    (unknown,) = bench.goals({**result, "configs": [config({"not_run": "the flash-attn package is not installed"})]})
+    assert unknown["met"] is None and unknown["measured"] == "not measured: (f) not run: the flash-attn package is not installed"
+    assert bench.met_text(None) == "not measured"
+    at_8192 = {**config(None), "seq_len": 8192}
+    assert bench.goals({**result, "configs": [at_8192]}) == []
+
+
+def test_modernbert_reads_real_shards_as_documents(sample_data, tmp_path):
+    bench.main([*MODERNBERT_SMOKE, "--steps", "1", "--warmup", "0", "--data", str(sample_data["train"]),
+                "--variants", "b,c", "--no-probes", "--json", str(tmp_path / "m.json")])
+    (config,) = json.loads((tmp_path / "m.json").read_text())["configs"]
+    assert config["source"].startswith("real shards") and set(config["results"]) == {"b", "c"}
+    assert config["batches"]["masked_per_step"] > 0 and config["results"]["c"]["real_tokens_per_s"] > 0
