@@ -83,9 +83,7 @@ bias_gelu_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x, const BT
 
 template <typename T, typename BT, int kVec, bool kTanh>
 int fwd_blocks(int64_t num_vecs) {
-  const int64_t wanted = (num_vecs + kFwdThreads - 1) / kFwdThreads;
-  const int64_t resident = resident_blocks<bias_gelu_fwd_kernel<T, BT, kVec, kTanh>, kFwdThreads>();
-  return (int)(wanted < 1 ? 1 : (wanted < resident ? wanted : resident));
+  return one_wave<bias_gelu_fwd_kernel<T, BT, kVec, kTanh>, kFwdThreads>(num_vecs, kFwdThreads);
 }
 
 // Row slabs (grid.y) of at least 64 rows (8 per thread), and with the column tiles

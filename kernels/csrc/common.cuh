@@ -249,13 +249,20 @@ inline bool register_row_path(int hidden, std::initializer_list<const void*> poi
   return true;
 }
 
-// One block per kRowWarpsPerBlock rows, but no more blocks than the device holds at once
-// (kKernel's occupancy): the grid-stride kernels then run in one wave, with no idle tail.
+// One block of kThreads per `per_block` of `items`, but at least one and no more blocks than the
+// device holds at once (kKernel's occupancy): the grid-stride kernels then run in one wave, with
+// no idle tail.
+template <auto kKernel, int kThreads>
+int one_wave(int64_t items, int per_block) {
+  const int64_t wanted = (items + per_block - 1) / per_block;
+  const int64_t resident = resident_blocks<kKernel, kThreads>();
+  return (int)(wanted < 1 ? 1 : (wanted < resident ? wanted : resident));
+}
+
+// The row kernels' wave: a block per kRowWarpsPerBlock rows.
 template <auto kKernel>
 int one_wave_of_rows(int64_t rows) {
-  const int64_t wanted = (rows + kRowWarpsPerBlock - 1) / kRowWarpsPerBlock;
-  const int64_t resident = resident_blocks<kKernel, kRowThreads>();
-  return (int)(wanted < 1 ? 1 : (wanted < resident ? wanted : resident));
+  return one_wave<kKernel, kRowThreads>(rows, kRowWarpsPerBlock);
 }
 
 // Calls f(T{}, RT{}, WT{}) for the (input, residual, weight) dtypes: the residual and the

@@ -88,13 +88,6 @@ geglu_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x, T* __restric
 
 // ---------------------------------------------------------------- launch
 
-template <auto kKernel>
-int one_wave(int64_t num_vecs) {
-  const int64_t wanted = (num_vecs + kThreads - 1) / kThreads;
-  const int64_t resident = resident_blocks<kKernel, kThreads>();
-  return (int)(wanted < 1 ? 1 : (wanted < resident ? wanted : resident));
-}
-
 // Runs launch(T{}, vec, tanh_form) for the dtype code, with 16-byte vectors where cols and every
 // pointer allow them.
 template <typename F>
@@ -122,8 +115,8 @@ extern "C" cudaError_t bds_geglu_fwd(const void* x, void* y, int64_t rows, int c
     using T = decltype(t);
     constexpr int kVec = decltype(vec)::value;
     constexpr auto kernel = geglu_fwd_kernel<T, kVec, decltype(tanh_form)::value>;
-    kernel<<<one_wave<kernel>(rows * cols / kVec), kThreads, 0, stream>>>(static_cast<const T*>(x),
-                                                                          static_cast<T*>(y), rows, cols);
+    const int blocks = one_wave<kernel, kThreads>(rows * cols / kVec, kThreads);
+    kernel<<<blocks, kThreads, 0, stream>>>(static_cast<const T*>(x), static_cast<T*>(y), rows, cols);
     return cudaGetLastError();
   });
 }
@@ -136,8 +129,9 @@ extern "C" cudaError_t bds_geglu_bwd(const void* dy, const void* x, void* dx, in
     using T = decltype(t);
     constexpr int kVec = decltype(vec)::value;
     constexpr auto kernel = geglu_bwd_kernel<T, kVec, decltype(tanh_form)::value>;
-    kernel<<<one_wave<kernel>(rows * cols / kVec), kThreads, 0, stream>>>(
-        static_cast<const T*>(dy), static_cast<const T*>(x), static_cast<T*>(dx), rows, cols);
+    const int blocks = one_wave<kernel, kThreads>(rows * cols / kVec, kThreads);
+    kernel<<<blocks, kThreads, 0, stream>>>(static_cast<const T*>(dy), static_cast<const T*>(x), static_cast<T*>(dx),
+                                            rows, cols);
     return cudaGetLastError();
   });
 }
