@@ -42,6 +42,9 @@ is timed:
 
 - ``varlen_attn``: torch's varlen FlashAttention-2 alone (an error where it cannot take the
   inputs, instead of the native op's fallback);
+- ``flash_attn``: flash-attn's ``flash_attn_varlen_func``, what transformers' ``flash_attention_2``
+  runs, where the package is installed and imports (:func:`flash_attn_api`; the same input rules
+  as ``varlen_attn``, :func:`flash_layout_problem`);
 - ``sdpa_efficient``, ``sdpa_cudnn``: the reference's padding around SDPA restricted to the
   memory-efficient or the cuDNN backend (:func:`padded_sdpa`);
 - ``sdpa_flash``: SDPA's flash backend on a nested (jagged) batch, which needs no padding
@@ -262,13 +265,20 @@ def varlen_attn_problem(q, k, v, cu_seqlens, dropout_p, softmax_scale) -> str:
     capability = cuda_capability(q.device)  # first: off CUDA, the API is never looked up
     if capability is None or capability < (8, 0):
         return "its inputs are not on a CUDA device of compute capability 8.0 or newer"
-    api, head_dim = varlen_attn_api(), q.shape[-1]
+    api = varlen_attn_api()
     if api is None:
         return f"torch {torch.__version__} has no varlen_attn"
     if dropout_p > 0.0:
         return f"attention dropout (dropout_p={dropout_p})"
     if softmax_scale is not None and not api.takes_scale:
         return "a softmax_scale (this torch's varlen_attn takes none)"
+    return flash_layout_problem(q, k, v, cu_seqlens, capability)
+
+
+def flash_layout_problem(q, k, v, cu_seqlens, capability: tuple[int, int]) -> str:
+    """What of the dtypes, the head dim, cu_seqlens and the devices FlashAttention-2's varlen kernels
+    cannot take ("" if they can): torch's varlen_attn and flash-attn's share these rules."""
+    head_dim = q.shape[-1]
     if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype or v.dtype != q.dtype:
         return f"{q.dtype}/{k.dtype}/{v.dtype} inputs (it takes float16 or bfloat16, all alike)"
     if q.dim() != 3 or head_dim % 8 != 0 or head_dim > VARLEN_MAX_HEAD_DIM:
@@ -280,6 +290,51 @@ def varlen_attn_problem(q, k, v, cu_seqlens, dropout_p, softmax_scale) -> str:
     if head_dim > VARLEN_LARGE_HEAD_DIM and capability not in VARLEN_LARGE_HEAD_DIM_DEVICES:
         return f"head_dim {head_dim} on compute capability {capability} (above {VARLEN_LARGE_HEAD_DIM}: sm80, sm90)"
     return ""
+
+
+@functools.cache
+def flash_attn_api() -> Callable[..., torch.Tensor] | str:
+    """flash-attn's ``flash_attn_varlen_func`` (the package transformers' ``flash_attention_2`` runs),
+    or why it cannot be used: not installed, or not importable (a build for another torch or CUDA)."""
+    if importlib.util.find_spec("flash_attn") is None:
+        return "the flash-attn package is not installed"
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except Exception as error:  # its extension built for another torch: say so, as a reason
+        lines = str(error).strip().splitlines()
+        return f"flash-attn does not import: {lines[0] if lines else type(error).__name__}"
+    return flash_attn_varlen_func
+
+
+def flash_attn_problem(q, k, v, cu_seqlens, dropout_p) -> str:
+    """Why flash-attn's varlen attention cannot run these inputs, forward and backward ("" if it can)."""
+    capability = cuda_capability(q.device)  # first: off CUDA, the package is never imported
+    if capability is None or capability < (8, 0):
+        return "its inputs are not on a CUDA device of compute capability 8.0 or newer"
+    api = flash_attn_api()
+    if isinstance(api, str):
+        return api
+    if dropout_p > 0.0:
+        return f"attention dropout (dropout_p={dropout_p})"
+    return flash_layout_problem(q, k, v, cu_seqlens, capability)
+
+
+def flash_attn_varlen(q, k, v, cu_seqlens, max_seqlen, softmax_scale=None, window: int = GLOBAL) -> torch.Tensor:
+    """flash-attn's varlen attention of the packed tokens (no dropout): every key of a query's sequence,
+    or with a ``window`` those at most that far away (flash-attn's ``window_size``, whose -1 is
+    :data:`GLOBAL`'s "no limit"). Raises a ``ValueError`` saying why where it cannot take the inputs."""
+    problem = flash_attn_problem(q, k, v, cu_seqlens, 0.0)
+    if problem:
+        raise ValueError(f"flash-attn cannot take these inputs: {problem}")
+    return flash_attn_api()(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale=softmax_scale,
+                            window_size=(window, window))
+
+
+def varlen_attention_flash_attn(q, k, v, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None):
+    """:func:`varlen_attention_ref` by flash-attn, where the package is installed (:func:`flash_attn_varlen`)."""
+    if dropout_p > 0.0:
+        raise ValueError(f"the race times flash-attn without dropout; got dropout_p={dropout_p}")
+    return flash_attn_varlen(q, k, v, cu_seqlens, max_seqlen, softmax_scale)
 
 
 def varlen_attention_fused(
@@ -337,6 +392,7 @@ IMPLEMENTATIONS: dict[Impl, Callable[..., torch.Tensor]] = {
     "fused": varlen_attention_fused,
     "compiled": varlen_attention_compiled,
     "varlen_attn": varlen_attention_varlen_attn,
+    "flash_attn": varlen_attention_flash_attn,
     "sdpa_flash": functools.partial(nested_sdpa, backend=SDPBackend.FLASH_ATTENTION),
     "sdpa_efficient": functools.partial(padded_sdpa, backend=SDPBackend.EFFICIENT_ATTENTION),
     "sdpa_cudnn": functools.partial(padded_sdpa, backend=SDPBackend.CUDNN_ATTENTION),
@@ -408,6 +464,8 @@ def _unsupported(impl: Impl, q, k, v, cu_seqlens, dropout_p, softmax_scale) -> s
         return f"attention dropout (dropout_p={dropout_p}) is not supported; set attention_dropout=0"
     if impl == "varlen_attn":
         return varlen_attn_problem(q, k, v, cu_seqlens, dropout_p, softmax_scale)
+    if impl == "flash_attn":
+        return flash_attn_problem(q, k, v, cu_seqlens, dropout_p)
     problem = "" if impl == "compiled" else _layout_problem(impl, q, k, v, cu_seqlens)  # compiled: any input
     if problem:
         return problem

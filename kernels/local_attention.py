@@ -20,6 +20,8 @@ padded batch. The other candidates, each with this op's signature, are PyTorch's
 - ``sdpa_efficient``: the padded SDPA restricted to the memory-efficient backend, which takes
   the band as a mask;
 - ``native``: ``varlen_attn`` where it takes the inputs, else the reference;
+- ``flash_attn``: flash-attn's ``flash_attn_varlen_func`` with ``window_size``, where the package
+  is installed (what transformers' ``flash_attention_2`` runs);
 - ``fused``: the global op's fused kernels (``kernels/csrc/attention.cu``) with the window
   inside them: a CTA walks only the tiles within the window of one of its rows and masks only
   in the tiles that are not wholly within every row's window (the file's header). float16 and
@@ -40,7 +42,8 @@ import torch
 from torch.nn.attention import SDPBackend
 
 from bert_ds.kernels.attention import (
-    FusedVarlenAttention, cuda_capability, fused_problem, fused_scale, padded_sdpa, varlen_attn_api, varlen_attn_problem,
+    FusedVarlenAttention, cuda_capability, flash_attn_problem, flash_attn_varlen, fused_problem, fused_scale, padded_sdpa,
+    varlen_attn_api, varlen_attn_problem,
 )
 from bert_ds.kernels.dispatch import Backend, Impl, OpPlan, choose
 
@@ -112,6 +115,14 @@ def local_attention_sdpa_efficient(q, k, v, cu_seqlens, max_seqlen, window, drop
                        backend=SDPBackend.EFFICIENT_ATTENTION, window=window)
 
 
+def local_attention_flash_attn(q, k, v, cu_seqlens, max_seqlen, window, dropout_p=0.0, softmax_scale=None):
+    """:func:`local_attention_ref` by flash-attn's varlen attention with ``window_size``, where the
+    package is installed (what transformers' ``flash_attention_2`` runs for ModernBERT's local layers)."""
+    if dropout_p > 0.0:
+        raise ValueError(f"the race times flash-attn without dropout; got dropout_p={dropout_p}")
+    return flash_attn_varlen(q, k, v, cu_seqlens, max_seqlen, softmax_scale, window)
+
+
 def local_attention_fused(q, k, v, cu_seqlens, max_seqlen, window, dropout_p=0.0, softmax_scale=None):
     """:func:`local_attention_ref` on the fused kernels, the window inside them (no dropout)."""
     return FusedVarlenAttention.apply(q, k, v, cu_seqlens, max_seqlen, fused_scale(q, dropout_p, softmax_scale),
@@ -122,6 +133,7 @@ IMPLEMENTATIONS: dict[Impl, Callable[..., torch.Tensor]] = {
     "native": local_attention_native,
     "fused": local_attention_fused,
     "varlen_attn": local_attention_varlen_attn,
+    "flash_attn": local_attention_flash_attn,
     "flex": local_attention_flex,
     "sdpa_efficient": local_attention_sdpa_efficient,
 }
@@ -166,6 +178,8 @@ def _unsupported(impl: Impl, q, k, v, cu_seqlens, dropout_p, softmax_scale) -> s
         return _varlen_attn_problem(q, k, v, cu_seqlens, dropout_p, softmax_scale)
     if impl == "fused":
         return fused_problem(q, k, v, cu_seqlens, dropout_p)
+    if impl == "flash_attn":
+        return flash_attn_problem(q, k, v, cu_seqlens, dropout_p)
     if cuda_capability(q.device) is None:
         return "its inputs are not on a CUDA device"
     return ""

@@ -191,15 +191,16 @@ def test_a_wall_time_tie_goes_to_native_whatever_the_device_says(auto):
 
 
 def test_every_candidate_is_timed_and_the_fastest_wins(auto):
-    auto.costs("varlen_attention", native=2.0, fused=1.5, compiled=1.8, varlen_attn=1.4, sdpa_flash=1.3,
-               sdpa_efficient=1.2, sdpa_cudnn=0.9)
+    auto.costs("varlen_attention", native=2.0, fused=1.5, compiled=1.8, varlen_attn=1.4, flash_attn=1.35,
+               sdpa_flash=1.3, sdpa_efficient=1.2, sdpa_cudnn=0.9)
     auto.costs("layer_norm", compiled=0.5)
     auto.costs("bias_gelu", native=1.5, fused=2.0, compiled=2.0)
     resolve_backend("auto", SHAPES)
     winner = choice.op_choices(SHAPES)["varlen_attention"]
     assert winner.runs == "sdpa_cudnn" and list(winner.wall_ms) == list(speed.IMPLEMENTATIONS["varlen_attention"])
     assert winner.wall_ms == pytest.approx({"native": 2.0, "fused": 1.5, "compiled": 1.8, "varlen_attn": 1.4,
-                                       "sdpa_flash": 1.3, "sdpa_efficient": 1.2, "sdpa_cudnn": 0.9})
+                                       "flash_attn": 1.35, "sdpa_flash": 1.3, "sdpa_efficient": 1.2,
+                                       "sdpa_cudnn": 0.9})
     assert _runs()["layer_norm"] == "compiled" and _runs()["bias_gelu"] == "native"
 
 
@@ -673,7 +674,8 @@ def test_the_choice_is_logged_once_per_shapes_with_its_margin_and_timings(auto, 
         "native 2.000 ms (2.000), fused 1.000 ms (1.000), compiled 3.000 ms (3.000))",
         "kernels=auto at seq 8: varlen_attention runs fused (2.00x faster than native; wall (device) per call: "
         "native 2.000 ms (2.000), fused 1.000 ms (1.000), compiled 3.000 ms (3.000), varlen_attn 3.000 ms (3.000), "
-        "sdpa_flash 3.000 ms (3.000), sdpa_efficient 3.000 ms (3.000), sdpa_cudnn 3.000 ms (3.000))",
+        "flash_attn 3.000 ms (3.000), sdpa_flash 3.000 ms (3.000), sdpa_efficient 3.000 ms (3.000), "
+        "sdpa_cudnn 3.000 ms (3.000))",
     ]
     assert len(choices) == 2 * len(RACED_HERE) and sum("at seq 16:" in m for m in choices) == len(RACED_HERE)
     races = [r.getMessage() for r in caplog.records if "timing each op's candidates" in r.getMessage()]
@@ -714,7 +716,7 @@ def test_a_model_with_local_layers_and_geglu_races_them_and_bert_does_not(auto, 
     assert model.op_shapes.window == 3 and "window 3" in model.op_shapes.key
     assert model.backend.winner("local_attention") == "flex"
     verdict = choice.op_choices(model.op_shapes)["local_attention"]
-    assert set(verdict.wall_ms) == {"native", "fused", "varlen_attn", "flex", "sdpa_efficient"}
+    assert set(verdict.wall_ms) == {"native", "fused", "varlen_attn", "flash_attn", "flex", "sdpa_efficient"}
     assert model.op_shapes.geglu and model.op_shapes.key.endswith(" geglu")
     assert model.backend.winner("geglu") == "compiled"
     assert set(choice.op_choices(model.op_shapes)["geglu"].wall_ms) == {"native", "fused", "compiled"}
@@ -828,14 +830,16 @@ def test_sdpa_around_a_padded_or_nested_batch_is_the_reference(lengths, softmax_
 
 
 def test_the_real_candidates_a_cpu_cannot_run_are_excluded_with_the_reason(auto, monkeypatch):
-    # The SDPA backends restricted to one each, and varlen_attn, as they are (not stood in).
-    for name in ("varlen_attn", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn"):
+    # The SDPA backends restricted to one each, varlen_attn and flash-attn, as they are (not stood in).
+    for name in ("varlen_attn", "flash_attn", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn"):
         monkeypatch.setitem(attention.IMPLEMENTATIONS, name, auto.real["varlen_attention"][name])
     resolve_backend("auto", SHAPES)
     winner = choice.op_choices(SHAPES)["varlen_attention"]
     assert set(winner.wall_ms) == {"native", "fused", "compiled"}
     assert winner.excluded["varlen_attn"] == ("raised ValueError: varlen_attn cannot take these inputs: its inputs "
                                               "are not on a CUDA device of compute capability 8.0 or newer")
+    assert winner.excluded["flash_attn"] == ("raised ValueError: flash-attn cannot take these inputs: its inputs "
+                                             "are not on a CUDA device of compute capability 8.0 or newer")
     for name in ("sdpa_flash", "sdpa_efficient", "sdpa_cudnn"):
         assert winner.excluded[name].startswith("raised RuntimeError: No viable backend for scaled_dot_product")
 
@@ -882,6 +886,7 @@ def test_the_op_s_candidates_are_compiled_where_torch_compile_makes_sense():
     ("sdpa_efficient", {}, "its inputs are not all on a CUDA device"),
     ("compiled", {}, "its inputs are not all on a CUDA device"),
     ("varlen_attn", {}, "its inputs are not on a CUDA device of compute capability 8.0 or newer"),
+    ("flash_attn", {}, "its inputs are not on a CUDA device of compute capability 8.0 or newer"),
 ])
 def test_each_candidate_says_which_inputs_it_cannot_take(impl, inputs, reason):
     dtype, head_dim = inputs.get("dtype", torch.bfloat16), inputs.get("head_dim", 64)

@@ -6,6 +6,7 @@ candidates that run on a CPU held to the same."""
 from __future__ import annotations
 
 import math
+import sys
 
 import pytest
 import torch
@@ -74,3 +75,73 @@ def test_off_a_cuda_device_the_gpu_candidates_say_why_not():
     assert "attention dropout" in local._unsupported("flex", q, k, v, cu_seqlens, 0.1, None)
     with pytest.raises(ValueError, match="varlen_attn cannot take these inputs"):
         local.local_attention_varlen_attn(q, k, v, cu_seqlens, max(LENGTHS), 3)
+
+
+@pytest.fixture
+def fake_flash_attn(monkeypatch):
+    """A stand-in for the flash-attn package on this CPU: its ``flash_attn_varlen_func`` computes the
+    definition (window_size's -1 as flash-attn's "no limit") and records each call's arguments."""
+    import types
+
+    from bert_ds.kernels import attention
+
+    calls = []
+
+    def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None,
+                               window_size=(-1, -1)):
+        calls.append({"cu_seqlens": (cu_seqlens_q, cu_seqlens_k), "max_seqlen": (max_seqlen_q, max_seqlen_k),
+                      "softmax_scale": softmax_scale, "window_size": window_size})
+        lengths = cu_seqlens_q.diff().tolist()
+        return _definition(q, k, v, lengths, max(lengths) if window_size[0] < 0 else window_size[0])
+
+    attention.flash_attn_api.cache_clear()
+    monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(flash_attn_varlen_func=flash_attn_varlen_func))
+    monkeypatch.setattr(attention, "cuda_capability", lambda device: (9, 0))  # the rules past the device's
+    monkeypatch.setattr(attention.importlib.util, "find_spec", lambda name: object())
+    yield calls
+    attention.flash_attn_api.cache_clear()
+
+
+def test_flash_attn_is_a_candidate_of_both_attention_ops_that_says_why_not_where_it_cannot_run():
+    from bert_ds.kernels import attention, speed
+
+    q, k, v, cu_seqlens = _inputs()
+    assert "flash_attn" in speed.candidate_names()["varlen_attention"]
+    assert "flash_attn" in speed.candidate_names()["local_attention"]
+    off = "its inputs are not on a CUDA device of compute capability 8.0 or newer"
+    assert local._unsupported("flash_attn", q, k, v, cu_seqlens, 0.0, None) == off
+    assert attention._unsupported("flash_attn", q, k, v, cu_seqlens, 0.0, None) == off
+    with pytest.raises(ValueError, match=f"flash-attn cannot take these inputs: {off}"):
+        local.local_attention_flash_attn(q, k, v, cu_seqlens, max(LENGTHS), 3)
+
+
+def test_without_the_package_flash_attn_says_it_is_not_installed(monkeypatch):
+    from bert_ds.kernels import attention
+
+    attention.flash_attn_api.cache_clear()
+    monkeypatch.setattr(attention, "cuda_capability", lambda device: (9, 0))
+    monkeypatch.setattr(attention.importlib.util, "find_spec", lambda name: None)
+    q, k, v, cu_seqlens = _inputs()
+    try:
+        assert attention.flash_attn_problem(q, k, v, cu_seqlens, 0.0) == "the flash-attn package is not installed"
+    finally:
+        attention.flash_attn_api.cache_clear()
+
+
+def test_flash_attn_candidates_hand_flash_attn_the_packed_tokens_and_the_window(fake_flash_attn):
+    """Both ops' flash_attn candidates: cu_seqlens and max_seqlen for queries and keys alike, the scale,
+    window_size (w, w) for the local layers and (-1, -1) for the global ones; the results the definition's."""
+    from bert_ds.kernels import attention
+
+    q, k, v, cu_seqlens = (t.to(torch.bfloat16) if t.is_floating_point() else t for t in _inputs())
+    assert attention.flash_attn_problem(q, k, v, cu_seqlens, 0.0) == ""
+    wide = [t.to(torch.bfloat16) for t in _inputs(head_dim=12)[:3]]
+    assert "head_dim 12 (it takes multiples of 8" in attention.flash_attn_problem(*wide, cu_seqlens, 0.0)
+    got = local.local_attention_flash_attn(q, k, v, cu_seqlens, max(LENGTHS), 3, softmax_scale=0.25)
+    assert torch.equal(got, _definition(q, k, v, LENGTHS, 3))
+    attention.varlen_attention_flash_attn(q, k, v, cu_seqlens, max(LENGTHS))
+    (local_call, global_call) = fake_flash_attn
+    assert local_call["window_size"] == (3, 3) and global_call["window_size"] == (-1, -1)
+    assert local_call["softmax_scale"] == 0.25 and global_call["softmax_scale"] is None
+    assert all(all(c is cu_seqlens for c in call["cu_seqlens"]) and call["max_seqlen"] == (30, 30)
+               for call in fake_flash_attn)
