@@ -28,7 +28,6 @@ from bert_ds.kernels.ops import (
 )
 from bert_ds.kernels.attention import varlen_attn_api
 from bert_ds.kernels.lamb import lamb_update, lamb_update_native
-from bert_ds.model.flops import local_pairs
 
 
 # --------------------------------------------------------------------------- timing
@@ -198,7 +197,7 @@ def local_attention_cases(model: str, tokens: int, dtype: torch.dtype, seq_len: 
              **{name: fn for name, fn in local.IMPLEMENTATIONS.items() if name != "native"}}
     options = dict(cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, window=LOCAL_WINDOW)
     impls = {name: (functools.partial(fn, **options), [q, k, v], grad) for name, fn in named.items()}
-    pairs = int(local_pairs(torch.tensor(lengths), LOCAL_WINDOW).sum())  # counted as done: those within the window
+    pairs = int(local.local_pairs(torch.tensor(lengths), LOCAL_WINDOW).sum())  # counted as done: those within the window
     work = {p: attention_work(lengths, heads, HEAD_DIM, q.element_size(), p, pairs) for p in PASSES}
     return f"{len(lengths)} x S<={max_seqlen} ({total} tokens), {heads} heads, window +-{LOCAL_WINDOW}", impls, work
 

@@ -84,7 +84,7 @@ def attention_work(lengths: list[int], heads: int, head_dim: int, itemsize: int,
                    pairs: int | None = None) -> Work:
     """Unpadded attention over sequences of ``lengths``: q, k, v in, out and the fp32 log-sum-exp
     out. FLOPs: QK^T and PV (4 * nh * hd per (query, key) pair: every pair of a sequence, or the
-    ``pairs`` a window leaves, bert_ds.model.flops.local_pairs) forward; the backward recomputes
+    ``pairs`` a window leaves, local_attention.local_pairs) forward; the backward recomputes
     QK^T and does four more matmuls of the same size: 2.5x the forward."""
     tokens = sum(lengths)
     flops = 4 * heads * head_dim * (sum(L * L for L in lengths) if pairs is None else pairs)

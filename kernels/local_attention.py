@@ -129,6 +129,15 @@ def local_attention_fused(q, k, v, cu_seqlens, max_seqlen, window, dropout_p=0.0
                                       window)
 
 
+def local_pairs(lengths: torch.Tensor, window: int) -> torch.Tensor:
+    """The (query, key) pairs within +-``window`` of one another in sequences of ``lengths``
+    (elementwise): all ``len^2`` where the window spans the sequence, else ``len (2w + 1)`` less the
+    ``w (w + 1)`` the two ends lack. The work the FLOPs accounting (bert_ds.model.flops) credits a
+    local layer with."""
+    return torch.where(lengths <= window + 1, lengths * lengths,
+                       lengths * (2 * window + 1) - window * (window + 1))
+
+
 IMPLEMENTATIONS: dict[Impl, Callable[..., torch.Tensor]] = {
     "native": local_attention_native,
     "fused": local_attention_fused,

@@ -7,7 +7,7 @@ Per real (non-pad) token, forward, for L layers, hidden H, vocabulary V:
 - attention scores and values: ``4 H`` per (query, key) pair a layer computes: ``4 L H sum_i
   len_i^2`` for global layers over unpadded sequences; a local layer of window +-w computes
   only the pairs within its window, ``len (2w + 1) - w (w + 1)`` per sequence longer than
-  ``w + 1`` (:func:`local_pairs`), and these are counted as done;
+  ``w + 1`` (:func:`bert_ds.kernels.local_attention.local_pairs`), and these are counted as done;
 - the MLM head on masked tokens only: ``2 H^2 + 2 H V`` per masked token;
 - training = 3 x forward. Embedding lookups, the pooler and NSP head are ignored.
 """
@@ -42,7 +42,8 @@ def training_flops(cfg: AnyModelConfig, tokens: int, sum_sq_lengths: int, masked
 
     ``tokens`` real tokens, ``sum_sq_lengths`` the sum over sequences of length^2 (the global
     layers' pairs), ``masked_tokens`` MLM targets, ``local_pairs`` the local layers' pairs
-    (:func:`local_pairs` summed over the sequences; 0 for a model without local layers).
+    (:func:`bert_ds.kernels.local_attention.local_pairs` summed over the sequences; 0 for a model
+    without local layers).
     """
     h, f, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
     if isinstance(cfg, ModernBertConfig):
@@ -53,16 +54,6 @@ def training_flops(cfg: AnyModelConfig, tokens: int, sum_sq_lengths: int, masked
     attention = 4 * h * (global_layers * sum_sq_lengths + (layers - global_layers) * local_pairs)
     mlm = (2 * h * h + 2 * h * cfg.vocab_size) * masked_tokens
     return 3.0 * (matmuls + attention + mlm)
-
-
-def local_pairs(lengths, window: int):
-    """The (query, key) pairs within +-``window`` of one another in sequences of ``lengths`` (a
-    tensor, elementwise): all ``len^2`` where the window spans the sequence, else ``len (2w + 1)``
-    less the ``w (w + 1)`` the two ends lack."""
-    import torch
-
-    return torch.where(lengths <= window + 1, lengths * lengths,
-                       lengths * (2 * window + 1) - window * (window + 1))
 
 
 def datasheet_peak_tflops(device_name: str) -> float | None:

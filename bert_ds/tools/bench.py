@@ -74,7 +74,7 @@ Design choices, and why:
 - **One FLOPs accounting.** Useful FLOPs are :func:`bert_ds.model.flops.training_flops` for all
   variants (the work a step must do, not what transformers spends on padding and
   unmasked logits; a ModernBERT's local layers credited with the pairs within their windows,
-  :func:`bert_ds.model.flops.local_pairs`), so MFU and tokens/s rank alike. MFU is against the datasheet dense
+  :func:`bert_ds.kernels.local_attention.local_pairs`), so MFU and tokens/s rank alike. MFU is against the datasheet dense
   bf16 peak (known GPUs) and against a matmul measured in the same run (the best of one
   probe before and one after the variants; :mod:`bert_ds.kernels.probes`), next to a copy probe.
 - **Peak memory** per variant is ``torch.cuda.max_memory_allocated`` over its whole life

@@ -31,7 +31,8 @@ from bert_ds.loader.pretraining import Batch, PretrainingLoader, SpecialTokens, 
 from bert_ds.model.bert import pretraining_inputs
 from bert_ds.model.config import DATA_DEFAULTS, AnyModelConfig, ModernBertConfig, model_preset
 from bert_ds.model.families import build_model
-from bert_ds.model.flops import datasheet_peak_tflops, local_pairs, training_flops
+from bert_ds.kernels.local_attention import local_pairs
+from bert_ds.model.flops import datasheet_peak_tflops, training_flops
 from bert_ds.model.padding import IGNORE_INDEX
 from bert_ds.tools.bench_settings import BenchSettings, Variant
 

@@ -28,7 +28,7 @@ def test_a_local_layer_counts_the_pairs_within_its_window():
     than the window."""
     import torch
 
-    from bert_ds.model.flops import local_pairs
+    from bert_ds.kernels.local_attention import local_pairs
 
     window = 3
     for n in (1, 3, 4, 5, 7, 40):

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from bert_ds.kernels import bench, bench_cases, bench_work
-from bert_ds.model.flops import local_pairs
+from bert_ds.kernels.local_attention import local_pairs
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible: the bench would run")
@@ -75,7 +75,7 @@ def test_attention_work_counts_useful_flops_of_unpadded_sequences():
 
 
 def test_windowed_attention_work_counts_the_pairs_within_the_window_as_done():
-    # a window of 1 in sequences of 3 and 5: 7 and 13 pairs (bert_ds.model.flops.local_pairs), against 9 + 25
+    # a window of 1 in sequences of 3 and 5: 7 and 13 pairs (local_attention.local_pairs), against 9 + 25
     pairs = int(local_pairs(torch.tensor([3, 5]), 1).sum())
     assert pairs == 20
     assert bench_work.attention_work([3, 5], 2, 4, 2, "forward", pairs) == bench_work.Work(32 * 20, 4 * 128 + 64)
