@@ -19,7 +19,7 @@ off (so that the float32 truth is float32).
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
@@ -245,18 +245,8 @@ def check_varlen_attention(impl: Callable[..., torch.Tensor], device: torch.devi
     rand = _Inputs(seed=2, device=device)
     problems = check_packed_attention(packed, device) if packed is not None else []
     problems += check_rotary_attention(rotary, device, None, 160000.0) if rotary is not None else []
-    for dtype in (torch.float16, torch.bfloat16):
-        for lengths, heads, head_dim in (([1, 512, 77, 128], 3, 64), ([3, 65, 1], 2, 32)):
-            total, max_seqlen = sum(lengths), max(lengths)
-            offsets = torch.tensor([0, *lengths], device=device).cumsum(0).to(torch.int32)
-            rest = (offsets, max_seqlen, 0.0, head_dim ** -0.5)  # cu_seqlens, max_seqlen, dropout_p, softmax_scale
-            leaves = {name: rand(total, heads, head_dim, dtype=dtype) for name in ("q", "k", "v")}
-            problems += compare(
-                f"{dtype} lengths {lengths} heads {heads} head_dim {head_dim}",
-                lambda q, k, v, rest=rest: impl(q, k, v, *rest),
-                lambda q, k, v, rest=rest: varlen_attention_ref(q, k, v, *rest),
-                leaves, rand(total, heads, head_dim, dtype=dtype), dtype)
-    return problems
+    return problems + _compare_attention(impl, varlen_attention_ref, rand, device,
+                                         (([1, 512, 77, 128], 3, 64, None), ([3, 65, 1], 2, 32, None)))
 
 
 def check_local_attention(impl: Callable[..., torch.Tensor], device: torch.device,
@@ -266,17 +256,28 @@ def check_local_attention(impl: Callable[..., torch.Tensor], device: torch.devic
     shorter and longer than them; and ``rotary`` (``rotary_attention_ref``'s), windowed, where given."""
     rand = _Inputs(seed=3, device=device)
     problems = check_rotary_attention(rotary, device, 64, 10000.0) if rotary is not None else []
+    return problems + _compare_attention(impl, local_attention_ref, rand, device,
+                                         (([1, 300, 77, 128], 2, 64, 64), ([1, 300, 77, 128], 2, 64, 3),
+                                          ([3, 260, 1], 2, 32, 130)))
+
+
+def _compare_attention(impl: Callable[..., torch.Tensor], reference: Callable[..., torch.Tensor], rand: _Inputs,
+                       device: torch.device, cases: Iterable[tuple[list[int], int, int, int | None]]) -> list[str]:
+    """``impl`` against ``reference`` in the dtypes the fused kernel takes, over cases of (lengths,
+    heads, head_dim, window): window None for the global op's signature, else the local op's, which
+    takes the window after max_seqlen."""
+    problems = []
     for dtype in (torch.float16, torch.bfloat16):
-        for lengths, heads, head_dim, window in (([1, 300, 77, 128], 2, 64, 64), ([1, 300, 77, 128], 2, 64, 3),
-                                                 ([3, 260, 1], 2, 32, 130)):
+        for lengths, heads, head_dim, window in cases:
             total, max_seqlen = sum(lengths), max(lengths)
             offsets = torch.tensor([0, *lengths], device=device).cumsum(0).to(torch.int32)
-            rest = (offsets, max_seqlen, window, 0.0, head_dim ** -0.5)  # cu_seqlens, max_seqlen, window, dropout, scale
+            windowed = () if window is None else (window,)
+            rest = (offsets, max_seqlen, *windowed, 0.0, head_dim ** -0.5)  # ..., dropout_p, softmax_scale
             leaves = {name: rand(total, heads, head_dim, dtype=dtype) for name in ("q", "k", "v")}
             problems += compare(
-                f"{dtype} lengths {lengths} heads {heads} head_dim {head_dim} window {window}",
+                f"{dtype} lengths {lengths} heads {heads} head_dim {head_dim}" + "".join(f" window {w}" for w in windowed),
                 lambda q, k, v, rest=rest: impl(q, k, v, *rest),
-                lambda q, k, v, rest=rest: local_attention_ref(q, k, v, *rest),
+                lambda q, k, v, rest=rest: reference(q, k, v, *rest),
                 leaves, rand(total, heads, head_dim, dtype=dtype), dtype)
     return problems
 

@@ -145,3 +145,15 @@ def test_flash_attn_candidates_hand_flash_attn_the_packed_tokens_and_the_window(
     assert local_call["softmax_scale"] == 0.25 and global_call["softmax_scale"] is None
     assert all(all(c is cu_seqlens for c in call["cu_seqlens"]) and call["max_seqlen"] == (30, 30)
                for call in fake_flash_attn)
+
+
+def test_the_self_check_passes_the_reference_and_fails_a_window_off_by_one():
+    """What kernels=auto holds the fused candidate to (selfcheck.check_local_attention), on the CPU:
+    the reference itself passes it, and an implementation that sees one key too far does not."""
+    from bert_ds.kernels import selfcheck
+
+    def one_too_far(q, k, v, cu_seqlens, max_seqlen, window, *rest):
+        return local.local_attention_ref(q, k, v, cu_seqlens, max_seqlen, window + 1, *rest)
+    assert selfcheck.check_local_attention(local.local_attention_ref, torch.device("cpu")) == []
+    problems = selfcheck.check_local_attention(one_too_far, torch.device("cpu"))
+    assert problems and all("window" in p for p in problems), problems
