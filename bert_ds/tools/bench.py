@@ -308,9 +308,9 @@ def config_markdown(c: dict[str, Any]) -> list[str]:
         f"computed by a padded model with a dense MLM decoder "
         f"({b['padded_dense_gflop_per_step'] / b['useful_gflop_per_step']:.2f}x).",
         "",
-        f"First-batch loss check: the reference (bert_ds on PyTorch's ops) gives {check['fp32']:.6f} in fp32 and "
-        f"{check['run_precision']:.6f} in {check['precision']}; every variant below is within "
-        f"{check['tolerance']:.3g} of the fp32 loss.",
+        f"First-batch loss check: the reference (bert_ds on PyTorch's ops) gives {check['fp32']:.6f} in fp32"
+        + ("" if check["precision"] == "fp32" else f" and {check['run_precision']:.6f} in {check['precision']}")
+        + f"; every variant below is within {check['tolerance']:.3g} of the fp32 loss.",
         "",
         "Rates by the host's wall clock over the timed steps (what a training loop takes for them).", "",
         "| " + " | ".join(heads) + " |", "|---|---|" + "---:|" * (len(heads) - 2),

@@ -227,6 +227,7 @@ def test_modernbert_runs_beside_transformers_modernbert_with_its_figures(tmp_pat
         assert x["peak_memory_gib"] is None and x["speedup_vs_flash_attention_2"] is None
         assert abs(x["first_batch_loss"] - check["fp32"]) <= check["tolerance"]
     assert check["precision"] == "fp32" and check["tolerance"] == pytest.approx(1e-4 * check["fp32"])
+    assert f"gives {check['fp32']:.6f} in fp32; every variant below is within" in proc.stdout  # one fp32 figure
     assert figures["a"]["optimizer"] == "stable_adamw" and figures["c"]["kernels"] == "SDPA"
     # MFU by the one accounting, the local layers credited with their windows' pairs only
     b = config["batches"]
