@@ -113,6 +113,9 @@ class OpShapes:
     vocab: int = 30522  # the model's vocabulary: mlm_cross_entropy is timed at its decoder's padded width
     window: int = 0  # the local layers' window, tokens on each side; 0: the model has none (local_attention not raced)
     geglu: bool = False  # the MLP is GeGLU on a (T, 2 x intermediate) projection (ModernBERT); False: geglu not raced
+    # the model's LayerNorms: BERT's post-LN, with a bias and the residual added in; False: ModernBERT's
+    # pre-LN, neither bias nor residual (layer_norm is timed as the model calls it)
+    layer_norm_bias: bool = True
 
     def __post_init__(self) -> None:
         for name in ("hidden", "intermediate", "num_heads", "max_seqlen", "tokens", "vocab"):
@@ -120,8 +123,9 @@ class OpShapes:
                 raise ValueError(f"OpShapes.{name} must be a positive integer, got {getattr(self, name)!r}")
         if not isinstance(self.window, int) or self.window < 0:
             raise ValueError(f"OpShapes.window must be an integer >= 0, got {self.window!r}")
-        if not isinstance(self.geglu, bool):
-            raise ValueError(f"OpShapes.geglu must be True or False, got {self.geglu!r}")
+        for name in ("geglu", "layer_norm_bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"OpShapes.{name} must be True or False, got {getattr(self, name)!r}")
         if self.hidden % self.num_heads:
             raise ValueError(f"OpShapes.num_heads ({self.num_heads}) must divide hidden ({self.hidden})")
         if self.approximate not in ("none", "tanh") or not isinstance(getattr(torch, self.dtype, None), torch.dtype):
@@ -168,7 +172,7 @@ class OpShapes:
         return (f"{self.dtype} hidden {self.hidden} ffn {self.intermediate} heads {self.num_heads} "
                 f"seq {self.max_seqlen} tokens {self.tokens} gelu {self.approximate} dropout {self.hidden_dropout:g} "
                 f"vocab {self.vocab}" + (f" window {self.window}" if self.window else "")
-                + (" geglu" if self.geglu else ""))
+                + (" geglu" if self.geglu else "") + ("" if self.layer_norm_bias else " layernorm plain"))
 
     def describe(self) -> str:
         lengths = self.lengths()
@@ -380,9 +384,10 @@ def _case(op: str, shapes: OpShapes, device: torch.device) -> _AutogradCase | _L
         return x.to(dtype).requires_grad_()
 
     if op == "layer_norm":
-        leaves = {"x": rand(tokens, shapes.hidden), "residual": rand(tokens, shapes.hidden),
-                  "weight": rand(shapes.hidden, shift=1.0), "bias": rand(shapes.hidden)}
-        return _AutogradCase(lambda fn, t: fn(t["x"], t["weight"], t["bias"], LAYER_NORM_EPS, t["residual"]),
+        leaves = {"x": rand(tokens, shapes.hidden), "weight": rand(shapes.hidden, shift=1.0)}
+        if shapes.layer_norm_bias:  # BERT's: the residual added in, and a bias
+            leaves.update(residual=rand(tokens, shapes.hidden), bias=rand(shapes.hidden))
+        return _AutogradCase(lambda fn, t: fn(t["x"], t["weight"], t.get("bias"), LAYER_NORM_EPS, t.get("residual")),
                              leaves, rand(tokens, shapes.hidden).detach(), layer_norm_ref, dtype)
     if op == "dropout_add_layer_norm":
         leaves = {"x": rand(tokens, shapes.hidden), "bias": rand(shapes.hidden),

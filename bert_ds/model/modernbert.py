@@ -221,7 +221,8 @@ class ModernBertForPreTraining(nn.Module):
             hidden=config.hidden_size, intermediate=config.intermediate_size, num_heads=config.num_heads,
             max_seqlen=train_seq_len or config.max_position_embeddings,
             approximate=_GELU_APPROXIMATE[config.hidden_activation], hidden_dropout=config.mlp_dropout,
-            vocab=config.vocab_size, window=config.local_attention // 2, geglu=True)
+            vocab=config.vocab_size, window=config.local_attention // 2, geglu=True,
+            layer_norm_bias=False)
         self.backend = resolve_backend(config.kernels, self.op_shapes)
         self.model = ModernBertModel(config, self.backend)
         self.head = ModernBertPredictionHead(config, self.backend)

@@ -717,7 +717,8 @@ def test_a_model_with_local_layers_and_geglu_races_them_and_bert_does_not(auto, 
     assert model.backend.winner("local_attention") == "flex"
     verdict = choice.op_choices(model.op_shapes)["local_attention"]
     assert set(verdict.wall_ms) == {"native", "fused", "varlen_attn", "flash_attn", "flex", "sdpa_efficient"}
-    assert model.op_shapes.geglu and model.op_shapes.key.endswith(" geglu")
+    assert model.op_shapes.geglu and not model.op_shapes.layer_norm_bias
+    assert model.op_shapes.key.endswith(" geglu layernorm plain")
     assert model.backend.winner("geglu") == "compiled"
     assert set(choice.op_choices(model.op_shapes)["geglu"].wall_ms) == {"native", "fused", "compiled"}
     bert_plan = _model(8).backend
@@ -903,3 +904,24 @@ def test_the_other_ops_compiled_candidates_decline_only_host_tensors():
     assert bias_gelu._unsupported("compiled", x, torch.zeros(8)) == "its inputs are not all on a CUDA device"
     assert dropout_layer_norm._unsupported("compiled", x, None, x, torch.ones(8), torch.zeros(8)) == (
         "its inputs are not all on a CUDA device")
+
+
+def test_layer_norm_is_raced_as_the_model_calls_it():
+    """BERT's post-LN with the residual added in and a bias; ModernBERT's pre-LN with neither
+    (OpShapes.layer_norm_bias): each is timed and checked in its own form, under its own key."""
+    from bert_ds.kernels.layer_norm import layer_norm_ref
+
+    plain_shapes = dataclasses.replace(SHAPES, layer_norm_bias=False)
+    bert_case = speed._case("layer_norm", SHAPES, torch.device("cpu"))
+    plain_case = speed._case("layer_norm", plain_shapes, torch.device("cpu"))
+    assert set(bert_case.leaves) == {"x", "residual", "weight", "bias"} and set(plain_case.leaves) == {"x", "weight"}
+    calls = []
+
+    def recorded(x, weight, bias, eps, residual):
+        calls.append((bias, residual))
+        return layer_norm_ref(x, weight, bias, eps, residual)
+    plain_case.run(recorded)
+    assert calls == [(None, None)] and plain_case.check(layer_norm_ref) == []
+    assert plain_shapes.key == SHAPES.key + " layernorm plain"
+    with pytest.raises(ValueError, match="layer_norm_bias must be True or False"):
+        speed.OpShapes(layer_norm_bias=0)
