@@ -111,6 +111,11 @@ class ModernBertConfig:
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
 
+    @property
+    def local_window(self) -> int:
+        """The tokens on each side a local layer attends to: half of ``local_attention``."""
+        return self.local_attention // 2
+
     def is_global(self, layer: int) -> bool:
         """Whether layer ``layer`` (0-based) attends globally; the others attend locally."""
         return layer % self.global_attn_every_n_layers == 0

@@ -113,7 +113,7 @@ class ModernBertAttention(nn.Module):
         self.out_drop = nn.Dropout(config.attention_dropout)
         self.dropout_p = config.attention_dropout
         # None: global; else the tokens seen on each side
-        self.window = None if config.is_global(layer) else config.local_attention // 2
+        self.window = None if config.is_global(layer) else config.local_window
         self.rope_theta = config.global_rope_theta if config.is_global(layer) else config.local_rope_theta
         self.backend = backend
 
@@ -221,7 +221,7 @@ class ModernBertForPreTraining(nn.Module):
             hidden=config.hidden_size, intermediate=config.intermediate_size, num_heads=config.num_heads,
             max_seqlen=train_seq_len or config.max_position_embeddings,
             approximate=_GELU_APPROXIMATE[config.hidden_activation], hidden_dropout=config.mlp_dropout,
-            vocab=config.vocab_size, window=config.local_attention // 2, geglu=True,
+            vocab=config.vocab_size, window=config.local_window, geglu=True,
             layer_norm_bias=False)
         self.backend = resolve_backend(config.kernels, self.op_shapes)
         self.model = ModernBertModel(config, self.backend)

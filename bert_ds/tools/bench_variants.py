@@ -151,7 +151,7 @@ def open_samples(s: BenchSettings, seq_len: int) -> tuple[Dataset, str]:
 
 def local_window(cfg: AnyModelConfig) -> int:
     """Tokens on each side a local layer attends to; 0 for a model without local layers."""
-    return cfg.local_attention // 2 if isinstance(cfg, ModernBertConfig) else 0
+    return cfg.local_window if isinstance(cfg, ModernBertConfig) else 0
 
 
 def batch_counts(batch: Batch, window: int = 0) -> dict[str, int]:
