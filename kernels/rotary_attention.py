@@ -8,8 +8,8 @@ where the fused kernel won the op's race). Anywhere else the model rotates q and
 PyTorch, and hands them to the op: the rotation costs the same for every other candidate, which
 the race leaves out.
 
-The rotation is transformers' (ModernBERT's), which :func:`rotary_ref` writes down and the model
-(``bert_ds/model/modernbert.py``, ``apply_rotary``) computes alike (a test holds the two equal):
+The rotation is transformers' (ModernBERT's), defined here once (:func:`rotary_tables`,
+:func:`apply_rotary`, which the model imports; :func:`rotary_ref` at positions from ``cu_seqlens``):
 head dim d < hd/2 is paired with d + hd/2 and both are turned by the angle
 ``pos * theta ** (-2d / hd)``, where ``pos`` is the token's offset in its own sequence (each
 sequence of the packed batch starts at 0), with cos and sin computed in fp32 and rounded to
@@ -35,22 +35,32 @@ def sequence_positions(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     return token - starts[sequence]
 
 
-def rotary_ref(x: torch.Tensor, cu_seqlens: torch.Tensor, rope_theta: float) -> torch.Tensor:
-    """x (T, nh, hd) rotated: pair (d, d + hd/2) of token t turned by ``pos(t) * rope_theta ** (-2d / hd)``.
-
-    cos and sin are computed in fp32 and rounded to x's dtype, the rotation is computed in fp32
-    (in x's dtype where that is wider: float64, for a reference's truth) and rounded to it."""
-    total, _, head_dim = x.shape
-    positions = sequence_positions(cu_seqlens, total)
-    inv_freq = 1.0 / (rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=x.device) / head_dim))
-    freqs = positions.float()[:, None] * inv_freq  # (T, hd/2)
+def rotary_tables(position_ids: torch.Tensor, head_dim: int, theta: float,
+                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin (T, hd) of the tokens at ``position_ids`` (T,), in fp32 rounded to ``dtype``;
+    the frequencies of pair i are ``theta ** (-2i / hd)``, each half of hd taking one copy."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=position_ids.device)
+                                / head_dim))  # (hd/2,)
+    freqs = position_ids.float()[:, None] * inv_freq  # (T, hd/2)
     angles = torch.cat((freqs, freqs), dim=-1)  # (T, hd)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (T, nh, hd) rotated by the angles of cos, sin (T, hd): element d paired with d + hd/2, in
+    fp32 (in x's dtype where that is wider: float64, for a reference's truth), rounded back to x's dtype."""
     compute = torch.promote_types(x.dtype, torch.float32)
-    cos = angles.cos().to(x.dtype)[:, None, :].to(compute)  # (T, 1, hd)
-    sin = angles.sin().to(x.dtype)[:, None, :].to(compute)
-    wide = x.to(compute)
+    wide, cos, sin = x.to(compute), cos[:, None, :].to(compute), sin[:, None, :].to(compute)  # cos, sin: (T, 1, hd)
     first, second = wide.chunk(2, dim=-1)
     return (wide * cos + torch.cat((-second, first), dim=-1) * sin).to(x.dtype)
+
+
+def rotary_ref(x: torch.Tensor, cu_seqlens: torch.Tensor, rope_theta: float) -> torch.Tensor:
+    """x (T, nh, hd) rotated: pair (d, d + hd/2) of token t turned by ``pos(t) * rope_theta ** (-2d / hd)``,
+    ``pos(t)`` its offset in its own sequence; the model's rotation (:func:`rotary_tables`,
+    :func:`apply_rotary`) at positions taken from ``cu_seqlens`` alone."""
+    return apply_rotary(x, *rotary_tables(sequence_positions(cu_seqlens, x.shape[0]), x.shape[-1], rope_theta,
+                                          x.dtype))
 
 
 def rotary_attention_ref(

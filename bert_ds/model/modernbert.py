@@ -53,6 +53,7 @@ from bert_ds.kernels.ops import (
     Backend, OpShapes, geglu, layer_norm, local_attention, resolve_backend, rotary_attention_fused, rotary_runs_fused,
     varlen_attention,
 )
+from bert_ds.kernels.rotary_attention import apply_rotary, rotary_tables
 from bert_ds.model.config import ModernBertConfig
 from bert_ds.model.mlm import MlmDecoder, PreTrainingOutput, masked_lm, vocab_columns
 from bert_ds.model.padding import Unpadded, gather_tokens, input_layout
@@ -82,26 +83,6 @@ class ModernBertEmbeddings(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids (T,) -> (T, H)."""
         return self.drop(self.norm(self.tok_embeddings(input_ids)))
-
-
-def rotary(position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype,
-           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin (T, hd) of the tokens at ``position_ids`` (T,), in fp32 rounded to ``dtype``;
-    the frequencies of pair i are ``theta ** (-2i / hd)``, each half of hd taking one copy."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=position_ids.device)
-                                / head_dim))  # (hd/2,)
-    freqs = position_ids.float()[:, None] * inv_freq  # (T, hd/2)
-    angles = torch.cat((freqs, freqs), dim=-1)  # (T, hd)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (T, nh, hd) rotated by the angles of cos, sin (T, hd): element d paired with d + hd/2,
-    in fp32, rounded back to x's dtype."""
-    x32, cos, sin = x.float(), cos[:, None, :].float(), sin[:, None, :].float()  # cos, sin: (T, 1, hd)
-    first, second = x32.chunk(2, dim=-1)
-    rotated = torch.cat((-second, first), dim=-1)
-    return (x32 * cos + rotated * sin).to(x.dtype)
 
 
 class ModernBertAttention(nn.Module):
@@ -185,7 +166,7 @@ class ModernBertModel(nn.Module):
         """Packed (T,) inputs -> hidden states (T, H)."""
         hidden = self.embeddings(input_ids)
         c = self.config
-        ropes = {theta: rotary(position_ids, c.head_dim, theta, hidden.dtype)
+        ropes = {theta: rotary_tables(position_ids, c.head_dim, theta, hidden.dtype)
                  for theta in {c.global_rope_theta, c.local_rope_theta}}
         for i, layer in enumerate(self.layers):
             rope = ropes[c.global_rope_theta if c.is_global(i) else c.local_rope_theta]

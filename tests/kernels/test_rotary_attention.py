@@ -12,7 +12,7 @@ from bert_ds.kernels import dispatch, rotary_attention
 from bert_ds.kernels.attention import varlen_attention_ref
 from bert_ds.kernels.dispatch import KernelUnavailable, OpPlan
 from bert_ds.kernels.local_attention import local_attention_ref
-from bert_ds.model.modernbert import apply_rotary, rotary
+from bert_ds.kernels.rotary_attention import apply_rotary, rotary_tables
 from bert_ds.model.padding import positions, unpad
 
 LENGTHS = [5, 1, 12, 7]
@@ -30,9 +30,10 @@ def _packed(dtype: torch.dtype, head_dim: int = 16):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("theta", [10000.0, 160000.0])
 def test_the_reference_s_rotary_is_the_model_s(dtype, theta):
-    """Bit for bit, from cu_seqlens alone: positions restart at every sequence, as the model's do."""
+    """Bit for bit, from cu_seqlens alone: positions restart at every sequence, as the model's (from
+    its padded layout) do."""
     qkv, cu_seqlens, position_ids = _packed(dtype)
-    cos, sin = rotary(position_ids, 16, theta, dtype)
+    cos, sin = rotary_tables(position_ids, 16, theta, dtype)
     for x in qkv.unbind(1)[:2]:
         assert torch.equal(rotary_attention.rotary_ref(x, cu_seqlens, theta), apply_rotary(x, cos, sin))
     assert torch.equal(rotary_attention.sequence_positions(cu_seqlens, qkv.shape[0]), position_ids)
@@ -41,7 +42,7 @@ def test_the_reference_s_rotary_is_the_model_s(dtype, theta):
 @pytest.mark.parametrize("window", [None, 2])
 def test_the_reference_rotates_q_and_k_then_attends(window):
     qkv, cu_seqlens, position_ids = _packed(torch.float32)
-    cos, sin = rotary(position_ids, 16, 10000.0, torch.float32)
+    cos, sin = rotary_tables(position_ids, 16, 10000.0, torch.float32)
     q, k, v = qkv.unbind(1)
     q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
     expected = (varlen_attention_ref(q, k, v, cu_seqlens, max(LENGTHS)) if window is None
