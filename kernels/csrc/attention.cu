@@ -99,7 +99,7 @@
 // (its copies visible; the other stage and dS^T free again), one publishes dS^T to the
 // warps that read it for dQ. dS must cross warps, so two is the least.
 //
-// Two paths, chosen by the launcher from max_seqlen (bds_varlen_attention_bwd_accumulates):
+// Two paths, chosen by the launcher from max_seqlen (bds_varlen_attention_bwd_dq_slots):
 // - one tile (max_seqlen <= 128: BERT's phase 1): one CTA per (sequence, head) holds all of
 //   the sequence's keys, so its dQ rows get their only contribution from it: dQ is scaled,
 //   converted and stored by the kernel, with no atomics, no fp32 workspace to zero first
@@ -107,7 +107,14 @@
 //   MB of fp32 written by the memset, read and written again by every key tile's atomics,
 //   and read by the conversion);
 // - general (longer sequences): several key tiles add to every dQ row, in fp32 with
-//   atomics to the dq_accum workspace, converted to the output dtype at the end.
+//   atomics to the dq_accum workspace, converted to the output dtype at the end. With a
+//   window of at most 64 (ModernBERT's local layers, at any length) a dQ row is written by at
+//   most two key tiles, consecutive ones, and the rows of tiles t and t + 2 never meet: each
+//   tile stores its dQ with plain (8-byte) stores to the fp32 slot of its parity, and one pass
+//   (dq_slots_kernel) adds a row's one or two slots, converted. No memset (the pass reads only
+//   the slots written, found by the same dq_rows the kernel walks) and no atomics: where the
+//   atomics' workspace is written by the memset, read and written by each of two atomic adds
+//   and read by the conversion, the slots are written once and read once.
 // Both are one kernel template (kOneTile): only dQ's store differs, so both compute the
 // same bits (tests/kernels/test_cuda_emulated.py checks it).
 //
@@ -334,6 +341,18 @@ __device__ __forceinline__ Span window_span(int first, int last, int len, int wi
   } else {
     return {0, len};
   }
+}
+
+// The query rows the backward CTA of the key tile from n0 adds dQ to: the query tiles (kBlockM
+// rows, counted from the sequence start) that hold a query seeing one of its keys, cut at the
+// sequence end. The kernel walks them; the slots' sum (dq_slots_kernel) finds a row's writers by it.
+template <int HD, bool kWindowed>
+__device__ __forceinline__ Span dq_rows(int n0, int len, int window) {
+  constexpr int kBlockM = BwdTiles<HD>::kBlockM, kBlockN = kBwdBlockN<HD>;
+  const int keys_here = len - n0 < kBlockN ? len - n0 : kBlockN;
+  const Span queries = window_span<kWindowed>(n0, n0 + keys_here - 1, len, window);
+  const int hi = (queries.hi + kBlockM - 1) / kBlockM * kBlockM;
+  return {queries.lo / kBlockM * kBlockM, hi < len ? hi : len};
 }
 
 // Whether token ranges [a0, a1] and [b0, b1] hold a pair at most `window` apart.
@@ -657,7 +676,7 @@ attention_bwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* 
                      const T* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ dsum,
                      const int* __restrict__ cu_seqlens, float* __restrict__ dq_accum, T* __restrict__ dq,
                      T* __restrict__ dk, T* __restrict__ dv, int num_heads, int64_t total, int64_t qkv_stride,
-                     int64_t dqkv_stride, float scale, float scale_log2, int window,
+                     int64_t dqkv_stride, float scale, float scale_log2, int window, bool dq_in_slots,
                      const __grid_constant__ RotaryFreqs freqs) {
   using Tiles = BwdTiles<HD>;
   using Smem = BwdSmem<T, HD>;
@@ -691,9 +710,9 @@ attention_bwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* 
   if (n0 >= len) return;
   const int w = window < len ? window : len;  // a wider window sees what this one does
   const int keys_here = len - n0 < kBlockN ? len - n0 : kBlockN;
-  // The queries that see one of the tile's keys; the first query tile is the one that holds the first.
-  const Span queries = window_span<kWindowed>(n0, n0 + keys_here - 1, len, w);
-  const int first_m0 = queries.lo / kBlockM * kBlockM;
+  // The query tiles that hold a query seeing one of the tile's keys: the rows this CTA adds dQ to.
+  const Span rows = dq_rows<HD, kWindowed>(n0, len, w);
+  const int first_m0 = rows.lo;
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
@@ -703,6 +722,10 @@ attention_bwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* 
   const int64_t in_base = (int64_t)start * qkv_stride + (int64_t)head * HD;
   const int64_t grad_base = (int64_t)start * dqkv_stride + (int64_t)head * HD;
   const int64_t stats_at = (int64_t)head * total + start;  // (head, start) in lse and dsum
+  // The general path's dQ (not kOneTile): stored to the slot of this key tile's parity where the
+  // launcher chose slots (no two key tiles of a parity share a row: bwd_dq_slots), else added to
+  // the one fp32 workspace with atomics.
+  float* const dq_slot = dq_in_slots ? dq_accum + (int64_t)(blockIdx.x % 2) * total * row_stride : nullptr;
   auto copy_q_do = [&](int stage, int m0) {
     T* const sQ = stages + stage * 2 * kQTile;
     copy_qk_tile_async<T, HD, kBlockM, kThreads, kRotary>(sQ, q + in_base + m0 * qkv_stride, qkv_stride, len - m0);
@@ -745,7 +768,7 @@ attention_bwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* 
   float dv_acc[MT][HD / 8][4] = {};
   const int dq_strip = warp % kDqStrips, dq_col0 = (warp / kDqStrips) * (kDqCols / 2);
 
-  for (int j = 0, m0 = first_m0; m0 < queries.hi; ++j, m0 += kBlockM) {
+  for (int j = 0, m0 = first_m0; m0 < rows.hi; ++j, m0 += kBlockM) {
     const int cur = j % 2, next = 1 - cur;
     T* const sQ = stages + cur * 2 * kQTile;
     cp_async_wait<0>();  // this thread's copies of query tile j have landed
@@ -753,7 +776,7 @@ attention_bwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* 
     // Barrier: tile j (every thread's copies, Q rotated, and its lse, D) is visible; every warp
     // is done with the other stage (tile j - 1), refilled below, and with dS^T, rewritten below.
     __syncthreads();
-    const bool more = m0 + kBlockM < queries.hi;
+    const bool more = m0 + kBlockM < rows.hi;
     QueryRowStats next_stats{};
     if (more) {
       copy_q_do(next, m0 + kBlockM);
@@ -857,6 +880,10 @@ attention_bwd_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* 
             // The only key tile of the sequence: this is the whole of dQ, stored once.
             *reinterpret_cast<uint32_t*>(dq + dq_at + col) =
                 pack2<T>(dq_acc[0][dt][2 * i] * scale, dq_acc[0][dt][2 * i + 1] * scale);
+          } else if (dq_slot != nullptr) {
+            // The only key tile of its parity that writes these rows: a plain store.
+            const float pair[2] = {dq_acc[0][dt][2 * i] * scale, dq_acc[0][dt][2 * i + 1] * scale};
+            store_floats<float, 2>(dq_slot + at + col, pair);
           } else {
             // Every key tile of the sequence adds to these rows.
             atomicAdd(dq_accum + at + col, dq_acc[0][dt][2 * i] * scale);
@@ -904,6 +931,44 @@ __global__ void __launch_bounds__(256) convert_kernel(const float* __restrict__ 
   for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
     const int64_t row = i / cols;
     dst[row * dst_stride + (i - row * cols)] = from_float<T>(src[i]);
+  }
+}
+
+// dQ of a windowed backward from its two slots (dq_in_slots): row p of a sequence is the sum of
+// slot t % 2 over the key tiles t whose CTA wrote the row (dq_rows), converted; dst rows are
+// dst_stride elements apart. A CTA takes kSlotRows rows of one sequence (blockIdx.y), every head.
+// With a window of at most kBlockN / 2 (the launcher's condition, bwd_dq_slots) tile t writes no
+// row before (t - 1/2) kBlockN nor from (t + 3/2) kBlockN on, so row p's writers are among the
+// tiles p / kBlockN - 1 .. p / kBlockN + 1.
+constexpr int kSlotRows = 8;  // rows per dq_slots_kernel CTA
+
+template <typename T, int HD>
+__global__ void __launch_bounds__(256) dq_slots_kernel(const float* __restrict__ slots, T* __restrict__ dst,
+                                                       const int* __restrict__ cu_seqlens, int num_heads,
+                                                       int64_t total, int64_t dst_stride, int window) {
+  constexpr int kBlockN = kBwdBlockN<HD>;
+  const int start = cu_seqlens[blockIdx.y];
+  const int len = cu_seqlens[blockIdx.y + 1] - start;
+  const int p0 = blockIdx.x * kSlotRows;
+  if (p0 >= len) return;
+  const int w = window < len ? window : len;  // as the backward clamps it
+  const int cols = num_heads * HD, vectors = cols / 4;
+  const int64_t slot_size = total * cols;
+  const int last_tile = (len - 1) / kBlockN;
+  for (int i = threadIdx.x; i < kSlotRows * vectors; i += blockDim.x) {
+    const int p = p0 + i / vectors, col = i % vectors * 4;
+    if (p >= len) break;  // i grows: every later one is past the end too
+    float sum[4] = {0.f, 0.f, 0.f, 0.f};
+    const int t_hi = p / kBlockN + 1 < last_tile ? p / kBlockN + 1 : last_tile;
+    for (int t = p / kBlockN > 0 ? p / kBlockN - 1 : 0; t <= t_hi; ++t) {
+      const Span rows = dq_rows<HD, true>(t * kBlockN, len, w);
+      if (p < rows.lo || p >= rows.hi) continue;
+      float part[4];
+      load_floats<float, 4>(slots + (t % 2) * slot_size + (int64_t)(start + p) * cols + col, part);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) sum[e] += part[e];
+    }
+    store_floats<T, 4>(dst + (int64_t)(start + p) * dst_stride + col, sum);
   }
 }
 
@@ -988,10 +1053,20 @@ cudaError_t allow_dynamic_smem(Kernel* kernel, int bytes) {
   return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
 }
 
-// Whether the backward of sequences up to max_seqlen long needs more than one key tile, and
-// so adds dQ up in fp32 with atomics.
-bool bwd_accumulates(int head_dim, int max_seqlen) {
-  return max_seqlen > (head_dim == 32 ? kBwdBlockN<32> : kBwdBlockN<64>);
+// The fp32 workspaces, each (total, num_heads, HD), where the backward of sequences up to
+// max_seqlen long sums dQ over its key tiles: 0 where every sequence fits one key tile (dQ is
+// stored by the kernel); 2 where, with a window, the rows of key tiles t and t + 2 never meet,
+// so that each tile stores to the slot of its parity and dq_slots_kernel adds the two; else 1,
+// which every key tile adds to with atomics (global attention, wider windows). Tile t's rows
+// (dq_rows) lie in [t kBlockN - round_up(window, kBlockM), (t + 1) kBlockN + round_up(window,
+// kBlockM)), so those of t and t + 2 never meet where round_up(window, kBlockM) <= kBlockN / 2,
+// i.e. window <= kBlockN / 2 = 64 (a multiple of kBlockM): ModernBERT's window, at both head dims.
+template <int HD>
+int bwd_dq_slots(int max_seqlen, int window) {
+  constexpr int kBlockN = kBwdBlockN<HD>;
+  static_assert(kBlockN / 2 % BwdTiles<HD>::kBlockM == 0, "the widest window of the slots is whole query tiles");
+  if (max_seqlen <= kBlockN) return 0;
+  return window >= 0 && window <= kBlockN / 2 ? 2 : 1;
 }
 
 template <typename T, int HD, bool kWindowed, bool kRotary>
@@ -1011,9 +1086,10 @@ cudaError_t launch_fwd(const void* q, const void* k, const void* v, const int* c
 
 template <typename T, int HD, bool kOneTile, bool kWindowed, bool kRotary>
 cudaError_t launch_bwd(const void* q, const void* k, const void* v, const void* dout, const float* lse,
-                       const float* dsum, const int* cu_seqlens, float* dq_accum, void* dq, void* dk, void* dv,
-                       int batch, int64_t total, int64_t qkv_stride, int64_t dqkv_stride, int num_heads,
-                       int max_seqlen, int window, float rope_theta, float softmax_scale, cudaStream_t stream) {
+                       const float* dsum, const int* cu_seqlens, float* dq_accum, bool dq_in_slots, void* dq,
+                       void* dk, void* dv, int batch, int64_t total, int64_t qkv_stride, int64_t dqkv_stride,
+                       int num_heads, int max_seqlen, int window, float rope_theta, float softmax_scale,
+                       cudaStream_t stream) {
   constexpr int kBytes = BwdSmem<T, HD>::kBytes;
   auto* const kernel = attention_bwd_kernel<T, HD, kOneTile, kWindowed, kRotary>;
   cudaError_t err = allow_dynamic_smem(kernel, kBytes);
@@ -1022,7 +1098,7 @@ cudaError_t launch_bwd(const void* q, const void* k, const void* v, const void* 
   kernel<<<grid, kBwdThreads<HD>, kBytes, stream>>>(
       static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v), static_cast<const T*>(dout),
       lse, dsum, cu_seqlens, dq_accum, static_cast<T*>(dq), static_cast<T*>(dk), static_cast<T*>(dv), num_heads,
-      total, qkv_stride, dqkv_stride, softmax_scale, softmax_scale * kLog2e, window,
+      total, qkv_stride, dqkv_stride, softmax_scale, softmax_scale * kLog2e, window, dq_in_slots,
       rotary_freqs(rope_theta, HD));
   return cudaGetLastError();
 }
@@ -1066,11 +1142,11 @@ extern "C" cudaError_t bds_varlen_attention_bwd(const void* dout, const void* q,
     using T = decltype(t);
     constexpr int HD = decltype(hd)::value;
     if (batch == 0 || total == 0 || max_seqlen == 0) return cudaSuccess;
-    const bool accumulates = bwd_accumulates(HD, max_seqlen);
-    if (accumulates && dq_accum == nullptr) return cudaErrorInvalidValue;
+    const int slots = bwd_dq_slots<HD>(max_seqlen, window);
+    if (slots > 0 && dq_accum == nullptr) return cudaErrorInvalidValue;
     const int64_t elements = total * num_heads * HD;
     cudaError_t err;
-    if (accumulates && (err = cudaMemsetAsync(dq_accum, 0, elements * sizeof(float), stream)) != cudaSuccess)
+    if (slots == 1 && (err = cudaMemsetAsync(dq_accum, 0, elements * sizeof(float), stream)) != cudaSuccess)
       return err;
 
     const int64_t rows = total * num_heads;
@@ -1080,23 +1156,33 @@ extern "C" cudaError_t bds_varlen_attention_bwd(const void* dout, const void* q,
 
     err = with_attention_options<HD>(window, rope_theta, [&](auto windowed, auto rotary) -> cudaError_t {
       constexpr bool kWindowed = decltype(windowed)::value, kRotary = decltype(rotary)::value;
-      if (!accumulates)  // one key tile per sequence: dQ is written by the kernel, no sum, no conversion
-        return launch_bwd<T, HD, true, kWindowed, kRotary>(q, k, v, dout, lse, dsum, cu_seqlens, nullptr, dq, dk,
-                                                           dv, batch, total, qkv_stride, dqkv_stride, num_heads,
-                                                           max_seqlen, window, rope_theta, softmax_scale, stream);
-      return launch_bwd<T, HD, false, kWindowed, kRotary>(q, k, v, dout, lse, dsum, cu_seqlens, dq_accum, dq, dk,
-                                                          dv, batch, total, qkv_stride, dqkv_stride, num_heads,
-                                                          max_seqlen, window, rope_theta, softmax_scale, stream);
+      if (slots == 0)  // one key tile per sequence: dQ is written by the kernel, no sum, no conversion
+        return launch_bwd<T, HD, true, kWindowed, kRotary>(q, k, v, dout, lse, dsum, cu_seqlens, nullptr, false,
+                                                           dq, dk, dv, batch, total, qkv_stride, dqkv_stride,
+                                                           num_heads, max_seqlen, window, rope_theta,
+                                                           softmax_scale, stream);
+      return launch_bwd<T, HD, false, kWindowed, kRotary>(q, k, v, dout, lse, dsum, cu_seqlens, dq_accum,
+                                                          slots == 2, dq, dk, dv, batch, total, qkv_stride,
+                                                          dqkv_stride, num_heads, max_seqlen, window, rope_theta,
+                                                          softmax_scale, stream);
     });
-    if (err != cudaSuccess || !accumulates) return err;
+    if (err != cudaSuccess || slots == 0) return err;
 
-    const int64_t wanted = (elements + 255) / 256, cap = 16LL * device_sm_count();
-    convert_kernel<T><<<(unsigned)(wanted < cap ? wanted : cap), 256, 0, stream>>>(
-        dq_accum, static_cast<T*>(dq), elements, (int64_t)num_heads * HD, dqkv_stride);
+    if (slots == 2) {
+      const dim3 grid((max_seqlen + kSlotRows - 1) / kSlotRows, batch);
+      dq_slots_kernel<T, HD><<<grid, 256, 0, stream>>>(dq_accum, static_cast<T*>(dq), cu_seqlens, num_heads, total,
+                                                        dqkv_stride, window);
+    } else {
+      const int64_t wanted = (elements + 255) / 256, cap = 16LL * device_sm_count();
+      convert_kernel<T><<<(unsigned)(wanted < cap ? wanted : cap), 256, 0, stream>>>(
+          dq_accum, static_cast<T*>(dq), elements, (int64_t)num_heads * HD, dqkv_stride);
+    }
     return cudaGetLastError();
   });
 }
 
-extern "C" int bds_varlen_attention_bwd_accumulates(int head_dim, int max_seqlen) {
-  return bwd_accumulates(head_dim, max_seqlen) ? 1 : 0;
+extern "C" int bds_varlen_attention_bwd_dq_slots(int head_dim, int max_seqlen, int window) {
+  if (head_dim == 32) return bwd_dq_slots<32>(max_seqlen, window);
+  if (head_dim == 64) return bwd_dq_slots<64>(max_seqlen, window);
+  return 0;
 }

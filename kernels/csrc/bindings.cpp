@@ -507,11 +507,11 @@ void attention_bwd_into(const at::Tensor& dout_in, const at::Tensor& q_in, const
   const at::Tensor dout = aligned_contiguous(dout_in), out = aligned_contiguous(out_in);
   const at::Tensor lse = lse_in.contiguous(), cu_seqlens = cu_seqlens_in.contiguous();
   const int64_t total = in.q.size(0), heads = in.q.size(1), head_dim = in.q.size(2);
-  // Only where a sequence may span several key tiles, which then add their dq up in fp32.
-  const bool accumulates = bds_varlen_attention_bwd_accumulates((int)head_dim, (int)max_seqlen) != 0;
+  // Only where a sequence may span several key tiles, which then sum their dq in fp32.
+  const int slots = bds_varlen_attention_bwd_dq_slots((int)head_dim, (int)max_seqlen, options.window);
   const at::Tensor dq_accum =
-      accumulates ? at::empty({total, heads, head_dim}, in.q.options().dtype(at::kFloat)) : at::Tensor();
-  float* const dq_accum_ptr = accumulates ? dq_accum.data_ptr<float>() : nullptr;
+      slots > 0 ? at::empty({slots, total, heads, head_dim}, in.q.options().dtype(at::kFloat)) : at::Tensor();
+  float* const dq_accum_ptr = slots > 0 ? dq_accum.data_ptr<float>() : nullptr;
   at::Tensor dsum = at::empty({heads, total}, in.q.options().dtype(at::kFloat));
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   cudaError_t err;

@@ -116,10 +116,10 @@ cudaError_t bds_varlen_attention_fwd(const void* q, const void* k, const void* v
 
 // dout: like out (contiguous); dq, dk, dv: like q, each token dqkv_stride elements apart (views
 // of one packed gradient, or contiguous). Workspaces (contents ignored, overwritten): dq_accum
-// (total, num_heads, head_dim) fp32, where the key tiles add their dq contributions, needed
-// only where bds_varlen_attention_bwd_accumulates says so (may be NULL otherwise); dsum
-// (num_heads, total) fp32, rowsum(dout * out). window and rope_theta: the forward's; with a
-// rope_theta, dq and dk are the gradients of q and k as given (before their rotation).
+// (slots, total, num_heads, head_dim) fp32, where the key tiles sum their dq contributions, slots
+// as bds_varlen_attention_bwd_dq_slots says (may be NULL where it says 0); dsum (num_heads,
+// total) fp32, rowsum(dout * out). window and rope_theta: the forward's; with a rope_theta, dq and
+// dk are the gradients of q and k as given (before their rotation).
 cudaError_t bds_varlen_attention_bwd(const void* dout, const void* q, const void* k, const void* v,
                                      const void* out, const float* lse, const int* cu_seqlens,
                                      void* dq, void* dk, void* dv, float* dq_accum, float* dsum,
@@ -127,10 +127,11 @@ cudaError_t bds_varlen_attention_bwd(const void* dout, const void* q, const void
                                      int num_heads, int head_dim, int max_seqlen, int window, float rope_theta,
                                      float softmax_scale, int dtype, cudaStream_t stream);
 
-// 1 when the backward at this head dim adds dq up in dq_accum (some sequence may span more than
-// one key tile: max_seqlen over 128); 0 when every sequence fits one key tile and dq is written
-// directly, with no atomics, and dq_accum may be NULL.
-int bds_varlen_attention_bwd_accumulates(int head_dim, int max_seqlen);
+// The slots of dq_accum the backward at this head dim, max_seqlen and window needs: 0 when every
+// sequence fits one key tile (max_seqlen up to 128) and dq is written directly; 2 when, with a
+// window of at most 64, each key tile stores to the slot of its parity (no atomics); 1 when the
+// key tiles add dq up in one slot with fp32 atomics (global attention, wider windows).
+int bds_varlen_attention_bwd_dq_slots(int head_dim, int max_seqlen, int window);
 
 // ---------------------------------------------------------------- MLM cross-entropy
 // logits: (rows, cols) of `dtype`; labels: (rows,) int64, `ignore_index` where a row has no loss.

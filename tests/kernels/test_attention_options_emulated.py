@@ -66,6 +66,8 @@ LOCAL_CASES = [  # (lengths, heads, head_dim, window)
     ([513, 3], 1, 32, 130),  # wider than every tile; 3 < window
     ([40, 9, 128], 2, 64, 64),  # ModernBERT's window; every sequence one key tile (one-tile backward)
     ([150, 2], 1, 32, 0),  # each query sees itself alone
+    ([17, 390, 129], 1, 64, 64),  # ModernBERT's window over 4 key tiles: dQ in the parity slots
+    ([260, 33], 1, 32, 64),  # the same at head dim 32
 ]
 
 
@@ -117,6 +119,29 @@ def test_windowed_one_tile_path_equals_the_general_path(emu, head_dim):
     general = emu.varlen_attention_bwd(dout, q, k, v, out, lse, cu_seqlens, 129, scale, window)
     for name, a, b in zip(("dq", "dk", "dv"), one_tile, general):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("head_dim", [64, 32])
+def test_the_backward_sums_dq_in_parity_slots_where_the_window_allows(emu, head_dim):
+    """The fp32 workspaces the backward sums dQ in: none where every sequence fits one key tile;
+    two (each key tile stores to its parity's, no atomics) with a window of at most 64, whose
+    key tiles t and t + 2 never share a dQ row; else one, which every key tile adds to atomically."""
+    slots = emu.lib.bds_varlen_attention_bwd_dq_slots
+    assert [slots(head_dim, 128, window) for window in (-1, 0, 64, 1000)] == [0, 0, 0, 0]
+    assert [slots(head_dim, 8192, window) for window in (0, 1, 63, 64)] == [2, 2, 2, 2]
+    assert [slots(head_dim, 129, window) for window in (-1, 65, 128, 2**31 - 1)] == [1, 1, 1, 1]
+
+    # The backward's atomic adds (the emulator counts them): none with the slots, some with one workspace.
+    lengths, scale = [300, 17], 1.0 / math.sqrt(head_dim)
+    q, k, v, dout = (rand(sum(lengths), 1, head_dim, dtype=torch.bfloat16, seed=seed) for seed in range(4))
+    cu_seqlens = cu_seqlens_of(lengths)
+    atomic_adds = emu.lib.bds_emu_atomic_adds
+    atomic_adds.restype = ctypes.c_longlong
+    for window, atomics in ((64, False), (65, True)):
+        out, lse = emu.varlen_attention_fwd(q, k, v, cu_seqlens, 300, 0.0, scale, window)
+        before = atomic_adds()
+        emu.varlen_attention_bwd(dout, q, k, v, out, lse, cu_seqlens, 300, scale, window)
+        assert (atomic_adds() > before) == atomics, (window, atomic_adds() - before)
 
 
 def test_a_window_wider_than_every_sequence_is_the_global_attention(emu):
@@ -243,11 +268,18 @@ PLANTED = {
         "attention_fwd_kernel(", "const int first_n0 = keys.lo / kBlockN * kBlockN;",
         "const int first_n0 = (keys.lo / kBlockN + 1) * kBlockN;", "window"),
     "backward: the first query tile it needs skipped": (
-        "attention_bwd_kernel(", "const int first_m0 = queries.lo / kBlockM * kBlockM;",
-        "const int first_m0 = (queries.lo / kBlockM + 1) * kBlockM;", "window"),
+        "attention_bwd_kernel(", "const int first_m0 = rows.lo;", "const int first_m0 = rows.lo + kBlockM;",
+        "window"),
     "backward: a warp skips a query tile it sees": (
         "attention_bwd_kernel(", "within_window(n0 + key0, n0 + key0 + 16 * MT - 1, m0, last_query, w)",
         "within_window(n0 + key0, n0 + key0 + 16 * MT - 1, m0, m0, w)", "window"),
+    "backward: every key tile's dQ in the slot of parity 0": (
+        "attention_bwd_kernel(", "dq_accum + (int64_t)(blockIdx.x % 2) * total * row_stride", "dq_accum", "window"),
+    "dQ's slots: the key tile before a row's own not summed": (
+        "dq_slots_kernel(", "for (int t = p / kBlockN > 0 ? p / kBlockN - 1 : 0;", "for (int t = p / kBlockN;",
+        "window"),
+    "launcher: slots for windows up to 128, whose key tiles t and t + 2 share rows": (
+        "int bwd_dq_slots(", "window <= kBlockN / 2 ?", "window <= kBlockN ?", "window"),
     "rotary: pairs (2i, 2i + 1) instead of (d, d + hd/2)": (
         "void rotate_own_pairs(",
         """      const float a = to_float(x1[e]), b = to_float(x2[e]);
@@ -277,6 +309,7 @@ try:
     if {check!r} == "window":
         check_local_attention(emu, torch.bfloat16, [300, 17], 1, 64, 100)
         check_local_attention(emu, torch.bfloat16, [40, 9, 128], 1, 64, 64)
+        check_local_attention(emu, torch.bfloat16, [17, 300], 1, 64, 64)
     else:
         check_rotary_attention(emu, [200, 9], 1, 64, 64, 10000.0)
 except AssertionError as error:

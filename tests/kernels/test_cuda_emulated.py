@@ -76,7 +76,7 @@ class Emulated:
             "bds_geglu_bwd": [P, P, P, L, I, I, I, P],
             "bds_varlen_attention_fwd": [P, P, P, P, P, P, I, L, L, I, I, I, I, F, F, I, P],
             "bds_varlen_attention_bwd": [P, P, P, P, P, P, P, P, P, P, P, P, I, L, L, L, I, I, I, I, F, F, I, P],
-            "bds_varlen_attention_bwd_accumulates": [I, I],
+            "bds_varlen_attention_bwd_dq_slots": [I, I, I],
             "bds_mlm_cross_entropy_fwd": [P, P, P, P, P, L, I, L, I, P],
             "bds_mlm_cross_entropy_bwd": [P, P, P, P, P, L, I, L, I, P],
             "bds_lamb_moments": [P, P, P, P, P, P, P, P, L, F, F, F, F, F, P],
@@ -249,8 +249,8 @@ class Emulated:
                        rope_theta, grads, dqkv_stride):
         dout, out, lse = map(self._guarded, (dout, out, lse))
         total, heads, head_dim = q.shape
-        accumulates = self.lib.bds_varlen_attention_bwd_accumulates(head_dim, max_seqlen)
-        dq_accum = self._empty(total, heads, head_dim, dtype=torch.float32) if accumulates else None
+        slots = self.lib.bds_varlen_attention_bwd_dq_slots(head_dim, max_seqlen, max(window, -1))
+        dq_accum = self._empty(slots, total, heads, head_dim, dtype=torch.float32) if slots else None
         dsum = self._empty(heads, total, dtype=torch.float32)
         self._call("bds_varlen_attention_bwd", dout, q, k, v, out, lse, cu_seqlens, *grads, dq_accum, dsum,
                    cu_seqlens.numel() - 1, total, qkv_stride, dqkv_stride, heads, head_dim, max_seqlen,
@@ -978,8 +978,8 @@ def test_attention_one_tile_path_equals_the_general_path(emu, dtype, head_dim):
     total, scale = sum(lengths), 1.0 / math.sqrt(head_dim)
     q, k, v, dout = (rand(total, 2, head_dim, dtype=dtype, seed=seed) for seed in range(4))
     cu_seqlens = cu_seqlens_of(lengths)
-    assert emu.lib.bds_varlen_attention_bwd_accumulates(head_dim, 128) == 0
-    assert emu.lib.bds_varlen_attention_bwd_accumulates(head_dim, 129) == 1
+    assert emu.lib.bds_varlen_attention_bwd_dq_slots(head_dim, 128, -1) == 0
+    assert emu.lib.bds_varlen_attention_bwd_dq_slots(head_dim, 129, -1) == 1
     out, lse = emu.varlen_attention_fwd(q, k, v, cu_seqlens, 128, 0.0, scale)
     one_tile = emu.varlen_attention_bwd(dout, q, k, v, out, lse, cu_seqlens, 128, scale)
     general = emu.varlen_attention_bwd(dout, q, k, v, out, lse, cu_seqlens, 129, scale)
@@ -1018,7 +1018,7 @@ emu = Emulated(ctypes.CDLL({library!r}))
 lengths = {lengths!r}
 q, k, v, dout = (rand(sum(lengths), 1, 64, dtype=torch.bfloat16, seed=seed) for seed in range(4))
 cu_seqlens = cu_seqlens_of(lengths)
-assert emu.lib.bds_varlen_attention_bwd_accumulates(64, max(lengths)) == {accumulates!r}
+assert emu.lib.bds_varlen_attention_bwd_dq_slots(64, max(lengths), -1) == {slots!r}
 out, lse = emu.varlen_attention_fwd(q, k, v, cu_seqlens, max(lengths), 0.0, 0.125)
 emu.varlen_attention_bwd(dout, q, k, v, out, lse, cu_seqlens, max(lengths), 0.125)
 print("ran to the end")
@@ -1027,7 +1027,7 @@ print("ran to the end")
 
 def _run_attention(library: str, batch: str) -> emulation.Outcome:
     return emulation.run_python(_RUN_ATTENTION.format(library=library, lengths=BATCHES[batch],
-                                                      accumulates=int(batch == "general")))
+                                                      slots=int(batch == "general")))
 
 
 @pytest.mark.parametrize("batch", sorted(BATCHES))

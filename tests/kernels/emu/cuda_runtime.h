@@ -161,6 +161,7 @@ struct State {
   uint32_t epoch = 0;    // advances at every block start and __syncthreads: shared_memory.h's race clock
   uint32_t block_epoch = 0;  // the epoch this block started in: older writes are another block's bytes
   size_t dynamic_smem = 0;   // bytes of dynamic shared memory the running launch gave
+  long long atomic_adds = 0;  // atomicAdd calls so far (bds_emu_atomic_adds)
 };
 
 inline State& state() {
@@ -373,10 +374,15 @@ T __shfl_xor_sync(unsigned, T v, int lane_mask) {
 
 // Fibers switch only at barriers, so a plain add is atomic here.
 inline float atomicAdd(float* address, float value) {
+  ++emu::state().atomic_adds;
   const float old = *address;
   *address = old + value;
   return old;
 }
+
+// The atomicAdd calls the library's kernels have made so far: a test of a path that must make none
+// reads it before and after (exported from every library built on the emulator).
+extern "C" __attribute__((used)) inline long long bds_emu_atomic_adds() { return emu::state().atomic_adds; }
 
 #include "shared_memory.h"
 
