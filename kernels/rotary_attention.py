@@ -1,12 +1,13 @@
 """Attention with rotary embeddings on q and k (RoPE), as a ModernBERT-class encoder runs it: the
 fused kernels rotate q and k as they load them, so that no rotated copy of either is written.
 
-Not an op of its own and not raced: it is what the attention ops (:func:`~bert_ds.kernels.attention.varlen_attention`
+Not an op of its own: it is what the attention ops (:func:`~bert_ds.kernels.attention.varlen_attention`
 for the global layers, :func:`~bert_ds.kernels.local_attention.local_attention` for the local ones)
 run where their fused kernel runs (:func:`rotary_runs_fused`: ``kernels=cuda``, or ``kernels=auto``
 where the fused kernel won the op's race). Anywhere else the model rotates q and k itself, in
-PyTorch, and hands them to the op: the rotation costs the same for every other candidate, which
-the race leaves out.
+PyTorch, and hands them to the op. A rotary model's race times each candidate so
+(:func:`rotary_form`): the fused kernel on the unrotated projection, every other after the
+rotation, which it pays and the fused kernel does not.
 
 The rotation is transformers' (ModernBERT's), defined here once (:func:`rotary_tables`,
 :func:`apply_rotary`, which the model imports; :func:`rotary_ref` at positions from ``cu_seqlens``):
@@ -19,6 +20,8 @@ packed projection is that of q and k as the projection made them.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -96,6 +99,31 @@ def rotary_attention_fused(
         raise ValueError(f"rope_theta must be a positive rotary base, got {rope_theta}")
     return packed_fused(qkv, cu_seqlens, max_seqlen, fused_scale(qkv, dropout_p, softmax_scale),
                         GLOBAL if window is None else window, rope_theta)
+
+
+# The candidates that rotate q and k themselves, in the rotary form of the race (:func:`rotary_form`);
+# a table, as attention.PACKED_IMPLEMENTATIONS is, so that the race's tests can stand in for them.
+ROTARY_IMPLEMENTATIONS: dict[str, Callable[..., torch.Tensor]] = {"fused": rotary_attention_fused}
+
+
+def rotary_form(impl: str, fn: Callable[..., torch.Tensor], window: int | None, rope_theta: float,
+                tables: tuple[torch.Tensor, torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """Candidate ``impl`` of an attention op as a rotary model's layer runs it, on the unrotated
+    projection: ``(qkv, cu_seqlens, max_seqlen)`` with qkv (T, 3, nh, hd). The fused kernels rotate
+    q and k as they load them (:data:`ROTARY_IMPLEMENTATIONS`); any other candidate (``fn``, the op's
+    form with q, k and v, the local op's taking ``window`` after max_seqlen) runs on q and k rotated
+    in PyTorch by ``tables`` (cos, sin (T, hd), :func:`rotary_tables`, which the model makes once a
+    forward for all its layers), as ``ModernBertAttention`` does where the fused kernel does not run."""
+    own = ROTARY_IMPLEMENTATIONS.get(impl)
+    if own is not None:
+        return lambda qkv, cu_seqlens, max_seqlen: own(qkv, cu_seqlens, max_seqlen, rope_theta, window)
+    cos, sin = tables
+    windowed = () if window is None else (window,)
+
+    def rotated(qkv, cu_seqlens, max_seqlen):
+        q, k, v = qkv.unbind(1)
+        return fn(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, cu_seqlens, max_seqlen, *windowed)
+    return rotated
 
 
 def rotary_runs_fused(qkv: torch.Tensor, cu_seqlens: torch.Tensor, window: int | None, dropout_p: float,

@@ -25,7 +25,9 @@ the model's shapes, its dropout and the training's sequence length (:class:`OpSh
 many tokens as a training micro-batch holds (32,768 by
 default, a BERT-Base micro-batch of 256 x 128), so that launch costs do not decide (attention as
 the model runs it: on one (T, 3, nh, hd) Q/K/V projection, which the fused kernel reads in place
-and the others take as three views, ``attention.packed_form``, their copies timed). Each is
+and the others take as three views, ``attention.packed_form``, their copies timed; in a rotary
+model, :attr:`OpShapes.rotary`, the fused kernel rotates q and k as it loads them and the others
+are timed with the rotation in PyTorch they run after, ``rotary_attention.rotary_form``). Each is
 timed as runs of back-to-back calls by two clocks (:func:`best_seconds_per_call`): the host's
 wall clock around the run, which counts what the training step pays (Python, autograd and
 launch costs as well as the device's work; on a GPU it starts after a synchronisation and
@@ -58,7 +60,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from bert_ds.kernels import attention, lamb, probes, selfcheck
+from bert_ds.kernels import attention, lamb, probes, rotary_attention, selfcheck
 from bert_ds.kernels.bias_gelu import IMPLEMENTATIONS as BIAS_GELU
 from bert_ds.kernels.bias_gelu import bias_gelu_ref
 from bert_ds.kernels.cross_entropy import IMPLEMENTATIONS as MLM_CROSS_ENTROPY
@@ -93,9 +95,11 @@ class Timing(NamedTuple):
 
 Timer = Callable[[Callable[[], Any], torch.device], Timing]  # (run once, device) -> its timing per run
 # What the race times, by version; a record of another version is raced again (kernels/choice.py).
+# 4: the local attention on one Q/K/V projection too, and a rotary model's attention with the
+# rotation each candidate runs with (3: the local one on q and k apart, none rotated);
 # 3: the verdict by the host's wall time, the device's time beside it (2: by CUDA events alone);
 # 2: attention on one Q/K/V projection, as the model runs it (1: on three separate tensors).
-RACE_VERSION = 3
+RACE_VERSION = 4
 
 
 @dataclass(frozen=True)
@@ -116,6 +120,9 @@ class OpShapes:
     # the model's LayerNorms: BERT's post-LN, with a bias and the residual added in; False: ModernBERT's
     # pre-LN, neither bias nor residual (layer_norm is timed as the model calls it)
     layer_norm_bias: bool = True
+    # q and k are rotated (RoPE: ModernBERT): each attention candidate is timed with the rotation it
+    # runs with (rotary_attention.rotary_form); False: BERT's, none
+    rotary: bool = False
 
     def __post_init__(self) -> None:
         for name in ("hidden", "intermediate", "num_heads", "max_seqlen", "tokens", "vocab"):
@@ -123,7 +130,7 @@ class OpShapes:
                 raise ValueError(f"OpShapes.{name} must be a positive integer, got {getattr(self, name)!r}")
         if not isinstance(self.window, int) or self.window < 0:
             raise ValueError(f"OpShapes.window must be an integer >= 0, got {self.window!r}")
-        for name in ("geglu", "layer_norm_bias"):
+        for name in ("geglu", "layer_norm_bias", "rotary"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"OpShapes.{name} must be True or False, got {getattr(self, name)!r}")
         if self.hidden % self.num_heads:
@@ -172,7 +179,8 @@ class OpShapes:
         return (f"{self.dtype} hidden {self.hidden} ffn {self.intermediate} heads {self.num_heads} "
                 f"seq {self.max_seqlen} tokens {self.tokens} gelu {self.approximate} dropout {self.hidden_dropout:g} "
                 f"vocab {self.vocab}" + (f" window {self.window}" if self.window else "")
-                + (" geglu" if self.geglu else "") + ("" if self.layer_norm_bias else " layernorm plain"))
+                + (" geglu" if self.geglu else "") + ("" if self.layer_norm_bias else " layernorm plain")
+                + (" rotary" if self.rotary else ""))
 
     def describe(self) -> str:
         lengths = self.lengths()
@@ -278,8 +286,6 @@ def candidates(fused_problems: Mapping[str, str], apex_problem: str,
             problems["apex"] = apex_problem
         timed[op] = {"native": IMPLEMENTATIONS[op]["native"]}
         timed[op].update((name, fn) for name, fn in IMPLEMENTATIONS[op].items() if not problems.get(name, ""))
-        if op == "varlen_attention":  # timed on the model's one Q/K/V projection (_case)
-            timed[op] = {name: attention.packed_form(name, fn) for name, fn in timed[op].items()}
         excluded[op] = {name: why for name, why in problems.items() if why}
     return timed, excluded
 
@@ -301,6 +307,7 @@ def race(shapes: OpShapes, device: torch.device, timed: Mapping[str, Mapping[str
             case = _case(op, shapes, device)
             wall_ms, device_ms, left_out = {}, {}, dict(excluded.get(op, {}))
             for name, fn in implementations.items():
+                fn = case.form(name, fn)  # as the model calls it (attention: on its one Q/K/V projection)
                 try:
                     # native is what every other falls back to: there is nothing to exclude it for
                     wrong = [] if name == "native" else case.check(fn)
@@ -324,6 +331,10 @@ def _first_line(error: Exception) -> str:
     return lines[0] if lines else ""
 
 
+def _as_given(name: str, fn: Callable) -> Callable:
+    return fn
+
+
 @dataclass
 class _AutogradCase:
     """One of the model's ops at the race's inputs: ``call(fn, leaves)`` runs candidate ``fn`` forward."""
@@ -340,6 +351,8 @@ class _AutogradCase:
     # An integer output the candidate must give exactly as the reference does (the MLM loss's count of
     # right predictions), which the error rule's tolerance would let drift
     exact: Callable[[Callable, dict[str, torch.Tensor]], torch.Tensor] | None = None
+    # Candidate ``name`` (its implementation ``fn``) in the form ``call`` calls, as the model runs it
+    form: Callable[[str, Callable], Callable] = _as_given
 
     def run(self, fn: Callable) -> None:
         """One call of ``fn``, forward and backward: what is timed."""
@@ -364,6 +377,7 @@ class _LambCase:
 
     run: Callable[[Callable], None]
     device: torch.device
+    form: Callable[[str, Callable], Callable] = _as_given
 
     def check(self, fn: Callable) -> list[str]:
         with selfcheck.clean_context():
@@ -407,26 +421,58 @@ def _case(op: str, shapes: OpShapes, device: torch.device) -> _AutogradCase | _L
         leaves = {"x": rand(tokens, 2 * shapes.intermediate)}
         return _AutogradCase(lambda fn, t: fn(t["x"], shapes.approximate),
                              leaves, rand(tokens, shapes.intermediate).detach(), geglu_ref, dtype)
-    if op == "varlen_attention":
-        # As the model runs it: q, k and v as one (T, 3, nh, hd) projection, which a candidate reads in
-        # place or as three views (attention.packed_form), and its gradient in one piece
-        cu_seqlens = torch.tensor([0, *lengths], device=device).cumsum(0).to(torch.int32)
-        leaves = {"qkv": rand(tokens, 3, shapes.num_heads, shapes.head_dim)}
-        return _AutogradCase(lambda fn, t: fn(t["qkv"], cu_seqlens, shapes.max_seqlen),
-                             leaves, rand(tokens, shapes.num_heads, shapes.head_dim).detach(),
-                             attention.packed_form("reference", attention.varlen_attention_ref), dtype)
-    if op == "local_attention":
-        # q and k as the rotary embedding hands them over (new tensors), v a view of the projection
-        cu_seqlens = torch.tensor([0, *lengths], device=device).cumsum(0).to(torch.int32)
-        leaves = {name: rand(tokens, shapes.num_heads, shapes.head_dim) for name in ("q", "k", "v")}
-        return _AutogradCase(lambda fn, t: fn(t["q"], t["k"], t["v"], cu_seqlens, shapes.max_seqlen, shapes.window),
-                             leaves, rand(tokens, shapes.num_heads, shapes.head_dim).detach(),
-                             local_attention_ref, dtype)
+    if op in ("varlen_attention", "local_attention"):
+        return _attention_case(op, shapes, device, rand, dtype)
     if op == "mlm_cross_entropy":
         return _cross_entropy_case(shapes, device, generator, dtype)
     if op == "lamb_update":
         return _LambCase(_lamb_case(shapes, device, generator), device)
     raise ValueError(f"no timing case for op {op!r}")
+
+
+RACE_ROPE_THETA = 10000.0  # a rotary model's race rotates by ModernBERT's local base: the cost is the same at any
+
+
+def _attention_case(op: str, shapes: OpShapes, device: torch.device, rand: Callable[..., torch.Tensor],
+                    dtype: torch.dtype) -> _AutogradCase:
+    """An attention op as the model runs it: on one (T, 3, nh, hd) Q/K/V projection, its gradient
+    in one piece. Without rotary embeddings a candidate reads the projection in place or as three
+    views (attention.packed_form); with them (:attr:`OpShapes.rotary`) the fused kernel rotates q and k
+    as it loads them and every other candidate runs after they are rotated in PyTorch
+    (rotary_attention.rotary_form; the cos and sin tables, made once a forward for every layer, are
+    made here before the timing), so that the race counts the rotation the fused path saves."""
+    lengths = shapes.lengths()
+    tokens = sum(lengths)
+    cu_seqlens = torch.tensor([0, *lengths], device=device).cumsum(0).to(torch.int32)
+    window = shapes.window if op == "local_attention" else None
+    leaves = {"qkv": rand(tokens, 3, shapes.num_heads, shapes.head_dim)}
+    grad = rand(tokens, shapes.num_heads, shapes.head_dim).detach()
+    if shapes.rotary:
+        positions = rotary_attention.sequence_positions(cu_seqlens, tokens)
+        tables = rotary_attention.rotary_tables(positions, shapes.head_dim, RACE_ROPE_THETA, dtype)
+        form = functools.partial(_rotary_form, window=window, tables=tables)
+        reference = functools.partial(_rotary_reference, window=window)
+    elif window is None:
+        form, reference = attention.packed_form, attention.packed_form("reference", attention.varlen_attention_ref)
+    else:
+        form, reference = _local_form(window), _local_form(window)("reference", local_attention_ref)
+    return _AutogradCase(lambda fn, t: fn(t["qkv"], cu_seqlens, shapes.max_seqlen), leaves, grad, reference, dtype,
+                         form=form)
+
+
+def _rotary_form(name: str, fn: Callable, window: int | None, tables: tuple[torch.Tensor, torch.Tensor]) -> Callable:
+    return rotary_attention.rotary_form(name, fn, window, RACE_ROPE_THETA, tables)
+
+
+def _rotary_reference(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, window: int | None) -> torch.Tensor:
+    return rotary_attention.rotary_attention_ref(qkv, cu_seqlens, max_seqlen, RACE_ROPE_THETA, window)
+
+
+def _local_form(window: int) -> Callable[[str, Callable], Callable]:
+    """The local op's candidates on the three views of a projection, without rotary embeddings."""
+    def form(name: str, fn: Callable) -> Callable:
+        return lambda qkv, cu_seqlens, max_seqlen: fn(*qkv.unbind(1), cu_seqlens, max_seqlen, window)
+    return form
 
 
 def _cross_entropy_case(shapes: OpShapes, device: torch.device, generator: torch.Generator,

@@ -203,7 +203,7 @@ class ModernBertForPreTraining(nn.Module):
             max_seqlen=train_seq_len or config.max_position_embeddings,
             approximate=_GELU_APPROXIMATE[config.hidden_activation], hidden_dropout=config.mlp_dropout,
             vocab=config.vocab_size, window=config.local_window, geglu=True,
-            layer_norm_bias=False)
+            layer_norm_bias=False, rotary=True)
         self.backend = resolve_backend(config.kernels, self.op_shapes)
         self.model = ModernBertModel(config, self.backend)
         self.head = ModernBertPredictionHead(config, self.backend)

@@ -36,6 +36,7 @@ layer_norm = importlib.import_module("bert_ds.kernels.layer_norm")
 dropout_layer_norm = importlib.import_module("bert_ds.kernels.dropout_layer_norm")
 bias_gelu = importlib.import_module("bert_ds.kernels.bias_gelu")
 cross_entropy = importlib.import_module("bert_ds.kernels.cross_entropy")
+rotary_attention = importlib.import_module("bert_ds.kernels.rotary_attention")
 
 SHAPES = speed.OpShapes(hidden=16, intermediate=64, num_heads=2, max_seqlen=8, tokens=16, dtype="float32")
 PHASE_2 = dataclasses.replace(SHAPES, max_seqlen=16)  # the same model at phase 2's longer sequences
@@ -83,6 +84,26 @@ def _stand_in(op: str, name: str, native, calls: list[tuple[str, str]]):
     return stand_in
 
 
+ATTENTION_OPS = ("varlen_attention", "local_attention")
+
+
+APPLY_ROTARY = rotary_attention.apply_rotary  # before a test charges for it
+
+
+def _rotating(fused_by_op: dict):
+    """A stand-in for the fused kernels' rotary form (rotary_attention_fused's signature): q and k of the
+    unrotated projection rotated as the reference rotates them, then the op's fused stand-in, which charges."""
+    def rotary_fused(qkv, cu_seqlens, max_seqlen, rope_theta, window=None, *rest):
+        q, k, v = qkv.unbind(1)
+        tables = rotary_attention.rotary_tables(rotary_attention.sequence_positions(cu_seqlens, qkv.shape[0]),
+                                                qkv.shape[-1], rope_theta, qkv.dtype)
+        q, k = APPLY_ROTARY(q, *tables), APPLY_ROTARY(k, *tables)
+        if window is None:
+            return fused_by_op["varlen_attention"](q, k, v, cu_seqlens, max_seqlen, *rest)
+        return fused_by_op["local_attention"](q, k, v, cu_seqlens, max_seqlen, window, *rest)
+    return rotary_fused
+
+
 @pytest.fixture
 def auto(monkeypatch, tmp_path):
     """A fake CUDA device ("Fake H100") whose extension loads and passes its self-check; the race
@@ -109,6 +130,7 @@ def auto(monkeypatch, tmp_path):
         calls: list[tuple[str, str]] = []  # (op, candidate) of every call of a stand-in
         natives = {op: impls["native"] for op, impls in speed.IMPLEMENTATIONS.items()}
         real = {op: dict(impls) for op, impls in speed.IMPLEMENTATIONS.items()}  # before any stand-in
+        rotary: dict[str, object] = {}  # per attention op, its fused stand-in, which the rotary one calls
 
         @staticmethod
         def costs(op: str, **per_impl) -> None:
@@ -120,6 +142,9 @@ def auto(monkeypatch, tmp_path):
                 if op == "varlen_attention" and name in attention.PACKED_IMPLEMENTATIONS:  # the model's QKV layout
                     monkeypatch.setitem(attention.PACKED_IMPLEMENTATIONS, name,
                                         lambda qkv, *rest, fn=charged: fn(*qkv.unbind(1), *rest))
+                if op in ATTENTION_OPS and name in rotary_attention.ROTARY_IMPLEMENTATIONS:  # a rotary model's
+                    Auto.rotary[op] = charged
+                    monkeypatch.setitem(rotary_attention.ROTARY_IMPLEMENTATIONS, name, _rotating(Auto.rotary))
 
         @staticmethod
         def new_process() -> None:
@@ -718,11 +743,52 @@ def test_a_model_with_local_layers_and_geglu_races_them_and_bert_does_not(auto, 
     verdict = choice.op_choices(model.op_shapes)["local_attention"]
     assert set(verdict.wall_ms) == {"native", "fused", "varlen_attn", "flash_attn", "flex", "sdpa_efficient"}
     assert model.op_shapes.geglu and not model.op_shapes.layer_norm_bias
-    assert model.op_shapes.key.endswith(" geglu layernorm plain")
+    assert model.op_shapes.rotary and model.op_shapes.key.endswith(" geglu layernorm plain rotary")
     assert model.backend.winner("geglu") == "compiled"
     assert set(choice.op_choices(model.op_shapes)["geglu"].wall_ms) == {"native", "fused", "compiled"}
     bert_plan = _model(8).backend
     assert not bert_plan.has("local_attention") and not bert_plan.has("geglu")
+
+
+ROTARY = dataclasses.replace(SHAPES, window=3, rotary=True)  # a rotary model with local layers
+
+
+def test_a_rotary_model_races_attention_with_the_rotation_each_candidate_runs_with(auto, monkeypatch):
+    """In a rotary model the fused kernels rotate q and k as they load them; every other candidate runs
+    after the model rotates them in PyTorch, and is timed so: here the rotation costs 0.6 ms a call (q
+    and k: 1.2 per attention), which makes the fused kernel (2.0) win over native (1.0 + 1.2). Without
+    rotary embeddings nothing is rotated and native wins."""
+    rotations = []
+
+    def charged_rotation(x, cos, sin):
+        rotations.append(x.shape)
+        auto.clock.now += 0.6 * MS
+        auto.clock.device_now += 0.6 * MS
+        return APPLY_ROTARY(x, cos, sin)
+    monkeypatch.setattr(rotary_attention, "apply_rotary", charged_rotation)
+    for op in ATTENTION_OPS:
+        auto.costs(op, native=1.0, fused=2.0)
+    for op, verdict in choice.op_choices(ROTARY).items():
+        if op in ATTENTION_OPS:
+            assert verdict.runs == "fused", (op, verdict.wall_ms)
+            assert verdict.wall_ms["native"] == pytest.approx(2.2) and verdict.wall_ms["fused"] == pytest.approx(2.0)
+    assert rotations and set(rotations) == {(sum(ROTARY.lengths()), ROTARY.num_heads, ROTARY.head_dim)}
+
+    rotations.clear()
+    plain = dataclasses.replace(ROTARY, rotary=False)
+    assert {op: verdict.runs for op, verdict in choice.op_choices(plain).items() if op in ATTENTION_OPS} == {
+        "varlen_attention": "native", "local_attention": "native"}
+    assert not rotations and ROTARY.key == plain.key + " rotary"
+
+
+def test_a_rotary_candidate_that_does_not_rotate_is_not_a_candidate(auto, monkeypatch):
+    """The rotary race holds each candidate to the rotary reference: a fused form that leaves q and k
+    as they are is wrong at the model's shapes, and excluded with the reason."""
+    def unrotated(qkv, cu_seqlens, max_seqlen, rope_theta, window=None):
+        return auto.rotary["local_attention"](*qkv.unbind(1), cu_seqlens, max_seqlen, window)
+    monkeypatch.setitem(rotary_attention.ROTARY_IMPLEMENTATIONS, "fused", unrotated)
+    verdict = choice.op_choices(ROTARY)["local_attention"]
+    assert "fused" not in verdict.wall_ms and verdict.excluded["fused"].startswith("wrong at these shapes")
 
 
 def test_the_optimizer_follows_the_model_s_plan(auto):
