@@ -5,9 +5,9 @@
 #
 # The GPU machine (the device tool's KINDS.md lists its packages) has Python 3.12, torch
 # 2.11+cu130, transformers, tokenizers, safetensors, numpy, tensorboard, tqdm, pytest and
-# ninja, and no internet: DeepSpeed and the requirements of it that the image lacks travel
-# as wheels with the working tree (at most 64 MiB per call, the tree included), named in
-# the call's `carry`. `benchmarks/gpu_checks.sh` installs them from KIT_DIR with
+# ninja, and no internet: DeepSpeed and the requirements of it that the image lacks, and
+# liger-kernel (a candidate of the race), travel as wheels with the working tree (at most 64
+# MiB per call, the tree included), named in the call's `carry`. `benchmarks/gpu_checks.sh` installs them from KIT_DIR with
 # `pip install --no-index --target` and says what it installed.
 #
 # Not `python -m bert_ds.tools.bundle`: that gathers everything bert-ds needs (transformers,
@@ -26,8 +26,9 @@ kit=${1:-.gpu-kit}
 python=${PYTHON:-python3}
 target_python=${KIT_PYTHON:-3.12}
 DEEPSPEED=deepspeed==0.19.8
+# liger-kernel (pure Python over the image's Triton): a kernels=auto candidate of GeGLU and LayerNorm
 WHEELS=(hjson==3.1.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
-    typing-extensions==4.16.0)
+    typing-extensions==4.16.0 liger-kernel==0.8.5)
 LIMIT_MIB=64
 
 mkdir -p "$kit"

@@ -41,11 +41,10 @@ from bert_ds.base.errors import UserError
 from bert_ds.kernels._build import load_extension
 
 # An op's implementations: the native op; our fused kernel; its reference under torch.compile;
-# apex's LayerNorm; torch's varlen FlashAttention; SDPA restricted to one backend around a
-# padded (or, for flash, nested) batch.
-Impl = Literal["native", "fused", "compiled", "apex", "varlen_attn", "flash_attn", "sdpa_flash", "sdpa_efficient",
-               "sdpa_cudnn",
-               "flex"]
+# apex's LayerNorm; liger-kernel's LayerNorm and GeGLU; torch's varlen FlashAttention, flash-attn's;
+# SDPA restricted to one backend around a padded (or, for flash, nested) batch; FlexAttention.
+Impl = Literal["native", "fused", "compiled", "apex", "liger", "varlen_attn", "flash_attn", "sdpa_flash",
+               "sdpa_efficient", "sdpa_cudnn", "flex"]
 OPS = ("layer_norm", "dropout_add_layer_norm", "bias_gelu", "varlen_attention", "mlm_cross_entropy", "lamb_update",
        "geglu", "local_attention")
 # Every op has a fused kernel and is raced; a model races only the ops it has (speed.OpShapes.has):

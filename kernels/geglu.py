@@ -15,6 +15,8 @@ approximation (``gelu_tanh``), as in ``torch.nn.functional.gelu``.
   strided inputs (copied once to contiguous). It saves only x for the backward, where the native
   path also keeps ``gelu(input)``.
 - :data:`geglu_compiled`: the reference under ``torch.compile`` (``kernels/compiled.py``).
+- ``liger``: liger-kernel's GeGLU where it is installed, for the tanh approximation alone
+  (``kernels/liger.py``).
 
 ``kernels=auto`` races them at the model's shapes where the model has a GeGLU MLP
 (``OpShapes.geglu``); BERT's models have none, and race none.
@@ -28,6 +30,7 @@ import torch.nn.functional as F
 
 from bert_ds.kernels.compiled import CompiledReference
 from bert_ds.kernels.dispatch import Backend, Impl, choose, fused_extension
+from bert_ds.kernels.liger import geglu_liger, liger_problem
 
 Approximate = Literal["none", "tanh"]
 FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -54,7 +57,7 @@ def geglu_fused(x: torch.Tensor, approximate: Approximate) -> torch.Tensor:
 geglu_compiled = CompiledReference(geglu_ref, rows=(0,))  # x: (T, 2I), T the batch's token count
 
 IMPLEMENTATIONS: dict[Impl, Callable[..., torch.Tensor]] = {
-    "native": geglu_native, "fused": geglu_fused, "compiled": geglu_compiled}
+    "native": geglu_native, "fused": geglu_fused, "compiled": geglu_compiled, "liger": geglu_liger}
 
 
 def geglu(x: torch.Tensor, approximate: Approximate, *, backend: Backend) -> torch.Tensor:
@@ -69,9 +72,11 @@ def geglu(x: torch.Tensor, approximate: Approximate, *, backend: Backend) -> tor
 
 
 def _unsupported(impl: Impl, x: torch.Tensor) -> str:
-    """Why candidate ``impl`` ("fused" or "compiled") cannot take ``x`` ("" if it can)."""
+    """Why candidate ``impl`` ("fused", "compiled" or "liger") cannot take ``x`` ("" if it can)."""
     if impl == "compiled":  # the reference, which takes any input; raced on a CUDA device
         return "" if x.is_cuda else "its inputs are not all on a CUDA device"
+    if impl == "liger":  # raced only where the model's GELU is its tanh form: it refuses the erf one
+        return liger_problem(x)
     if not 0 < x.shape[-1] // 2 <= MAX_FUSED_WIDTH:
         return f"a width of {x.shape[-1]} (it takes halves of 1 to {MAX_FUSED_WIDTH} columns)"
     if x.dtype not in FUSED_DTYPES:

@@ -25,9 +25,10 @@ autocast) are not what ``F.layer_norm`` takes.
 
 Two more candidates under ``kernels=auto`` (``kernels/choice.py``), each run only where it
 is correct and the fastest on the device at the model's shapes: the reference under
-``torch.compile`` (:data:`layer_norm_compiled`, ``kernels/compiled.py``) and, where NVIDIA
+``torch.compile`` (:data:`layer_norm_compiled`, ``kernels/compiled.py``), where NVIDIA
 apex is installed and passes the same self-check, its fused LayerNorm
-(``fused_layer_norm_affine``).
+(``fused_layer_norm_affine``), and where liger-kernel is installed, its Triton LayerNorm
+(``kernels/liger.py``).
 """
 
 import importlib
@@ -38,6 +39,7 @@ import torch.nn.functional as F
 
 from bert_ds.kernels.compiled import CompiledReference
 from bert_ds.kernels.dispatch import Backend, Impl, choose, fused_extension
+from bert_ds.kernels.liger import layer_norm_liger, liger_problem
 
 FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -111,7 +113,8 @@ def layer_norm_apex(
 layer_norm_compiled = CompiledReference(layer_norm_ref, rows=(0, 4))
 
 IMPLEMENTATIONS: dict[Impl, Callable[..., torch.Tensor]] = {
-    "native": layer_norm_native, "fused": layer_norm_fused, "compiled": layer_norm_compiled, "apex": layer_norm_apex}
+    "native": layer_norm_native, "fused": layer_norm_fused, "compiled": layer_norm_compiled, "apex": layer_norm_apex,
+    "liger": layer_norm_liger}
 
 
 def _mixed_dtypes(x, weight, bias, residual) -> bool:
@@ -133,7 +136,7 @@ def layer_norm(
 
 
 def _unsupported(impl: Impl, x, weight, bias, residual) -> str:
-    """Why candidate ``impl`` ("fused", "compiled" or "apex") cannot take these inputs ("" if it can)."""
+    """Why candidate ``impl`` ("fused", "compiled", "apex" or "liger") cannot take these inputs ("" if it can)."""
     on_cuda = all(t.is_cuda for t in (x, weight, bias, residual) if t is not None)
     if impl == "compiled":  # the reference, which takes any input; raced on a CUDA device
         return "" if on_cuda else "its inputs are not all on a CUDA device"
@@ -141,6 +144,10 @@ def _unsupported(impl: Impl, x, weight, bias, residual) -> str:
         return f"mixed dtypes ({x.dtype} input; apex's LayerNorm takes one dtype)"
     if impl == "apex" and bias is None:
         return "no bias (apex's affine LayerNorm takes one)"
+    if impl == "liger" and _mixed_dtypes(x, weight, bias, residual):
+        return f"mixed dtypes ({x.dtype} input; liger's LayerNorm is raced in one dtype)"
+    if impl == "liger":
+        return liger_problem(x, weight, bias, residual)
     if x.dtype not in FUSED_DTYPES:
         return f"{x.dtype} input (it takes {', '.join(map(str, FUSED_DTYPES))})"
     if weight.dtype not in (x.dtype, torch.float32) or (bias is not None and bias.dtype != weight.dtype):

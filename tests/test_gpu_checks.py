@@ -145,12 +145,12 @@ def kit(tmp_path_factory) -> Path:
     if proc.returncode != 0 and ("Could not find" in proc.stderr or "connection" in proc.stderr.lower()):
         pytest.skip(f"PyPI unreachable: {proc.stderr.strip().splitlines()[-1]}")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.startswith("gpu kit: 7 wheels in ") and "of the 64 MiB a call carries" in proc.stdout
+    assert proc.stdout.startswith("gpu kit: 8 wheels in ") and "of the 64 MiB a call carries" in proc.stdout
     # DeepSpeed and what the GPU machine lacks of its requirements, each small (checked here, in
     # the one test that builds the kit: a second test would build it again on another worker)
     names = {p.name.split("-")[0].lower() for p in folder.glob("*.whl")}
     assert names == {"deepspeed", "hjson", "pydantic", "pydantic_core", "annotated_types", "typing_inspection",
-                     "typing_extensions"}
+                     "typing_extensions", "liger_kernel"}
     assert all(p.stat().st_size < 8 * 2**20 for p in folder.glob("*.whl"))
     print(proc.stdout.strip())
     return folder

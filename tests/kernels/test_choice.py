@@ -292,7 +292,7 @@ def test_a_fused_kernel_that_failed_its_self_check_is_not_a_candidate(auto, monk
                                                        "varlen_attention": "", "lamb_update": ""})
     resolve_backend("auto", SHAPES)
     winner = choice.op_choices(SHAPES)["layer_norm"]
-    assert winner.runs == "native" and set(winner.wall_ms) == {"native", "compiled"}  # fused never timed, though faster
+    assert winner.runs == "native" and set(winner.wall_ms) == {"native", "compiled", "liger"}  # fused never timed
     assert winner.excluded == {"fused": "failed the self-check: out: error 9 > 2 x 0 + 0",
                                "apex": "apex is not installed"}
 
@@ -640,7 +640,7 @@ def test_apex_layer_norm_joins_the_candidates_and_wins_when_fastest(auto, monkey
     monkeypatch.setitem(layer_norm.IMPLEMENTATIONS, "apex", auto.clock.charging(0.5, layer_norm.layer_norm_apex))
     assert resolve_backend("auto", SHAPES).winner("layer_norm") == "apex"
     winner = choice.op_choices(SHAPES)["layer_norm"]
-    assert winner.wall_ms == pytest.approx({"native": 2.0, "fused": 1.0, "compiled": 3.0, "apex": 0.5})
+    assert winner.wall_ms == pytest.approx({"native": 2.0, "fused": 1.0, "compiled": 3.0, "apex": 0.5, "liger": 3.0})
     assert "apex" not in choice.op_choices(SHAPES)["bias_gelu"].wall_ms
 
 
@@ -693,7 +693,7 @@ def test_the_choice_is_logged_once_per_shapes_with_its_margin_and_timings(auto, 
         "kernels=auto at seq 8: lamb_update runs fused (2.00x faster than native; wall (device) per call: "
         "native 2.000 ms (2.000), fused 1.000 ms (1.000))",
         "kernels=auto at seq 8: layer_norm runs fused (2.00x faster than native; wall (device) per call: "
-        "native 2.000 ms (2.000), fused 1.000 ms (1.000), compiled 3.000 ms (3.000)); "
+        "native 2.000 ms (2.000), fused 1.000 ms (1.000), compiled 3.000 ms (3.000), liger 3.000 ms (3.000)); "
         "apex not a candidate: apex is not installed",
         "kernels=auto at seq 8: mlm_cross_entropy runs fused (2.00x faster than native; wall (device) per call: "
         "native 2.000 ms (2.000), fused 1.000 ms (1.000), compiled 3.000 ms (3.000))",
@@ -745,7 +745,7 @@ def test_a_model_with_local_layers_and_geglu_races_them_and_bert_does_not(auto, 
     assert model.op_shapes.geglu and not model.op_shapes.layer_norm_bias
     assert model.op_shapes.rotary and model.op_shapes.key.endswith(" geglu layernorm plain rotary")
     assert model.backend.winner("geglu") == "compiled"
-    assert set(choice.op_choices(model.op_shapes)["geglu"].wall_ms) == {"native", "fused", "compiled"}
+    assert set(choice.op_choices(model.op_shapes)["geglu"].wall_ms) == {"native", "fused", "compiled", "liger"}
     bert_plan = _model(8).backend
     assert not bert_plan.has("local_attention") and not bert_plan.has("geglu")
 
