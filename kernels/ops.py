@@ -20,7 +20,7 @@ from bert_ds.kernels.dropout_layer_norm import (
 from bert_ds.kernels.geglu import geglu, geglu_native, geglu_ref
 from bert_ds.kernels.layer_norm import layer_norm, layer_norm_native, layer_norm_ref
 from bert_ds.kernels.local_attention import local_attention, local_attention_native, local_attention_ref
-from bert_ds.kernels.rotary_attention import rotary_attention_fused, rotary_attention_ref, rotary_runs_fused
+from bert_ds.kernels.rotary_attention import rotary_attention, rotary_attention_fused, rotary_attention_ref
 from bert_ds.kernels.speed import OpShapes
 
 __all__ = [
@@ -50,9 +50,9 @@ __all__ = [
     "mlm_cross_entropy_native",
     "mlm_cross_entropy_ref",
     "resolve_backend",
+    "rotary_attention",
     "rotary_attention_fused",
     "rotary_attention_ref",
-    "rotary_runs_fused",
     "varlen_attention",
     "varlen_attention_native",
     "varlen_attention_packed",

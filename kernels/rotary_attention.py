@@ -1,13 +1,13 @@
 """Attention with rotary embeddings on q and k (RoPE), as a ModernBERT-class encoder runs it: the
 fused kernels rotate q and k as they load them, so that no rotated copy of either is written.
 
-Not an op of its own: it is what the attention ops (:func:`~bert_ds.kernels.attention.varlen_attention`
-for the global layers, :func:`~bert_ds.kernels.local_attention.local_attention` for the local ones)
-run where their fused kernel runs (:func:`rotary_runs_fused`: ``kernels=cuda``, or ``kernels=auto``
-where the fused kernel won the op's race). Anywhere else the model rotates q and k itself, in
-PyTorch, and hands them to the op. A rotary model's race times each candidate so
-(:func:`rotary_form`): the fused kernel on the unrotated projection, every other after the
-rotation, which it pays and the fused kernel does not.
+Not an op of its own: a rotary layer's attention (:func:`rotary_attention`) runs the attention op
+of its kind (``varlen_attention`` for the global layers, ``local_attention`` for the local ones),
+chosen once per call as the op chooses (:func:`rotary_impl`): where that is the fused kernel
+(``kernels=cuda``, or ``kernels=auto`` where it won the op's race), the kernel rotates q and k as
+it loads them; anywhere else q and k are rotated in PyTorch first. A rotary model's race times
+each candidate in the same form (:func:`rotary_form`): the fused kernel on the unrotated
+projection, every other after the rotation, which it pays and the fused kernel does not.
 
 The rotation is transformers' (ModernBERT's), defined here once (:func:`rotary_tables`,
 :func:`apply_rotary`, which the model imports; :func:`rotary_ref` at positions from ``cu_seqlens``):
@@ -25,8 +25,9 @@ from collections.abc import Callable
 
 import torch
 
-from bert_ds.kernels.attention import GLOBAL, fused_problem, fused_scale, packed_fused, varlen_attention_ref
-from bert_ds.kernels.dispatch import Backend, OpPlan, choose
+from bert_ds.kernels import attention, local_attention
+from bert_ds.kernels.attention import GLOBAL, fused_scale, packed_fused, varlen_attention_ref
+from bert_ds.kernels.dispatch import Backend, Impl, OpPlan, choose
 from bert_ds.kernels.local_attention import local_attention_ref
 
 
@@ -108,32 +109,56 @@ ROTARY_IMPLEMENTATIONS: dict[str, Callable[..., torch.Tensor]] = {"fused": rotar
 
 def rotary_form(impl: str, fn: Callable[..., torch.Tensor], window: int | None, rope_theta: float,
                 tables: tuple[torch.Tensor, torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """Candidate ``impl`` of an attention op as a rotary model's layer runs it, on the unrotated
-    projection: ``(qkv, cu_seqlens, max_seqlen)`` with qkv (T, 3, nh, hd). The fused kernels rotate
+    """Candidate ``impl`` of an attention op as a rotary model's layer runs it (:func:`rotary_attention`)
+    and the race times it, on the unrotated projection: ``(qkv, cu_seqlens, max_seqlen, dropout_p=0.0)``
+    with qkv (T, 3, nh, hd). The fused kernels rotate
     q and k as they load them (:data:`ROTARY_IMPLEMENTATIONS`); any other candidate (``fn``, the op's
     form with q, k and v, the local op's taking ``window`` after max_seqlen) runs on q and k rotated
     in PyTorch by ``tables`` (cos, sin (T, hd), :func:`rotary_tables`, which the model makes once a
-    forward for all its layers), as ``ModernBertAttention`` does where the fused kernel does not run."""
+    forward for all its layers)."""
     own = ROTARY_IMPLEMENTATIONS.get(impl)
     if own is not None:
-        return lambda qkv, cu_seqlens, max_seqlen: own(qkv, cu_seqlens, max_seqlen, rope_theta, window)
+        return lambda qkv, cu_seqlens, max_seqlen, dropout_p=0.0: own(qkv, cu_seqlens, max_seqlen, rope_theta,
+                                                                      window, dropout_p)
     cos, sin = tables
     windowed = () if window is None else (window,)
 
-    def rotated(qkv, cu_seqlens, max_seqlen):
+    def rotated(qkv, cu_seqlens, max_seqlen, dropout_p=0.0):
         q, k, v = qkv.unbind(1)
-        return fn(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, cu_seqlens, max_seqlen, *windowed)
+        return fn(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, cu_seqlens, max_seqlen, *windowed,
+                  dropout_p)
     return rotated
 
 
-def rotary_runs_fused(qkv: torch.Tensor, cu_seqlens: torch.Tensor, window: int | None, dropout_p: float,
-                      backend: Backend) -> bool:
-    """Whether the attention op of a layer with this ``window`` (None: global) runs its fused kernel
-    under ``backend`` for these inputs, and so :func:`rotary_attention_fused` runs in its place.
+def rotary_impl(qkv: torch.Tensor, cu_seqlens: torch.Tensor, window: int | None, dropout_p: float,
+                backend: Backend) -> Impl:
+    """Which implementation the attention op of a layer with this ``window`` (None: global) runs under
+    ``backend`` for these inputs: the op's own choice, made once for the layer (:func:`rotary_attention`).
     Under ``kernels=cuda`` inputs the kernel cannot take are an error that says why, as the op's."""
     op = "varlen_attention" if window is None else "local_attention"
     if isinstance(backend, OpPlan) and not backend.has(op):
-        return False  # a plan raced without local layers: the op runs its native path
+        return "native"  # a plan raced without local layers: the op runs its native path
     q, k, v = qkv.unbind(1)
-    return choose(op, backend, lambda impl: fused_problem(q, k, v, cu_seqlens, dropout_p) if impl == "fused"
-                  else "") == "fused"
+    module = attention if window is None else local_attention  # the op's own rule of what each candidate takes
+    return choose(op, backend, lambda impl: module._unsupported(impl, q, k, v, cu_seqlens, dropout_p, None))
+
+
+def rotary_attention(
+    qkv: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    rope_theta: float,
+    tables: tuple[torch.Tensor, torch.Tensor],
+    window: int | None = None,
+    dropout_p: float = 0.0,
+    *,
+    backend: Backend,
+) -> torch.Tensor:
+    """A rotary layer's attention on ``backend``: :func:`rotary_attention_ref` of the unrotated
+    projection qkv (T, 3, nh, hd) in the form the race timed (:func:`rotary_form`), the fused
+    kernels rotating q and k as they load them, any other implementation after PyTorch's rotation
+    by ``tables`` (cos, sin (T, hd) of the layer's base at the tokens' positions)."""
+    impl = rotary_impl(qkv, cu_seqlens, window, dropout_p, backend)
+    implementations = (attention if window is None else local_attention).IMPLEMENTATIONS
+    return rotary_form(impl, implementations[impl], window, rope_theta, tables)(qkv, cu_seqlens, max_seqlen,
+                                                                                dropout_p)

@@ -49,11 +49,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from bert_ds.kernels.ops import (
-    Backend, OpShapes, geglu, layer_norm, local_attention, resolve_backend, rotary_attention_fused, rotary_runs_fused,
-    varlen_attention,
-)
-from bert_ds.kernels.rotary_attention import apply_rotary, rotary_tables
+from bert_ds.kernels.ops import Backend, OpShapes, geglu, layer_norm, resolve_backend, rotary_attention
+from bert_ds.kernels.rotary_attention import rotary_tables
 from bert_ds.model.config import ModernBertConfig
 from bert_ds.model.mlm import MlmDecoder, PreTrainingOutput, masked_lm, vocab_columns
 from bert_ds.model.padding import Unpadded, gather_tokens, input_layout
@@ -103,17 +100,11 @@ class ModernBertAttention(nn.Module):
         """hidden (T, H), rope: cos, sin (T, hd) -> (T, H)."""
         qkv = self.Wqkv(hidden).view(-1, 3, self.num_heads, self.head_dim)  # (T, 3, nh, hd): rows Q, K, V
         dropout_p = self.dropout_p if self.training else 0.0
-        if rotary_runs_fused(qkv, cu_seqlens, self.window, dropout_p, self.backend):
-            # The fused kernels rotate q and k as they load them (this layer's base; each sequence from
-            # position 0, as rope's): no rotated copy is written, and qkv's gradient comes back whole.
-            context = rotary_attention_fused(qkv, cu_seqlens, max_seqlen, self.rope_theta, self.window)
-            return self.out_drop(self.Wo(context.reshape(-1, self.num_heads * self.head_dim)))  # (T, H)
-        q, k, v = qkv.unbind(1)
-        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        if self.window is None:
-            context = varlen_attention(q, k, v, cu_seqlens, max_seqlen, dropout_p, backend=self.backend)
-        else:
-            context = local_attention(q, k, v, cu_seqlens, max_seqlen, self.window, dropout_p, backend=self.backend)
+        # Where the op runs fused, the kernels rotate q and k as they load them (this layer's base; each
+        # sequence from position 0, as rope's): no rotated copy is written, and qkv's gradient comes back
+        # whole. Anywhere else q and k are rotated by rope first.
+        context = rotary_attention(qkv, cu_seqlens, max_seqlen, self.rope_theta, rope, self.window, dropout_p,
+                                   backend=self.backend)
         return self.out_drop(self.Wo(context.reshape(-1, self.num_heads * self.head_dim)))  # (T, H)
 
 

@@ -216,14 +216,15 @@ def test_the_local_attention_op_runs_the_emulated_kernels_through_autograd(emula
 def test_rotary_attention_runs_the_emulated_kernels_through_autograd(emulated_cuda, window):
     """What a ModernBERT layer runs under kernels=cuda: the unrotated projection to the fused kernels
     (the eager autograd Function), its gradient in one piece."""
-    from bert_ds.kernels.ops import rotary_attention_fused, rotary_runs_fused
+    from bert_ds.kernels.ops import rotary_attention_fused
+    from bert_ds.kernels.rotary_attention import rotary_impl
 
     lengths = [3, 70, 1]
     cu_seqlens = cu_seqlens_of(lengths)
     qkv = rand(sum(lengths), 3, 2, 32, dtype=torch.bfloat16, seed=11)
     grad_out = rand(sum(lengths), 2, 32, dtype=torch.bfloat16, seed=12)
-    assert rotary_runs_fused(qkv, cu_seqlens, window, 0.0, "cuda") and not rotary_runs_fused(qkv, cu_seqlens, window,
-                                                                                             0.0, "torch")
+    assert rotary_impl(qkv, cu_seqlens, window, 0.0, "cuda") == "fused"
+    assert rotary_impl(qkv, cu_seqlens, window, 0.0, "torch") == "native"
     ours = _grads(lambda qkv: rotary_attention_fused(qkv, cu_seqlens, 70, 10000.0, window), {"qkv": qkv}, grad_out)
     _assert_like_the_reference(ours, lambda qkv: rotary_attention_ref(qkv, cu_seqlens, 70, 10000.0, window),
                                {"qkv": qkv}, grad_out, torch.bfloat16)
@@ -233,14 +234,14 @@ def test_rotary_attention_runs_the_emulated_kernels_through_autograd(emulated_cu
 def test_kernels_cuda_names_the_head_dim_the_kernels_do_not_take(emulated_cuda, window):
     """One error, naming the setting and the head dim; the same inputs run the native op under torch."""
     from bert_ds.kernels.dispatch import KernelUnavailable
-    from bert_ds.kernels.ops import rotary_runs_fused
+    from bert_ds.kernels.rotary_attention import rotary_impl
 
     qkv, cu_seqlens = rand(9, 3, 2, 48, dtype=torch.bfloat16), cu_seqlens_of([4, 5])
     op = "varlen_attention" if window is None else "local_attention"
     with pytest.raises(KernelUnavailable, match=rf"^kernels=cuda: {op} cannot run fused: head_dim 48 \(it takes 32 "
                                                 rf"or 64\)$"):
-        rotary_runs_fused(qkv, cu_seqlens, window, 0.0, "cuda")
-    assert not rotary_runs_fused(qkv, cu_seqlens, window, 0.0, "torch")
+        rotary_impl(qkv, cu_seqlens, window, 0.0, "cuda")
+    assert rotary_impl(qkv, cu_seqlens, window, 0.0, "torch") == "native"
 
 
 def test_the_local_attention_kernels_pass_the_self_check(emulated_cuda):

@@ -784,7 +784,7 @@ def test_a_rotary_model_races_attention_with_the_rotation_each_candidate_runs_wi
 def test_a_rotary_candidate_that_does_not_rotate_is_not_a_candidate(auto, monkeypatch):
     """The rotary race holds each candidate to the rotary reference: a fused form that leaves q and k
     as they are is wrong at the model's shapes, and excluded with the reason."""
-    def unrotated(qkv, cu_seqlens, max_seqlen, rope_theta, window=None):
+    def unrotated(qkv, cu_seqlens, max_seqlen, rope_theta, window=None, dropout_p=0.0):
         return auto.rotary["local_attention"](*qkv.unbind(1), cu_seqlens, max_seqlen, window)
     monkeypatch.setitem(rotary_attention.ROTARY_IMPLEMENTATIONS, "fused", unrotated)
     verdict = choice.op_choices(ROTARY)["local_attention"]

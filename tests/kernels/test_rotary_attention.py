@@ -57,15 +57,34 @@ def test_the_fused_rotary_path_runs_where_the_op_runs_its_fused_kernel(caplog):
     dispatch._log_fallback.cache_clear()  # said once per process: this test's own process may have said it
     qkv, cu_seqlens, _ = _packed(torch.bfloat16, head_dim=32)
     fused_local = OpPlan((("varlen_attention", "native"), ("local_attention", "fused")), "shapes")
-    assert not rotary_attention.rotary_runs_fused(qkv, cu_seqlens, None, 0.0, fused_local)  # global: native won
-    assert not rotary_attention.rotary_runs_fused(qkv, cu_seqlens, 4, 0.0, "torch")
-    assert not rotary_attention.rotary_runs_fused(qkv, cu_seqlens, 4, 0.0, OpPlan((("varlen_attention", "fused"),),
-                                                                                   "bert"))
+    assert rotary_attention.rotary_impl(qkv, cu_seqlens, None, 0.0, fused_local) == "native"  # global: native won
+    assert rotary_attention.rotary_impl(qkv, cu_seqlens, 4, 0.0, "torch") == "native"
+    assert rotary_attention.rotary_impl(qkv, cu_seqlens, 4, 0.0, OpPlan((("varlen_attention", "fused"),),
+                                                                        "bert")) == "native"
     # the winner cannot take CPU tensors: the native op runs, said once
-    assert not rotary_attention.rotary_runs_fused(qkv, cu_seqlens, 4, 0.0, fused_local)
+    assert rotary_attention.rotary_impl(qkv, cu_seqlens, 4, 0.0, fused_local) == "native"
     assert "local_attention runs the native op where fused cannot: its inputs are not all on a CUDA device" in caplog.text
     with pytest.raises(KernelUnavailable, match=r"^kernels=cuda: local_attention cannot run fused: "):
-        rotary_attention.rotary_runs_fused(qkv, cu_seqlens, 4, 0.0, "cuda")
+        rotary_attention.rotary_impl(qkv, cu_seqlens, 4, 0.0, "cuda")
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_a_rotary_layer_s_attention_is_the_reference_on_the_op_s_choice(monkeypatch, window):
+    """rotary_attention runs the implementation the op chose, once: the native one after PyTorch's
+    rotation by the layer's tables, which equals the reference; the fused one on the unrotated
+    projection with the layer's base and window."""
+    qkv, cu_seqlens, position_ids = _packed(torch.float32)
+    tables = rotary_tables(position_ids, 16, 10000.0, torch.float32)
+    got = rotary_attention.rotary_attention(qkv, cu_seqlens, max(LENGTHS), 10000.0, tables, window, backend="torch")
+    torch.testing.assert_close(got, rotary_attention.rotary_attention_ref(qkv, cu_seqlens, max(LENGTHS), 10000.0,
+                                                                          window))
+    calls = []
+    monkeypatch.setattr(rotary_attention, "rotary_impl", lambda *args: "fused")
+    monkeypatch.setitem(rotary_attention.ROTARY_IMPLEMENTATIONS, "fused", lambda *args: calls.append(args) or got)
+    assert rotary_attention.rotary_attention(qkv, cu_seqlens, max(LENGTHS), 10000.0, tables, window, 0.0,
+                                             backend="cuda") is got
+    (fused_qkv, _, max_seqlen, theta, fused_window, dropout_p), = calls
+    assert fused_qkv is qkv and (max_seqlen, theta, fused_window, dropout_p) == (max(LENGTHS), 10000.0, window, 0.0)
 
 
 def test_a_rotary_base_must_be_positive():
