@@ -37,10 +37,11 @@
 #                    (f) flash_attention_2 (or why not), 10 timed steps,
 #                    the first-batch loss check, the goal
 #   modernbert_8192  the same at seq 8192                                    75 s    not run
-#   engine_sweep     benchmarks/engine_sweep.sh: the shipped config with    85 s    ~176 s
-#                    its layers compiled, 10 steps, each split by stage
-#                    (its reference, micro-batch 512 with the fused
-#                    kernels, is train_base)
+#   train_modernbert python -m bert_ds.train --preset modernbert-base:     85 s    not run
+#                    ModernBERT-base through the engine a user runs (ZeRO-1,
+#                    bf16, StableAdamW, kernels=auto) at seq 1024, micro-
+#                    batch 32, 2 a step, on train_data's shards (BERT's
+#                    vocabulary width), BASE_STEPS steps: its MFU
 #   bench            python -m bert_ds.tools.bench: (a) fused, (b) torch,    45 s    42 s (30 steps)
 #                    (c) transformers at BERT-Base seq 128 and 512, 10
 #                    timed steps, goals and projection
@@ -52,6 +53,10 @@
 #   in neither call (a run without --call runs them, last)
 #   kernels_inspect  python -m bert_ds.kernels.inspect --summary: registers, 25 s    17 s
 #                    spills, CTAs per SM as that machine's nvcc builds them
+#   engine_sweep     benchmarks/engine_sweep.sh: the shipped config with    85 s    ~176 s
+#                    its layers compiled, 10 steps, each split by stage
+#                    (its reference, micro-batch 512 with the fused
+#                    kernels, is train_base)
 #   main_job         ./run.sh: the main job on the GPU (ZeRO-1 bf16, LAMB,   120 s   90 s
 #                    export, fill-mask), MAIN_STEPS steps
 #
@@ -62,13 +67,13 @@
 # estimates from those times, not measured. A step past its budget is stopped and counted
 # failed, and a call starts a step only while the time it has left (CALL_BUDGET_S, 360, less
 # what it spent, less the summary's budget, held back for it) covers the step's budget.
-# Left out of the calls to fit: bench (d), the layers compiled in the bench loop (the engine's
-# `compiled` answers the same question on the path a user runs; BENCH_ARGS="--variants
-# a,b,c,d" adds it), BERT-Large's shapes in kernels_bench, the sweep's ZeRO-2 and PyTorch-ops
-# variants (measured at other micro-batches; benchmarks/engine_sweep.sh runs them), so that
-# ModernBERT's two benches fit in call 2, kernels_inspect (measured on an H100 and an H200), and
-# main_job (its data build is train_data; the rest, a tiny model through run.sh, export and
-# fill-mask, ran on three GPUs).
+# Left out of the calls to fit: bench (d), the layers compiled in the bench loop (BENCH_ARGS="--variants
+# a,b,c,d" adds it), BERT-Large's shapes in kernels_bench, engine_sweep (BERT's layers compiled
+# through the engine, and its ZeRO-2 and PyTorch-ops variants: benchmarks/engine_sweep.sh runs
+# them), so that ModernBERT's two benches and its engine run fit in call 2, kernels_inspect
+# (measured on an H100 and an H200), and main_job (its data build is train_data; the rest, a tiny
+# model through run.sh, export and fill-mask, ran on three GPUs). ModernBERT's engine run is at
+# seq 1,024 alone: its bench measures seq 8,192 (the engine at 8,192 would not fit the call).
 # What did not run (not in this call, skipped for budget, a module missing) has its line in
 # steps.txt and is listed in SUMMARY.md.
 #
@@ -117,11 +122,12 @@ two_phase        1   80
 train_base512    1   60
 modernbert_1024  2   60
 modernbert_8192  2   75
-engine_sweep     2   85
+train_modernbert 2   85
 bench            2   45
 kernels_bench    2   45
 profile          2   20
 kernels_inspect  -   25
+engine_sweep     -   85
 main_job         -   120
 summary          *   15
 "
@@ -248,7 +254,7 @@ call_now() {  # the call a step runs in: this one, or (a run without --call) the
 }
 needs() {  # the module a step cannot run without
     case $1 in
-        train_base|train_base512|two_phase|engine_sweep|main_job) echo deepspeed ;;
+        train_base|train_base512|two_phase|train_modernbert|engine_sweep|main_job) echo deepspeed ;;
         test_cuda_ops) echo pytest ;;
     esac
 }
@@ -346,9 +352,11 @@ if ((rehearse)); then
     main_steps=${MAIN_STEPS:-3}
     base_steps=${BASE_STEPS:-3}
     base=(--preset tiny --seq-len 64 --micro-batch-size 8 --global-batch-size 16 --ds-config zero1_fp32.json
-          --num-workers 0)
+          --num-workers 0 --optimizer lamb)
     base512=(--preset tiny --seq-len 512 --micro-batch-size 2 --global-batch-size 4 --ds-config zero1_fp32.json
-             --num-workers 0)
+             --num-workers 0 --optimizer lamb)
+    modern=(--preset modernbert-tiny --seq-len 64 --micro-batch-size 8 --global-batch-size 16
+            --ds-config zero1_fp32.json --num-workers 0 --optimizer stable_adamw)
     recipe=benchmarks/recipes/tiny_two_phase_check.json
     # one variant of the GPU's list: the compiled layers (tiny, so bf16 is cheap here too)
     sweep=(STEPS=4 VARIANTS="compiled" BUDGET_S=$((scale * budget_of[engine_sweep])) EXTRA_ARGS="--preset tiny
@@ -362,10 +370,13 @@ else
     main_steps=${MAIN_STEPS:-300}
     base_steps=${BASE_STEPS:-20}
     base=(--preset base --seq-len 128 --micro-batch-size 512 --global-batch-size 1024 --ds-config zero1_bf16.json
-          --num-workers 4)
+          --num-workers 4 --optimizer lamb)
     # phase 2 of the recipe: seq 512 at its micro-batch of 128 (as many tokens as phase 1's 512), 2 a step
     base512=(--preset base --seq-len 512 --micro-batch-size 128 --global-batch-size 256 --ds-config zero1_bf16.json
-             --num-workers 4)
+             --num-workers 4 --optimizer lamb)
+    # ModernBERT-base as its recipe trains it (StableAdamW), 32,768 tokens a micro-batch, 2 a step
+    modern=(--preset modernbert-base --seq-len 1024 --micro-batch-size 32 --global-batch-size 64
+            --ds-config zero1_bf16.json --num-workers 4 --optimizer stable_adamw)
     recipe=benchmarks/recipes/base_two_phase_check.json
     # the shipped micro-batch (512, measured as train_base) in the form not measured yet on a GPU:
     # the layers compiled (its first step compiles)
@@ -381,7 +392,8 @@ else
 fi
 step test_cuda_ops "$python" -m pytest -q -rs -p no:cacheprovider tests/kernels/test_cuda_ops.py
 # the engine runs' data: call 1 builds it; another call reuses it, or builds it where it is missing
-if in_scope train_data || { [[ ! -f $data/manifest.json ]] && any_in_scope train_base two_phase train_base512 engine_sweep; }
+if in_scope train_data || { [[ ! -f $data/manifest.json ]] &&
+                            any_in_scope train_base two_phase train_base512 train_modernbert engine_sweep; }
 then
     run_step train_data env PYTHON="$python" benchmarks/base_data.sh "$work"
 fi
@@ -397,7 +409,7 @@ keep() {  # keep RUN PREFIX: a run's summary, metrics, profile and kernels' verd
 engine_run() {  # engine_run NAME ARGS...: the engine path on the data, its last 3 steps profiled
     local name=$1; shift
     step "$name" "$python" -m bert_ds.train --data "$data" --output "$runs/$name" "$@" --steps "$base_steps" \
-        --profile-steps "$((base_steps > 2 ? base_steps - 2 : 1))-$base_steps" --optimizer lamb --kernels auto \
+        --profile-steps "$((base_steps > 2 ? base_steps - 2 : 1))-$base_steps" --kernels auto \
         --no-progress --no-tensorboard
     keep "$runs/$name" "$name"
 }
@@ -421,7 +433,7 @@ for name in modernbert_1024 modernbert_8192; do
     step "$name" "$python" -m bert_ds.tools.bench --json "$out/$name.json" --markdown "$out/$name.md" \
         --seq-len "${mseq[$name]}" "${mbench[@]}"
 done
-step engine_sweep env "${sweep[@]}" PYTHON="$python" bash benchmarks/engine_sweep.sh "$data" "$out/engine_sweep"
+engine_run train_modernbert "${modern[@]}"
 # shellcheck disable=SC2086  # BENCH_ARGS is a list of words
 step bench "$python" -m bert_ds.tools.bench --json "$out/bench.json" --markdown "$out/bench.md" --variants a,b,c \
     "${bench[@]}" ${BENCH_ARGS:-}
@@ -435,6 +447,7 @@ else
 fi
 
 # ------------------------------------------------------------------ neither call
+step engine_sweep env "${sweep[@]}" PYTHON="$python" bash benchmarks/engine_sweep.sh "$data" "$out/engine_sweep"
 step main_job env VENV="$("$python" -c 'import sys; print(sys.prefix)')" SETUP=none RUN_DIR="$scratch/main" \
     STEPS="$main_steps" ./run.sh
 

@@ -25,17 +25,16 @@ KIT_SCRIPT = REPO / "benchmarks" / "gpu_kit.sh"
 DATA_SCRIPT = REPO / "benchmarks" / "base_data.sh"
 RECIPES = REPO / "benchmarks" / "recipes"
 CALL_1 = ("kernels_build", "test_cuda_ops", "train_data", "train_base", "two_phase", "train_base512")
-CALL_2 = ("modernbert_1024", "modernbert_8192", "engine_sweep", "bench", "kernels_bench", "profile")
-NEITHER = ("kernels_inspect", "main_job")  # a run without --call runs them
+CALL_2 = ("modernbert_1024", "modernbert_8192", "train_modernbert", "bench", "kernels_bench", "profile")
+NEITHER = ("kernels_inspect", "engine_sweep", "main_job")  # a run without --call runs them
 CALL_S = 360  # the device tool's 10 minutes a command, two calls in a 15-minute lease with its start
 ENGINE_FILES = ("summary.json", "metrics.jsonl", "kernels.json")
 RESULT_FILES = ("steps.txt", "SUMMARY.md", "kernels_bench.json", "bench.json", "bench.md", "profile.json",
                 "profile.md", *(f"modernbert_{seq}.{ext}" for seq in (1024, 8192) for ext in ("json", "md")),
-                *(f"{run}_{name}" for run in ("train_base", "train_base512") for name in
+                *(f"{run}_{name}" for run in ("train_base", "train_base512", "train_modernbert") for name in
                                 (*ENGINE_FILES, "profile.json", "profile.md")),
                 *(f"two_phase_{phase}_{name}" for phase in ("phase1", "phase2") for name in ENGINE_FILES),
-                "engine_sweep/engine_sweep.md", "engine_sweep/compiled/rank0.json",
-                "engine_sweep/compiled/summary.json", *(f"{step}.log" for step in (*CALL_1, *CALL_2, "summary")))
+                *(f"{step}.log" for step in (*CALL_1, *CALL_2, "summary")))
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -182,7 +181,7 @@ def test_the_rehearsal_runs_both_calls_and_writes_every_result(kit, tmp_path):
     assert all(after_one[name][:4] == ["-", "-", after_one[name][2], "2"] and after_one[name][4] == "not in this call"
                for name in CALL_2)
     listed = (out / "SUMMARY.md").read_text()
-    assert "- engine_sweep (call 2, budget 255 s): not in this call" in listed
+    assert "- train_modernbert (call 2, budget 255 s): not in this call" in listed
     assert "`bench.json` is missing: bench did not run, not in this call." in listed
     _call(out, "2", kit)  # into the same folder: call 1's lines stay, the summary covers both
     steps = _steps(out)
@@ -193,13 +192,15 @@ def test_the_rehearsal_runs_both_calls_and_writes_every_result(kit, tmp_path):
                                                        "summary": "2"}
     assert steps["main_job"] == ["-", "-", "360", "-", "in neither call (a run without --call runs it)"]
     assert steps["kernels_inspect"] == ["-", "-", "75", "-", "in neither call (a run without --call runs it)"]
+    assert steps["engine_sweep"] == ["-", "-", "255", "-", "in neither call (a run without --call runs it)"]
     missing = [name for name in RESULT_FILES if not (out / name).is_file() or (out / name).stat().st_size == 0]
     assert not missing, missing
-    for run, seq in (("train_base", 64), ("train_base512", 512), ("two_phase_phase1", 128), ("two_phase_phase2", 512)):
+    for run, seq in (("train_base", 64), ("train_base512", 512), ("two_phase_phase1", 128), ("two_phase_phase2", 512),
+                     ("train_modernbert", 64)):
         kernels = json.loads((out / f"{run}_kernels.json").read_text())  # each run's and phase's own record
         assert (kernels["backend"], kernels["seq"], kernels["ops"]) == ("torch", seq, {}), run
     summary = (out / "SUMMARY.md").read_text()
-    for section in ("## Steps", "| train_base | 1 | ok |", "| engine_sweep | 2 | ok |", "Not run:",
+    for section in ("## Steps", "| train_base | 1 | ok |", "| train_modernbert | 2 | ok |", "Not run:",
                     "- main_job (budget 360 s): in neither call (a run without --call runs it)",
                     "## Fused kernels", "## kernels=auto's verdicts at seq 128 and 512",
                     "### seq 512: `train_base512_kernels.json`", "No race: kernels=auto runs torch (no CUDA device",
@@ -210,8 +211,8 @@ def test_the_rehearsal_runs_both_calls_and_writes_every_result(kit, tmp_path):
                     "- seq 64: first-batch losses within ", "## One step, profiled", "## The engine path a user runs",
                     "### Steps 1-3 profiled", "## Host syncs of the engine's step at seq 128 and 512",
                     "No syncs recorded by line", "## The two-phase plan in one process",
-                    "- phase2: 2 steps at seq 512, ", "## The engine path, variant by variant",
-                    "| train_base (call 1) | ", "### compiled: a profiled step by stage",
+                    "- phase2: 2 steps at seq 512, ", "- ModernBERT-base at seq 64 (`train_modernbert.log`): ",
+                    "- engine_sweep (budget 255 s): in neither call (a run without --call runs it)",
                     "## Hand-fused kernels or the layers compiled", "- engine path, micro-batch 512: ",
                     "## The shipped config's step by bucket", "- at seq 512 (`train_base512.log`): ",
                     "| stage of the step |"):
@@ -225,7 +226,7 @@ def test_the_rehearsal_runs_both_calls_and_writes_every_result(kit, tmp_path):
 def test_a_call_keeps_the_other_calls_lines_and_starts_no_step_past_its_budget(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
-    first = "kernels_build 0 55 255 1\ntrain_data 0 12 75 1\nengine_sweep - - 255 2 not in this call\nsummary 1 5 45 1\n"
+    first = "kernels_build 0 55 255 1\ntrain_data 0 12 75 1\ntrain_modernbert - - 255 2 not in this call\nsummary 1 5 45 1\n"
     (out / "steps.txt").write_text(first)
     # 60 s for the call (the rehearsal triples 20), 45 of them held for the summary: no step fits
     proc = subprocess.run(["bash", str(SCRIPT), "--rehearse", "--call", "2", str(out)], capture_output=True,
@@ -243,7 +244,7 @@ def test_a_call_keeps_the_other_calls_lines_and_starts_no_step_past_its_budget(t
     assert not (tmp_path / "work" / "data30522").exists()  # the data its steps needed was not built either
     summary = (out / "SUMMARY.md").read_text()
     assert "| kernels_build | 1 | ok | 55 | 255 |" in summary
-    assert re.search(r"^- engine_sweep \(call 2, budget 255 s\): skipped for budget: its 255s did not fit in the "
+    assert re.search(r"^- train_modernbert \(call 2, budget 255 s\): skipped for budget: its 255s did not fit in the "
                      r"-?\d+s the call had left$", summary, re.MULTILINE), summary
     assert re.search(r"^`bench.json` is missing: bench did not run, skipped for budget: ", summary, re.MULTILINE)
 
