@@ -33,7 +33,9 @@ no pair task; :data:`bert_ds.model.config.DATA_DEFAULTS`) at seq 1,024 and 8,192
 - (c) ``transformers.ModernBertForMaskedLM`` with SDPA (a local window is a mask over the whole
   row) and torch's fused AdamW, fed the padded batch and dense labels;
 - (f) the same with ``attn_implementation="flash_attention_2"``, where the flash-attn package is
-  installed and a CUDA device runs it; elsewhere its row says which of the two is missing.
+  installed and a CUDA device runs it; elsewhere its row says which of the two is missing;
+- (d) as BERT's: (a)'s model with its layers under ``torch.compile``, when asked for
+  (``--variants a,b,c,d,f``).
 It prints a markdown table per configuration and, for BERT, the projection of the anchor run
 (:mod:`bert_ds.tools.projection`); ``--json`` and ``--markdown`` keep every figure.
 

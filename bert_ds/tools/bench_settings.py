@@ -47,6 +47,8 @@ MODERNBERT_VARIANTS = {v.key: v for v in (
     Variant("c", "transformers", "", "adamw", "transformers ModernBertForMaskedLM: SDPA, padded, fused AdamW"),
     Variant("f", "transformers", "", "adamw", "transformers ModernBertForMaskedLM: flash_attention_2, padded, "
             "fused AdamW", attention="flash_attention_2"),
+    Variant("d", "bert_ds", "auto", "stable_adamw", "bert_ds: layers under torch.compile (Inductor's fusion), "
+            "attention as kernels=auto picks, StableAdamW", compile_layers=True),
 )}
 VARIANTS_OF = {"bert": VARIANTS, "modernbert": MODERNBERT_VARIANTS}  # by the presets' model family
 DEFAULT_VARIANTS = {"bert": "a,b,c", "modernbert": "a,b,c,f"}  # BERT's (d) compiles the model first: by name

@@ -63,7 +63,7 @@ from bert_ds.tools.engine_sweep import rate_text, rates, read_run
 BENCH_VARIANTS = {"a": "bert-ds fused", "b": "bert-ds, PyTorch ops", "c": "transformers (SDPA)",
                   "d": "bert-ds, layers compiled"}
 MODERNBERT_VARIANTS = {"a": "bert-ds, kernels=auto", "b": "bert-ds, PyTorch ops", "c": "transformers (SDPA)",
-                       "f": "transformers (flash_attention_2)"}
+                       "f": "transformers (flash_attention_2)", "d": "bert-ds, layers compiled"}
 MODERNBERT_STEPS = ("modernbert_1024", "modernbert_8192")  # the bench of ModernBERT-base, one step a length
 VERDICT = re.compile(r"^\s+(\w+)\s+runs (\w+) \((.*)$")  # the build's line per op: "  op  runs X (...)..."
 PYTEST_CLOSING = re.compile(r"\b\d+ (passed|failed|skipped|errors?|deselected)\b.* in [\d.]+s")

@@ -183,7 +183,7 @@ def test_synthetic_samples_depend_only_on_seed_and_position():
     (["--seq-len", "1024"], "--seq-len"),
     (["--preset", "huge"], "preset"),
     (["--preset", "tiny,modernbert-tiny"], "one model family per run"),
-    (["--preset", "modernbert-tiny", "--variants", "a,d"], "--variants"),
+    (["--preset", "modernbert-tiny", "--variants", "a,e"], "--variants"),
     (["--preset", "modernbert-tiny", "--seq-len", "2048"], "--seq-len must be in [8, 1024]"),
     (["--data", "/nonexistent/data"], "--data"),
 ])
@@ -238,6 +238,22 @@ def test_modernbert_runs_beside_transformers_modernbert_with_its_figures(tmp_pat
     assert b["useful_gflop_per_step"] == pytest.approx(useful / 1e9)
     assert b["masked_per_step"] / b["real_tokens_per_step"] == pytest.approx(0.3, abs=0.02)  # ModernBERT's rate
     assert figures["a"]["mfu_vs_matmul"] == pytest.approx(figures["a"]["useful_tflops"] / result["probes"]["matmul_tflops"])
+
+
+def test_modernbert_s_compiled_variant_is_its_model_with_the_layers_compiled():
+    """(d) for ModernBERT, as for BERT: (a)'s model and weights with every encoder layer under
+    torch.compile (compiled at its first step, which this does not run: a minute on a CPU)."""
+    from bert_ds.model.config import model_preset
+    from bert_ds.model.modernbert import ModernBertForPreTraining
+    from bert_ds.tools.bench_settings import DEFAULT_VARIANTS, MODERNBERT_VARIANTS
+
+    cfg = model_preset("modernbert-tiny", 2048)
+    weights = ModernBertForPreTraining(cfg).state_dict()
+    v = MODERNBERT_VARIANTS["d"]
+    model, ran = bench_variants.bert_ds_model(v, cfg, weights, torch.device("cpu"), 64)
+    assert model.config.compile_layers and ran == "layers compiled; attention: torch"
+    assert all(torch.equal(model.state_dict()[name], w) for name, w in weights.items())
+    assert (v.optimizer, v.kernels) == ("stable_adamw", "auto") and "d" not in DEFAULT_VARIANTS["modernbert"]
 
 
 def test_a_planted_weight_mismatch_is_refused_before_it_is_timed(monkeypatch, tmp_path, capsys):
