@@ -43,6 +43,7 @@ from bert_ds.base.atomic import as_umask_allows, fsync_path
 from bert_ds.base.errors import UserError, describe, guarded
 from bert_ds.base.interrupts import deferred_interrupt, import_whole
 from bert_ds.checkpoint.hf_families import HfFamily, family_of, family_of_hf
+from bert_ds.checkpoint.hf_load import load_quietly
 from bert_ds.model.config import AnyModelConfig, model_config_from_dict
 
 if TYPE_CHECKING:
@@ -226,8 +227,8 @@ def _check_round_trip(state_dict: Mapping[str, torch.Tensor], config: AnyModelCo
     ours = build_model(dataclasses.replace(config, kernels="torch", activation_checkpointing=False,
                                            compile_layers=False))
     ours.load_state_dict({name: tensor.float() for name, tensor in state_dict.items()})
-    theirs, info = getattr(transformers, family.transformers_class).from_pretrained(
-        export_dir, attn_implementation="eager", output_loading_info=True)
+    theirs, info = load_quietly(getattr(transformers, family.transformers_class), export_dir,
+                                attn_implementation="eager", output_loading_info=True)
     problems = {kind: keys for kind, keys in info.items() if keys}
     if problems:
         raise ExportError(f"transformers loaded the export with problems: {problems}")
@@ -304,7 +305,8 @@ def main(argv: list[str] | None = None) -> int:
         ckpt = store.resolve(args.checkpoint_dir)
         import_whole("torch", "safetensors.torch", "transformers")  # a wrong path is said before them
         named = args.checkpoint_dir if args.checkpoint_dir.resolve() == ckpt else f"{args.checkpoint_dir} ({ckpt.name})"
-        print(f"exported {named} to {export_checkpoint(ckpt, args.out_dir)}")
+        export_checkpoint(ckpt, args.out_dir)
+        print(f"exported {named} to {args.out_dir}")  # both as the user named them
 
     return guarded(body, interrupted=f"{args.out_dir} holds no partial export (an earlier one is replaced only "
                                      "by a complete one)")

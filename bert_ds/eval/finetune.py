@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from bert_ds.checkpoint.hf_load import load_quietly
 from bert_ds.eval import metrics
 from bert_ds.eval.glue_data import Examples, Task
 from bert_ds.eval.recipe import Recipe
@@ -60,22 +61,6 @@ def model_inputs(model, batch: dict[str, Any]) -> dict[str, Any]:
     ``token_type_ids``), the rule transformers' ``Trainer`` applies to the batches it feeds."""
     names = inspect.signature(model.forward).parameters
     return {k: v for k, v in batch.items() if k in names}
-
-
-def load_quietly(model_class, folder: Path, **kwargs):
-    """``model_class.from_pretrained(folder, **kwargs)`` without transformers' load report: it
-    lists the pretraining heads a task model drops and the layer it adds, at every load, which
-    is the point here; errors still show."""
-    import transformers
-
-    verbosity = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    try:
-        return model_class.from_pretrained(folder, **kwargs)
-    finally:
-        transformers.logging.set_verbosity(verbosity)
-        transformers.utils.logging.enable_progress_bar()
 
 
 def training_arguments(recipe: Recipe, seed: int, device: torch.device, progress: bool, scratch: str):

@@ -166,7 +166,8 @@ def finetune(model_dir: Path, p: Prepared, seed: int, device, progress: bool, en
     """One fine-tuning run on the train split, scored on dev (and test)."""
     import transformers
 
-    from bert_ds.eval.finetune import load_quietly, quiet_trainer, training_arguments
+    from bert_ds.checkpoint.hf_load import load_quietly
+    from bert_ds.eval.finetune import quiet_trainer, training_arguments
     from bert_ds.eval.ner_metrics import entity_scores
 
     start = time.perf_counter()

@@ -161,7 +161,8 @@ def finetune(model_dir: Path, p: Prepared, seed: int, device, args: argparse.Nam
     import torch
     import transformers
 
-    from bert_ds.eval.finetune import load_quietly, quiet_trainer, training_arguments
+    from bert_ds.checkpoint.hf_load import load_quietly
+    from bert_ds.eval.finetune import quiet_trainer, training_arguments
     from bert_ds.eval.squad_features import predict_answers
     from bert_ds.eval.squad_metrics import Question, evaluate
 

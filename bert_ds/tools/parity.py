@@ -155,7 +155,7 @@ def evaluate(folder: Path, sets: dict[str, list[dict[str, torch.Tensor]]]) -> di
     import torch
     import transformers
 
-    from bert_ds.eval.finetune import load_quietly
+    from bert_ds.checkpoint.hf_load import load_quietly
 
     model = load_quietly(transformers.BertForMaskedLM, folder).eval()
     scores = {}
