@@ -450,22 +450,16 @@ def _attention_case(op: str, shapes: OpShapes, device: torch.device, rand: Calla
     if shapes.rotary:
         positions = rotary_attention.sequence_positions(cu_seqlens, tokens)
         tables = rotary_attention.rotary_tables(positions, shapes.head_dim, RACE_ROPE_THETA, dtype)
-        form = functools.partial(_rotary_form, window=window, tables=tables)
-        reference = functools.partial(_rotary_reference, window=window)
+        form = functools.partial(rotary_attention.rotary_form, window=window, rope_theta=RACE_ROPE_THETA,
+                                 tables=tables)
+        reference = functools.partial(rotary_attention.rotary_attention_ref, rope_theta=RACE_ROPE_THETA,
+                                      window=window)
     elif window is None:
         form, reference = attention.packed_form, attention.packed_form("reference", attention.varlen_attention_ref)
     else:
         form, reference = _local_form(window), _local_form(window)("reference", local_attention_ref)
     return _AutogradCase(lambda fn, t: fn(t["qkv"], cu_seqlens, shapes.max_seqlen), leaves, grad, reference, dtype,
                          form=form)
-
-
-def _rotary_form(name: str, fn: Callable, window: int | None, tables: tuple[torch.Tensor, torch.Tensor]) -> Callable:
-    return rotary_attention.rotary_form(name, fn, window, RACE_ROPE_THETA, tables)
-
-
-def _rotary_reference(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, window: int | None) -> torch.Tensor:
-    return rotary_attention.rotary_attention_ref(qkv, cu_seqlens, max_seqlen, RACE_ROPE_THETA, window)
 
 
 def _local_form(window: int) -> Callable[[str, Callable], Callable]:
