@@ -22,4 +22,6 @@ allows:
 ``kernels/``, ``data_tools/`` and ``ds_configs/`` stay top-level folders of the repository
 and are installed only under ``bert_ds`` (``bert_ds/kernels`` etc. are links to them), so
 no generic top-level name is installed and a checkout imports the same names as a wheel.
+They hold no ``__init__.py``, so that from the repository root an installed package of the
+same name (Hugging Face's ``kernels``) is still the one ``import kernels`` finds.
 """

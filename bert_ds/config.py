@@ -23,11 +23,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from bert_ds import ds_configs
 from bert_ds.base.errors import ConfigError, require
 from bert_ds.model.config import AnyModelConfig, ModernBertConfig, model_config_from_dict
 
-DS_CONFIG_DIR = Path(ds_configs.__file__).resolve().parent  # in a checkout and in an installed wheel
+# bert_ds/ds_configs: in a checkout the link to the top-level folder, in a wheel the folder itself
+DS_CONFIG_DIR = Path(__file__).resolve().parent / "ds_configs"
 
 # Keys a DeepSpeed JSON may not set: they are derived from TrainConfig.
 _DERIVED_DS_KEYS = (

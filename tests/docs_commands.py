@@ -248,11 +248,14 @@ def _reads_arguments(module: str) -> bool:
     """The module's entry (its __main__ for a package), or the module its ``main`` comes from,
     builds an ArgumentParser."""
     spec = importlib.util.find_spec(module)
-    if spec is None or spec.origin is None:
+    if spec is None:
         return False
-    path = Path(spec.origin)
-    path = path.parent / "__main__.py" if path.name == "__init__.py" else path
-    text = path.read_text(encoding="utf-8") if path.exists() else ""
+    if spec.submodule_search_locations is not None:  # a package (a namespace package has no origin): its __main__
+        path = next((Path(d) / "__main__.py" for d in spec.submodule_search_locations
+                     if (Path(d) / "__main__.py").exists()), Path())
+    else:
+        path = Path(spec.origin)
+    text = path.read_text(encoding="utf-8") if path.is_file() else ""
     if "ArgumentParser" in text:
         return True
     entry = re.search(r"^from ([\w.]+) import main$", text, re.MULTILINE)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from bert_ds.base.errors import UserError, guarded
 from bert_ds.base.interrupts import import_whole
+from bert_ds.checkpoint.hf_load import load_quietly
 
 SENTENCES = (
     "The European lobster is a species of [MASK] from the eastern Atlantic Ocean .",
@@ -30,7 +31,7 @@ def fill_mask(export_dir: Path, sentences: tuple[str, ...] = SENTENCES, top_k: i
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(export_dir)
-    model = _masked_lm_class(export_dir).from_pretrained(export_dir).eval()
+    model = load_quietly(_masked_lm_class(export_dir), export_dir).eval()
     results = []
     with torch.no_grad():
         for text in sentences:

@@ -26,7 +26,7 @@ def _records(out):
 
 @pytest.mark.lowest
 def test_single_process_trains_exports_and_loads_in_transformers(sample_data, tmp_path):
-    out = tmp_path / "run"
+    out = tmp_path / "train"  # the main job's layout: RUN_DIR/train and RUN_DIR/hf, which the demo reads
     as_a_user = {k: v for k, v in cli_env().items() if k != "DS_ACCELERATOR"}  # the suite sets it; a user need not
     proc = _train(sample_data, out, "--steps", "40", "--val-every", "20", env=as_a_user)
     # DeepSpeed's warnings that say nothing true of the run: a GPU it "was unable to detect" on a
@@ -59,6 +59,10 @@ def test_single_process_trains_exports_and_loads_in_transformers(sample_data, tm
     model = BertForPreTraining.from_pretrained(tmp_path / "hf")
     tok = AutoTokenizer.from_pretrained(tmp_path / "hf")
     assert model.config.vocab_size == tok.vocab_size == 2048
+
+    demo = run_cli("bert_ds.tools.demo", str(tmp_path))  # the main job's last step
+    assert demo.stdout.count("    -> ") == 3 and "== summary ==" in demo.stdout
+    assert demo.stderr == ""  # nothing of transformers' loading (its bar, its report)
 
 
 @pytest.mark.lowest
