@@ -7,11 +7,15 @@
 #                            load it back and run a fill-mask example.
 #   ./run.sh test [ARGS]     the test suite (pytest ARGS), on TEST_WORKERS processes (default: one per
 #                            core, at most one per 3 GiB free and 8; -n 0 in ARGS runs it in one)
-#   ./run.sh test-lowest [ARGS]  the suite's torch- and transformers-facing tests (marked lowest) under the lowest
-#                            supported torch and transformers (pyproject.toml's lower bounds), in
-#                            a second environment, $LOWEST_VENV (CI's second pass)
+#   ./run.sh test-lowest [ARGS]  the suite's torch-, transformers- and DeepSpeed-facing tests (marked lowest) under
+#                            the lowest supported torch and transformers (pyproject.toml's lower bounds),
+#                            in a second environment, $LOWEST_VENV (CI's second pass)
+#   ./run.sh test-newest [ARGS]  the same tests under the newest releases inside pyproject.toml's ranges
+#                            (as of the day its environment, $NEWEST_VENV, is made: CI's third pass)
 #   ./run.sh setup           only create the environment (and build DeepSpeed's JIT ops into it)
-#   ./run.sh setup-lowest    only create test-lowest's environment
+#   ./run.sh setup-lowest    only create test-lowest's environment; setup-newest: test-newest's
+#   ./run.sh lock            update requirements.lock (the versions setup installs) from pyproject.toml's
+#                            ranges: the newest releases inside them, resolved with $TORCH_SPEC
 #   ./run.sh prepare         sample corpus -> $DATA_DIR/{train,heldout} shards
 #   ./run.sh pretrain [ARGS] python -m bert_ds.train on $DATA_DIR; ARGS override the defaults
 #                            (a --data in ARGS replaces $DATA_DIR's train and heldout folders).
@@ -46,17 +50,19 @@
 #   RDZV_ID    [bert-ds]            pretrain with NNODES > 1 and no NODE_RANK: the job's rendezvous id
 #   HOSTFILE   [hostfile]           multinode: the deepspeed hostfile
 #   VENV       [.venv]              the environment the first run creates
-#   LOWEST_VENV [.venv-lowest]      test-lowest's environment
-#   UV_SPEC    [uv==0.13.9]         the installer of test-lowest's environment (pip where it does not install)
+#   LOWEST_VENV [.venv-lowest]      test-lowest's environment; NEWEST_VENV [.venv-newest] test-newest's
+#   UV_SPEC    [uv==0.13.9]         the installer of those environments (pip where it does not install)
+#                                   and the resolver of ./run.sh lock
 #   SETUP      [auto]               auto: create or update $VENV as below; none: use $VENV/bin/python as it
 #                                   is (an environment a cluster image or CI provides)
 #   TORCH_SPEC [torch==2.13.0]      torch to install when none is importable
 #   TORCH_INDEX_URL [unset]         pip index for torch (e.g. the CPU-only wheel index)
 #
-# Set-up: the first run creates $VENV. If python3 can already import torch (a GPU
+# Set-up: the first run creates $VENV and installs requirements.lock into it: every dependency
+# at the version CI tested, hash-checked. If python3 can already import a supported torch (a GPU
 # container, a system install, NGC with apex) the environment inherits it instead of
 # downloading another; otherwise $TORCH_SPEC is installed. Reruns reinstall only when
-# pyproject.toml changes.
+# pyproject.toml, requirements.lock or run.sh change.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -81,10 +87,12 @@ one_build_at_a_time() {
 setup_env() {
     [[ "${SETUP:-auto}" == none ]] && return
     local stamp="$VENV/.bert-ds-installed" want
-    want=$(cat pyproject.toml run.sh | sha256sum | cut -d' ' -f1)
+    want=$(cat pyproject.toml requirements.lock run.sh | sha256sum | cut -d' ' -f1)
     if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
         return
     fi
+    # a lock made from other ranges would leave out what pyproject.toml added: one line, before anything
+    "$SYS_PYTHON" -m bert_ds.tools.lock --check || exit 2
     if [[ ! -x "$VENV/bin/python" ]]; then
         if "$SYS_PYTHON" -c 'import torch' 2>/dev/null; then
             log "using the torch already installed for $SYS_PYTHON"
@@ -94,17 +102,40 @@ setup_env() {
         fi
     fi
     local pip=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
-    if ! "$VENV/bin/python" -c 'import torch' 2>/dev/null; then
+    log "installing the locked dependencies (requirements.lock)"
+    # --no-deps: the lock is the whole set but torch, so pip resolves nothing and fetches nothing else
+    "${pip[@]}" --require-hashes --no-deps -r requirements.lock
+    if ! torch_supported; then
         log "installing $TORCH_SPEC"
         "${pip[@]}" "$TORCH_SPEC" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
     fi
-    log "installing bert-ds and its dependencies"
-    one_build_at_a_time "${pip[@]}" -e ".[test]"
+    log "installing bert-ds"
+    # with the locked setuptools, not a newest one fetched into an isolated build environment
+    one_build_at_a_time "${pip[@]}" --no-deps --no-build-isolation -e .
     # DeepSpeed's JIT-built ops (on CPU its shared-memory op, 35-50 s) are built now, into
     # $VENV/torch_extensions, rather than at the first training start.
     log "building DeepSpeed's extensions"
     (export_accelerator && python_ -m bert_ds.train.extensions)
     echo "$want" > "$stamp"
+}
+
+# Whether $VENV imports a torch inside pyproject.toml's range (an inherited one may be older or
+# newer); one outside it is named, and $TORCH_SPEC goes into $VENV, ahead of it.
+torch_supported() {
+    python_ - <<'PY'
+import sys, tomllib
+from importlib.metadata import PackageNotFoundError, version
+from packaging.requirements import Requirement
+deps = [Requirement(d) for d in tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]]
+supported = next(d.specifier for d in deps if d.name == "torch")
+try:
+    found = version("torch")
+except PackageNotFoundError:
+    sys.exit(1)
+if not supported.contains(found, prereleases=True):
+    print(f"[run.sh] the inherited torch {found} is outside the supported range ({supported})", file=sys.stderr)
+    sys.exit(1)
+PY
 }
 
 python_() { "$VENV/bin/python" "$@"; }
@@ -124,41 +155,75 @@ test_workers() {
     echo "$n"
 }
 
-# test-lowest's environment: pyproject.toml's lower bounds of torch and transformers, the rest
-# as pip resolves it. The lowest torch on PyPI is the CUDA build (about 5 GB installed); it runs
-# on a CPU as well.
-setup_lowest_env() {
-    local venv=${LOWEST_VENV:-$ROOT/.venv-lowest} stamp want pins
-    pins=$("$SYS_PYTHON" - <<'PY'
+# The environments of test-lowest and test-newest: pyproject.toml's requirements, not the lock's
+# versions, resolved by uv from PyPI: `lowest` pins torch and transformers at their lower bounds
+# (the rest as uv resolves it), `newest` takes the newest release inside every range, as of the
+# day the environment is made (the day is part of its stamp). Their torch is PyPI's CUDA build
+# (about 5 GB installed); it runs on a CPU as well. Sets SIDE_PYTHON.
+setup_side_env() {
+    local which=$1 venv pins="" key stamp want
+    if [[ $which == lowest ]]; then
+        venv=${LOWEST_VENV:-$ROOT/.venv-lowest}
+        pins=$("$SYS_PYTHON" - <<'PY'
 import re, tomllib
 deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]
 print(" ".join(f"{name}=={m.group(1)}" for name in ("torch", "transformers") for d in deps
                if (m := re.fullmatch(rf"{name}>=([\w.]+)(,.*)?", d))))
 PY
 )
+        key=$pins
+    else
+        venv=${NEWEST_VENV:-$ROOT/.venv-newest}
+        key=$(date -u +%F)
+    fi
     stamp="$venv/.bert-ds-installed"
-    want=$(cat pyproject.toml run.sh | sha256sum | cut -d' ' -f1)
+    want=$(printf '%s\n' "$key" | cat pyproject.toml run.sh - | sha256sum | cut -d' ' -f1)
     if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$want" ]]; then
         [[ -x "$venv/bin/python" ]] || "$SYS_PYTHON" -m venv "$venv"
-        log "installing the lowest supported $pins into $venv"
-        # uv, where it installs: the lowest torch on PyPI is the CUDA build (about 5 GB), which uv
-        # fetches and unpacks in parallel: 63 s against pip's 192 s from empty caches (2-core
-        # machine, 2026-11-28). --compile-bytecode: pip's default, which uv leaves out; without
-        # it, a machine with PYTHONDONTWRITEBYTECODE set compiles torch at every import.
-        # The project alone first, then its dependencies as pyproject.toml lists them: the
-        # project's build (one_build_at_a_time) is then seconds long.
+        log "installing the $which supported releases${pins:+ ($pins)} into $venv"
+        # uv, where it installs: PyPI's torch is the CUDA build (about 5 GB), which uv fetches and
+        # unpacks in parallel: 63 s against pip's 192 s from empty caches (2-core machine,
+        # 2026-11-28). --compile-bytecode: pip's default, which uv leaves out; without it, a
+        # machine with PYTHONDONTWRITEBYTECODE set compiles torch at every import. The project
+        # alone first, then its dependencies as pyproject.toml lists them: the project's build
+        # (one_build_at_a_time) is then seconds long. --upgrade: a rerun resolves anew.
         local uv=("$venv/bin/python" -m uv pip install --quiet --python "$venv/bin/python" --compile-bytecode)
         # shellcheck disable=SC2086  # pins is a list of words
         if "$venv/bin/python" -m pip install --quiet --disable-pip-version-check "$UV_SPEC" 2>/dev/null; then
             one_build_at_a_time "${uv[@]}" --no-deps -e .
-            "${uv[@]}" $pins -r pyproject.toml --extra test
+            "${uv[@]}" --upgrade $pins -r pyproject.toml --extra test
         else
-            one_build_at_a_time "$venv/bin/python" -m pip install --quiet --disable-pip-version-check $pins -e ".[test]"
+            one_build_at_a_time "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --upgrade \
+                $pins -e ".[test]"
         fi
         (VENV=$venv; export_accelerator && python_ -m bert_ds.train.extensions)
         echo "$want" > "$stamp"
     fi
-    LOWEST_PYTHON=$venv/bin/python
+    SIDE_PYTHON=$venv/bin/python
+    log "$which: $("$SIDE_PYTHON" -c 'from importlib.metadata import version as v
+print(", ".join(f"{n} {v(n)}" for n in ("torch", "transformers", "deepspeed", "tokenizers", "accelerate", "datasets", "numpy")))')"
+}
+
+# The suite's torch-, transformers- and DeepSpeed-facing tests (marked lowest) in a side environment.
+test_side() {
+    setup_side_env "$1"
+    shift
+    VENV=$(dirname "$(dirname "$SIDE_PYTHON")") export_accelerator
+    # only the files that mark tests: collecting the rest would import them all for nothing
+    mapfile -t marked < <(grep -rl --include='test_*.py' 'pytest.mark.lowest' tests | sort)
+    "$SIDE_PYTHON" -m pytest -n "$(test_workers)" --dist worksteal -m lowest "${marked[@]}" "$@"
+}
+
+# requirements.lock anew from pyproject.toml's ranges, resolved by uv (UV_SPEC, in a throwaway
+# environment: the lock must be makeable where $VENV is not, or is out of date).
+lock() {
+    local tools
+    tools=$(mktemp -d)
+    # shellcheck disable=SC2064  # the folder's name now: $tools is local, gone by the time EXIT runs
+    trap "rm -rf '$tools'" EXIT
+    "$SYS_PYTHON" -m venv "$tools"
+    "$tools/bin/python" -m pip install --quiet --disable-pip-version-check "$UV_SPEC"
+    "$tools/bin/python" -m bert_ds.tools.lock --torch "$TORCH_SPEC" "$@"
 }
 
 # A count from the environment (NGPU, NNODES) as a whole number >= 1, else one line and exit 2:
@@ -265,17 +330,15 @@ mode=${1:-main}
 [[ $# -gt 0 ]] && shift
 case "$mode" in
     setup) setup_env ;;
-    setup-lowest) setup_lowest_env ;;
+    setup-lowest) setup_side_env lowest ;;
+    setup-newest) setup_side_env newest ;;
     test)
         setup_env
         export_accelerator
         python_ -m pytest -n "$(test_workers)" --dist worksteal "$@" ;;
-    test-lowest)
-        setup_lowest_env
-        VENV=$(dirname "$(dirname "$LOWEST_PYTHON")") export_accelerator
-        # only the files that mark tests: collecting the rest would import them all for nothing
-        mapfile -t lowest_files < <(grep -rl --include='test_*.py' 'pytest.mark.lowest' tests | sort)
-        "$LOWEST_PYTHON" -m pytest -n "$(test_workers)" --dist worksteal -m lowest "${lowest_files[@]}" "$@" ;;
+    test-lowest) test_side lowest "$@" ;;
+    test-newest) test_side newest "$@" ;;
+    lock) lock "$@" ;;
     prepare) setup_env; prepare ;;
     pretrain) setup_env; pretrain "$@" ;;
     multinode) setup_env; multinode "$@" ;;
@@ -290,5 +353,5 @@ case "$mode" in
         export_hf
         python_ -m bert_ds.tools.demo "$RUN_DIR" ;;
     -h|--help|help) sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//' ;;
-    *) echo "run.sh: unknown mode '$mode' (modes: main, test, test-lowest, setup, setup-lowest, prepare, pretrain, multinode, export, bench, plot, docs; see ./run.sh --help)" >&2; exit 2 ;;
+    *) echo "run.sh: unknown mode '$mode' (modes: main, test, test-lowest, test-newest, setup, setup-lowest, setup-newest, lock, prepare, pretrain, multinode, export, bench, plot, docs; see ./run.sh --help)" >&2; exit 2 ;;
 esac

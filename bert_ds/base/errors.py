@@ -6,7 +6,8 @@ subclass of :class:`UserError`. The ends of a run that the user acts on without 
 are failures (:class:`Failure`), each with its exit status: bad input (:class:`UserError`), a bad
 streak of training steps (:class:`BadStepsError`), a rank that hung or died
 (:class:`RankFailure`). The entry points run their body through :func:`guarded`, which prints
-``error: <message>`` and returns that status. Anything else is a bug and keeps its traceback.
+``error: <message>`` and returns that status; an installed package that fails to import is one
+such line too (:class:`BrokenEnvironment`). Anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from __future__ import annotations
 import signal
 import sys
 from collections.abc import Callable
+
+from bert_ds.base.environment import import_failure
 
 # Exit statuses of the entry points (README, "exit status"), defined here and nowhere else.
 EXIT_OK = 0  # finished, or stopped by a signal after a checkpoint
@@ -46,6 +49,10 @@ class BadStepsError(Failure):
     """Non-finite training steps the run cannot go past: it stops without checkpointing them."""
 
     exit_status = EXIT_BAD_STEPS
+
+
+class BrokenEnvironment(UserError):
+    """An installed package bert-ds needs does not import (:mod:`bert_ds.base.environment`)."""
 
 
 class RankFailure(Failure):
@@ -88,7 +95,8 @@ def guarded(body: Callable[[], int | None], cleanup: Callable[[], None] | None =
     """Run an entry point's ``body``: its exit status when it returns one (:data:`EXIT_OK` for
     ``None``), a :class:`Failure`'s one line and exit status when it raises one. ``cleanup``
     runs on every path, before the line is printed; any other exception passes through with
-    its traceback.
+    its traceback, but for an installed package that fails to import, which is one line too
+    (:class:`BrokenEnvironment`).
 
     ``interrupted``: what a Ctrl-C leaves behind (a text, or a function that finds it out). Given,
     a ``KeyboardInterrupt`` from ``body`` ends with ``interrupted: <it>`` on one line and
@@ -104,6 +112,10 @@ def guarded(body: Callable[[], int | None], cleanup: Callable[[], None] | None =
         if interrupted is None:
             raise
         failure = e
+    except Exception as e:
+        if (said := import_failure(e)) is None:
+            raise
+        failure = BrokenEnvironment(said)
     finally:
         if cleanup is not None:
             cleanup()
