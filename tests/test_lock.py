@@ -4,6 +4,8 @@ as it is, and what it leaves out is torch's alone (bert_ds.tools.lock)."""
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 import tomllib
 
 import pytest
@@ -132,3 +134,17 @@ def test_unknown_output_and_a_torch_range_are_refused():
     assert lock.torch_version("torch==2.13.0") == "2.13.0"
     with pytest.raises(UserError, match="exact pin"):
         lock.torch_version("torch>=2.11")
+
+
+def test_check_from_the_command_line_is_one_line(tmp_path):
+    """What ./run.sh setup runs first, with the system's Python, before any environment exists."""
+    stale = tmp_path / "requirements.lock"
+    stale.write_text(LOCK.read_text().replace(lock.INPUTS_PREFIX, lock.INPUTS_PREFIX + "0", 1))
+    for path, status in ((LOCK, 0), (stale, 2), (tmp_path / "none.lock", 2)):
+        proc = subprocess.run([sys.executable, "-m", "bert_ds.tools.lock", "--check", "--output", str(path)],
+                              cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == status, proc.stderr
+        if status == 0:
+            assert proc.stderr == ""
+        else:
+            assert proc.stderr.startswith(f"error: {path}") and proc.stderr.count("\n") == 1, proc.stderr
