@@ -55,7 +55,8 @@
 #                                   and the resolver of ./run.sh lock
 #   SETUP      [auto]               auto: create or update $VENV as below; none: use $VENV/bin/python as it
 #                                   is (an environment a cluster image or CI provides)
-#   TORCH_SPEC [torch==2.13.0]      torch to install when none is importable
+#   TORCH_SPEC [torch==2.13.0]      torch to install when none (or none in the supported range) is importable;
+#                                   ./run.sh lock resolves the lock with it
 #   TORCH_INDEX_URL [unset]         pip index for torch (e.g. the CPU-only wheel index)
 #
 # Set-up: the first run creates $VENV and installs requirements.lock into it: every dependency
