@@ -93,6 +93,11 @@ class Manifest:
     format_version: int = MANIFEST_VERSION
     created_by: str = field(default_factory=created_by)
 
+    def model_fields(self) -> dict[str, int]:
+        """What the data decides of a model trained on it: its vocabulary's size and the row of
+        its padding token (the embedding row that gets no gradient), the tokenizer's own."""
+        return {"vocab_size": self.vocab_size, "pad_token_id": self.special_tokens["pad"]}
+
     def to_dict(self) -> dict:
         return {
             "format_version": self.format_version,

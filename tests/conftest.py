@@ -153,6 +153,9 @@ def sample_data(tmp_path_factory) -> dict[str, Path]:
 
 BPE_SPECIALS = {"pad_token": "[PAD]", "unk_token": "[UNK]", "cls_token": "[CLS]", "sep_token": "[SEP]",
                 "mask_token": "[MASK]"}
+# Their ids: [UNK] 0, [CLS] 1, [SEP] 2, [PAD] 3, [MASK] 4. The pad is not 0, as in ModernBERT's own
+# vocabulary (50,283) and most BPE ones: a run that took 0 for it would freeze an ordinary token's row.
+BPE_SPECIAL_ORDER = ("unk_token", "cls_token", "sep_token", "pad_token", "mask_token")
 
 
 def bpe_tokenizer(lines: list[str], vocab_size: int, *, prefix_space: bool = True, **settings):
@@ -167,7 +170,7 @@ def bpe_tokenizer(lines: list[str], vocab_size: int, *, prefix_space: bool = Tru
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=prefix_space)
     tok.decoder = decoders.ByteLevel()
     tok.train_from_iterator(lines, trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=list(BPE_SPECIALS.values()), show_progress=False,
+        vocab_size=vocab_size, special_tokens=[BPE_SPECIALS[k] for k in BPE_SPECIAL_ORDER], show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     tok.post_processor = processors.TemplateProcessing(
         single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B [SEP]",

@@ -128,7 +128,7 @@ def test_the_two_phase_check_recipes_go_from_seq_128_to_512_at_base_and_tiny_sha
     for name, preset, micro in (("base_two_phase_check.json", "base", (512, 128)),
                                 ("tiny_two_phase_check.json", "tiny", (8, 2))):
         plan = PhasePlan.load(RECIPES / name)
-        configs = plan.train_configs(30522)
+        configs = plan.train_configs({"vocab_size": 30522, "pad_token_id": 0})
         assert plan.model["preset"] == preset and [p.name for p in plan.phases] == ["phase1", "phase2"]
         assert [c.data.max_seq_length for c in configs] == [128, 512]
         assert tuple(c.micro_batch_size for c in configs) == micro and all(c.steps <= 4 for c in configs)

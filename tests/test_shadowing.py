@@ -69,9 +69,10 @@ def test_an_installed_package_wins_over_every_top_level_folder(tmp_path):
     make_stand_ins(tmp_path / "site", names)
     assert shadowed(REPO, names, tmp_path / "site") == []
     # and bert_ds, which reaches the folders through its own links, still works beside them
-    proc = subprocess.run([sys.executable, "-c", "import bert_ds.kernels.ops, bert_ds.data_tools.build, bert_ds.config as c; "
-                           "import kernels, data_tools; assert kernels.STAND_IN and data_tools.STAND_IN; "
-                           "assert (c.DS_CONFIG_DIR / 'zero1_bf16.json').is_file()"],
+    probe = ("import bert_ds.kernels.ops, bert_ds.data_tools.build, bert_ds.config as c\n"
+             "import kernels, data_tools\n"
+             "assert kernels.STAND_IN and data_tools.STAND_IN and (c.DS_CONFIG_DIR / 'zero1_bf16.json').is_file()\n")
+    proc = subprocess.run([sys.executable, "-c", probe],
                           cwd=REPO, capture_output=True, text=True, timeout=300,
                           env={"PYTHONPATH": str(tmp_path / "site"), "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -69,7 +69,8 @@ def _ours_or_stdlib(frame: FrameType) -> bool:
     if name == _OURS or name.startswith(_OURS + "."):
         return True
     path = Path(filename).resolve()
-    return any(path.is_relative_to(root) for root in _STDLIB) and not {"site-packages", "dist-packages"} & set(path.parts)
+    installed = {"site-packages", "dist-packages"} & set(path.parts)
+    return not installed and any(path.is_relative_to(root) for root in _STDLIB)
 
 
 def _package(frame: FrameType) -> str:

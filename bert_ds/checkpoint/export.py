@@ -166,8 +166,9 @@ def _with_tied_aliases(state_dict: Mapping[str, torch.Tensor], family: HfFamily)
 
 
 def _take_token_ids(hf_config, family: HfFamily, tokenizer_dir: Path) -> None:
-    """The special tokens' ids the family's config states (ModernBERT's cls, sep, bos, eos), the
-    tokenizer's: transformers' defaults are ModernBERT's own vocabulary's ids."""
+    """The special tokens' ids the family's config states (the pad; ModernBERT's cls, sep, bos, eos),
+    the tokenizer's: transformers' defaults are ModernBERT's own vocabulary's ids, and a run saved
+    before the pad was taken from the tokenizer may hold 0 for it."""
     if not family.token_ids or not tokenizer_dir.is_dir():
         return
     import transformers

@@ -126,7 +126,8 @@ BERT = HfFamily(
     fresh_prefixes=("cls.", "bert.pooler."),
     buffers=frozenset({"bert.embeddings.position_ids", "bert.embeddings.token_type_ids"}),
     legacy_suffixes={"LayerNorm.gamma": "LayerNorm.weight", "LayerNorm.beta": "LayerNorm.bias"},
-    config_names=BERT_CONFIG_NAMES, hf_config=_bert_hf_config, from_hf=_bert_from_hf, probe=_bert_probe)
+    config_names=BERT_CONFIG_NAMES, hf_config=_bert_hf_config, from_hf=_bert_from_hf, probe=_bert_probe,
+    token_ids={"pad_token_id": "pad_token_id"})
 
 
 # --------------------------------------------------------------------------- ModernBERT
@@ -235,8 +236,9 @@ MODERNBERT = HfFamily(
     tied_aliases={"decoder.weight": "model.embeddings.tok_embeddings.weight"},
     fresh_prefixes=("head.", "decoder."), buffers=frozenset(), legacy_suffixes={},
     config_names=MODERNBERT_CONFIG_NAMES, hf_config=_modernbert_hf_config, from_hf=_modernbert_from_hf,
-    probe=_modernbert_probe, token_ids={"cls_token_id": "cls_token_id", "bos_token_id": "cls_token_id",
-                                        "sep_token_id": "sep_token_id", "eos_token_id": "sep_token_id"})
+    probe=_modernbert_probe, token_ids={"pad_token_id": "pad_token_id", "cls_token_id": "cls_token_id",
+                                        "bos_token_id": "cls_token_id", "sep_token_id": "sep_token_id",
+                                        "eos_token_id": "sep_token_id"})
 
 
 # --------------------------------------------------------------------------- lookup

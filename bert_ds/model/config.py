@@ -43,7 +43,7 @@ class ModelConfig:
     kernels: KernelSetting = "auto"  # "cuda": fused kernels or an error; "auto": per op the fastest correct (logged)
     activation_checkpointing: bool = False  # recompute layers in backward: less activation memory, ~1/3 more compute
     compile_layers: bool = False  # torch.compile each encoder layer: Inductor fuses its elementwise ops (bert.py)
-    pad_token_id: int = 0  # id of [PAD]; its embedding row gets no gradient (HF padding_idx)
+    pad_token_id: int = 0  # the tokenizer's [PAD] (a new run takes the data's); its row starts at zero (HF padding_idx)
     arch: Literal["bert"] = "bert"  # the model family (model_config_from_dict reads it)
 
     def __post_init__(self) -> None:
@@ -91,7 +91,7 @@ class ModernBertConfig:
     kernels: KernelSetting = "auto"  # "cuda": fused kernels or an error; "auto": per op the fastest correct (logged)
     activation_checkpointing: bool = False  # recompute layers in backward: less activation memory, ~1/3 more compute
     compile_layers: bool = False  # torch.compile each encoder layer
-    pad_token_id: int = 0  # id of the padding token; its embedding row gets no gradient (HF padding_idx)
+    pad_token_id: int = 0  # the tokenizer's padding token (a new run takes the data's); its row starts at zero
     arch: Literal["modernbert"] = "modernbert"  # the model family (model_config_from_dict reads it)
 
     def __post_init__(self) -> None:

@@ -210,17 +210,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return build_parser().parse_args(argv)
 
 
-def model_from_args(args: argparse.Namespace, vocab_size: int, saved_model: dict[str, Any] | None,
+def model_from_args(args: argparse.Namespace, from_data: dict[str, int], saved_model: dict[str, Any] | None,
                     init: InitSource | None = None) -> AnyModelConfig:
     """The model a run asks for. Resuming (``saved_model``: the checkpoint's), every field not
     given on the command line stays as saved, the preset's sizes included when --preset is
     absent; a different size or vocabulary (which comes from the data) is then a refused
     change (bert_ds.checkpoint.resume), not a silent one. Starting from ``init`` (--init-from), the
-    architecture is the source's (bert_ds.checkpoint.hf_import)."""
-    given = dict(vocab_size=vocab_size, kernels=args.kernels, activation_checkpointing=args.activation_checkpointing,
+    architecture is the source's (bert_ds.checkpoint.hf_import). ``from_data``: what the data sets
+    (:meth:`Manifest.model_fields`): its vocabulary's size, and its padding token's row for a model
+    that starts here; a resumed model keeps its own row, which a run saved before the tokenizer's
+    was taken may have at 0."""
+    given = dict(vocab_size=from_data["vocab_size"], kernels=args.kernels,
+                 activation_checkpointing=args.activation_checkpointing,
                  compile_layers=args.compile_layers)
     if args.dropout is not None:
         given.update(dict.fromkeys(DROPOUT_FIELDS[_arch(args, saved_model, init)], args.dropout))
+    if saved_model is None:
+        given["pad_token_id"] = from_data["pad_token_id"]
     if saved_model is None and init is not None and init.model is not None:
         from bert_ds.checkpoint import hf_import  # the source is open: torch is in already
 
@@ -261,10 +267,10 @@ def ds_config_from_args(args: argparse.Namespace, saved: str | None, cuda: bool)
                     f"fp32 ({chosen}; --ds-config overrides)")
 
 
-def config_from_args(args: argparse.Namespace, vocab_size: int, saved_model: dict[str, Any] | None = None,
+def config_from_args(args: argparse.Namespace, from_data: dict[str, int], saved_model: dict[str, Any] | None = None,
                      init: InitSource | None = None, ds_config: str | None = None) -> TrainConfig:
     """The run's config; ``ds_config`` where --ds-config is not given (TrainConfig's default if None)."""
-    model = model_from_args(args, vocab_size, saved_model, init)
+    model = model_from_args(args, from_data, saved_model, init)
     family = {name: value if (value := getattr(args, name)) is not None else default
               for name, default in DATA_DEFAULTS[model.arch].items()}
     data = DataConfig(train=args.data, weights=args.data_weights, val=args.val_data, held_out=args.held_out,
@@ -299,12 +305,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _checked_then_trained(args: argparse.Namespace) -> int:
-    data, vocab_size = Path(), 0
+    data, from_data = Path(), {}
 
     def read_data() -> None:  # a wrong --output or --data is said before torch is imported: at once
-        nonlocal data, vocab_size
+        nonlocal data, from_data
         _check_flags(args)
-        data, vocab_size = _data_and_vocabulary(args)
+        data, from_data = _data_and_vocabulary(args)
 
     with deferred_interrupt():  # a Ctrl-C waits for the modules' initialisation (bert_ds.base.interrupts)
         status = guarded(read_data)
@@ -312,18 +318,19 @@ def _checked_then_trained(args: argparse.Namespace) -> int:
             return status
         from bert_ds.train.session import entry  # torch and the run's modules: once the command line is read
 
-    return entry(lambda: _train(args, data, vocab_size))
+    return entry(lambda: _train(args, data, from_data))
 
 
-def _data_and_vocabulary(args: argparse.Namespace) -> tuple[Path, int]:
-    """--data's dataset folder (a parent's first part) and its vocabulary size, once --output is
-    known to be writable (a file, a read-only place: before anything is read). No torch."""
+def _data_and_vocabulary(args: argparse.Namespace) -> tuple[Path, dict[str, int]]:
+    """--data's dataset folder (a parent's first part) and what it sets of the model (its
+    vocabulary's size, its padding token), once --output is known to be writable (a file, a
+    read-only place: before anything is read). No torch."""
     from bert_ds.data_tools.manifest import Manifest
     from bert_ds.data_tools.partition import dataset_folders
 
     check_writable(args.output, "--output", folder=True)
     data = dataset_folders(args.data[0])[0]
-    return data, Manifest.load(data).vocab_size
+    return data, Manifest.load(data).model_fields()
 
 
 def _check_flags(args: argparse.Namespace) -> None:
@@ -336,13 +343,13 @@ def _check_flags(args: argparse.Namespace) -> None:
             raise ConfigError(f"--profile-steps {profile} starts after the run's last step (--steps {args.steps})")
 
 
-def _train(args: argparse.Namespace, data: Path, vocab_size: int) -> None:
+def _train(args: argparse.Namespace, data: Path, from_data: dict[str, int]) -> None:
     with deferred_interrupt():  # until the session's stop handlers: its modules', DeepSpeed's import (prepare's)
         from bert_ds.train.loop import run
         from bert_ds.train.session import locked_session
         from bert_ds.train.summary import print_summary
 
-        prepared = prepare(args, data, vocab_size)
+        prepared = prepare(args, data, from_data)
     if prepared is None:
         return
     cfg, options = prepared
@@ -354,10 +361,10 @@ def _train(args: argparse.Namespace, data: Path, vocab_size: int) -> None:
             print_summary(summary)
 
 
-def prepare(args: argparse.Namespace, data: Path, vocab_size: int) -> tuple[TrainConfig, RunOptions] | None:
+def prepare(args: argparse.Namespace, data: Path, from_data: dict[str, int]) -> tuple[TrainConfig, RunOptions] | None:
     """The run's validated config and options, checked without a process group so that bad
     input fails fast; None when the run in OUTPUT is finished already (said on rank 0).
-    ``data``, ``vocab_size``: what :func:`_data_and_vocabulary` read before torch was imported."""
+    ``data``, ``from_data``: what :func:`_data_and_vocabulary` read before torch was imported."""
     import torch
 
     from bert_ds.checkpoint import hf_import
@@ -373,7 +380,7 @@ def prepare(args: argparse.Namespace, data: Path, vocab_size: int) -> tuple[Trai
         hf_import.check_vocabulary(init, data)
     ds_config, note = ds_config_from_args(args, resuming.saved_ds_config(found) if found else None,
                                           torch.cuda.is_available())
-    cfg = config_from_args(args, vocab_size, resuming.saved_model(found) if found else None, init, ds_config)
+    cfg = config_from_args(args, from_data, resuming.saved_model(found) if found else None, init, ds_config)
     check_setting(cfg.model.kernels)  # kernels=cuda on a machine without CUDA: before the folder is made
     check_tokenizers(cfg.data)  # --data/--val-data folders of different tokenizers, likewise
     profile = StepRange.parse(args.profile_steps) if args.profile_steps is not None else None  # checked: _check_flags

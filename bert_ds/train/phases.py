@@ -174,8 +174,9 @@ class PhasePlan:
                 found.append(Evaluation(name, module, args, module.prepare(args, model_exists=False)))
         return found
 
-    def train_configs(self, vocab_size: int) -> list[TrainConfig]:
-        """Each phase's validated TrainConfig (init_from still unset: it is known once the previous phase ends)."""
+    def train_configs(self, from_data: dict[str, int]) -> list[TrainConfig]:
+        """Each phase's validated TrainConfig (init_from still unset: it is known once the previous phase
+        ends); ``from_data``: what the first dataset sets of the model (:meth:`Manifest.model_fields`)."""
         preset = dict(self.model)
         name = preset.pop("preset")
         configs = []
@@ -184,7 +185,7 @@ class PhasePlan:
             for section in _MERGED:
                 d[section] = {**self.base.get(section, {}), **phase.overrides.get(section, {})}
             try:
-                model = model_preset(name, vocab_size, **{**preset, **phase.model})
+                model = model_preset(name, **{**preset, **phase.model, **from_data})
                 d["data"] = {**DATA_DEFAULTS[model.arch], **d["data"]}
                 configs.append(TrainConfig.from_dict({**d, "model": model.to_dict(), "steps": phase.steps,
                                                       "output": str(Path(self.output) / phase.name)}))
@@ -228,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
             if not plan.prepare:
                 raise
             raise ConfigError(f"{e}; this plan's data is made by: {' && '.join(plan.prepare)}") from None
-        configs = plan.train_configs(manifest.vocab_size)
+        configs = plan.train_configs(manifest.model_fields())
         evaluations = plan.evaluations()  # a typo in the last stage fails before the first phase trains
         if args.check:
             for phase, cfg in zip(plan.phases, configs):

@@ -230,5 +230,19 @@ def test_a_given_ds_config_wins_then_the_checkpoints_then_the_machines(monkeypat
     assert chosen == "zero1_fp32.json" and "this CPU has no bf16 instructions" in note and "\n" not in note
     assert cli.ds_config_from_args(plain, None, cuda=True) == ("zero1_bf16.json", "")
     # config_from_args puts it into the run's config; without one it is TrainConfig's default
-    assert cli.config_from_args(plain, 1000, ds_config="zero1_fp32.json").ds_config == "zero1_fp32.json"
-    assert cli.config_from_args(plain, 1000).ds_config == TrainConfig.ds_config
+    from_data = {"vocab_size": 1000, "pad_token_id": 0}
+    assert cli.config_from_args(plain, from_data, ds_config="zero1_fp32.json").ds_config == "zero1_fp32.json"
+    assert cli.config_from_args(plain, from_data).ds_config == TrainConfig.ds_config
+
+
+def test_a_new_model_pads_with_the_tokenizers_pad_and_a_resumed_one_keeps_its_own():
+    from bert_ds.train import cli
+
+    args = cli.parse_args(["--data", "d", "--preset", "tiny"])
+    from_data = {"vocab_size": 1000, "pad_token_id": 3}  # a tokenizer whose [PAD] is 3, as the manifest says
+    fresh = cli.model_from_args(args, from_data, None)
+    assert (fresh.vocab_size, fresh.pad_token_id) == (1000, 3)
+    # a run saved with another row (before the tokenizer's was taken) resumes with it, not refused
+    saved = {**fresh.to_dict(), "pad_token_id": 0}
+    assert cli.model_from_args(args, from_data, saved).pad_token_id == 0
+    assert cli.model_from_args(cli.parse_args(["--data", "d"]), from_data, saved).pad_token_id == 0

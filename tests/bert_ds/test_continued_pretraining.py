@@ -72,7 +72,7 @@ def _first_batch(args: list[str]):
     """The first micro-batch of the run, as its loader makes it."""
     parsed = train.parse_args(args)
     vocab_size = Manifest.load(parsed.data[0]).vocab_size
-    cfg = train.config_from_args(parsed, vocab_size, None, hf_import.open_source(parsed.init_from))
+    cfg = train.config_from_args(parsed, {"vocab_size": vocab_size, "pad_token_id": 0}, None, hf_import.open_source(parsed.init_from))
     stream, _ = open_pretraining_data(cfg.data, cfg.seed)
     plan = BatchPlan.resolve(cfg.global_batch_size, cfg.micro_batch_size, 1)
     return PretrainingLoader(stream, plan, rank=0).next_step()[0]
@@ -267,14 +267,14 @@ def test_a_preset_that_disagrees_names_the_fields(vocab, tmp_path):
     _hf_folder(hf, vocab)
     args = train.parse_args(["--data", "d", "--init-from", str(hf), "--preset", "tiny"])
     with pytest.raises(hf_import.InitFromError) as caught:
-        train.config_from_args(args, len(vocab_entries(vocab)), None, hf_import.open_source(hf))
+        train.config_from_args(args, {"vocab_size": len(vocab_entries(vocab)), "pad_token_id": 0}, None, hf_import.open_source(hf))
     assert str(caught.value) == (f"--preset tiny disagrees with {hf / 'config.json'}: num_layers 2 vs 3, hidden_size 64 "
                                  "vs 48, num_heads 2 vs 4, intermediate_size 256 vs 96 (preset vs source); leave "
                                  "--preset out to take the source's")
     args = train.parse_args(["--data", "d", "--init-from", str(hf)])
     size = len(vocab_entries(vocab))
     with pytest.raises(hf_import.InitFromError, match=f"the model has {size} token embeddings but the shards' tokenizer 600"):
-        train.config_from_args(args, 600, None, hf_import.open_source(hf))
+        train.config_from_args(args, {"vocab_size": 600, "pad_token_id": 0}, None, hf_import.open_source(hf))
 
 
 def test_the_shards_tokenizer_must_be_the_models(vocab, tmp_path):

@@ -56,7 +56,11 @@ def test_the_export_loads_in_transformers_with_no_missing_or_unexpected_keys(exp
     assert config["layer_types"] == ["full_attention", "sliding_attention", "sliding_attention", "full_attention"]
     assert config["rope_parameters"]["full_attention"]["rope_theta"] == model.config.global_rope_theta
     assert config["rope_parameters"]["sliding_attention"]["rope_theta"] == model.config.local_rope_theta
-    assert config["cls_token_id"] == 2 and config["sep_token_id"] == 3  # the tokenizer's, not 50281/50282
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    ids = (config["pad_token_id"], config["cls_token_id"], config["sep_token_id"])
+    assert ids == (tokenizer.pad_token_id, tokenizer.cls_token_id, tokenizer.sep_token_id) == (3, 1, 2)  # not 50283..
 
 
 def test_fill_mask_runs_on_the_export(exported):
@@ -76,7 +80,7 @@ def _transformers_folder(folder: Path, vocab: int, legacy: bool = False) -> Path
 
     config = HFConfig(vocab_size=vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
                       num_attention_heads=2, max_position_embeddings=256, local_attention=16, global_rope_theta=80000.0,
-                      pad_token_id=0, bos_token_id=2, eos_token_id=3, cls_token_id=2, sep_token_id=3)
+                      pad_token_id=3, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2)
     ModernBertForMaskedLM(config).save_pretrained(folder)
     if legacy:
         values = json.loads((folder / "config.json").read_text())

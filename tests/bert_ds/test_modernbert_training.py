@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from bert_ds.data_tools.manifest import open_dataset
+from bert_ds.data_tools.manifest import Manifest, open_dataset
 from tests.bert_ds.test_reliability import _losses, _start, _wait_for_step
 from tests.conftest import run_cli
 
@@ -48,6 +48,16 @@ def test_a_tiny_modernbert_learns_and_resumes_exactly_after_a_kill(sample_bpe_da
     baseline = _unigram_baseline(sample_bpe_data["heldout"])
     print(f"\nheld-out MLM accuracy after {STEPS} steps {val['mlm_acc']:.3f}, unigram baseline {baseline:.3f}")
     assert val["mlm_acc"] > 3 * baseline, (val, baseline)
+    # The padding row is the tokenizer's [PAD] (3 here), not id 0 ([UNK]), in the run and in its export
+    from transformers import AutoTokenizer
+
+    from bert_ds.checkpoint.export import export_checkpoint
+
+    pad = Manifest.load(sample_bpe_data["train"]).special_tokens["pad"]
+    assert json.loads((whole / "train_config.json").read_text())["model"]["pad_token_id"] == pad == 3
+    export = export_checkpoint(whole / "checkpoints", tmp_path / "export")
+    assert json.loads((export / "config.json").read_text())["pad_token_id"] == AutoTokenizer.from_pretrained(
+        export).pad_token_id == pad
 
     killed = tmp_path / "killed"
     args = _args(sample_bpe_data, killed, "--save-every", "40")
@@ -71,7 +81,7 @@ def _modernbert_folder(folder: Path, tokenizer: Path, vocab_size: int):
     torch.manual_seed(0)
     config = ModernBertConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
                               num_attention_heads=2, max_position_embeddings=256, local_attention=16,
-                              pad_token_id=0, bos_token_id=2, eos_token_id=3, cls_token_id=2, sep_token_id=3)
+                              pad_token_id=3, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2)
     model = ModernBertForMaskedLM(config)
     torch.nn.init.normal_(model.decoder.bias, std=3.0)  # token preferences a fresh model lacks
     model.save_pretrained(folder)
@@ -102,9 +112,11 @@ def test_continued_pretraining_of_a_modernbert_folder_starts_from_its_loss(sampl
     run_cli("bert_ds.train", *args)
 
     parsed = train.parse_args(args)
-    cfg = train.config_from_args(parsed, 4096, None, hf_import.open_source(hf))
+    from_data = Manifest.load(sample_bpe_data["train"]).model_fields()
+    cfg = train.config_from_args(parsed, from_data, None, hf_import.open_source(hf))
     assert (cfg.model.arch, cfg.model.vocab_size, cfg.data.layout, cfg.data.mask_rate) == (
         "modernbert", vocab_size, "documents", 0.3)
+    assert cfg.model.pad_token_id == from_data["pad_token_id"] == 3  # the tokenizer's
     stream, _ = open_pretraining_data(cfg.data, cfg.seed)
     batch = PretrainingLoader(stream, BatchPlan.resolve(8, 8, 1), rank=0).next_step()[0]
     with torch.no_grad():

@@ -158,7 +158,7 @@ def test_a_phase_plan_passes_each_phases_optimizer_and_schedule_through():
         "base": {"data": {"train": ["d"]}, "ds_config": "zero1_fp32.json",
                  "optim": {"name": "stable_adamw", "lr": 8e-4, "betas": [0.9, 0.98], "weight_decay": 1e-5,
                            "decouple_lr": True, "grad_clip": 0.0}}})
-    pretrain, decay = (cfg.optim for cfg in plan.train_configs(128))
+    pretrain, decay = (cfg.optim for cfg in plan.train_configs({"vocab_size": 128, "pad_token_id": 0}))
     shared = dict(name="stable_adamw", betas=(0.9, 0.98), weight_decay=1e-5, decouple_lr=True, grad_clip=0.0)
     assert pretrain == OptimConfig(**shared, lr=8e-4, schedule="wsd", decay_share=0.0, warmup_steps=3)
     assert decay == OptimConfig(**shared, lr=3e-4, schedule="wsd", warmup_steps=0, decay_share=1.0,

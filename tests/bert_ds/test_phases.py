@@ -34,8 +34,9 @@ def _tiny_plan(data: dict[str, Path], output: Path) -> dict:
 @pytest.mark.parametrize("recipe", sorted(p.name for p in RECIPES.glob("*.json")))
 def test_bundled_recipes_validate(recipe):
     plan = PhasePlan.load(RECIPES / recipe)
-    configs = plan.train_configs(vocab_size=30522)
+    configs = plan.train_configs({"vocab_size": 30522, "pad_token_id": 5})
     assert [c.steps for c in configs] == [p.steps for p in plan.phases]
+    assert all((c.model.vocab_size, c.model.pad_token_id) == (30522, 5) for c in configs)  # the data's
     assert all(isinstance(c, TrainConfig) for c in configs)
     seq = [c.data.max_seq_length for c in configs]
     print(f"phases: {recipe}: {len(configs)} phases, sequence lengths {seq}")
@@ -44,7 +45,7 @@ def test_bundled_recipes_validate(recipe):
 
 def test_phase_overrides_merge_into_the_base():
     plan = PhasePlan.load(RECIPES / "bert_base_two_phase.json")
-    one, two = plan.train_configs(vocab_size=30522)
+    one, two = plan.train_configs({"vocab_size": 30522, "pad_token_id": 0})
     assert (one.optim.lr, two.optim.lr) == (6e-3, 4e-3)
     assert one.optim.decay == two.optim.decay == "poly"  # from the base, kept by both
     assert one.data.train == two.data.train and two.data.max_seq_length == 512
@@ -64,7 +65,7 @@ def test_each_phase_builds_its_model_at_its_own_sequence_length(monkeypatch):
         seq_lens.append(train_seq_len)
         raise Built
     monkeypatch.setattr(loop, "build_model", model)
-    for cfg in PhasePlan.load(RECIPES / "bert_base_two_phase.json").train_configs(vocab_size=30522):
+    for cfg in PhasePlan.load(RECIPES / "bert_base_two_phase.json").train_configs({"vocab_size": 30522, "pad_token_id": 0}):
         with pytest.raises(Built):
             loop._build_engine(cfg, {}, torch.device("cpu"))
     assert seq_lens == [128, 512]
@@ -85,7 +86,7 @@ def test_bad_plans_are_config_errors(edit, message):
     d = json.loads((RECIPES / "tiny_two_phase.json").read_text())
     edit(d)
     with pytest.raises(ConfigError, match=message):
-        PhasePlan.from_dict(d).train_configs(vocab_size=2048)
+        PhasePlan.from_dict(d).train_configs({"vocab_size": 2048, "pad_token_id": 0})
 
 
 @pytest.mark.parametrize("recipe", sorted(p.name for p in RECIPES.glob("*.json")))
