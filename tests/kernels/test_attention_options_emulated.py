@@ -68,6 +68,13 @@ LOCAL_CASES = [  # (lengths, heads, head_dim, window)
     ([150, 2], 1, 32, 0),  # each query sees itself alone
     ([17, 390, 129], 1, 64, 64),  # ModernBERT's window over 4 key tiles: dQ in the parity slots
     ([260, 33], 1, 32, 64),  # the same at head dim 32
+    # A window whose first needed key sits alone at the edge of the key tile before (the query tile's
+    # first row, less the window, a multiple of the tile): a span one key short skips that tile, which
+    # none of the windows above shows (forward's key tile 64 at head dim 64, 128 at 32).
+    ([200, 70], 1, 64, 1),
+    ([300, 40], 1, 64, 65),
+    ([300, 9], 1, 32, 1),
+    ([400, 50], 1, 32, 129),
 ]
 
 
@@ -263,6 +270,8 @@ def test_the_local_attention_kernels_pass_the_self_check(emulated_cuda):
 PLANTED = {
     "forward: the window's edge off by one": (
         "attention_fwd_kernel(", "(row - key > w || key - row > w)", "(row - key >= w || key - row >= w)", "window"),
+    "window_span: the first key one too far right": (
+        "Span window_span(", "const int lo = first - window, hi", "const int lo = first - window + 1, hi", "window"),
     "backward: the window's edge off by one": (
         "attention_bwd_kernel(", "(apart <= w && apart >= -w)", "(apart < w && apart > -w)", "window"),
     "forward: the first key tile it needs skipped": (
@@ -311,6 +320,7 @@ try:
         check_local_attention(emu, torch.bfloat16, [300, 17], 1, 64, 100)
         check_local_attention(emu, torch.bfloat16, [40, 9, 128], 1, 64, 64)
         check_local_attention(emu, torch.bfloat16, [17, 300], 1, 64, 64)
+        check_local_attention(emu, torch.bfloat16, [300, 40], 1, 64, 65)  # a needed key alone at a tile's edge
     else:
         check_rotary_attention(emu, [200, 9], 1, 64, 64, 10000.0)
 except AssertionError as error:
