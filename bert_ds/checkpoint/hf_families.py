@@ -10,7 +10,8 @@ family; what differs between BERT and a ModernBERT-class encoder is here, one
   an option this family's model does not compute the same way);
 - the names: the encoder's prefix (a base model saves without it), the tied aliases, the heads a
   source may lack, the buffers older transformers saved and the legacy names it renames;
-- a probe: the largest logit difference between our model and transformers' on a fixed batch.
+- a probe: the largest logit difference between our model and transformers' on a fixed batch,
+  relative to the logits' scale.
 
 torch and transformers are imported inside the functions: :mod:`.export` answers ``--help``
 without them.
@@ -48,7 +49,7 @@ class HfFamily:
     config_names: Mapping[str, str]  # our field -> transformers' attribute, where they map one to one
     hf_config: Callable[[Any], Any]  # our config -> transformers' PretrainedConfig
     from_hf: Callable[[Mapping[str, Any], Path], dict[str, Any]]  # config.json -> our fields it states
-    probe: Callable[[Any, Any, Any], float]  # (ours, theirs, our config) -> max abs logit difference
+    probe: Callable[[Any, Any, Any], float]  # (ours, theirs, our config) -> the logits' relative_gap
     token_ids: Mapping[str, str] = dataclasses.field(default_factory=dict)  # a config attribute -> the tokenizer's attribute whose id it takes
 
 
@@ -98,9 +99,16 @@ def _bert_from_hf(values: Mapping[str, Any], where: Path) -> dict[str, Any]:
     return {"arch": "bert", **fields}
 
 
+def relative_gap(ours, theirs) -> float:
+    """The largest difference of two logit tensors, over their scale (the largest magnitude of
+    ``theirs``, at least 1): fp32's rounding grows with the values, and a trained model's logits are
+    larger than a fresh one's. NaN where either holds one."""
+    return ((ours - theirs).abs().max() / theirs.abs().max().clamp(min=1.0)).item()
+
+
 def _bert_probe(ours, theirs, config: ModelConfig) -> float:
     """Both models on a fixed (2, S) batch (one full row, one padded, both segments): the largest
-    MLM or NSP logit difference."""
+    MLM or NSP logit difference (:func:`relative_gap`)."""
     import torch
 
     from bert_ds.model.padding import gather_tokens, unpad
@@ -114,8 +122,8 @@ def _bert_probe(ours, theirs, config: ModelConfig) -> float:
         our_out = ours(input_ids, token_type_ids, unpadded=unpadded)
         their_out = theirs(input_ids=input_ids, token_type_ids=token_type_ids, attention_mask=attention_mask)
     their_mlm = gather_tokens(their_out.prediction_logits, unpadded.token_indices)  # (T, V), packed like ours
-    return max((our_out.mlm_logits - their_mlm).abs().max().item(),
-               (our_out.nsp_logits - their_out.seq_relationship_logits).abs().max().item())
+    return max(relative_gap(our_out.mlm_logits, their_mlm),
+               relative_gap(our_out.nsp_logits, their_out.seq_relationship_logits))
 
 
 BERT = HfFamily(
@@ -215,7 +223,7 @@ def _global_every(values: Mapping[str, Any], where: Path) -> int | None:
 
 def _modernbert_probe(ours, theirs, config: ModernBertConfig) -> float:
     """Both models on a fixed (2, S) batch, one row padded, longer than the local window where the
-    model's length allows: the largest MLM logit difference."""
+    model's length allows: the largest MLM logit difference (:func:`relative_gap`)."""
     import torch
 
     from bert_ds.model.padding import gather_tokens, unpad
@@ -227,7 +235,7 @@ def _modernbert_probe(ours, theirs, config: ModernBertConfig) -> float:
         our_out = ours(input_ids, unpadded=unpadded)
         their_out = theirs(input_ids=input_ids, attention_mask=attention_mask)
     their_mlm = gather_tokens(their_out.logits, unpadded.token_indices)  # (T, V), packed like ours
-    return (our_out.mlm_logits - their_mlm).abs().max().item()
+    return relative_gap(our_out.mlm_logits, their_mlm)
 
 
 MODERNBERT = HfFamily(

@@ -41,7 +41,7 @@ SENTENCE_OVERSHOOT = 40  # a chunk closes at the first sentence end past its tar
 # Synthetic special ids, in the order data_tools writes them: [PAD] [UNK] [CLS] [SEP] [MASK].
 SYNTHETIC_SPECIAL = SpecialTokens(pad=0, unk=1, cls=2, sep=3, mask=4)
 # The first-batch loss check's allowance beyond twice the reference's own rounding error, relative
-# to the loss: fp32 the export round trip's 1e-4; bf16 one step of its 8 significant bits, 2^-8
+# to the loss: fp32 1e-4 of it; bf16 one step of its 8 significant bits, 2^-8
 # (the BERT variants' bf16 losses agreed to 1e-4 of 11.2 on an H100 and an H200).
 LOSS_SLACK = {"fp32": 1e-4, "bf16": 2.0 ** -8}
 

@@ -24,7 +24,7 @@ from tests.conftest import SAMPLE, run_cli
 # A shape no preset has: the architecture can only come from config.json.
 SHAPE = dict(hidden_size=48, num_hidden_layers=3, num_attention_heads=4, intermediate_size=96,
              max_position_embeddings=64)
-LOSS_TOLERANCE = 1e-4  # fp32 on both sides; only the order of the reductions differs
+LOSS_TOLERANCE = 1e-5  # fp32 on both sides; only the order of the reductions differs
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +102,7 @@ def test_walkthrough_hf_folder_to_fill_mask(corpus, vocab, tmp_path):
         fresh = transformers.BertForPreTraining(source.config).eval()(**inputs).loss.item()
     first = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
     assert first["step"] == 1
+    print(f"\nfirst loss {first['loss']!r}, transformers' {theirs!r}: {abs(first['loss'] - theirs):.2e} apart")
     assert abs(first["loss"] - theirs) <= LOSS_TOLERANCE, (first["loss"], theirs)
     assert abs(first["loss"] - fresh) > 100 * LOSS_TOLERANCE, (first["loss"], fresh)  # the check can tell
 

@@ -63,13 +63,34 @@ def test_the_export_loads_in_transformers_with_no_missing_or_unexpected_keys(exp
     assert ids == (tokenizer.pad_token_id, tokenizer.cls_token_id, tokenizer.sep_token_id) == (3, 1, 2)  # not 50283..
 
 
-def test_fill_mask_runs_on_the_export(exported):
-    from transformers import pipeline
+def test_fill_mask_on_the_export_gives_the_word_the_model_learned(tmp_path):
+    """A tiny model taught one word in one context (a few Adam steps on that masked position):
+    transformers' fill-mask pipeline on its export answers that word first."""
+    from transformers import AutoTokenizer, pipeline
 
-    folder, _ = exported
-    fill = pipeline("fill-mask", model=str(folder), tokenizer=str(folder))
-    predictions = fill("the european [MASK] is a species")
-    assert len(predictions) == 5 and all("token_str" in p for p in predictions)
+    folder = _tokenizer(tmp_path / "tokenizer")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    context = "the european lobster is a species of clawed"
+    ids = tokenizer(context + " lobster", return_tensors="pt")["input_ids"]  # (1, S): [CLS] ... [SEP]
+    target = tokenizer.convert_tokens_to_ids(tokenizer.tokenize(" lobster"))
+    assert len(target) == 1 and ids[0, -2] == target[0], "the word must be one token, the last"
+    masked, labels = ids.clone(), torch.full_like(ids, -100)
+    masked[0, -2], labels[0, -2] = tokenizer.mask_token_id, target[0]
+
+    torch.manual_seed(0)
+    model = ModernBertForPreTraining(model_preset("modernbert-tiny", len(tokenizer), local_attention=8,
+                                                  pad_token_id=tokenizer.pad_token_id, kernels="torch"))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(20):
+        optimizer.zero_grad()
+        loss = model(masked, torch.ones_like(masked), labels).mlm_loss
+        loss.backward()
+        optimizer.step()
+    out = export_hf(model.state_dict(), model.config, folder, tmp_path / "hf")
+
+    fill = pipeline("fill-mask", model=str(out), tokenizer=str(out))
+    answers = fill(context + tokenizer.mask_token)
+    assert answers[0]["token"] == target[0], (answers, loss.item())
 
 
 def _transformers_folder(folder: Path, vocab: int, legacy: bool = False) -> Path:

@@ -123,7 +123,8 @@ def test_continued_pretraining_of_a_modernbert_folder_starts_from_its_loss(sampl
         theirs = source(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                         labels=batch["labels"]).loss.item()
     first = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
-    assert first["step"] == 1 and abs(first["loss"] - theirs) <= 1e-4, (first["loss"], theirs)
+    print(f"\nfirst loss {first['loss']!r}, transformers' {theirs!r}: {abs(first['loss'] - theirs):.2e} apart")
+    assert first["step"] == 1 and abs(first["loss"] - theirs) <= 1e-5, (first["loss"], theirs)  # fp32 both
 
     out = export_checkpoint(tmp_path / "run" / "checkpoints", tmp_path / "export")
     loaded = AutoModelForMaskedLM.from_pretrained(out)
