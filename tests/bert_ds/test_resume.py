@@ -113,9 +113,10 @@ def test_safe_changes_are_returned_and_an_unchanged_recipe_has_none(tmp_path):
 def test_resume_takes_each_model_field_not_given_from_the_checkpoint(flags, want):
     saved = model_preset("tiny", 128, hidden_dropout=0.0).to_dict()
     args = parse_args(["--data", "d", *flags])
-    model = model_from_args(args, 128, saved)
+    from_data = {"vocab_size": 128, "pad_token_id": 0}
+    model = model_from_args(args, from_data, saved)
     assert {k: getattr(model, k) for k in want} == want
-    assert model_from_args(args, 128, None).hidden_size == (64 if "tiny" in flags else 256)  # fresh: default mini
+    assert model_from_args(args, from_data, None).hidden_size == (64 if "tiny" in flags else 256)  # fresh: default mini
 
 
 # --------------------------------------------------------------------------- the trainer
