@@ -27,23 +27,23 @@ from pathlib import Path
 from types import FrameType, TracebackType
 
 _OURS = "bert_ds"
-_STDLIB = (Path(sysconfig.get_paths()["stdlib"]).resolve(),)
+_STDLIB = Path(sysconfig.get_paths()["stdlib"]).resolve()
 ADVICE = ("bert-ds is tested with the versions of requirements.lock: ./run.sh setup installs them "
           "(into an environment of your own: pip install --no-deps -r requirements.lock)")
 
 
 def import_failure(err: BaseException) -> str | None:
-    """The one line for ``err`` where it is an installed package failing to import, else ``None``."""
+    """The message for ``err`` where it is an installed package failing to import, else ``None``
+    (:func:`bert_ds.base.errors.report` prints it as one line)."""
     frames = [f for f in _frames(err.__traceback__) if not _ours_or_stdlib(f)]
     if frames:
         if not any(f.f_code.co_name == "<module>" for f in frames):
             return None  # raised while a package's code ran, not while it was being imported
         entry = _package(frames[0])
         where = _in_package(frames[-1])
-        return (f"{_named(entry)} does not import here: {type(err).__name__}: {_one_line(err)} "
-                f"(in {where}); {ADVICE}")
+        return f"{_named(entry)} does not import here: {type(err).__name__}: {err} (in {where}); {ADVICE}"
     if isinstance(err, ModuleNotFoundError) and err.name and err.name.split(".")[0] != _OURS:
-        return f"{err.name.split('.')[0]} is not installed here ({_one_line(err)}); {ADVICE}"
+        return f"{err.name.split('.')[0]} is not installed here ({err}); {ADVICE}"
     return None
 
 
@@ -70,7 +70,7 @@ def _ours_or_stdlib(frame: FrameType) -> bool:
         return True
     path = Path(filename).resolve()
     installed = {"site-packages", "dist-packages"} & set(path.parts)
-    return not installed and any(path.is_relative_to(root) for root in _STDLIB)
+    return not installed and path.is_relative_to(_STDLIB)
 
 
 def _package(frame: FrameType) -> str:
@@ -94,7 +94,3 @@ def _in_package(frame: FrameType) -> str:
     parts = Path(frame.f_code.co_filename).parts
     keep = _module_name(frame).count(".") + 1 + (parts[-1] == "__init__.py")
     return str(Path(*parts[-keep:]))
-
-
-def _one_line(err: BaseException) -> str:
-    return " ".join(str(err).split())

@@ -97,13 +97,10 @@ def parse(text: str) -> list[Pin]:
 def left_out(pins: list[Pin], torch: str = "torch") -> set[str]:
     """torch, and what only torch needs on some platforms: the packages the inputs reach only
     through torch whose pins carry a platform marker (its CUDA build's libraries and triton)."""
-    needed_by: dict[str, set[str]] = {}
-    for pin in pins:
-        needed_by.setdefault(pin.name, set()).update(pin.via)
     required_by: dict[str, set[str]] = {}
-    for name, parents in needed_by.items():
-        for parent in parents:
-            required_by.setdefault(parent, set()).add(name)
+    for pin in pins:
+        for parent in pin.via:
+            required_by.setdefault(parent, set()).add(pin.name)
     reached, todo = set(), [""]
     while todo:  # from the inputs, never through torch
         for child in required_by.get(todo.pop(), ()):
@@ -146,7 +143,9 @@ def compile_universal(uv: list[str], root: Path, torch: str, python: str) -> str
     if proc.returncode != 0:
         said = [line for line in proc.stderr.splitlines() if line.strip()]
         raise UserError("uv pip compile failed: " + " ".join(" ".join(said[-6:]).split()))
-    return proc.stdout
+    # the "# via -r FILE" lines name the input files: by what they hold, not by a temporary path,
+    # so that the same inputs on the same day make the same lock
+    return proc.stdout.replace(str(build), "build-system.requires").replace(str(constraints), "TORCH_SPEC")
 
 
 def render(pins: list[Pin], leave_out: set[str], torch_spec: str, digest: str) -> str:
