@@ -51,6 +51,7 @@
 #   HOSTFILE   [hostfile]           multinode: the deepspeed hostfile
 #   VENV       [.venv]              the environment the first run creates
 #   LOWEST_VENV [.venv-lowest]      test-lowest's environment; NEWEST_VENV [.venv-newest] test-newest's
+#   TRANSFORMERS4_DIR [.venv-transformers4]  transformers 4 for `test` (requirements-transformers4.txt)
 #   UV_SPEC    [uv==0.13.9]         the installer of those environments (pip where it does not install)
 #                                   and the resolver of ./run.sh lock
 #   SETUP      [auto]               auto: create or update $VENV as below; none: use $VENV/bin/python as it
@@ -205,6 +206,26 @@ PY
 print(", ".join(f"{n} {v(n)}" for n in ("torch", "transformers", "deepspeed", "tokenizers", "accelerate", "datasets", "numpy")))')"
 }
 
+# transformers 4 beside .venv, for the suite's check that exports read the same under it
+# (tests/bert_ds/test_transformers4.py, which finds it through BERT_DS_TRANSFORMERS4): the hashed pins
+# of requirements-transformers4.txt installed with pip --target, run with .venv's Python and torch.
+setup_transformers4() {
+    local dir=${TRANSFORMERS4_DIR:-$ROOT/.venv-transformers4} want
+    want=$(sha256sum requirements-transformers4.txt | cut -d' ' -f1)
+    if [[ ! -f "$dir/.bert-ds-installed" || "$(cat "$dir/.bert-ds-installed")" != "$want" ]]; then
+        if [[ -e "$dir" && ! -f "$dir/.bert-ds-installed" ]]; then
+            echo "run.sh: $dir exists and was not made by run.sh; move it away or set TRANSFORMERS4_DIR" >&2
+            exit 2
+        fi
+        log "installing transformers 4 for the suite (requirements-transformers4.txt) into $dir"
+        rm -rf "$dir"
+        "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --require-hashes --no-deps \
+            --target "$dir" -r requirements-transformers4.txt
+        echo "$want" > "$dir/.bert-ds-installed"
+    fi
+    export BERT_DS_TRANSFORMERS4=$dir
+}
+
 # The suite's torch-, transformers- and DeepSpeed-facing tests (marked lowest) in a side environment.
 test_side() {
     setup_side_env "$1"
@@ -335,6 +356,7 @@ case "$mode" in
     setup-newest) setup_side_env newest ;;
     test)
         setup_env
+        setup_transformers4
         export_accelerator
         python_ -m pytest -n "$(test_workers)" --dist worksteal "$@" ;;
     test-lowest) test_side lowest "$@" ;;

@@ -30,7 +30,9 @@ import torch  # noqa: E402
 
 from bert_ds.config import BatchPlan, DataConfig, OptimConfig, resolve_ds_config_path  # noqa: E402
 from bert_ds.loader.pretraining import PretrainingLoader, open_pretraining_data  # noqa: E402
-from bert_ds.model.bert import BertForPreTraining, model_preset, pretraining_inputs  # noqa: E402
+from bert_ds.model.build import build_model  # noqa: E402
+from bert_ds.model.families import model_preset  # noqa: E402
+from bert_ds.model.padding import pretraining_inputs  # noqa: E402
 from bert_ds.optim.builders import bind_to_engine, build_optimizer, build_schedule, param_groups  # noqa: E402
 from bert_ds.optim.flat import FlatLamb  # noqa: E402
 
@@ -74,7 +76,7 @@ def main() -> int:
 
     for name in args.configs.split(","):
         torch.manual_seed(0)
-        model = BertForPreTraining(cfg)
+        model = build_model(cfg)
         if name == "bare":
             opt = FlatLamb(param_groups(model, 0.01), lr=1e-4, kernels="torch")
 

@@ -1,9 +1,8 @@
 """Typed, validated training configuration.
 
 Design choices:
-- Three small dataclasses (data, optimizer, run) plus the model's own
-  :class:`bert_ds.model.bert.ModelConfig`; each validates itself in ``__post_init__`` and
-  raises :class:`ConfigError` naming the field, so a bad value stops the run before
+- Three small dataclasses (data, optimizer, run) plus the model family's config
+  (:mod:`bert_ds.model.families`); each validates itself in ``__post_init__`` and raises :class:`ConfigError` naming the field, so a bad value stops the run before
   any process group or file exists.
 - DeepSpeed JSON (``ds_configs/``) holds engine settings only: ZeRO stage,
   precision, communication. Batch sizes and clipping are training settings and are
@@ -24,7 +23,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from bert_ds.base.errors import ConfigError, require
-from bert_ds.model.config import AnyModelConfig, ModernBertConfig, model_config_from_dict
+from bert_ds.model.families import AnyModelConfig, family_of, model_config_from_dict
 
 # bert_ds/ds_configs: in a checkout the link to the top-level folder, in a wheel the folder itself
 DS_CONFIG_DIR = Path(__file__).resolve().parent / "ds_configs"
@@ -216,13 +215,7 @@ class TrainConfig:
         require(self.collective_timeout >= 1, "collective_timeout", f"must be >= 1 second, got {self.collective_timeout}")
         require(self.data.max_seq_length <= self.model.max_position_embeddings, "max_seq_length",
                f"{self.data.max_seq_length} exceeds the model's max_position_embeddings {self.model.max_position_embeddings}")
-        if isinstance(self.model, ModernBertConfig):
-            require(self.data.pair_task == "none", "pair_task",
-                    f"a ModernBERT-class model has no sentence-pair head; --pair-task must be none, got "
-                    f"{self.data.pair_task!r}")
-            require(self.model.local_attention <= self.data.max_seq_length, "model.local_attention",
-                    f"the local window ({self.model.local_attention} tokens) is longer than the sequences "
-                    f"({self.data.max_seq_length}): every layer would attend globally")
+        family_of(self.model).check_data(self.model, self.data)  # what the model's family cannot train on
         resolve_ds_config_path(self.ds_config)
 
     def to_dict(self) -> dict[str, Any]:

@@ -94,9 +94,12 @@ class Manifest:
     created_by: str = field(default_factory=created_by)
 
     def model_fields(self) -> dict[str, int]:
-        """What the data decides of a model trained on it: its vocabulary's size and the row of
-        its padding token (the embedding row that gets no gradient), the tokenizer's own."""
-        return {"vocab_size": self.vocab_size, "pad_token_id": self.special_tokens["pad"]}
+        """What the data decides of a model trained on it: its vocabulary's size and its special
+        tokens' ids, the tokenizer's own (the padding token's row is the embedding row that gets no
+        gradient), named as a model config names them."""
+        special = self.special_tokens
+        return {"vocab_size": self.vocab_size, "pad_token_id": special["pad"], "cls_token_id": special["cls"],
+                "sep_token_id": special["sep"], "mask_token_id": special["mask"]}
 
     def to_dict(self) -> dict:
         return {

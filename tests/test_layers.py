@@ -22,6 +22,12 @@ classes, under ``try``, and ``importlib.import_module("<literal>")``. The rules:
    ``bert_ds.kernels.speed``, not to the package); that Python runs a package's
    ``__init__`` before its modules is not counted as an edge.
 
+4. Model families: each is a folder under ``bert_ds/model/`` (a package holding
+   ``FAMILY``), and only its own modules and the one table, ``bert_ds.model.families``,
+   import from it; the rest of bert_ds asks the table. Nor does a module outside the family
+   folders compare something named ``arch`` with a family's name, or key a table by one
+   (``{"modernbert": ...}``, ``x["bert"]``): what differs by family is in its record.
+
 Every finding is one line: ``FILE:LINE: IMPORTER imports TARGET: RULE``.
 """
 
@@ -63,6 +69,7 @@ SAME_LAYER: dict[str, frozenset[str]] = {
 BARE_NAMES = ("kernels", "data_tools", "ds_configs")
 NO_CYCLES_IN = "bert_ds"  # every module, bert_ds.kernels included
 OTHER_TREES = ("tests", "examples", "benchmarks")  # checked for bare names only
+FAMILY_TABLE = "bert_ds.model.families"  # the one module outside the family folders that imports them
 
 
 @dataclass(frozen=True)
@@ -274,6 +281,66 @@ def _line(imp: Import, rule: str) -> str:
     return f"{imp.path}:{imp.line}: {imp.importer} imports {imp.target}{where}: {rule}"
 
 
+def family_folders(root: Path = REPO / "bert_ds" / "model") -> dict[str, str]:
+    """Each family folder's package by its arch: the packages under ``root`` whose ``__init__``
+    builds a ``FAMILY`` record, with the ``arch=`` it gives."""
+    found = {}
+    for init in sorted(root.glob("*/__init__.py")):
+        for node in ast.walk(ast.parse(init.read_text(encoding="utf-8"))):
+            if (isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "FAMILY" for t in node.targets)
+                    and isinstance(node.value, ast.Call)):
+                arch = next(k.value.value for k in node.value.keywords if k.arg == "arch")
+                found[arch] = f"bert_ds.model.{init.parent.name}"
+    return found
+
+
+def family_import_violations(imports: Iterable[Import], folders: Iterable[str]) -> list[str]:
+    """Imports of a family folder's modules from outside it (the table aside)."""
+    folders = tuple(folders)
+    problems = []
+    for imp in imports:
+        owner = next((f for f in folders if _within(imp.target, f)), None)
+        if owner is not None and not _within(imp.importer, owner) and imp.importer != FAMILY_TABLE:
+            problems.append(_line(imp, f"only {owner} itself and {FAMILY_TABLE} import a family's modules; "
+                                       "ask the family's record"))
+    return problems
+
+
+def family_name_violations(source: str, path: str, arches: Iterable[str]) -> list[str]:
+    """Where a module compares something named ``arch`` with a family's name, or keys a table or a
+    lookup by one: ``FILE:LINE: names the family NAME: RULE``."""
+    arches = set(arches)
+    found = []
+    for node in ast.walk(ast.parse(source, filename=path)):
+        named: list[str] = []
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+            names = [_constant(o) for o in operands if _constant(o) in arches]
+            if names and any(_mentions_arch(o) for o in operands):
+                named += names
+        elif isinstance(node, ast.Dict):
+            named += [_constant(k) for k in node.keys if _constant(k) in arches]
+        elif isinstance(node, ast.Subscript) and _constant(node.slice) in arches:
+            named.append(_constant(node.slice))
+        found += [f"{path}:{node.lineno}: names the family {name!r}: what differs by family is in its record "
+                  "(bert_ds.model.families)" for name in named]
+    return found
+
+
+def _constant(node: ast.AST | None) -> object:
+    return node.value if isinstance(node, ast.Constant) else None
+
+
+def _mentions_arch(node: ast.AST) -> bool:
+    """Whether an expression names an ``arch`` (a variable, attribute, key or function)."""
+    for part in ast.walk(node):
+        name = (part.id if isinstance(part, ast.Name) else part.attr if isinstance(part, ast.Attribute)
+                else part.value if isinstance(part, ast.Constant) and isinstance(part.value, str) else "")
+        if "arch" in name.lower():
+            return True
+    return False
+
+
 # --------------------------------------------------------------------------- the tests
 
 @pytest.fixture(scope="module")
@@ -326,6 +393,25 @@ def test_no_import_cycle(imports):
     assert not problems, _report(problems)
 
 
+def test_each_family_is_a_folder_the_rest_reaches_through_the_table(imports):
+    ours, _ = imports
+    folders = family_folders()
+    assert set(folders) >= {"bert", "modernbert"}, folders
+    problems = family_import_violations(ours, folders.values())
+    assert not problems, _report(problems)
+
+
+def test_no_module_outside_the_family_folders_names_a_family():
+    folders = family_folders()
+    problems = []
+    for module, path in module_files(REPO / "bert_ds", "bert_ds").items():
+        if module == FAMILY_TABLE or any(_within(module, f) for f in folders.values()):
+            continue
+        shown = str(path.resolve().relative_to(REPO))
+        problems += family_name_violations(path.read_text(encoding="utf-8"), shown, folders)
+    assert not problems, f"{len(problems)} place(s) name a model family:\n" + "\n".join(problems)
+
+
 # --------------------------------------------------------------------------- the checker itself
 
 KNOWN = {"bert_ds.kernels", "bert_ds.kernels.a", "bert_ds.kernels.b", "bert_ds.train", "bert_ds.train.main"}
@@ -372,3 +458,19 @@ def test_the_checker_catches_a_cycle_through_a_function_level_import_but_not_a_t
 def test_relative_imports_are_resolved():
     found = _planted("bert_ds.kernels.b", "from . import a\nfrom ..train import main\n")
     assert [imp.target for imp in found] == ["bert_ds.kernels.a", "bert_ds.train.main"]
+
+
+def test_the_checker_catches_a_family_import_and_a_family_named_outside_its_folder():
+    folders = ("bert_ds.model.bert", "bert_ds.model.modernbert")
+    planted = _planted("bert_ds.train.cli", "from bert_ds.model.modernbert.config import ModernBertConfig\n")
+    assert len(family_import_violations(planted, folders)) == 1
+    inside = _planted("bert_ds.model.modernbert.hf", "from bert_ds.model.modernbert.config import ModernBertConfig\n")
+    table = _planted(FAMILY_TABLE, "from bert_ds.model import modernbert\n")
+    assert family_import_violations(inside + table, folders) == []
+    source = ('if cfg.arch == "modernbert":\n    pass\n'
+              'x = {"bert": 1}\n'
+              'y = DEFAULTS["modernbert"]\n'
+              'if preset_arch(p) != "bert":\n    pass\n'
+              'if cfg.schedule == "bert":\n    pass\n')  # a schedule of that name is no family
+    lines = [p.split(":")[1] for p in family_name_violations(source, "x.py", ("bert", "modernbert"))]
+    assert lines == ["1", "3", "4", "5"]

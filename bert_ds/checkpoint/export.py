@@ -13,7 +13,7 @@ Design choices, and why:
 - Our parameter names are Hugging Face's, so the export copies tensors; the only
   difference is that the tied aliases (BERT's ``cls.predictions.decoder.{weight,bias}``,
   ModernBERT's ``decoder.weight``) are left out of the file, as ``save_pretrained`` does,
-  and re-tied on load. What differs between the families is in :mod:`.hf_families`.
+  and re-tied on load. What differs between the families is in each family's record (its ``hf``).
 - Nothing appears at OUT_DIR unless it round-trips: the export is written to
   ``OUT_DIR.tmp-XXXX``, loaded back with transformers' class ``from_pretrained``,
   its logits compared with our model's on a fixed input (max abs diff <= 1e-4,
@@ -42,19 +42,23 @@ from typing import TYPE_CHECKING
 from bert_ds.base.atomic import as_umask_allows, fsync_path
 from bert_ds.base.errors import UserError, describe, guarded
 from bert_ds.base.interrupts import deferred_interrupt, import_whole
-from bert_ds.checkpoint.hf_families import HfFamily, family_of, family_of_hf
 from bert_ds.checkpoint.hf_load import load_quietly
-from bert_ds.model.config import AnyModelConfig, model_config_from_dict
+from bert_ds.model.config import SPECIAL_TOKEN_IDS
+from bert_ds.model.families import AnyModelConfig, family_of, family_of_hf, model_config_from_dict
+from bert_ds.model.hf import HfFamily
 
 if TYPE_CHECKING:
     import torch
 
 # The largest logit difference, fp32, between our model and the export, over the logits' scale (at least
-# 1: hf_families.relative_gap). At random init it measured 2.2e-6 for BERT-Base, 1.1e-6 for
+# 1: bert_ds.model.hf.relative_gap). At random init it measured 2.2e-6 for BERT-Base, 1.1e-6 for
 # ModernBERT-base, 2e-7 for the tiny presets (2-core AMD EPYC, 2026-12-06; the same with
 # MKL_ENABLE_INSTRUCTIONS=AVX2 and SSE4_2).
 ROUND_TRIP_TOLERANCE = 1e-5
 _EXPORT_FILES = ("config.json", "model.safetensors")  # what marks a folder as an earlier export
+# transformers 5's name of a tokenizer that is its tokenizer.json alone: transformers 4 refuses a folder
+# naming it ("does not exist"), while both load that file as PreTrainedTokenizerFast.
+_TRANSFORMERS5_TOKENIZER_CLASSES = ("TokenizersBackend",)
 
 
 class ExportError(UserError):
@@ -63,14 +67,14 @@ class ExportError(UserError):
 
 def to_hf_config(config: AnyModelConfig):
     """transformers' config of ``config``'s family (a pre-LN BERT raises :class:`ConfigError`)."""
-    return family_of(config).hf_config(config)
+    return family_of(config).hf.hf_config(config)
 
 
 def from_hf_config(values: Mapping[str, object], where: Path) -> dict[str, object]:
     """The fields of our model config (its ``arch`` among them) a Hugging Face ``config.json``
     states; a :class:`ConfigError` for another model type, or an option our model of that family
     does not compute the same way."""
-    return family_of_hf(values, where).from_hf(values, where)
+    return family_of_hf(values, where).hf.from_hf(values, where)
 
 
 def export_hf(state_dict: Mapping[str, torch.Tensor], config: AnyModelConfig,
@@ -87,7 +91,7 @@ def export_hf(state_dict: Mapping[str, torch.Tensor], config: AnyModelConfig,
     from bert_ds.checkpoint import store as checkpoint
 
     hf_config = to_hf_config(config)
-    family = family_of(config)
+    family = family_of(config).hf
     out_dir = Path(os.path.abspath(out_dir))
     _check_replaceable(out_dir)
     full_state = _with_tied_aliases(state_dict, family)
@@ -99,8 +103,7 @@ def export_hf(state_dict: Mapping[str, torch.Tensor], config: AnyModelConfig,
         raise ExportError(f"cannot write {out_dir}: {describe(err)}") from None
     try:
         as_umask_allows(tmp)
-        if tokenizer_dir is not None:
-            _take_token_ids(hf_config, family, Path(tokenizer_dir))
+        _take_token_ids(hf_config, config, family, None if tokenizer_dir is None else Path(tokenizer_dir))
         hf_config.save_pretrained(tmp)
         tensors = {name: tensor.detach().to(device="cpu", dtype=torch.float32).contiguous()
                    for name, tensor in full_state.items() if name not in family.tied_aliases}
@@ -169,24 +172,34 @@ def _with_tied_aliases(state_dict: Mapping[str, torch.Tensor], family: HfFamily)
     return full
 
 
-def _take_token_ids(hf_config, family: HfFamily, tokenizer_dir: Path) -> None:
-    """The special tokens' ids the family's config states (the pad; ModernBERT's cls, sep, bos, eos),
-    the tokenizer's: transformers' defaults are ModernBERT's own vocabulary's ids, and a run saved
-    before the pad was taken from the tokenizer may hold 0 for it."""
-    if not family.token_ids or not tokenizer_dir.is_dir():
-        return
-    import transformers
+def _take_token_ids(hf_config, config: AnyModelConfig, family: HfFamily, tokenizer_dir: Path | None) -> None:
+    """The special tokens' ids of the export's config (the pad; ModernBERT's cls, sep, bos, eos): the
+    model's, which its run took from its data's manifest, and which must be its tokenizer files'
+    (an :class:`ExportError` naming the first that is not). A run saved before they were kept
+    (cls, sep, mask None; pad 0 from before the pad was taken) takes the tokenizer's.
+    transformers' own defaults would be ModernBERT's vocabulary's ids."""
+    tokenizer = None
+    if tokenizer_dir is not None and tokenizer_dir.is_dir():
+        import transformers
 
-    tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
-    for name, token_attribute in family.token_ids.items():
-        value = getattr(tokenizer, token_attribute, None)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    theirs = {name: getattr(tokenizer, name, None) for name in SPECIAL_TOKEN_IDS} if tokenizer else {}
+    ours = {name: getattr(config, name) for name in SPECIAL_TOKEN_IDS}
+    for name in SPECIAL_TOKEN_IDS[1:]:  # the pad is checked where the model was trained with the tokenizer's
+        if ours[name] is not None and theirs.get(name) is not None and ours[name] != theirs[name]:
+            raise ExportError(f"the model was trained with {name} {ours[name]}, but the tokenizer files in "
+                              f"{tokenizer_dir} give {theirs[name]}: they are another tokenizer's")
+    for hf_name, name in family.token_ids.items():
+        # the pad: the tokenizer's first (a run saved before it was taken holds 0); the others: the model's
+        first, second = (theirs, ours) if name == "pad_token_id" else (ours, theirs)
+        value = first.get(name) if first.get(name) is not None else second.get(name)
         if value is not None:
-            setattr(hf_config, name, value)
+            setattr(hf_config, hf_name, value)
 
 
 def _check_keys(state_dict: Mapping[str, torch.Tensor], config: AnyModelConfig) -> None:
     """The names and shapes must be those of our model for ``config``."""
-    from bert_ds.model.families import meta_model
+    from bert_ds.model.build import meta_model
 
     expected = meta_model(dataclasses.replace(config, kernels="torch")).state_dict()
     missing = sorted(set(expected) - set(state_dict))
@@ -201,9 +214,9 @@ def _check_keys(state_dict: Mapping[str, torch.Tensor], config: AnyModelConfig) 
 
 
 def _copy_tokenizer(tokenizer_dir: Path, dest: Path, max_length: int) -> None:
-    """The tokenizer files, its config saying how long an input the model takes: transformers
+    """The tokenizer files, its config saying how long an input the model takes (transformers
     otherwise writes model_max_length 1e30, and ``tok(text, truncation=True)`` would hand
-    the model more positions than it has."""
+    the model more positions than it has) and naming a class transformers 4 and 5 both load."""
     if not tokenizer_dir.is_dir():
         raise ExportError(f"tokenizer folder {tokenizer_dir} does not exist")
     files = [path for path in sorted(tokenizer_dir.iterdir()) if path.is_file()]
@@ -219,6 +232,8 @@ def _copy_tokenizer(tokenizer_dir: Path, dest: Path, max_length: int) -> None:
     except ValueError as err:
         raise ExportError(f"{tokenizer_dir / config.name}: not valid JSON ({err})") from None
     settings["model_max_length"] = max_length
+    if settings.get("tokenizer_class") in _TRANSFORMERS5_TOKENIZER_CLASSES and (dest / "tokenizer.json").is_file():
+        settings["tokenizer_class"] = "PreTrainedTokenizerFast"  # the same tokenizer.json, a name 4 and 5 both load
     config.write_text(json.dumps(settings, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
@@ -227,7 +242,7 @@ def _check_round_trip(state_dict: Mapping[str, torch.Tensor], config: AnyModelCo
     """Loads the export with transformers and compares its logits with our model's."""
     import transformers
 
-    from bert_ds.model.families import build_model
+    from bert_ds.model.build import build_model
 
     ours = build_model(dataclasses.replace(config, kernels="torch", activation_checkpointing=False,
                                            compile_layers=False))

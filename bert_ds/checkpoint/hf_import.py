@@ -25,7 +25,7 @@ Design choices, and why:
 - **The family comes from the source too** (``model_type``, or a checkpoint's ``arch``): a
   BERT folder never starts a ModernBERT run or the reverse, and a ``--preset`` of the other
   family is refused. What differs between the families (names, tied aliases, heads) is in
-  :mod:`.hf_families`.
+  each family's record (:mod:`bert_ds.model.families`).
 - **Names as transformers accepts them.** Our parameter names are Hugging Face's, so a
   ``BertForPreTraining`` or ``ModernBertForMaskedLM`` state dict loads as it is. A base model
   (``BertModel``, ``ModernBertModel``) saves without its ``bert.``/``model.`` prefix; old BERT
@@ -55,8 +55,9 @@ import torch
 
 from bert_ds.checkpoint import store as checkpoint
 from bert_ds.checkpoint.export import from_hf_config
-from bert_ds.checkpoint.hf_families import FAMILIES, HfFamily
-from bert_ds.model.config import PRESETS, AnyModelConfig, model_config_from_dict, preset_arch
+from bert_ds.model.families import (DEFAULT_ARCH, PRESETS, AnyModelConfig, family, family_of, family_of_preset,
+                                    model_config_from_dict)
+from bert_ds.model.hf import HfFamily
 from bert_ds.checkpoint.resume import FIELDS, REFUSED
 from bert_ds.base.errors import UserError, describe
 from bert_ds.data_tools.fast_tokenizer import load_fast_tokenizer
@@ -115,7 +116,7 @@ def open_source(path: Path) -> InitSource:
         model = json.loads(saved.read_text())
     except (OSError, ValueError) as e:
         raise InitFromError(f"{saved}: unreadable ({e})") from None
-    return InitSource(path, weights, _architecture({"arch": "bert", **model}), saved,
+    return InitSource(path, weights, _architecture({"arch": DEFAULT_ARCH, **model}), saved,
                       tokenizer if tokenizer.is_dir() else None)
 
 
@@ -158,7 +159,7 @@ def model_config(source: InitSource, preset: str | None, given: dict[str, Any]) 
     ModernBERT pads its 50,283 ids to 50,368 rows, which no id reaches)."""
     arch = source.model
     if arch.get("vocab_size", 0) < given["vocab_size"]:
-        flag = "--tokenizer" if arch.get("arch") == "modernbert" else "--vocab"
+        flag = family(arch["arch"]).vocab_flag
         raise InitFromError(f"{source.origin}: the model has {arch.get('vocab_size')} token embeddings but the "
                             f"shards' tokenizer {given['vocab_size']} tokens; build the shards with the model's "
                             f"tokenizer (python -m bert_ds.data_tools build {flag} "
@@ -167,8 +168,8 @@ def model_config(source: InitSource, preset: str | None, given: dict[str, Any]) 
     if preset is not None:
         if preset not in PRESETS:
             raise InitFromError(f"unknown model preset {preset!r}; choose one of {', '.join(PRESETS)}")
-        if preset_arch(preset) != arch["arch"]:
-            raise InitFromError(f"--preset {preset} is a {preset_arch(preset)} model, but {source.described_by} "
+        if family_of_preset(preset).arch != arch["arch"]:
+            raise InitFromError(f"--preset {preset} is a {family_of_preset(preset).arch} model, but {source.described_by} "
                                 f"holds a {arch['arch']} model; leave --preset out to take the source's")
         differ = [f"{name} {value} vs {arch.get(name)}" for name, value in PRESETS[preset].items()
                   if name != "arch" and arch.get(name) != value]
@@ -262,28 +263,28 @@ def read_state(file: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def our_name(name: str, family: HfFamily) -> str:
-    """A source parameter name as our model of ``family`` (= transformers' class) names it."""
-    for legacy, current in family.legacy_suffixes.items():
+def our_name(name: str, hf: HfFamily) -> str:
+    """A source parameter name as our model of the family whose side of transformers ``hf`` is names it."""
+    for legacy, current in hf.legacy_suffixes.items():
         if name.endswith(legacy):
             name = name[: -len(legacy)] + current
-    return name if name.startswith(family.top_prefixes) else f"{family.base_prefix}{name}"
+    return name if name.startswith(hf.top_prefixes) else f"{hf.base_prefix}{name}"
 
 
 def match(state: dict[str, torch.Tensor], params: list[str], source: Path,
-          family: HfFamily) -> tuple[dict[str, torch.Tensor], list[str]]:
+          hf: HfFamily) -> tuple[dict[str, torch.Tensor], list[str]]:
     """(weights under our names, the parameters the source lacks, which start fresh); raises
     naming a source tensor left unmatched or an encoder weight missing."""
     renamed: dict[str, torch.Tensor] = {}
     origin: dict[str, str] = {}
     for name, tensor in state.items():
-        ours = our_name(name, family)
-        if ours in family.buffers:
+        ours = our_name(name, hf)
+        if ours in hf.buffers:
             continue
         if ours in renamed:
             raise InitFromError(f"{source}: {origin[ours]} and {name} are both {ours}")
         renamed[ours], origin[ours] = tensor, name
-    for alias, target in family.tied_aliases.items():
+    for alias, target in hf.tied_aliases.items():
         if alias not in renamed:
             continue
         tied = renamed.pop(alias)
@@ -294,10 +295,10 @@ def match(state: dict[str, torch.Tensor], params: list[str], source: Path,
     wanted = set(params)
     unmatched = [origin[name] for name in renamed if name not in wanted]
     if unmatched:
-        raise InitFromError(f"{source}: {len(unmatched)} tensor(s) match no parameter of {family.transformers_class}: "
+        raise InitFromError(f"{source}: {len(unmatched)} tensor(s) match no parameter of {hf.transformers_class}: "
                             f"{', '.join(unmatched[:5])}")
     absent = [name for name in params if name not in renamed]
-    missing = [name for name in absent if not name.startswith(family.fresh_prefixes)]
+    missing = [name for name in absent if not name.startswith(hf.fresh_prefixes)]
     if missing:
         raise InitFromError(f"{source}: lacks {len(missing)} encoder weight(s): {', '.join(missing[:5])}")
     return renamed, absent
@@ -319,12 +320,12 @@ def init_weights(engine, path: Path) -> list[str]:
     """Give the engine's model (fp32 master copy included) the source's weights; the optimizer and
     schedule stay fresh. Returns the lines to log."""
     source = open_source(Path(path))
-    family = FAMILIES[engine.module.config.arch]
-    if source.model is not None and source.model["arch"] != family.arch:
-        raise InitFromError(f"{source.origin}: a {source.model['arch']} model, but this run trains a {family.arch} "
+    run_family = family_of(engine.module.config)
+    if source.model is not None and source.model["arch"] != run_family.arch:
+        raise InitFromError(f"{source.origin}: a {source.model['arch']} model, but this run trains a {run_family.arch} "
                             "model")
     params = [name for name, _ in engine.module.named_parameters()]
-    weights, fresh = match(read_state(source.weights), params, source.weights, family)
+    weights, fresh = match(read_state(source.weights), params, source.weights, run_family.hf)
     try:
         checkpoint.install_weights(engine, weights, source=source.weights, fresh=frozenset(fresh))
     except checkpoint.CheckpointError as e:

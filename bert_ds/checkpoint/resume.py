@@ -23,6 +23,7 @@ Design choices:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -32,6 +33,7 @@ from typing import Any, Literal
 from bert_ds.checkpoint import store as checkpoint
 from bert_ds.config import TrainConfig
 from bert_ds.base.errors import ConfigError
+from bert_ds.model.families import FAMILIES
 
 LOG_NAME = "resume_log.jsonl"
 FieldClass = Literal["refused", "recorded", "ignored"]
@@ -41,7 +43,8 @@ IGNORED: FieldClass = "ignored"
 
 # Every TrainConfig field and why it is in its class.
 FIELDS: dict[str, FieldClass] = {
-    # The weights' shapes and the function they compute (of either model family).
+    # The weights' shapes and the function they compute, as every family's config names them; each
+    # family's own fields are added below from its record (resume_refused; the rest are recorded).
     "model.arch": REFUSED,  # a checkpoint of one family never resumes as the other
     "model.vocab_size": REFUSED,
     "model.hidden_size": REFUSED,
@@ -49,24 +52,11 @@ FIELDS: dict[str, FieldClass] = {
     "model.num_heads": REFUSED,
     "model.intermediate_size": REFUSED,
     "model.max_position_embeddings": REFUSED,
-    "model.type_vocab_size": REFUSED,
-    "model.hidden_act": REFUSED,
-    "model.layer_norm_eps": REFUSED,
-    "model.pre_layernorm": REFUSED,
     "model.pad_token_id": REFUSED,
-    "model.global_attn_every_n_layers": REFUSED,
-    "model.local_attention": REFUSED,
-    # A context extension raises the global layers' theta in a new phase (its own folder), not by resuming
-    "model.global_rope_theta": REFUSED,
-    "model.local_rope_theta": REFUSED,
-    "model.hidden_activation": REFUSED,
-    "model.norm_eps": REFUSED,
-    # Regularisation, initialisation and how the same function is computed: safe.
-    "model.embedding_dropout": RECORDED,
-    "model.mlp_dropout": RECORDED,
-    "model.initializer_cutoff_factor": RECORDED,  # used only by a fresh start
-    "model.hidden_dropout": RECORDED,
-    "model.attention_dropout": RECORDED,
+    "model.cls_token_id": REFUSED,  # the tokenizer's ids: another tokenizer is another model
+    "model.sep_token_id": REFUSED,
+    "model.mask_token_id": REFUSED,
+    # Initialisation and how the same function is computed: safe.
     "model.initializer_range": RECORDED,  # used only by a fresh start
     "model.kernels": RECORDED,
     "model.activation_checkpointing": RECORDED,
@@ -126,6 +116,11 @@ FIELDS: dict[str, FieldClass] = {
     "progress": RECORDED,
     "world_size": RECORDED,  # not a config field (train_state.json has it); see R8 for what a change costs
 }
+# Each family's own model fields: refused where its record says a resume may not change them
+# (shapes, the function computed), else recorded (its dropouts, its initialisation's details).
+for _family in FAMILIES.values():
+    for _name in (f.name for f in dataclasses.fields(_family.config_class)):
+        FIELDS.setdefault(f"model.{_name}", REFUSED if _name in _family.resume_refused else RECORDED)
 WORLD_SIZE = "world_size"
 
 

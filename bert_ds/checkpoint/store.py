@@ -6,7 +6,7 @@ Layout of ``OUTPUT/checkpoints/``::
         ds/state/...          DeepSpeed engine, optimizer and scheduler state (every rank)
         model.safetensors     full fp32 weights (master copy), Hugging Face parameter names
         optimizer.safetensors full (unpartitioned) optimizer state per parameter, LR schedule
-        model_config.json     bert_ds.model.bert.ModelConfig
+        model_config.json     the model family's config (with its arch)
         train_config.json     the TrainConfig of the run
         train_state.json      step, data cursor, tokens seen, skipped steps
         rng/rank_00000.pt     Python, NumPy and torch generator states of each rank

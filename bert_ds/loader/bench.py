@@ -1,30 +1,50 @@
-"""``python -m bert_ds.loader.bench``: opening a dataset and drawing from it, beside the goals.
+"""``python -m bert_ds.loader.bench``: opening a dataset and drawing from it, beside the goals, and
+how fast one loader process feeds a GPU with a model family's own samples.
+
+``--preset NAME`` (default ``base``) picks the model family whose data is drawn, as the trainer
+draws it for that preset (its record's ``data_defaults``): BERT's sentence pairs with
+NSP and 15% masking in micro-batches of 32 samples; ModernBERT's whole documents (``[CLS] document
+[SEP]``, a longer one cut into consecutive pieces) with no pair task and 30% masking, in token-budget
+micro-batches of up to 32 x the sequence length tokens. ``--seq-len N [N ...]`` sets the lengths
+measured (default: BERT 128; ModernBERT 1,024 and 8,192, those the preset's positions allow); the
+measurements 1-4 below run at the first.
 
 ``--scale TOKENS [TOKENS ...]`` writes a synthetic dataset of each size
 (:func:`bert_ds.data_tools.bench.write_synthetic`: sentences U[8,48] tokens, documents
-U[5,60] sentences) into a temporary folder (``--keep DIR`` keeps it there, in
-``DIR/tokens-N`` per size, and reuses it on the next run) and measures each in turn; with
-several sizes it then prints how the drawing process's memory grows per further billion
-tokens (goal: at most +50 MB). ``--data DIR`` measures an existing dataset instead. Sequence length 128,
-NSP and masking. Every measurement runs in a fresh spawned process that imports torch
-and the loader before its timer starts, one at a time:
+U[5,60] sentences, so at most 2,880 tokens a document) into a temporary folder (``--keep DIR``
+keeps it there, in ``DIR/tokens-N`` per size, and reuses it on the next run) and measures each in
+turn; with several sizes it then prints how the drawing process's memory grows per further billion
+tokens (goal: at most +50 MB). ``--data DIR`` measures an existing dataset instead. Every
+measurement runs in a fresh spawned process that imports torch and the loader before its timer
+starts, one at a time:
 
-1. Cold open: ``PretrainingDataset(...)`` with nothing cached (the sample map and the
-   sentence index are built and written); its time and the peak RSS of the opening
-   process (torch included, ~300 MB). Goal at 1B tokens: <= 8 s and <= 1.0 GB.
+1. Cold open: the dataset opened as the trainer opens it (``open_pretraining_data``) with nothing
+   cached (the sample map, and for sentences the sentence index, are built and written); its time
+   and the peak RSS of the opening process (torch included, ~300 MB). Goal at 1B tokens: <= 8 s
+   and <= 1.0 GB.
 2. Two cold opens at once (two processes started together on an empty cache): the slower
    one's open time over figure 1's (goal <= 1.3x); the number of map builds is printed
    (one: the second process waits for the first and maps its file).
 3. Cached open, then loader samples/s in one process (``dataset[i]`` for consecutive
-   positions for ``--loader-seconds``; goal >= 20,000 per core), then micro-batches of 32
-   through :class:`PretrainingLoader` for ``--draw-seconds``; the process's RSS after
-   that (goal at 1B tokens: <= 600 MB, and at most +50 MB per further billion tokens),
+   positions for ``--loader-seconds``; goal for BERT's samples at seq 128: >= 20,000 per core),
+   then micro-batches through :class:`PretrainingLoader` for ``--draw-seconds``; the process's
+   RSS after that (goal at 1B tokens: <= 600 MB, and at most +50 MB per further billion tokens),
    and its private (anonymous) part; the peak RSS of the cached open is printed below the
    table. The rest is file-backed: shared libraries, page cache shared by every process
    that maps them. The sample map, the sentence index and the token ids are read with
    ``pread`` (``FileArray``): no page of the dataset is mapped into the process, so the
    figure does not grow with the corpus.
 4. Bytes per sample of the sample map on disk.
+5. Per sequence length, in the same process after measurement 3 (each further length's map built
+   before its timer starts): the real (non-pad) tokens per second that this one process draws
+   through :class:`PretrainingLoader` for ``--draw-seconds``, whole micro-batches collated, beside
+   what one GPU consumes at the goal MFU (:data:`bert_ds.model.flops.GOAL_MFU`, 50%): an H100's
+   datasheet bf16 peak over the training FLOPs per token of the preset's model at full-length
+   sequences of that length with the family's mask rate (:func:`bert_ds.model.flops.training_flops`,
+   local layers counted by their window), and so the loader processes one GPU needs (rounded up).
+   The model takes the dataset's vocabulary, as a training run does. The share of drawn samples
+   that fill the length is printed beside it: a dataset whose documents are shorter than the length
+   (the synthetic one at 8,192) draws none, and its figures are those of shorter samples.
 
 The load average before and after is printed: the figures depend on what else runs.
 """
@@ -33,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import multiprocessing
 import os
 import resource
@@ -45,11 +66,27 @@ from pathlib import Path
 
 from bert_ds.base.atomic import atomic_write
 from bert_ds.base.errors import UserError, guarded
+from bert_ds.model.families import AnyModelConfig, family_of, family_of_preset, model_preset
+from bert_ds.model.flops import DATASHEET_BF16_TFLOPS, GOAL_MFU, training_flops
 
 MB = 1e6
-SEQ = 128
-MICRO_BATCH = 32
+GOALS_SEQ = 128  # the sequence length of BERT's samples that the samples/s goal is stated at
+MICRO_BATCH = 32  # samples per micro-batch; under a token budget, MICRO_BATCH x the length in tokens
+DEFAULT_PRESET = "base"  # BERT-Base: the sentence pairs this bench measured before it knew families
+GPU = "H100"  # whose datasheet bf16 peak sizes one GPU's demand
 _SUFFIX = {"k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9}
+
+
+def _data_settings(preset: str) -> dict:
+    """What this bench takes of ``preset``'s model family (its record): ``data``, the DataConfig
+    fields the trainer gives the family (pair_task, layout, token_budget, mask_rate);
+    ``seq_lens``, the lengths measured without --seq-len (its recipe's, as the training bench
+    takes them on a GPU: BERT's 128 and 512, ModernBERT's 1,024 and 8,192).
+
+    A ConfigError for a preset no family has."""
+    family = family_of_preset(preset)
+    return {"arch": family.arch, "data": dict(family.data_defaults),
+            "seq_lens": [int(x) for x in family.bench.seq_lens["cuda"].split(",")]}
 
 
 # -- measurements, each in its own spawned process -------------------------------------------------
@@ -64,11 +101,13 @@ def _status_rss() -> dict[str, float]:
     return out
 
 
-def _open(path: str):
+def _open(path: str, data: dict, seq_len: int):
+    """The training stream as the trainer opens it for a family's ``data`` settings at ``seq_len``."""
     from bert_ds.config import DataConfig
-    from bert_ds.loader.pretraining import PretrainingDataset
+    from bert_ds.loader.pretraining import open_pretraining_data
 
-    return PretrainingDataset(path, DataConfig(train=path, max_seq_length=SEQ), seed=0)
+    stream, _ = open_pretraining_data(DataConfig(train=path, max_seq_length=seq_len, **data), seed=0)
+    return stream
 
 
 def _count_builds():
@@ -84,7 +123,7 @@ def _count_builds():
     return builds
 
 
-def _cold_child(conn, path: str, together) -> None:
+def _cold_child(conn, path: str, data: dict, seq_len: int, together) -> None:
     import torch  # noqa: F401 -- imported before the timer: a fixed cost, not the open's
 
     import bert_ds.loader.pretraining  # noqa: F401
@@ -94,21 +133,46 @@ def _cold_child(conn, path: str, together) -> None:
     if together is not None:
         together.wait()  # every opener has its imports done: the opens start at once
     t0 = time.perf_counter()
-    ds = _open(path)
+    ds = _open(path, data, seq_len)
     seconds = time.perf_counter() - t0
     conn.send({"seconds": seconds, "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                "rss_before_open": before, "builds": len(builds), "samples": len(ds)})
 
 
-def _cached_child(conn, path: str, loader_seconds: float, draw_seconds: float) -> None:
-    import torch  # noqa: F401
-
+def _draw(ds, seq_len: int, seconds: float) -> dict:
+    """Micro-batches of ``ds`` through the trainer's loader (in this process) for ``seconds``; what
+    they held, the real (non-pad) tokens apart from the padded slots."""
     from bert_ds.config import BatchPlan
     from bert_ds.loader.pretraining import PretrainingLoader
+    from bert_ds.model.padding import IGNORE_INDEX
+
+    loader = PretrainingLoader(ds, BatchPlan.resolve(MICRO_BATCH, MICRO_BATCH, 1), rank=0)
+    n = {"micro_batches": 0, "samples": 0, "real_tokens": 0, "padded_slots": 0, "masked_tokens": 0,
+         "full_length": 0, "longest": 0}
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        for batch in loader.next_step():
+            lengths = batch["attention_mask"].sum(dim=1)
+            n["micro_batches"] += 1
+            n["samples"] += len(lengths)
+            n["real_tokens"] += int(lengths.sum())
+            n["padded_slots"] += batch["attention_mask"].numel()
+            n["masked_tokens"] += int((batch["labels"] != IGNORE_INDEX).sum())
+            n["full_length"] += int((lengths == seq_len).sum())
+            n["longest"] = max(n["longest"], int(lengths.max()))
+    elapsed = time.perf_counter() - t0
+    return {"seq_len": seq_len, **n, "seconds": elapsed, "real_tokens_per_s": n["real_tokens"] / elapsed}
+
+
+def _cached_child(conn, path: str, data: dict, seq_lens: list[int], loader_seconds: float,
+                  draw_seconds: float) -> None:
+    import torch  # noqa: F401
+
+    import bert_ds.loader.pretraining  # noqa: F401
 
     builds = _count_builds()
     t0 = time.perf_counter()
-    ds = _open(path)
+    ds = _open(path, data, seq_lens[0])
     seconds = time.perf_counter() - t0
     after_open = _status_rss()
     n, t0 = 0, time.perf_counter()
@@ -116,16 +180,14 @@ def _cached_child(conn, path: str, loader_seconds: float, draw_seconds: float) -
         for i in range(n, n + 64):
             ds[i]
         n += 64
-    loader = PretrainingLoader(ds, BatchPlan.resolve(MICRO_BATCH, MICRO_BATCH, 1), rank=0)
-    drawn, t1 = 0, time.perf_counter()
-    while time.perf_counter() - t1 < draw_seconds:
-        loader.next_step()
-        drawn += MICRO_BATCH
-    conn.send({"seconds": seconds, "builds": len(builds), "rss_after_open": after_open,
-               "rss_after_draws": _status_rss(), "samples_per_s": n / elapsed, "sample_seconds": elapsed,
-               "drawn": drawn,
-               "draw_seconds": time.perf_counter() - t1, "map_file": str(ds._map.path), "map_header": ds._map.offset,
-               "samples": len(ds)})
+    draws = [_draw(ds, seq_lens[0], draw_seconds)]
+    result = {"seconds": seconds, "builds": len(builds), "rss_after_open": after_open,
+              "rss_after_draws": _status_rss(), "samples_per_s": n / elapsed, "sample_seconds": elapsed,
+              "drawn": draws[0]["samples"], "draw_seconds": draws[0]["seconds"], "map_file": str(ds._map.path),
+              "map_header": ds._map.offset, "samples": len(ds)}
+    for seq_len in seq_lens[1:]:  # its map is built here, before its draws are timed
+        draws.append(_draw(_open(path, data, seq_len), seq_len, draw_seconds))
+    conn.send({**result, "draws": draws})
 
 
 _CTX = multiprocessing.get_context("spawn")
@@ -152,10 +214,48 @@ def _result(proc, recv) -> dict:
 
 
 def _drop_cache(path: Path) -> None:
-    """Remove the dataset's cached sample maps and sentence index: the next open is cold."""
-    for pattern in ("samples-*", "sentences-*", "documents-*"):
+    """Remove the dataset's cached maps (sentences: samples-*; documents: pieces-*) and sentence
+    index (sentences-*, documents-*): the next open is cold."""
+    for pattern in ("samples-*", "pieces-*", "sentences-*", "documents-*"):
         for f in (path / ".cache").glob(pattern):
             f.unlink()
+
+
+# -- what one GPU consumes -------------------------------------------------------------------------
+
+def goal_gpu() -> dict:
+    """The GPU whose demand is printed: :data:`GPU`, its datasheet bf16 peak and the project's goal
+    MFU (:data:`bert_ds.model.flops.GOAL_MFU`)."""
+    return {"name": GPU, "bf16_peak_tflops": DATASHEET_BF16_TFLOPS[GPU], "mfu_goal": GOAL_MFU}
+
+
+def gpu_demand(model: AnyModelConfig, seq_len: int, mask_rate: float, local_window: int, gpu: dict) -> dict:
+    """The real tokens per second one ``gpu`` (:func:`goal_gpu`) trains on at its goal MFU:
+    goal x datasheet peak / the training FLOPs per token of ``model`` on full-length sequences of
+    ``seq_len`` tokens, ``mask_rate`` of them masked; ``local_window``: the local layers' (0: none)."""
+    pairs = 0
+    if local_window:
+        import torch
+
+        from bert_ds.kernels.local_attention import local_pairs
+
+        pairs = int(local_pairs(torch.tensor([seq_len]), local_window).sum())
+    per_token = training_flops(model, seq_len, seq_len * seq_len, mask_rate * seq_len, pairs) / seq_len
+    return {"flops_per_token": per_token,
+            "tokens_per_s": gpu["mfu_goal"] * gpu["bf16_peak_tflops"] * 1e12 / per_token}
+
+
+def per_length(draws: list[dict], model: AnyModelConfig, mask_rate: float, local_window: int,
+               gpu: dict) -> list[dict]:
+    """Measurement 5's rows: each length's draws beside one GPU's demand (:func:`gpu_demand`) and the
+    loader processes that demand needs, rounded up."""
+    rows = []
+    for draw in draws:
+        demand = gpu_demand(model, draw["seq_len"], mask_rate, local_window, gpu)
+        rows.append({**draw, "gpu_flops_per_token": demand["flops_per_token"],
+                     "gpu_tokens_per_s": demand["tokens_per_s"],
+                     "loader_processes_per_gpu": math.ceil(demand["tokens_per_s"] / draw["real_tokens_per_s"])})
+    return rows
 
 
 # -- the run ---------------------------------------------------------------------------------------
@@ -192,37 +292,52 @@ def _synthetic(folder: Path, scale: int, log) -> dict:
 
 
 def run(data: str | None, scale: int | None, keep: str | None, loader_seconds: float, draw_seconds: float,
-        log=lambda msg: print(msg, file=sys.stderr, flush=True)) -> dict:
-    """Every measurement; the dict that --json writes."""
+        preset: str, seq_lens: list[int], log=lambda msg: print(msg, file=sys.stderr, flush=True)) -> dict:
+    """Every measurement of ``preset``'s family's data, 1-4 at ``seq_lens[0]``, 5 at each of
+    ``seq_lens``; the dict that --json writes."""
+    family = _data_settings(preset)
+    settings = family["data"]
     load_before = os.getloadavg()
     with _dataset(data, scale, keep, log) as (path, totals):
         from bert_ds.data_tools.manifest import Manifest
 
-        totals = totals or dict(Manifest.load(path).totals)
-        log("bench: 1. cold open")
+        manifest = Manifest.load(path)
+        totals = totals or dict(manifest.totals)
+        seq = seq_lens[0]
+        log(f"bench: 1. cold open at seq {seq}")
         _drop_cache(path)
-        one = _result(*_spawn(_cold_child, str(path), None))
+        one = _result(*_spawn(_cold_child, str(path), settings, seq, None))
         if one["builds"] != 1:
             raise UserError(f"{path}: the cold open found a cached sample map (a read-only folder keeps it in "
                             "the user cache); measure a writable copy")
         log("bench: 2. two cold opens at once")
         _drop_cache(path)
         together = _CTX.Barrier(2)
-        pair = [_spawn(_cold_child, str(path), together) for _ in range(2)]
+        pair = [_spawn(_cold_child, str(path), settings, seq, together) for _ in range(2)]
         two = [_result(*p) for p in pair]
-        log(f"bench: 3. cached open, {loader_seconds:g} s of samples, {draw_seconds:g} s of batches")
-        cached = _result(*_spawn(_cached_child, str(path), loader_seconds, draw_seconds))
+        log(f"bench: 3. cached open, {loader_seconds:g} s of samples, {draw_seconds:g} s of batches per length "
+            f"({', '.join(map(str, seq_lens))})")
+        cached = _result(*_spawn(_cached_child, str(path), settings, seq_lens, loader_seconds, draw_seconds))
         map_bytes = Path(cached["map_file"]).stat().st_size
+    model = model_preset(preset, manifest.vocab_size)
+    window = family_of(model).local_window(model)
+    gpu = goal_gpu()
+    lengths = per_length(cached.pop("draws"), model, settings["mask_rate"], window, gpu)
     return {"dataset": str(path) if data else f"synthetic, {scale:,} tokens", "totals": totals,
+            "preset": preset, "arch": family["arch"], "data_settings": settings, "seq_lens": seq_lens,
+            "vocab_size": manifest.vocab_size, "local_window": window, "micro_batch": MICRO_BATCH,
             "cpus": len(os.sched_getaffinity(0)), "load_average_before": [round(x, 2) for x in load_before],
             "load_average_after": [round(x, 2) for x in os.getloadavg()],
-            "cold": one, "two_cold": two, "cached": cached, "map_bytes": map_bytes}
+            "cold": one, "two_cold": two, "cached": cached, "map_bytes": map_bytes, "gpu": gpu,
+            "per_length": lengths}
 
 
 def figures(r: dict) -> list[tuple[str, str, str, bool | None]]:
-    """(name, measured, goal, met) rows; met is None where the goal is stated for another scale."""
+    """(name, measured, goal, met) rows; met is None where the goal is stated for another scale,
+    or for other samples."""
     billions = r["totals"]["tokens"] / 1e9
     at_scale = abs(billions - 1) < 0.05
+    bert_samples = r["data_settings"] == _data_settings(DEFAULT_PRESET)["data"] and r["seq_lens"][0] == GOALS_SEQ
     cold, cached = r["cold"], r["cached"]
     ratio = max(t["seconds"] for t in r["two_cold"]) / cold["seconds"]
     rss, anon = cached["rss_after_draws"]["VmRSS"], cached["rss_after_draws"]["RssAnon"]
@@ -239,19 +354,28 @@ def figures(r: dict) -> list[tuple[str, str, str, bool | None]]:
          rss <= rss_goal if billions >= 0.95 else None),
         ("its private (anonymous) part", f"{anon / MB:,.0f} MB", f"<= {rss_goal / MB:,.0f} MB",
          anon <= rss_goal if billions >= 0.95 else None),
-        ("loader samples/s per core", f"{cached['samples_per_s']:,.0f}", ">= 20,000",
-         cached["samples_per_s"] >= 20_000),
+        ("loader samples/s per core", f"{cached['samples_per_s']:,.0f}", f">= 20,000 (BERT, seq {GOALS_SEQ})",
+         cached["samples_per_s"] >= 20_000 if bert_samples else None),
         ("sample map bytes per sample", f"{per_sample:.1f}", "<= 12", per_sample <= 12),
     ]
 
 
+def _describe_batches(r: dict, seq_len: int) -> str:
+    if r["data_settings"]["token_budget"]:
+        return f"token-budget micro-batches of up to {r['micro_batch']} x {seq_len:,} tokens"
+    return f"micro-batches of {r['micro_batch']} samples"
+
+
 def format_report(r: dict, figs) -> str:
-    t, cold, cached = r["totals"], r["cold"], r["cached"]
+    t, cold, cached, d = r["totals"], r["cold"], r["cached"], r["data_settings"]
     after = cached["rss_after_draws"]
+    seq = r["seq_lens"][0]
     lines = [
         f"dataset: {r['dataset']}: {t['tokens']:,} tokens, {t['sentences']:,} sentences, {t['docs']:,} documents; "
-        f"{cached['samples']:,} samples at seq {SEQ}; {r['cpus']} CPU(s); load average "
+        f"{cached['samples']:,} samples at seq {seq}; {r['cpus']} CPU(s); load average "
         f"{r['load_average_before'][0]:.2f} before, {r['load_average_after'][0]:.2f} after",
+        f"preset {r['preset']} ({r['arch']}): layout {d['layout']}, pair task {d['pair_task']}, "
+        f"{d['mask_rate']:.0%} masked, {_describe_batches(r, seq)}",
         "",
         f"{'figure':<34}{'measured':>12}  {'goal':<30}met",
     ]
@@ -264,15 +388,43 @@ def format_report(r: dict, figs) -> str:
         f"(torch and the loader imported)",
         f"two cold opens: {' and '.join(format(x['seconds'], '.2f') + ' s' for x in r['two_cold'])}; "
         f"{sum(x['builds'] for x in r['two_cold'])} build(s) between them",
-        f"cached open: {cached['builds']} build(s); {cached['drawn']:,} samples in batches of {MICRO_BATCH} over "
+        f"cached open: {cached['builds']} build(s); {cached['drawn']:,} samples in {_describe_batches(r, seq)} over "
         f"{cached['draw_seconds']:.1f} s; RSS {after['VmRSS'] / MB:,.0f} MB = anonymous "
         f"{after['RssAnon'] / MB:,.0f} MB + file-backed (shared page cache) {after['RssFile'] / MB:,.0f} MB; "
         f"after the open {cached['rss_after_open']['VmRSS'] / MB:,.0f} MB (peak until then "
         f"{cached['rss_after_open']['VmHWM'] / MB:,.0f} MB)",
         f"sample map: {r['map_bytes']:,} bytes on disk",
-        "-: goal stated for 1B tokens, not this scale, or no goal",
+        f"-: goal stated for 1B tokens, not this scale, or for BERT's samples at seq {GOALS_SEQ}, or no goal",
+        "",
+        *format_lengths(r),
     ]
     return "\n".join(lines)
+
+
+def format_lengths(r: dict) -> list[str]:
+    """Measurement 5: per sequence length, one loader process's real tokens/s beside one GPU's demand."""
+    g = r["gpu"]
+    lines = [
+        f"per sequence length: real (non-pad) tokens/s drawn by one loader process against what one {g['name']} "
+        f"trains on at {g['mfu_goal']:.0%} MFU ({g['bf16_peak_tflops']:,.0f} TFLOP/s bf16 datasheet; {r['preset']}, vocabulary "
+        f"{r['vocab_size']:,}, full-length sequences, {r['data_settings']['mask_rate']:.0%} masked)",
+        f"{'length':<10}{'drawn tok/s':>14}{'full-length':>13}{'GFLOP/token':>13}{'GPU tok/s':>14}{'loaders/GPU':>13}",
+    ]
+    for row in r["per_length"]:
+        seq = f"seq {row['seq_len']:,}"
+        lines.append(f"{seq:<10}{row['real_tokens_per_s']:>14,.0f}{row['full_length'] / row['samples']:>13.1%}"
+                     f"{row['gpu_flops_per_token'] / 1e9:>13.4f}{row['gpu_tokens_per_s']:>14,.0f}"
+                     f"{row['loader_processes_per_gpu']:>13,}")
+    for row in r["per_length"]:
+        lines.append(f"seq {row['seq_len']:,}: {row['real_tokens']:,} real tokens of {row['padded_slots']:,} padded "
+                     f"slots in {row['micro_batches']:,} micro-batches ({row['samples']:,} samples, longest "
+                     f"{row['longest']:,} tokens, {row['masked_tokens'] / row['real_tokens']:.1%} masked) over "
+                     f"{row['seconds']:.1f} s")
+    short = [row["seq_len"] for row in r["per_length"] if row["full_length"] == 0]
+    if short:
+        lines.append(f"no drawn sample filled seq {', '.join(f'{n:,}' for n in short)}: the documents are shorter, "
+                     "and the tokens/s drawn are those of shorter samples (the GPU's demand is for full ones)")
+    return lines
 
 
 def _tokens(text: str) -> int:
@@ -298,6 +450,37 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _seq_lens(given: list[str] | None, defaults: list[int], positions: int) -> list[int]:
+    """--seq-len's lengths, each in [8, ``positions``] (the loader's shortest sample, the model's
+    longest); without it, those of the family's ``defaults`` the model's positions allow."""
+    if given is None:
+        return [n for n in defaults if n <= positions] or [positions]
+    lengths = []
+    for text in given:
+        try:
+            n = int(text)
+        except ValueError:
+            n = 0
+        if n <= 0:
+            raise UserError(f"--seq-len takes positive integers, got {text!r}")
+        if not 8 <= n <= positions:
+            raise UserError(f"--seq-len {n}: must be in [8, {positions}] (8: the loader's shortest sample; "
+                            f"{positions}: the preset's positions)")
+        lengths.append(n)
+    return lengths
+
+
+def _vocab_size(data: str | None) -> int:
+    """The vocabulary of the data measured: --data's, else the synthetic datasets'."""
+    if data is None:
+        from bert_ds.data_tools.bench import BERT_VOCAB_SIZE
+
+        return BERT_VOCAB_SIZE
+    from bert_ds.data_tools.manifest import Manifest
+
+    return Manifest.load(Path(data)).vocab_size
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bert_ds.loader.bench", description=__doc__.split("\n\n")[0])
     src = p.add_mutually_exclusive_group(required=True)
@@ -305,8 +488,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                      help="write a synthetic dataset of TOKENS tokens (several: one each, and the growth between)")
     src.add_argument("--data", metavar="DIR", help="measure an existing dataset (its map and index cache is cleared)")
     p.add_argument("--keep", metavar="DIR", help="with --scale: keep the datasets in DIR/tokens-N (reused)")
+    p.add_argument("--preset", default=DEFAULT_PRESET,
+                   help="model preset whose family's data is drawn (its layout, pair task, masking, batches) and "
+                        "whose FLOPs size the GPU's demand (default: %(default)s)")
+    p.add_argument("--seq-len", nargs="+", metavar="N",
+                   help="sequence lengths measured; 1-4 at the first (default: BERT 128; ModernBERT 1024 8192)")
     p.add_argument("--loader-seconds", type=_seconds, default=5.0, metavar="S", help="samples/s measured for S s")
-    p.add_argument("--draw-seconds", type=_seconds, default=10.0, metavar="S", help="batches drawn for S s")
+    p.add_argument("--draw-seconds", type=_seconds, default=10.0, metavar="S",
+                   help="batches drawn for S s, at each length")
     p.add_argument("--json", metavar="FILE", help="also write every measurement to FILE")
     return p.parse_args(argv)
 
@@ -319,10 +508,13 @@ def main(argv: list[str] | None = None) -> int:
 def _bench(args: argparse.Namespace) -> None:
     if args.keep and args.data:
         raise UserError("--keep goes with --scale (a dataset given with --data is never removed)")
+    family = _data_settings(args.preset)
+    positions = model_preset(args.preset, _vocab_size(args.data)).max_position_embeddings
+    seq_lens = _seq_lens(args.seq_len, family["seq_lens"], positions)
     runs = []
     for scale in args.scale or [None]:
         keep = str(Path(args.keep) / f"tokens-{scale}") if args.keep else None
-        r = run(args.data, scale, keep, args.loader_seconds, args.draw_seconds)
+        r = run(args.data, scale, keep, args.loader_seconds, args.draw_seconds, args.preset, seq_lens)
         figs = figures(r)
         r["figures"] = [{"name": n, "measured": m, "goal": g, "met": ok} for n, m, g, ok in figs]
         print(format_report(r, figs) + "\n", flush=True)

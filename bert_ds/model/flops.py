@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 
-from bert_ds.model.config import AnyModelConfig, ModernBertConfig
+from bert_ds.model.families import AnyModelConfig, family_of
 
 # Dense bf16 peak of the device's datasheet, TFLOP/s, for MFU against a public figure, by the
 # name CUDA reports, most specific first: the H100 and H200 come as SXM boards (989), as PCIe
@@ -32,6 +32,10 @@ DATASHEET_PEAKS: tuple[tuple[str, float], ...] = (
     (r"L40S", 362.0),
     (r"\bL4\b", 121.0),
 )
+# The MFU bert-ds aims at on a GPU (against the datasheet bf16 peak): the training bench's goal for
+# BERT-Base at seq 128 (bert_ds.tools.bench), and what one GPU's data demand is sized at
+# (bert_ds.loader.bench).
+GOAL_MFU = 0.50
 # The anchor's GPU by its short name (bert_ds.tools.projection).
 DATASHEET_BF16_TFLOPS = {"A100": 312.0, "H100": 989.0, "H200": 989.0}
 
@@ -45,12 +49,9 @@ def training_flops(cfg: AnyModelConfig, tokens: int, sum_sq_lengths: int, masked
     (:func:`bert_ds.kernels.local_attention.local_pairs` summed over the sequences; 0 for a model
     without local layers).
     """
-    h, f, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
-    if isinstance(cfg, ModernBertConfig):
-        ffn, global_layers = 6 * h * f, sum(cfg.is_global(i) for i in range(layers))
-    else:
-        ffn, global_layers = 4 * h * f, layers
-    matmuls = layers * (8 * h * h + ffn) * tokens
+    family = family_of(cfg)
+    h, layers, global_layers = cfg.hidden_size, cfg.num_layers, family.global_layers(cfg)
+    matmuls = layers * (8 * h * h + family.ffn_flops(cfg)) * tokens
     attention = 4 * h * (global_layers * sum_sq_lengths + (layers - global_layers) * local_pairs)
     mlm = (2 * h * h + 2 * h * cfg.vocab_size) * masked_tokens
     return 3.0 * (matmuls + attention + mlm)

@@ -17,6 +17,7 @@ built by hand use it.
 
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -82,6 +83,14 @@ def unpad(attention_mask: torch.Tensor, labels: torch.Tensor | None = None) -> U
         masked_positions=masked_positions,
         masked_labels=masked_labels,
     )
+
+
+def pretraining_inputs(batch: Mapping[str, torch.Tensor | int]) -> dict[str, Any]:
+    """A batch of ``bert_ds.loader.pretraining.collate`` as every family's pretraining ``forward``'s
+    keyword arguments: the precomputed, sync-free layout (no NSP labels when the data has no pair
+    task; a family without segment embeddings ignores the segment ids)."""
+    return {"input_ids": batch["input_ids"], "token_type_ids": batch["token_type_ids"],
+            "next_sentence_label": batch.get("next_sentence_label"), "unpadded": Unpadded.from_batch(batch)}
 
 
 def input_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, masked_lm_labels: torch.Tensor | None,

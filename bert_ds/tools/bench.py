@@ -24,7 +24,7 @@ forward -> backward -> optimizer step:
 
 A ModernBERT preset (``modernbert-tiny``, ``-base``, ``-large``; one model family per run) times
 its own variants the same way, on the documents layout's batches (whole documents, 30% masked,
-no pair task; :data:`bert_ds.model.config.DATA_DEFAULTS`) at seq 1,024 and 8,192 on a GPU:
+no pair task; its record's ``data_defaults``) at seq 1,024 and 8,192 on a GPU:
 
 - (a) bert_ds's ``bert_ds.model.modernbert`` with ``kernels=auto`` (each op's fastest correct
   implementation at these shapes), unpadded, the local layers computing their windows alone, the
@@ -42,7 +42,7 @@ It prints a markdown table per configuration and, for BERT, the projection of th
 Design choices, and why:
 
 - **Same work, checked.** All variants start from the same weights (bert_ds's, loaded into
-  transformers' class through the export's mapping, :mod:`bert_ds.checkpoint.hf_families`: the
+  transformers' class through the export's mapping, the family record's ``hf``: the
   names are Hugging Face's) and see the same batches. Before a variant is timed, its loss on the
   first batch without dropout is held to the reference's, bert_ds on PyTorch's ops in fp32
   (:class:`~bert_ds.tools.bench_variants.LossCheck`): within twice the reference's own error in the
@@ -95,43 +95,22 @@ import argparse
 import dataclasses
 import json
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from bert_ds.base.atomic import atomic_write
 from bert_ds.base.errors import ConfigError, guarded
 from bert_ds.base.interrupts import import_whole
-from bert_ds.model.config import PRESETS, model_preset, preset_arch
-from bert_ds.model.flops import training_flops
-from bert_ds.tools.bench_settings import (
-    BASELINE, DEFAULT_VARIANTS, FLASH_BASELINE, VARIANTS_OF, BenchSettings,
-)
+from bert_ds.model.families import FAMILIES, PRESETS, family_of_preset, model_preset
+from bert_ds.model.flops import GOAL_MFU, training_flops
+from bert_ds.tools.bench_settings import BASELINE, FLASH_BASELINE, BenchSettings
 from bert_ds.tools.projection import ANCHOR, anchor_mfu, hours_minutes, project
 
-BERT_VOCAB_SIZE = 30522  # bert-base-uncased: the vocabulary of the published models
+ANCHOR_PRESET = "base"  # the anchor run's model (bert_ds.tools.projection): BERT-Base
 DEFAULT_STEPS = {"cpu": (1, 4), "cuda": (10, 30)}  # (warm-up, timed) per variant
-
-
-@dataclass(frozen=True)
-class FamilyDefaults:
-    """What a run of a model family's presets takes where its flags are not given."""
-
-    name: str  # in the report's title
-    vocab_size: int  # of synthetic batches: the published models'
-    seq_lens: dict[str, str]  # by device
-    tokens_per_step: dict[str, int]  # by device
-
-
-FAMILY_DEFAULTS = {
-    "bert": FamilyDefaults("BERT", BERT_VOCAB_SIZE, {"cuda": "128,512", "cpu": "128"}, {"cuda": 16384, "cpu": 4096}),
-    # ModernBERT's vocabulary padded to 50,368; its recipe's two lengths; the race's 32,768 tokens on CUDA
-    "modernbert": FamilyDefaults("ModernBERT", 50368, {"cuda": "1024,8192", "cpu": "128"},
-                                 {"cuda": 32768, "cpu": 4096}),
-}
 # The issue's goals for a GPU in bf16: (a)'s tokens/s over (c)'s per sequence length, and (a)'s MFU.
 SPEEDUP_GOALS = {128: 2.5, 512: 3.0}
-MFU_GOAL = (128, 0.50)
+MFU_GOAL = (128, GOAL_MFU)
 # ModernBERT-base's: (a)'s tokens/s over (f)'s, transformers with FlashAttention-2, at seq 1,024
 MODERNBERT_SPEEDUP_GOAL = (1024, 1.5)
 
@@ -153,7 +132,7 @@ def run(s: BenchSettings) -> dict[str, Any]:
     and projection computed from them."""
     from bert_ds.tools import bench_variants  # torch, the model, transformers: once the command line is read
 
-    result = bench_variants.measure(s, [VARIANTS_OF[s.arch][key] for key in s.variants])
+    result = bench_variants.measure(s, [s.family.bench.variants[key] for key in s.variants])
     add_rates(result)
     result["goals"] = goals(result)
     result["projection"] = projection(result)
@@ -188,7 +167,7 @@ def goals(result: dict[str, Any]) -> list[dict[str, Any]]:
         return []
     out = []
     for config in result["configs"]:
-        out += modernbert_goals(config) if preset_arch(config["preset"]) == "modernbert" else bert_goals(config)
+        out += bert_goals(config) + modernbert_goals(config)  # each of its own preset
     return out
 
 
@@ -232,16 +211,16 @@ def projection(result: dict[str, Any]) -> dict[str, Any] | None:
 
     Without a datasheet peak (a CPU, an unknown GPU) there is no MFU to carry to an A100:
     ``variants`` is then empty and ``why`` says so; the anchor's own figures are still given.
-    None for a ModernBERT run: the anchor is a BERT-Base's.
+    None for a run of another family: the anchor is a BERT-Base's.
     """
     configs = result["configs"]
-    if preset_arch(configs[0]["preset"]) != "bert":
+    if family_of_preset(configs[0]["preset"]) is not family_of_preset(ANCHOR_PRESET):
         return None
     config = next((c for c in configs if c["seq_len"] == 128 and c["preset"] == "base"),
                   next((c for c in configs if c["seq_len"] == 128), configs[0]))
     b = config["batches"]
     # BERT-Base FLOPs per real token for these batches' lengths and masks (linear in the counts).
-    base = model_preset("base", BERT_VOCAB_SIZE)
+    base = model_preset(ANCHOR_PRESET, family_of_preset(ANCHOR_PRESET).published_vocab_size)
     per_token = training_flops(base, b["real_tokens_per_step"], b["sum_sq_len_per_step"],
                                b["masked_per_step"]) / b["real_tokens_per_step"]
     rows = {key: project(x["mfu_vs_datasheet_bf16"], per_token) for key, x in config["results"].items()
@@ -261,7 +240,7 @@ def _fmt(x: float | None, spec: str, suffix: str = "") -> str:
 
 def markdown(r: dict[str, Any]) -> str:
     s, env = r["settings"], r["environment"]
-    family = FAMILY_DEFAULTS[preset_arch(s["presets"][0])].name
+    family = family_of_preset(s["presets"][0]).name
     lines = [
         f"# {family} pretraining throughput: bert_ds against transformers",
         "",
@@ -371,26 +350,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--precision", choices=["fp32", "bf16"], default=None,
                    help="fp32, or bf16 autocast for every variant (default: fp32 on cpu, bf16 on cuda)")
     p.add_argument("--preset", default="base", help=f"comma-separated model sizes of one family: {', '.join(PRESETS)}")
-    p.add_argument("--seq-len", default=None, help="comma-separated sequence lengths (default: BERT 128,512 on cuda, "
-                   "ModernBERT 1024,8192; 128 on cpu)")
+    p.add_argument("--seq-len", default=None, help="comma-separated sequence lengths (default: "
+                   + "; ".join(f"{f.name} {f.bench.seq_lens['cuda']} on cuda, {f.bench.seq_lens['cpu']} on cpu"
+                               for f in FAMILIES.values()) + ")")
     p.add_argument("--batch-size", type=int, default=None, help="sequences per step (default: tokens-per-step / S)")
     p.add_argument("--tokens-per-step", type=int, default=None,
                    help="sets the batch size when --batch-size is not given (default: "
-                   + "; ".join(f"{d.name} {d.tokens_per_step}" for d in FAMILY_DEFAULTS.values()) + ")")
+                   + "; ".join(f"{f.name} {dict(f.bench.tokens_per_step)}" for f in FAMILIES.values()) + ")")
     p.add_argument("--steps", type=int, default=None, help=f"timed steps per variant (default: {DEFAULT_STEPS})")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps per variant before the timed ones")
     p.add_argument("--variants", default=None,
-                   help="comma-separated subset of the presets' family's (default: BERT "
-                   f"{DEFAULT_VARIANTS['bert']}, d compiles first, seconds to minutes; ModernBERT "
-                   f"{DEFAULT_VARIANTS['modernbert']}): "
-                   + " ".join(f"{FAMILY_DEFAULTS[arch].name}: " + "; ".join(f"{k}: {v.description}" for k, v in
-                                                                           variants.items()) + "."
-                              for arch, variants in VARIANTS_OF.items()))
+                   help="comma-separated subset of the presets' family's (default: "
+                   + "; ".join(f"{f.name} {f.bench.default_variants}" for f in FAMILIES.values())
+                   + "; d compiles first, seconds to minutes): "
+                   + " ".join(f"{f.name}: " + "; ".join(f"{k}: {v.description}" for k, v in f.bench.variants.items())
+                              + "." for f in FAMILIES.values()))
     p.add_argument("--lr", type=float, default=1e-4, help="learning rate of every optimizer")
     p.add_argument("--data", default=None, help="dataset folder (data_tools build): batches from real shards")
     p.add_argument("--workers", type=int, default=None, help="loader worker processes (default: 2 on cuda, 0 on cpu)")
     p.add_argument("--vocab-size", type=int, default=None, help="vocabulary of synthetic batches (default: "
-                   + "; ".join(f"{d.name} {d.vocab_size}" for d in FAMILY_DEFAULTS.values()) + ")")
+                   + "; ".join(f"{f.name} {f.published_vocab_size}" for f in FAMILIES.values()) + ")")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the batches")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--no-probes", action="store_true", help="skip the matmul and copy probes")
@@ -405,15 +384,15 @@ def settings_from(args: argparse.Namespace) -> BenchSettings:
     presets = [x.strip() for x in args.preset.split(",") if x.strip()]
     if not presets:
         raise ConfigError("--preset is empty")
-    arch = preset_arch(presets[0])  # the family's defaults (BenchSettings checks that the others share it)
-    family = FAMILY_DEFAULTS[arch]
+    family = family_of_preset(presets[0])  # its defaults (BenchSettings checks that the others share it)
+    defaults = family.bench
     return BenchSettings(
         device=device, precision=args.precision or ("bf16" if device == "cuda" else "fp32"), presets=presets,
-        seq_lens=_int_list(args.seq_len or family.seq_lens[device], "--seq-len"),
-        batch_size=args.batch_size, tokens_per_step=args.tokens_per_step or family.tokens_per_step[device],
+        seq_lens=_int_list(args.seq_len or defaults.seq_lens[device], "--seq-len"),
+        batch_size=args.batch_size, tokens_per_step=args.tokens_per_step or defaults.tokens_per_step[device],
         steps=steps if args.steps is None else args.steps, warmup=warmup if args.warmup is None else args.warmup,
-        variants=[x.strip() for x in (args.variants or DEFAULT_VARIANTS[arch]).split(",") if x.strip()], lr=args.lr,
-        vocab_size=args.vocab_size or family.vocab_size, data=args.data,
+        variants=[x.strip() for x in (args.variants or defaults.default_variants).split(",") if x.strip()], lr=args.lr,
+        vocab_size=args.vocab_size or family.published_vocab_size, data=args.data,
         workers=(2 if device == "cuda" else 0) if args.workers is None else args.workers,
         seed=args.seed, probes=not args.no_probes)
 

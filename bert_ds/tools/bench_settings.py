@@ -3,8 +3,9 @@
 A module of its own, light (no torch): the command (:mod:`.bench`) parses into
 :class:`BenchSettings`, and the timed loops (:mod:`.bench_variants`) take them.
 
-Each model family has its own variants, keyed by letter: BERT's (a)-(d) against transformers'
-``BertForPreTraining``, ModernBERT's (a), (b) against transformers' ``ModernBertForMaskedLM``
+Each model family has its own variants, keyed by letter, in its record
+(:attr:`bert_ds.model.family.Family.bench`): BERT's (a)-(d) against transformers'
+``BertForPreTraining``, ModernBERT's (a), (b), (d) against transformers' ``ModernBertForMaskedLM``
 with SDPA (c) and with FlashAttention-2 (f). A run benches the presets of one family, so that
 its variants, defaults and goals are one set.
 """
@@ -13,45 +14,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 from bert_ds.base.errors import ConfigError
-from bert_ds.model.config import PRESETS, model_preset, preset_arch
+from bert_ds.model.family import Family
+from bert_ds.model.families import PRESETS, family_of_preset, model_preset
 
-
-@dataclass(frozen=True)
-class Variant:
-    key: str
-    family: Literal["bert_ds", "transformers"]
-    kernels: str  # bert_ds's kernels setting; "fused": every op fused on CUDA (see build_variant)
-    optimizer: Literal["lamb", "stable_adamw", "adamw"]
-    description: str
-    compile_layers: bool = False  # bert_ds's encoder layers under torch.compile (ModelConfig.compile_layers)
-    attention: str = "sdpa"  # transformers' attn_implementation (the transformers variants only)
-
-
-VARIANTS = {v.key: v for v in (
-    Variant("a", "bert_ds", "fused", "lamb", "bert_ds: fused kernels, unpadded, sparse MLM decoder, LAMB"),
-    Variant("b", "bert_ds", "torch", "lamb", "bert_ds: PyTorch-native ops, unpadded, sparse MLM decoder, LAMB"),
-    Variant("c", "transformers", "", "adamw", "transformers BertForPreTraining: SDPA, padded, fused AdamW"),
-    Variant("d", "bert_ds", "auto", "lamb", "bert_ds: layers under torch.compile (Inductor's fusion), attention "
-            "as kernels=auto picks, LAMB", compile_layers=True),
-)}
-# ModernBERT's: bert_ds with the optimizer of its recipe (StableAdamW), transformers with torch's
-# fused AdamW as a user would run it; (f) needs the flash-attn package and a CUDA device.
-MODERNBERT_VARIANTS = {v.key: v for v in (
-    Variant("a", "bert_ds", "auto", "stable_adamw", "bert_ds: kernels=auto, unpadded, windows computed alone, "
-            "sparse MLM decoder, StableAdamW"),
-    Variant("b", "bert_ds", "torch", "stable_adamw", "bert_ds: PyTorch-native ops, unpadded, sparse MLM decoder, "
-            "StableAdamW"),
-    Variant("c", "transformers", "", "adamw", "transformers ModernBertForMaskedLM: SDPA, padded, fused AdamW"),
-    Variant("f", "transformers", "", "adamw", "transformers ModernBertForMaskedLM: flash_attention_2, padded, "
-            "fused AdamW", attention="flash_attention_2"),
-    Variant("d", "bert_ds", "auto", "stable_adamw", "bert_ds: layers under torch.compile (Inductor's fusion), "
-            "attention as kernels=auto picks, StableAdamW", compile_layers=True),
-)}
-VARIANTS_OF = {"bert": VARIANTS, "modernbert": MODERNBERT_VARIANTS}  # by the presets' model family
-DEFAULT_VARIANTS = {"bert": "a,b,c", "modernbert": "a,b,c,f"}  # BERT's (d) compiles the model first: by name
 BASELINE = "c"  # transformers with SDPA: every family's "vs (c)"
 FLASH_BASELINE = "f"  # transformers with FlashAttention-2, where the family has it
 
@@ -87,11 +54,11 @@ class BenchSettings:
         for seq_len in self.seq_lens:
             if not 8 <= seq_len <= longest:
                 raise ConfigError(f"--seq-len must be in [8, {longest}] (the presets' positions), got {seq_len}")
-        known = VARIANTS_OF[self.arch]
+        known = self.family.bench.variants
         unknown = [v for v in self.variants if v not in known]
         if unknown or not self.variants:
-            raise ConfigError(f"--variants takes a comma-separated subset of {','.join(known)} for a {self.arch} "
-                              f"preset, got {','.join(self.variants)!r}")
+            raise ConfigError(f"--variants takes a comma-separated subset of {','.join(known)} for a "
+                              f"{self.family.arch} preset, got {','.join(self.variants)!r}")
         if self.data is not None and not Path(self.data).is_dir():
             raise ConfigError(f"--data {self.data}: no such dataset folder")
 
@@ -99,15 +66,15 @@ class BenchSettings:
         for preset in self.presets:
             if preset not in PRESETS:
                 raise ConfigError(f"unknown model preset {preset!r}; choose one of {', '.join(PRESETS)}")
-        families = {preset_arch(p) for p in self.presets}
+        families = {family_of_preset(p).arch for p in self.presets}
         if len(families) != 1:
             raise ConfigError(f"--preset {','.join(self.presets)}: one model family per run (their variants and "
                               f"sequence lengths differ); got {' and '.join(sorted(families))}")
 
     @property
-    def arch(self) -> str:
-        """The presets' model family ("bert" or "modernbert")."""
-        return preset_arch(self.presets[0])
+    def family(self) -> Family:
+        """The presets' model family."""
+        return family_of_preset(self.presets[0])
 
     def batch_for(self, seq_len: int) -> int:
         return self.batch_size or max(1, self.tokens_per_step // seq_len)

@@ -14,7 +14,7 @@ import importlib.util
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -28,13 +28,14 @@ from bert_ds.config import BatchPlan
 from bert_ds.kernels import probes
 from bert_ds.kernels.ops import KernelUnavailable, OpPlan
 from bert_ds.loader.pretraining import Batch, PretrainingLoader, SpecialTokens, collate, to_device
-from bert_ds.model.bert import pretraining_inputs
-from bert_ds.model.config import DATA_DEFAULTS, AnyModelConfig, ModernBertConfig, model_preset
-from bert_ds.model.families import build_model
+from bert_ds.model.padding import pretraining_inputs
+from bert_ds.model.build import build_model
+from bert_ds.model.family import BenchVariant
+from bert_ds.model.families import AnyModelConfig, family_of, model_preset
 from bert_ds.kernels.local_attention import local_pairs
 from bert_ds.model.flops import datasheet_peak_tflops, training_flops
 from bert_ds.model.padding import IGNORE_INDEX
-from bert_ds.tools.bench_settings import BenchSettings, Variant
+from bert_ds.tools.bench_settings import BenchSettings
 
 FULL_LENGTH_PROB = 0.9  # BERT's short_seq_prob = 0.1; the share of a documents layout's full pieces alike
 SENTENCE_OVERSHOOT = 40  # a chunk closes at the first sentence end past its target: up to ~1 sentence more
@@ -82,8 +83,7 @@ def _mask(rng: np.random.Generator, ids: np.ndarray, rate: float) -> np.ndarray:
     return labels
 
 
-def synthetic_sample(rng: np.random.Generator, seq_len: int, vocab_size: int,
-                     mask_rate: float = DATA_DEFAULTS["bert"]["mask_rate"]) -> dict[str, Any]:
+def synthetic_sample(rng: np.random.Generator, seq_len: int, vocab_size: int, mask_rate: float) -> dict[str, Any]:
     """An NSP pair of random tokens, in the loader's sample format (unmasked ids never matter for speed)."""
     special = SYNTHETIC_SPECIAL
     n = synthetic_length(rng, seq_len)
@@ -97,8 +97,7 @@ def synthetic_sample(rng: np.random.Generator, seq_len: int, vocab_size: int,
             "next_sentence_label": int(rng.integers(0, 2))}
 
 
-def synthetic_piece(rng: np.random.Generator, seq_len: int, vocab_size: int,
-                    mask_rate: float = DATA_DEFAULTS["modernbert"]["mask_rate"]) -> dict[str, Any]:
+def synthetic_piece(rng: np.random.Generator, seq_len: int, vocab_size: int, mask_rate: float) -> dict[str, Any]:
     """``[CLS] piece [SEP]`` of random tokens, the documents layout's sample: no pair, no label."""
     special = SYNTHETIC_SPECIAL
     n = piece_length(rng, seq_len)
@@ -110,15 +109,16 @@ def synthetic_piece(rng: np.random.Generator, seq_len: int, vocab_size: int,
 
 
 class SyntheticPretraining(Dataset):
-    """Synthetic samples by stream position, a pure function of (seed, position), for ``PretrainingLoader``:
-    BERT's sentence pairs, or with ``arch`` "modernbert" the documents layout's pieces."""
+    """Synthetic samples by stream position, a pure function of (seed, position), for ``PretrainingLoader``,
+    in a family's data layout (``data``: its ``data_defaults``): sentence pairs, or with the documents
+    layout its pieces, masked at its rate."""
 
     special = SYNTHETIC_SPECIAL
 
-    def __init__(self, seq_len: int, vocab_size: int, seed: int, num_samples: int = 2**31, arch: str = "bert"):
+    def __init__(self, seq_len: int, vocab_size: int, seed: int, data: Mapping[str, Any], num_samples: int = 2**31):
         self.seq_len, self.vocab_size, self.seed, self.num_samples = seq_len, vocab_size, seed, num_samples
-        self.mask_rate = DATA_DEFAULTS[arch]["mask_rate"]
-        self.draw = synthetic_piece if DATA_DEFAULTS[arch]["layout"] == "documents" else synthetic_sample
+        self.mask_rate = data["mask_rate"]
+        self.draw = synthetic_piece if data["layout"] == "documents" else synthetic_sample
 
     def __len__(self) -> int:
         return self.num_samples
@@ -128,30 +128,32 @@ class SyntheticPretraining(Dataset):
         return self.draw(rng, self.seq_len, self.vocab_size, self.mask_rate)
 
 
-SYNTHETIC_SOURCE = {
-    "bert": "synthetic (BERT's 90% full-length / 10% short targets, NSP pairs, 15% masked)",
-    "modernbert": "synthetic (documents layout: 90% full-length pieces / 10% a document's last piece, "
-                  "no pairs, 30% masked)",
-}
+def synthetic_source(data: Mapping[str, Any]) -> str:
+    """What :class:`SyntheticPretraining` draws in a family's data layout, for the report."""
+    if data["layout"] == "documents":
+        return (f"synthetic (documents layout: 90% full-length pieces / 10% a document's last piece, no pairs, "
+                f"{data['mask_rate']:.0%} masked)")
+    return f"synthetic (90% full-length / 10% short targets, {data['pair_task']} pairs, {data['mask_rate']:.0%} masked)"
 
 
 def open_samples(s: BenchSettings, seq_len: int) -> tuple[Dataset, str]:
     """The samples of one configuration, and where they come from: the model family's data
-    settings (:data:`~bert_ds.model.config.DATA_DEFAULTS`), with a fixed number of samples per
-    batch (no token budget), so that every variant sees the same batches."""
+    settings (its record's ``data_defaults``), with a fixed number of samples per batch (no token
+    budget), so that every variant sees the same batches."""
+    defaults = s.family.data_defaults
     if s.data is None:
-        return SyntheticPretraining(seq_len, s.vocab_size, s.seed, arch=s.arch), SYNTHETIC_SOURCE[s.arch]
+        return SyntheticPretraining(seq_len, s.vocab_size, s.seed, defaults), synthetic_source(defaults)
     from bert_ds.config import DataConfig
     from bert_ds.loader.pretraining import PretrainingDataset
 
-    data = {**DATA_DEFAULTS[s.arch], "token_budget": False}
+    data = {**defaults, "token_budget": False}
     return (PretrainingDataset(s.data, DataConfig(train=[s.data], max_seq_length=seq_len, **data), s.seed),
             f"real shards: {s.data}")
 
 
 def local_window(cfg: AnyModelConfig) -> int:
     """Tokens on each side a local layer attends to; 0 for a model without local layers."""
-    return cfg.local_window if isinstance(cfg, ModernBertConfig) else 0
+    return family_of(cfg).local_window(cfg)
 
 
 def batch_counts(batch: Batch, window: int = 0) -> dict[str, int]:
@@ -181,19 +183,16 @@ def bert_ds_loss(model, batch: Batch) -> torch.Tensor:
     return model(**pretraining_inputs(batch)).loss
 
 
-def transformers_loss(model, batch: Batch) -> torch.Tensor:
-    """transformers' ``BertForPreTraining``: MLM and NSP on the padded batch."""
+def transformers_pair_loss(model, batch: Batch) -> torch.Tensor:
+    """A transformers class with a sentence-pair head (``BertForPreTraining``): MLM and NSP on the padded batch."""
     return model(input_ids=batch["input_ids"], token_type_ids=batch["token_type_ids"],
                  attention_mask=batch["attention_mask"], labels=batch["labels"],
                  next_sentence_label=batch["next_sentence_label"]).loss
 
 
 def transformers_mlm_loss(model, batch: Batch) -> torch.Tensor:
-    """transformers' ``ModernBertForMaskedLM``: MLM on the padded batch (no segments, no pair task)."""
+    """A masked-LM class (``ModernBertForMaskedLM``): MLM on the padded batch (no segments, no pair task)."""
     return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"]).loss
-
-
-TRANSFORMERS_LOSS = {"bert": transformers_loss, "modernbert": transformers_mlm_loss}
 
 
 def attention_problem(attention: str, device: torch.device) -> str | None:
@@ -211,7 +210,7 @@ def attention_problem(attention: str, device: torch.device) -> str | None:
     return None
 
 
-def bert_ds_model(v: Variant, cfg: AnyModelConfig, weights: dict[str, torch.Tensor], device: torch.device,
+def bert_ds_model(v: BenchVariant, cfg: AnyModelConfig, weights: dict[str, torch.Tensor], device: torch.device,
                   seq_len: int) -> tuple[torch.nn.Module, str]:
     """bert_ds's model of ``cfg``'s family holding ``weights``, and which kernels it runs.
 
@@ -232,28 +231,26 @@ def bert_ds_model(v: Variant, cfg: AnyModelConfig, weights: dict[str, torch.Tens
     return model, ran
 
 
-def transformers_model(v: Variant, cfg: AnyModelConfig, weights: dict[str, torch.Tensor],
+def transformers_model(v: BenchVariant, cfg: AnyModelConfig, weights: dict[str, torch.Tensor],
                        device: torch.device) -> tuple[torch.nn.Module, str]:
     """transformers' class of ``cfg``'s family, configured and named by the export's mapping
-    (:mod:`bert_ds.checkpoint.hf_families`), holding ``weights``, with ``v``'s attention."""
+    (the family record's ``hf``), holding ``weights``, with ``v``'s attention."""
     import transformers
-
-    from bert_ds.checkpoint.hf_families import family_of
 
     problem = attention_problem(v.attention, device)
     if problem:
         raise VariantUnavailable(problem)
-    family = family_of(cfg)
-    model = getattr(transformers, family.transformers_class)(family.hf_config(cfg))
+    hf = family_of(cfg).hf
+    model = getattr(transformers, hf.transformers_class)(hf.hf_config(cfg))
     model.set_attn_implementation(v.attention)
     missing, unexpected = model.load_state_dict(weights, strict=False)
     if missing or unexpected:
-        raise RuntimeError(f"transformers' {family.transformers_class} does not take bert_ds's weights: "
+        raise RuntimeError(f"transformers' {hf.transformers_class} does not take bert_ds's weights: "
                            f"missing {missing}, unexpected {unexpected}")
     return model, {"sdpa": "SDPA"}.get(v.attention, v.attention)
 
 
-def build_optimizer(v: Variant, model: torch.nn.Module, lr: float, kernels: str, shapes) -> torch.optim.Optimizer:
+def build_optimizer(v: BenchVariant, model: torch.nn.Module, lr: float, kernels: str, shapes) -> torch.optim.Optimizer:
     """``v``'s optimizer over ``model``, built once the model is on its device."""
     from bert_ds.optim.builders import param_groups
     from bert_ds.optim.flat import FlatLamb
@@ -267,15 +264,16 @@ def build_optimizer(v: Variant, model: torch.nn.Module, lr: float, kernels: str,
     return torch.optim.AdamW(param_groups(model, weight_decay=0.01), lr=lr, fused=True)
 
 
-def build_variant(v: Variant, cfg: AnyModelConfig, weights: dict[str, torch.Tensor], lr: float,
+def build_variant(v: BenchVariant, cfg: AnyModelConfig, weights: dict[str, torch.Tensor], lr: float,
                   device: torch.device, seq_len: int) -> tuple[torch.nn.Module, Callable, torch.optim.Optimizer, str]:
     """Model (holding ``weights``), its loss function, its optimizer, and which kernels it runs."""
-    if v.family == "bert_ds":
+    if v.runner == "bert_ds":
         model, ran = bert_ds_model(v, cfg, weights, device, seq_len)
         loss_fn, kernels, shapes = bert_ds_loss, model.config.kernels, model.op_shapes
     else:
         model, ran = transformers_model(v, cfg, weights, device)
-        loss_fn, kernels, shapes = TRANSFORMERS_LOSS[cfg.arch], "auto", None
+        pair_head = family_of(cfg).hf.pair_head
+        loss_fn, kernels, shapes = transformers_pair_loss if pair_head else transformers_mlm_loss, "auto", None
     model = model.to(device).train()
     return model, loss_fn, build_optimizer(v, model, lr, kernels, shapes), ran
 
@@ -356,7 +354,7 @@ class LossCheck:
         run = first_batch_loss(model, bert_ds_loss, batch, autocast)
         return cls(fp32, run, precision, 2 * abs(run - fp32) + LOSS_SLACK[precision] * max(1.0, abs(fp32)))
 
-    def hold(self, v: Variant, loss: float, where: str) -> None:
+    def hold(self, v: BenchVariant, loss: float, where: str) -> None:
         """A :class:`LossMismatch` unless ``loss`` is within :attr:`tolerance` of the reference's."""
         if abs(loss - self.fp32) <= self.tolerance:  # written so that NaN fails
             return
@@ -391,7 +389,7 @@ class Configuration:
     work: Work
 
 
-def run_variant(v: Variant, s: BenchSettings, c: Configuration, device: torch.device, autocast) -> dict[str, Any]:
+def run_variant(v: BenchVariant, s: BenchSettings, c: Configuration, device: torch.device, autocast) -> dict[str, Any]:
     """One variant on one configuration: built, its first-batch loss held to the check, then timed."""
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -449,7 +447,7 @@ def batches_summary(cfg: AnyModelConfig, timed: list[dict[str, int]], batch_size
     }
 
 
-def run_config(s: BenchSettings, variants: list[Variant], preset: str, seq_len: int, device: torch.device,
+def run_config(s: BenchSettings, variants: list[BenchVariant], preset: str, seq_len: int, device: torch.device,
                autocast) -> dict[str, Any]:
     """Every variant on one (preset, sequence length)."""
     samples, source = open_samples(s, seq_len)
@@ -477,7 +475,7 @@ def autocast_for(s: BenchSettings, device: torch.device) -> Callable[[], Any]:
     return nullcontext
 
 
-def measure(s: BenchSettings, variants: list[Variant]) -> dict[str, Any]:
+def measure(s: BenchSettings, variants: list[BenchVariant]) -> dict[str, Any]:
     """Every variant at every (preset, sequence length) of ``s``, with the probes and the environment."""
     if s.vocab_size <= SYNTHETIC_SPECIAL.first_regular:
         raise ConfigError(f"--vocab-size must be > {SYNTHETIC_SPECIAL.first_regular}, got {s.vocab_size}")
@@ -491,7 +489,7 @@ def measure(s: BenchSettings, variants: list[Variant]) -> dict[str, Any]:
                for preset in s.presets for seq_len in s.seq_lens]
     measured = probes.best_of(before, probes.measure(device)) if s.probes else {}
     return {
-        "arch": s.arch,
+        "arch": s.family.arch,
         "settings": dataclasses.asdict(s),
         "environment": {**probes.environment(device), "load_avg_1min_before": load_before,
                         "load_avg_1min_after": os.getloadavg()[0]},

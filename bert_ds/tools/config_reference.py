@@ -32,15 +32,15 @@ import typing
 from pathlib import Path
 
 from bert_ds.config import DS_CONFIG_DIR, DataConfig, OptimConfig, TrainConfig
-from bert_ds.model.config import DATA_DEFAULTS, PRESETS, ModelConfig, ModernBertConfig, preset_arch
+from bert_ds.model.families import FAMILIES, PRESETS, family_of_preset
 from bert_ds.train import cli
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 
 # (dataclass, section name in a phase plan's JSON)
 SECTIONS: tuple[tuple[type, str], ...] = (
-    (TrainConfig, ""), (DataConfig, "data"), (OptimConfig, "optim"), (ModelConfig, "model"),
-    (ModernBertConfig, "model"))
+    (TrainConfig, ""), (DataConfig, "data"), (OptimConfig, "optim"),
+    *((family.config_class, "model") for family in FAMILIES.values()))
 
 # Flags whose default is not read from a field's default in build_parser, and the field each sets.
 _FLAG_FIELDS = {
@@ -55,15 +55,13 @@ _FLAG_FIELDS = {
     "--ds-config": "ds_config",
     "--no-tensorboard": "tensorboard",
     "--no-progress": "progress",
-    # the model family's default where not given (DATA_DEFAULTS)
+    # the model family's default where not given (its data_defaults)
     "--pair-task": "data.pair_task",
     "--layout": "data.layout",
     "--token-budget": "data.token_budget",
     "--mask-rate": "data.mask_rate",
 }
-_DEFAULTS_OF = {"DataConfig": "data.", "OptimConfig": "optim.", "TrainConfig": "", "ModelConfig": "model."}
-PRESET_VOCAB = {"bert": 30522, "modernbert": 50368}  # the vocabularies the parameter counts assume: BERT's
-# uncased WordPiece, ModernBERT's BPE
+_DEFAULTS_OF = {"DataConfig": "data.", "OptimConfig": "optim.", "TrainConfig": "", "DefaultModelConfig": "model."}
 
 
 def field_comments(cls: type) -> dict[str, str]:
@@ -174,24 +172,24 @@ def dataclass_section(cls: type, section: str) -> list[str]:
 def preset_parameters(name: str, vocab_size: int | None = None) -> int:
     """Parameters of the preset's pretraining model (its family's vocabulary by default), counted
     on the meta device (nothing allocated)."""
-    from bert_ds.model.config import model_preset
-    from bert_ds.model.families import meta_model
+    from bert_ds.model.build import meta_model
+    from bert_ds.model.families import model_preset
 
-    vocab_size = vocab_size or PRESET_VOCAB[preset_arch(name)]
+    vocab_size = vocab_size or family_of_preset(name).published_vocab_size
     return sum(p.numel() for p in meta_model(model_preset(name, vocab_size)).parameters())
 
 
 def presets_section() -> list[str]:
     lines = ["## Presets", "",
-             f"`--preset NAME`; in a phase plan `\"model\": {{\"preset\": NAME, ...field overrides}}`. Parameters of "
-             f"the pretraining model (BERT's with MLM and NSP heads at a {PRESET_VOCAB['bert']:,}-word vocabulary, "
-             f"ModernBERT's with its MLM head at {PRESET_VOCAB['modernbert']:,}; the decoder is tied to the token "
-             "embedding). A preset's family sets the data defaults its flags leave out: "
-             + "; ".join(f"{arch}: " + ", ".join(f"`{k}` {_default(v)}" for k, v in values.items())
-                         for arch, values in DATA_DEFAULTS.items()) + ".", "",
+             "`--preset NAME`; in a phase plan `\"model\": {\"preset\": NAME, ...field overrides}`. Parameters of "
+             "the pretraining model with its heads, at its family's published vocabulary ("
+             + ", ".join(f"{f.name} {f.published_vocab_size:,}" for f in FAMILIES.values())
+             + "; the decoder is tied to the token embedding). A preset's family sets the data defaults its flags "
+             "leave out: " + "; ".join(f"{f.arch}: " + ", ".join(f"`{k}` {_default(v)}" for k, v in f.data_defaults.items())
+                                       for f in FAMILIES.values()) + ".", "",
              "| preset | family | layers | hidden | heads | FFN | parameters |", "|---|---|---:|---:|---:|---:|---:|"]
     for name, sizes in PRESETS.items():
-        lines.append(f"| `{name}` | {preset_arch(name)} | {sizes['num_layers']} | {sizes['hidden_size']} "
+        lines.append(f"| `{name}` | {family_of_preset(name).arch} | {sizes['num_layers']} | {sizes['hidden_size']} "
                      f"| {sizes['num_heads']} | {sizes['intermediate_size']} | {preset_parameters(name) / 1e6:.1f}M |")
     return lines + [""]
 
@@ -224,8 +222,9 @@ def page() -> str:
              "checkpoint's `train_config.json` records. Each value is checked when the configuration is built, "
              "so a bad one stops the run in one `error:` line before anything starts.", "",
              "- [Flags](#flags)", "- [TrainConfig](#trainconfig)", "- [DataConfig](#dataconfig)",
-             "- [OptimConfig](#optimconfig)", "- [ModelConfig](#modelconfig) (BERT)",
-             "- [ModernBertConfig](#modernbertconfig)", "- [Presets](#presets)",
+             "- [OptimConfig](#optimconfig)",
+             *(f"- [{f.config_class.__name__}](#{f.config_class.__name__.lower()}) ({f.name})" for f in FAMILIES.values()),
+             "- [Presets](#presets)",
              "- [DeepSpeed configs](#deepspeed-configs)", ""]
     lines += flags_section()
     for cls, section in SECTIONS:

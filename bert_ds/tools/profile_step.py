@@ -31,7 +31,7 @@ from typing import Any
 from bert_ds.base.errors import guarded
 from bert_ds.base.interrupts import import_whole
 from bert_ds.tools import bench
-from bert_ds.tools.bench_settings import VARIANTS  # BERT's: a profile is of a BERT variant
+from bert_ds.model.families import FAMILIES
 
 def markdown(r: dict[str, Any]) -> str:
     from bert_ds.train.profiling import summary_lines
@@ -51,7 +51,8 @@ def profile_variant(args: argparse.Namespace) -> dict[str, Any]:
     from bert_ds.config import BatchPlan
     from bert_ds.kernels import probes
     from bert_ds.loader.pretraining import PretrainingLoader, to_device
-    from bert_ds.model.bert import BertForPreTraining, model_preset
+    from bert_ds.model.build import build_model
+    from bert_ds.model.families import model_preset
     from bert_ds.tools import bench_variants
     from bert_ds.train.profiling import TOP, summarize
 
@@ -63,8 +64,8 @@ def profile_variant(args: argparse.Namespace) -> dict[str, Any]:
     batch_size = s.batch_for(args.seq_len)
     cfg = model_preset(args.preset, samples.vocab_size, pad_token_id=samples.special.pad)
     torch.manual_seed(s.seed)
-    weights = BertForPreTraining(dataclasses.replace(cfg, kernels="torch")).state_dict()
-    model, loss_fn, optimizer, kernels = bench_variants.build_variant(VARIANTS[args.variant], cfg, weights,
+    weights = build_model(dataclasses.replace(cfg, kernels="torch")).state_dict()
+    model, loss_fn, optimizer, kernels = bench_variants.build_variant(s.family.bench.variants[args.variant], cfg, weights,
                                                                       s.lr, device, args.seq_len)
     loader = PretrainingLoader(samples, BatchPlan.resolve(batch_size, batch_size, world_size=1), rank=0,
                                num_workers=s.workers, pin_memory=device.type == "cuda")
@@ -100,7 +101,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="default: cuda where torch sees a CUDA device, else cpu")
     p.add_argument("--preset", default="base")
     p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--variant", choices=sorted(VARIANTS), default="a")
+    p.add_argument("--variant", choices=sorted({k for f in FAMILIES.values() for k in f.bench.variants}), default="a",
+                   help="one of the preset's family's bench variants (python -m bert_ds.tools.bench --help)")
     p.add_argument("--steps", type=int, default=3, help="profiled steps (after the bench's warm-up steps)")
     p.add_argument("--top", type=int, default=None,
                    help="kernels (or host ops) listed (default: as many as bert_ds.train --profile-steps lists)")

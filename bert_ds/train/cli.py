@@ -62,8 +62,10 @@ from bert_ds.config import (
     BF16_CPU_FLAGS, CPU_FP32_DS_CONFIG, DECAYS, OPTIMIZERS, DataConfig, OptimConfig, TrainConfig, check_writable,
     deepspeed_config, machine_ds_config,
 )
-from bert_ds.model.config import (ARCHES, DATA_DEFAULTS, DROPOUT_FIELDS, PRESETS, AnyModelConfig, ModelConfig, check_preset,
-                                  model_config_from_dict, model_preset, preset_arch)
+from bert_ds.model.config import SPECIAL_TOKEN_IDS
+from bert_ds.model.family import Family
+from bert_ds.model.families import (DEFAULT_ARCH, FAMILIES, PRESETS, AnyModelConfig, check_preset, family, family_of,
+                                    family_of_preset)
 from bert_ds.train.faults import Faults
 from bert_ds.train.step_range import StepRange
 
@@ -72,6 +74,7 @@ if TYPE_CHECKING:
     from bert_ds.train.loop import RunOptions
 
 DEFAULT_PRESET = "mini"  # without --preset and without a checkpoint to resume
+DefaultModelConfig = family_of_preset(DEFAULT_PRESET).config_class  # the model flags' defaults
 
 
 class _Defaults:
@@ -87,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The command line; docs/configuration.md is generated from it (``bert_ds.tools.config_reference``)."""
     p = argparse.ArgumentParser(prog="python -m bert_ds.train", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    d, o, t, m = _Defaults(DataConfig), _Defaults(OptimConfig), _Defaults(TrainConfig), _Defaults(ModelConfig)
+    d, o, t, m = _Defaults(DataConfig), _Defaults(OptimConfig), _Defaults(TrainConfig), _Defaults(DefaultModelConfig)
     p.add_argument("--data", required=True, nargs="+",
                    help="training data (from `data_tools build`): dataset folders or parents of a partitioned "
                         "build, trained on as one corpus (every sample once per epoch, in proportion to the data)")
@@ -110,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="hidden dropout (default: the model's 0.1); 0 makes a world-size change exact, see R8")
     _add_batch_flags(p, t)
     p.add_argument("--seq-len", type=int, default=d.max_seq_length, help="maximum tokens per sample")
-    # The model family's defaults where these four are not given (DATA_DEFAULTS: BERT's, ModernBERT's)
+    # The model family's defaults where these four are not given (its record's data_defaults)
     p.add_argument("--pair-task", default=None, choices=["nsp", "sop", "none"],
                    help=f"sentence-pair task (default: the model family's: {_family_defaults('pair_task')})")
     p.add_argument("--layout", default=None, choices=["sentences", "documents"],
@@ -160,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _family_defaults(field: str) -> str:
-    return ", ".join(f"{arch} {values[field]}" for arch, values in DATA_DEFAULTS.items())
+    return ", ".join(f"{family.arch} {family.data_defaults[field]}" for family in FAMILIES.values())
 
 
 def _add_batch_flags(p: argparse.ArgumentParser, t: _Defaults) -> None:
@@ -217,39 +220,39 @@ def model_from_args(args: argparse.Namespace, from_data: dict[str, int], saved_m
     absent; a different size or vocabulary (which comes from the data) is then a refused
     change (bert_ds.checkpoint.resume), not a silent one. Starting from ``init`` (--init-from), the
     architecture is the source's (bert_ds.checkpoint.hf_import). ``from_data``: what the data sets
-    (:meth:`Manifest.model_fields`): its vocabulary's size, and its padding token's row for a model
-    that starts here; a resumed model keeps its own row, which a run saved before the tokenizer's
-    was taken may have at 0."""
+    (:meth:`Manifest.model_fields`): its vocabulary's size, and its special tokens' ids (the padding
+    token's row among them) for a model that starts here; a resumed model keeps its own, which a
+    run saved before the tokenizer's were taken holds as pad 0 and no others."""
+    chosen = _family(args, saved_model, init)
     given = dict(vocab_size=from_data["vocab_size"], kernels=args.kernels,
                  activation_checkpointing=args.activation_checkpointing,
                  compile_layers=args.compile_layers)
     if args.dropout is not None:
-        given.update(dict.fromkeys(DROPOUT_FIELDS[_arch(args, saved_model, init)], args.dropout))
+        given.update(dict.fromkeys(chosen.dropout_fields, args.dropout))
     if saved_model is None:
-        given["pad_token_id"] = from_data["pad_token_id"]
+        given.update({name: from_data[name] for name in SPECIAL_TOKEN_IDS if name in from_data})
     if saved_model is None and init is not None and init.model is not None:
         from bert_ds.checkpoint import hf_import  # the source is open: torch is in already
 
         return hf_import.model_config(init, args.preset, given)
     if saved_model is None:
-        return model_preset(args.preset or DEFAULT_PRESET, **given)
+        return chosen.preset(args.preset or DEFAULT_PRESET, **given)
     if args.preset is None:
-        return model_config_from_dict({**saved_model, **given})
+        return chosen.config_class.from_dict({**saved_model, **given})
     # The saved fields the preset does not set, of its family: a preset of the other family is then a
     # refused change of model.arch, never a model of one family with the other's sizes.
-    preset = {"arch": preset_arch(args.preset), **PRESETS[args.preset]}
-    fields = {f.name for f in dataclasses.fields(ARCHES[preset["arch"]])}
-    kept = {k: v for k, v in saved_model.items() if k not in preset and k in fields}
-    return model_preset(args.preset, **{**kept, **given})
+    fields = {f.name for f in dataclasses.fields(chosen.config_class)} - set(chosen.presets[args.preset]) - {"arch"}
+    kept = {k: v for k, v in saved_model.items() if k in fields}
+    return chosen.preset(args.preset, **{**kept, **given})
 
 
-def _arch(args: argparse.Namespace, saved_model: dict[str, Any] | None, init: InitSource | None) -> str:
+def _family(args: argparse.Namespace, saved_model: dict[str, Any] | None, init: InitSource | None) -> Family:
     """The model family of the run: the checkpoint's, else --preset's, else the --init-from source's."""
     if saved_model is not None and args.preset is None:
-        return saved_model.get("arch", "bert")
+        return family(saved_model.get("arch", DEFAULT_ARCH))
     if args.preset is None and init is not None and init.model is not None:
-        return init.model["arch"]
-    return preset_arch(args.preset or DEFAULT_PRESET)
+        return family(init.model["arch"])
+    return family_of_preset(args.preset or DEFAULT_PRESET)
 
 
 def ds_config_from_args(args: argparse.Namespace, saved: str | None, cuda: bool) -> tuple[str, str]:
@@ -272,7 +275,7 @@ def config_from_args(args: argparse.Namespace, from_data: dict[str, int], saved_
     """The run's config; ``ds_config`` where --ds-config is not given (TrainConfig's default if None)."""
     model = model_from_args(args, from_data, saved_model, init)
     family = {name: value if (value := getattr(args, name)) is not None else default
-              for name, default in DATA_DEFAULTS[model.arch].items()}
+              for name, default in family_of(model).data_defaults.items()}
     data = DataConfig(train=args.data, weights=args.data_weights, val=args.val_data, held_out=args.held_out,
                       whole_word_mask=args.whole_word_mask, max_seq_length=args.seq_len, num_workers=args.num_workers,
                       val_samples=args.val_samples, **family)

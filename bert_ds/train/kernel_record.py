@@ -23,7 +23,7 @@ from pathlib import Path
 
 from bert_ds.base.atomic import atomic_write
 from bert_ds.kernels.choice import Resolution, resolution
-from bert_ds.model.families import PretrainingModel
+from bert_ds.model.build import PretrainingModel
 from bert_ds.train.metrics import MetricsLogger
 
 FILE_NAME = "kernels.json"

@@ -20,7 +20,7 @@ from bert_ds.base.errors import ConfigError
 from bert_ds.config import (BatchPlan, TrainConfig, deepspeed_config, engine_json, precision_of, runs_bf16_copy,
                              step_owns_gradients)
 from bert_ds.loader.pretraining import PretrainingDataset, PretrainingLoader, open_pretraining_data
-from bert_ds.model.families import PretrainingModel, build_model
+from bert_ds.model.build import PretrainingModel, build_model
 from bert_ds.model.flops import datasheet_peak_tflops, training_flops
 from bert_ds.optim.builders import bind_to_engine, build_optimizer, build_schedule
 from bert_ds.train.bf16_copy import Bf16Copy, EngineRunner

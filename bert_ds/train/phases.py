@@ -21,7 +21,7 @@ Design choices:
   :class:`~bert_ds.config.TrainConfig` built and validated up front, so a typo in the
   last phase fails before the first one starts (unknown keys are a ConfigError). The model's
   family sets the data settings the plan leaves out, as on the command line
-  (:data:`bert_ds.model.config.DATA_DEFAULTS`: ModernBERT's whole documents, token budget, 30%
+  (the family's ``data_defaults``: ModernBERT's whole documents, token budget, 30%
   masking, no pair task).
 - A phase may change what leaves the weights' shapes as they are: the kernels and layer
   settings, and a ModernBERT's rotary bases (its context extension raises the global layers'
@@ -57,7 +57,7 @@ from typing import Any
 from bert_ds.base.errors import ConfigError
 from bert_ds.config import TrainConfig
 from bert_ds.eval import glue, ner, squad
-from bert_ds.model.config import DATA_DEFAULTS, PRESETS, model_preset
+from bert_ds.model.families import FAMILIES, PRESETS, family_of, model_preset
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 _MERGED = ("data", "optim")  # sections a phase overrides key by key
@@ -73,8 +73,10 @@ class Evaluation:
     module: Any  # bert_ds.eval.glue, .squad or .ner: stage_args, prepare, run
     args: argparse.Namespace
     prepared: Any
-# all a phase may change about the model: nothing of the weights' shapes
-_PHASE_MODEL_KEYS = ("activation_checkpointing", "compile_layers", "kernels", "global_rope_theta", "local_rope_theta")
+# all a phase may change about the model: nothing of the weights' shapes; how it is computed, and
+# what a family's record adds (a ModernBERT's rotary bases: a context extension raises them)
+_PHASE_MODEL_KEYS = ("activation_checkpointing", "compile_layers", "kernels",
+                     *dict.fromkeys(name for family in FAMILIES.values() for name in family.phase_fields))
 
 
 @dataclass
@@ -108,7 +110,7 @@ class Phase:
 @dataclass
 class PhasePlan:
     output: str  # each phase runs in output/<phase name>
-    model: dict[str, Any]  # {"preset": name, **ModelConfig overrides}; vocab_size comes from the data
+    model: dict[str, Any]  # {"preset": name, **model config overrides}; vocab_size comes from the data
     base: dict[str, Any]  # TrainConfig fields shared by all phases (no model, output or steps)
     phases: list[Phase]
     # The commands that make the plan's datasets (optional): named when they are missing.
@@ -186,7 +188,7 @@ class PhasePlan:
                 d[section] = {**self.base.get(section, {}), **phase.overrides.get(section, {})}
             try:
                 model = model_preset(name, **{**preset, **phase.model, **from_data})
-                d["data"] = {**DATA_DEFAULTS[model.arch], **d["data"]}
+                d["data"] = {**family_of(model).data_defaults, **d["data"]}
                 configs.append(TrainConfig.from_dict({**d, "model": model.to_dict(), "steps": phase.steps,
                                                       "output": str(Path(self.output) / phase.name)}))
             except ConfigError as e:

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from bert_ds import zero
 from bert_ds.base.errors import BadStepsError
 from bert_ds.loader.pretraining import Batch, PretrainingLoader, to_device
-from bert_ds.model.bert import pretraining_inputs
+from bert_ds.model.padding import pretraining_inputs
 from bert_ds.kernels.local_attention import local_pairs
 from bert_ds.optim import device_skip
 from bert_ds.train.bf16_copy import Bf16Copy, EngineRunner

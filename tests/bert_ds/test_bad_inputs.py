@@ -63,7 +63,7 @@ def test_r5_a_loader_worker_reports_the_damage_in_one_line(sample_data, tmp_path
 
 def _train_config(ds_config: str):
     from bert_ds.config import TrainConfig
-    from bert_ds.model.bert import model_preset
+    from bert_ds.model.families import model_preset
 
     return TrainConfig(model=model_preset("tiny", 1000), data=DataConfig(train="x"), ds_config=ds_config)
 

@@ -13,7 +13,7 @@ import pytest
 
 from bert_ds.base.errors import ConfigError
 from bert_ds.config import BatchPlan, DataConfig, TrainConfig
-from bert_ds.model.config import model_preset
+from bert_ds.model.families import model_preset
 from tests.bert_ds.test_reliability import _steps_logged
 from tests.conftest import run_cli
 

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from bert_ds.model.families import FAMILIES
 from bert_ds.tools import bench, bench_variants
 from bert_ds.tools.bench_variants import FULL_LENGTH_PROB, SyntheticPretraining, synthetic_length, synthetic_sample
 from bert_ds.tools.projection import ANCHOR, anchor_mfu, hours_minutes, project
@@ -161,7 +162,7 @@ def test_synthetic_lengths_mimic_the_loader():
 
 
 def test_synthetic_sample_is_a_masked_nsp_pair():
-    s = synthetic_sample(np.random.default_rng(1), 128, 1000)
+    s = synthetic_sample(np.random.default_rng(1), 128, 1000, mask_rate=0.15)
     ids, types, labels = s["input_ids"], s["token_type_ids"], s["labels"]
     n = len(ids)
     assert ids[0] == 2 and ids[-1] == 3 and (ids == 3).sum() == 2  # [CLS] A [SEP] B [SEP]
@@ -172,9 +173,10 @@ def test_synthetic_sample_is_a_masked_nsp_pair():
 
 
 def test_synthetic_samples_depend_only_on_seed_and_position():
-    a, b = SyntheticPretraining(64, 1000, seed=3), SyntheticPretraining(64, 1000, seed=3)
+    data = FAMILIES["bert"].data_defaults
+    a, b = SyntheticPretraining(64, 1000, 3, data), SyntheticPretraining(64, 1000, 3, data)
     assert all(np.array_equal(a[p]["input_ids"], b[p]["input_ids"]) for p in (0, 7, 10**6))
-    assert not np.array_equal(a[0]["input_ids"], SyntheticPretraining(64, 1000, seed=4)[0]["input_ids"])
+    assert not np.array_equal(a[0]["input_ids"], SyntheticPretraining(64, 1000, 4, data)[0]["input_ids"])
 
 
 @pytest.mark.parametrize("args, message", [
@@ -201,7 +203,7 @@ def test_cuda_without_a_gpu_is_a_one_line_error(capsys):
 
 
 def test_modernbert_runs_beside_transformers_modernbert_with_its_figures(tmp_path):
-    from bert_ds.model.config import model_preset
+    from bert_ds.model.families import model_preset
     from bert_ds.model.flops import training_flops
 
     proc = run_cli("bert_ds.tools.bench", *MODERNBERT_SMOKE, "--threads", "1", "--json", str(tmp_path / "m.json"),
@@ -243,17 +245,16 @@ def test_modernbert_runs_beside_transformers_modernbert_with_its_figures(tmp_pat
 def test_modernbert_s_compiled_variant_is_its_model_with_the_layers_compiled():
     """(d) for ModernBERT, as for BERT: (a)'s model and weights with every encoder layer under
     torch.compile (compiled at its first step, which this does not run: a minute on a CPU)."""
-    from bert_ds.model.config import model_preset
-    from bert_ds.model.modernbert import ModernBertForPreTraining
-    from bert_ds.tools.bench_settings import DEFAULT_VARIANTS, MODERNBERT_VARIANTS
+    from bert_ds.model.families import model_preset
+    from bert_ds.model.modernbert.model import ModernBertForPreTraining
 
     cfg = model_preset("modernbert-tiny", 2048)
     weights = ModernBertForPreTraining(cfg).state_dict()
-    v = MODERNBERT_VARIANTS["d"]
+    v = FAMILIES["modernbert"].bench.variants["d"]
     model, ran = bench_variants.bert_ds_model(v, cfg, weights, torch.device("cpu"), 64)
     assert model.config.compile_layers and ran == "layers compiled; attention: torch"
     assert all(torch.equal(model.state_dict()[name], w) for name, w in weights.items())
-    assert (v.optimizer, v.kernels) == ("stable_adamw", "auto") and "d" not in DEFAULT_VARIANTS["modernbert"]
+    assert (v.optimizer, v.kernels) == ("stable_adamw", "auto") and "d" not in FAMILIES["modernbert"].bench.default_variants
 
 
 def test_a_planted_weight_mismatch_is_refused_before_it_is_timed(monkeypatch, tmp_path, capsys):
@@ -274,10 +275,9 @@ def test_a_planted_weight_mismatch_is_refused_before_it_is_timed(monkeypatch, tm
 
 
 def test_the_loss_check_allows_twice_the_references_own_error_and_the_precisions_slack():
-    from bert_ds.tools.bench_settings import MODERNBERT_VARIANTS
     from bert_ds.tools.bench_variants import LOSS_SLACK, LossCheck, LossMismatch
 
-    v = MODERNBERT_VARIANTS["c"]
+    v = FAMILIES["modernbert"].bench.variants["c"]
     tolerance = 2 * 0.003 + LOSS_SLACK["bf16"] * 10.0
     check = LossCheck(fp32=10.0, run_precision=10.003, precision="bf16", tolerance=tolerance)
     check.hold(v, 10.0 + 0.99 * tolerance, "here")

@@ -6,7 +6,7 @@ import pytest
 from bert_ds.config import (BatchPlan, DataConfig, OptimConfig, TrainConfig, cpu_runs_bf16, deepspeed_config,
                             engine_json, machine_ds_config, precision_of, runs_bf16_copy, step_owns_gradients)
 from bert_ds.base.errors import ConfigError
-from bert_ds.model.bert import model_preset
+from bert_ds.model.families import model_preset
 
 
 def _cfg(**kw) -> TrainConfig:
@@ -239,10 +239,14 @@ def test_a_new_model_pads_with_the_tokenizers_pad_and_a_resumed_one_keeps_its_ow
     from bert_ds.train import cli
 
     args = cli.parse_args(["--data", "d", "--preset", "tiny"])
-    from_data = {"vocab_size": 1000, "pad_token_id": 3}  # a tokenizer whose [PAD] is 3, as the manifest says
+    # a tokenizer whose [PAD] is 3, as the manifest says (Manifest.model_fields)
+    from_data = {"vocab_size": 1000, "pad_token_id": 3, "cls_token_id": 1, "sep_token_id": 2, "mask_token_id": 4}
     fresh = cli.model_from_args(args, from_data, None)
-    assert (fresh.vocab_size, fresh.pad_token_id) == (1000, 3)
-    # a run saved with another row (before the tokenizer's was taken) resumes with it, not refused
-    saved = {**fresh.to_dict(), "pad_token_id": 0}
-    assert cli.model_from_args(args, from_data, saved).pad_token_id == 0
-    assert cli.model_from_args(cli.parse_args(["--data", "d"]), from_data, saved).pad_token_id == 0
+    assert (fresh.vocab_size, fresh.pad_token_id, fresh.cls_token_id, fresh.sep_token_id, fresh.mask_token_id) == (
+        1000, 3, 1, 2, 4)
+    # a run saved with another row and no other ids (before the tokenizer's were taken) resumes with them
+    saved = {k: v for k, v in fresh.to_dict().items() if k not in ("cls_token_id", "sep_token_id", "mask_token_id")}
+    saved["pad_token_id"] = 0
+    for resumed in (cli.model_from_args(args, from_data, saved),
+                    cli.model_from_args(cli.parse_args(["--data", "d"]), from_data, saved)):
+        assert (resumed.pad_token_id, resumed.cls_token_id, resumed.mask_token_id) == (0, None, None)

@@ -10,13 +10,14 @@ import torch
 import transformers
 
 from bert_ds.checkpoint import hf_import
-from bert_ds.checkpoint.hf_families import BERT
+from bert_ds.model.bert.hf import HF as BERT
 from bert_ds.train import cli as train
 from bert_ds.config import BatchPlan
 from bert_ds.loader.pretraining import PretrainingLoader, open_pretraining_data
 from bert_ds.base.errors import ConfigError, UserError
 from bert_ds.checkpoint.export import export_checkpoint
-from bert_ds.model.bert import BertForPreTraining, ModelConfig
+from bert_ds.model.bert.model import BertForPreTraining
+from bert_ds.model.bert.config import ModelConfig
 from bert_ds.data_tools.manifest import Manifest
 from bert_ds.data_tools.tokenizer import Normalization, install_tokenizer, train_vocab, vocab_entries
 from tests.conftest import SAMPLE, run_cli

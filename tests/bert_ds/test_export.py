@@ -12,11 +12,12 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from bert_ds.checkpoint import store as checkpoint
-from bert_ds.checkpoint.hf_families import BERT
+from bert_ds.model.bert.hf import HF as BERT
 from bert_ds.checkpoint import export
 from bert_ds.base.errors import ConfigError, UserError
 from bert_ds.checkpoint.export import ExportError, export_checkpoint, export_hf, main
-from bert_ds.model.bert import BertForPreTraining, ModelConfig
+from bert_ds.model.bert.model import BertForPreTraining
+from bert_ds.model.bert.config import ModelConfig
 from bert_ds.base.atomic import file_crc32
 
 pytestmark = pytest.mark.lowest  # all of it also runs under the lowest supported torch (run.sh test-lowest)

@@ -41,8 +41,8 @@ def test_the_matmul_flops_are_the_models_linear_layers():
     BERT's four projections and its FFN, ModernBERT's Wqkv, Wo and GeGLU (whose Wi makes 2F)."""
     import torch
 
-    from bert_ds.model.config import model_preset
-    from bert_ds.model.families import meta_model
+    from bert_ds.model.families import model_preset
+    from bert_ds.model.build import meta_model
     from bert_ds.model.flops import training_flops
 
     for preset in ("mini", "modernbert-base"):

@@ -14,7 +14,8 @@ from bert_ds.data_tools.manifest import Manifest
 from bert_ds.eval import finetune, metrics
 from bert_ds.eval.glue_data import TASKS, GlueDataError, read_split
 from bert_ds.eval.recipe import load as load_recipe
-from bert_ds.model.bert import BertForPreTraining, model_preset
+from bert_ds.model.bert.model import BertForPreTraining
+from bert_ds.model.families import model_preset
 from tests.conftest import run_cli
 
 WORDS = "the of and in to was for on as with by he at from his an were is which it".split()

@@ -1,4 +1,4 @@
-"""bert_ds.model.bert against transformers' BertForPreTraining with identical weights, and its
+"""bert_ds.model.bert.model against transformers' BertForPreTraining with identical weights, and its
 training path free of host syncs."""
 
 import dataclasses
@@ -17,12 +17,11 @@ from bert_ds.base.errors import ConfigError
 from bert_ds.checkpoint.export import to_hf_config
 from bert_ds.kernels.ops import OpPlan
 from bert_ds.kernels.layer_norm import layer_norm_native
-from bert_ds.model.config import preset_arch
-from bert_ds.model.families import meta_model
-from bert_ds.model.bert import (
-    PRESETS, BertForPreTraining, BertSublayerOutput, ModelConfig, model_preset, pretraining_inputs,
-)
-from bert_ds.model.padding import unpad
+from bert_ds.model.build import meta_model
+from bert_ds.model.families import PRESETS, family_of_preset, model_preset
+from bert_ds.model.bert.model import BertForPreTraining, BertSublayerOutput
+from bert_ds.model.bert.config import ModelConfig
+from bert_ds.model.padding import pretraining_inputs, unpad
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.lowest  # all of it also runs under the lowest supported torch (run.sh test-lowest)
@@ -223,7 +222,7 @@ def test_qkv_in_one_gemm_trains_as_the_three_projections_zero3_runs(monkeypatch)
     """Q, K and V from one GEMM of the three weights side by side, against the three Linear
     modules that run where ZeRO-3 partitions the weights (each fetches its own as it runs): the
     same loss and the same gradient of each of the three in fp32. The weights keep HF's names."""
-    from bert_ds.model import bert
+    from bert_ds.model.bert import model as bert
 
     model, _ = _models(_config())
     batch = _batch(seed=3)
@@ -449,14 +448,14 @@ def test_compiled_layers_train_as_eager_layers_do_and_compile_once(monkeypatch):
 
     from bert_ds.kernels import attention
     from bert_ds.kernels.dispatch import OPS
-    from bert_ds.model import bert
+    from bert_ds.model import backend
     from tests.kernels.helpers import StandInAttentionExtension
 
     extension = StandInAttentionExtension()
     monkeypatch.setattr(attention, "fused_extension", lambda: extension)
     monkeypatch.setattr(attention, "_unsupported", lambda impl, *inputs: "")  # CPU tensors pass for CUDA ones
     plan = OpPlan(tuple((op, "fused" if op == "varlen_attention" else "native") for op in OPS), "test")
-    monkeypatch.setattr(bert, "resolve_backend", lambda setting, shapes: plan)
+    monkeypatch.setattr(backend, "resolve_backend", lambda setting, shapes: plan)
     config = _config(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64)
     torch.manual_seed(0)
     eager = BertForPreTraining(config).train()  # dropout 0: both compute the same function
@@ -540,7 +539,7 @@ def test_config_from_dict_rejects_unknown_and_missing_keys():
         ModelConfig.from_dict(values)
 
 
-@pytest.mark.parametrize("name", [name for name in PRESETS if preset_arch(name) == "bert"])
+@pytest.mark.parametrize("name", [name for name in PRESETS if family_of_preset(name).config_class is ModelConfig])
 def test_presets_build_with_transformers_parameter_count(name):
     config = model_preset(name, vocab_size=30522, kernels="torch")
     assert config.num_layers == PRESETS[name]["num_layers"]
@@ -559,7 +558,7 @@ def test_a_meta_model_has_the_models_names_and_shapes_and_runs_no_initialisation
     assert meta.cls.predictions.decoder.weight is meta.bert.embeddings.word_embeddings.weight  # still tied
     # No fill reached torch: normal_ on a meta tensor imports torch._dynamo (seconds), which
     # export and the docs' parameter counts would pay for nothing. A fresh process shows it.
-    code = ("import sys; from bert_ds.model.families import meta_model; from bert_ds.model.bert import model_preset; "
+    code = ("import sys; from bert_ds.model.build import meta_model; from bert_ds.model.families import model_preset; "
             "meta_model(model_preset('base', 30522)); print('torch._dynamo' in sys.modules)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert proc.returncode == 0 and proc.stdout.split() == ["False"], proc.stderr[-2000:]

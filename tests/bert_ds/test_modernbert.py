@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from bert_ds.base.errors import ConfigError
-from bert_ds.model.config import ModernBertConfig, model_config_from_dict, model_preset
-from bert_ds.model.modernbert import ModernBertForPreTraining
+from bert_ds.model.modernbert.config import ModernBertConfig
+from bert_ds.model.families import model_config_from_dict, model_preset
+from bert_ds.model.modernbert.model import ModernBertForPreTraining
 
 pytestmark = pytest.mark.lowest  # transformers' ModernBERT, also under the lowest supported transformers
 
@@ -135,7 +136,7 @@ def test_presets_build_with_transformers_parameter_count(name):
     from transformers import ModernBertConfig as HFConfig
     from transformers import ModernBertForMaskedLM
 
-    from bert_ds.model.families import meta_model
+    from bert_ds.model.build import meta_model
 
     ours = meta_model(model_preset(name, 50368, kernels="torch"))
     with torch.device("meta"):  # base and large without allocating their weights

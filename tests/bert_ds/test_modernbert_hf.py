@@ -16,9 +16,9 @@ from safetensors.torch import load_file
 from bert_ds.base.errors import ConfigError
 from bert_ds.checkpoint.export import export_hf, from_hf_config
 from bert_ds.checkpoint.hf_import import InitFromError, match, model_config, open_source
-from bert_ds.checkpoint.hf_families import MODERNBERT
-from bert_ds.model.config import model_config_from_dict, model_preset
-from bert_ds.model.modernbert import ModernBertForPreTraining
+from bert_ds.model.modernbert.hf import HF as MODERNBERT
+from bert_ds.model.families import model_config_from_dict, model_preset
+from bert_ds.model.modernbert.model import ModernBertForPreTraining
 from tests.conftest import make_bpe_tokenizer
 
 pytestmark = pytest.mark.lowest  # transformers' ModernBERT, also under the lowest supported transformers
@@ -61,6 +61,26 @@ def test_the_export_loads_in_transformers_with_no_missing_or_unexpected_keys(exp
     tokenizer = AutoTokenizer.from_pretrained(folder)
     ids = (config["pad_token_id"], config["cls_token_id"], config["sep_token_id"])
     assert ids == (tokenizer.pad_token_id, tokenizer.cls_token_id, tokenizer.sep_token_id) == (3, 1, 2)  # not 50283..
+
+
+def test_the_export_takes_the_models_special_ids_and_refuses_another_tokenizers(exported, tmp_path):
+    """A model records its data's special ids (cls, sep, mask beside the pad); the export's config
+    carries them, and a tokenizer folder that disagrees with them is refused in one line."""
+    from bert_ds.checkpoint.export import ExportError
+
+    _, model = exported
+    tokenizer = _tokenizer(tmp_path / "tokenizer")
+    ids = dict(pad_token_id=3, cls_token_id=1, sep_token_id=2, mask_token_id=4)  # the tests' BPE order
+    config = model_preset("modernbert-tiny", model.config.vocab_size, local_attention=8, kernels="torch", **ids)
+    folder = export_hf(model.state_dict(), config, tokenizer, tmp_path / "hf")
+    written = json.loads((folder / "config.json").read_text())
+    assert [written[k] for k in ("pad_token_id", "cls_token_id", "sep_token_id", "bos_token_id", "eos_token_id")] == [
+        3, 1, 2, 1, 2]
+    other = model_preset("modernbert-tiny", model.config.vocab_size, local_attention=8, kernels="torch",
+                         **{**ids, "mask_token_id": 7})
+    with pytest.raises(ExportError, match=r"trained with mask_token_id 7, but the tokenizer files in .* give 4"):
+        export_hf(model.state_dict(), other, tokenizer, tmp_path / "other")
+    assert not (tmp_path / "other").exists()
 
 
 def test_fill_mask_on_the_export_gives_the_word_the_model_learned(tmp_path):

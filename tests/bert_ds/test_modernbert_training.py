@@ -53,11 +53,15 @@ def test_a_tiny_modernbert_learns_and_resumes_exactly_after_a_kill(sample_bpe_da
 
     from bert_ds.checkpoint.export import export_checkpoint
 
-    pad = Manifest.load(sample_bpe_data["train"]).special_tokens["pad"]
-    assert json.loads((whole / "train_config.json").read_text())["model"]["pad_token_id"] == pad == 3
+    special = Manifest.load(sample_bpe_data["train"]).special_tokens
+    names = {"pad_token_id": "pad", "cls_token_id": "cls", "sep_token_id": "sep", "mask_token_id": "mask"}
+    model = json.loads((whole / "train_config.json").read_text())["model"]
+    assert {name: model[name] for name in names} == {name: special[key] for name, key in names.items()}
+    assert special["pad"] == 3
     export = export_checkpoint(whole / "checkpoints", tmp_path / "export")
-    assert json.loads((export / "config.json").read_text())["pad_token_id"] == AutoTokenizer.from_pretrained(
-        export).pad_token_id == pad
+    written, tokenizer = json.loads((export / "config.json").read_text()), AutoTokenizer.from_pretrained(export)
+    for name in ("pad_token_id", "cls_token_id", "sep_token_id"):
+        assert written[name] == getattr(tokenizer, name) == model[name], name
 
     killed = tmp_path / "killed"
     args = _args(sample_bpe_data, killed, "--save-every", "40")

@@ -19,7 +19,7 @@ from bert_ds.checkpoint import store as checkpoint
 from bert_ds.checkpoint import resume
 from bert_ds.config import DataConfig, OptimConfig, TrainConfig
 from bert_ds.base.errors import ConfigError
-from bert_ds.model.bert import model_preset
+from bert_ds.model.families import model_preset
 from bert_ds.train.cli import model_from_args, parse_args
 from tests.conftest import run_cli
 

@@ -176,7 +176,7 @@ def test_a_host_bound_run_reports_its_wall_rate_with_the_device_rate_beside_it(t
     tokens/s and MFU by the wall clock are what the run takes, half the device clock's; each
     step's wall time runs to the next launch, the last one's to its read."""
     from bert_ds.config import BatchPlan
-    from bert_ds.model.config import model_preset
+    from bert_ds.model.families import model_preset
     from bert_ds.train.loop import _StepLog
     from bert_ds.train.metrics import MetricsLogger
     from bert_ds.train.step import StepResult

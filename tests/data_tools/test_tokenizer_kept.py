@@ -97,7 +97,8 @@ def test_a_cased_tokenizer_survives_build_and_export_unchanged(cased, tmp_path):
     import torch
 
     from bert_ds.checkpoint.export import export_hf
-    from bert_ds.model.bert import BertForPreTraining, ModelConfig
+    from bert_ds.model.bert.model import BertForPreTraining
+    from bert_ds.model.bert.config import ModelConfig
 
     build(_opts(cased, tmp_path / "data"))
     vocab_size = Manifest.load(tmp_path / "data").vocab_size

@@ -14,7 +14,8 @@ SCRIPT = REPO / "examples" / "finetune_classification.py"
 
 def _tiny_export(sample_data, tmp_path):
     from bert_ds.checkpoint.export import export_hf
-    from bert_ds.model.bert import BertForPreTraining, model_preset
+    from bert_ds.model.bert.model import BertForPreTraining
+    from bert_ds.model.families import model_preset
     from bert_ds.data_tools.manifest import Manifest
     from bert_ds.data_tools.tokenizer import HF_FILES
 

@@ -27,7 +27,7 @@ from bert_ds.kernels import _build, attention, choice, dispatch, selfcheck, spee
 from bert_ds.kernels.choice import resolve_backend
 from bert_ds.kernels.compiled import CompiledReference
 from bert_ds.kernels.dispatch import OpPlan
-from bert_ds.model import bert
+from bert_ds.model import backend
 
 pytestmark = pytest.mark.lowest  # all of it also runs under the lowest supported torch (run.sh test-lowest)
 
@@ -124,7 +124,7 @@ def auto(monkeypatch, tmp_path):
     monkeypatch.setattr(_build, "_jit_build", lambda: (None, "tests build nothing"))
     # A model races on 64 tokens here: a micro-batch's 32,768, each candidate checked in three
     # dtypes' worth of references, would take a CPU a minute per model.
-    monkeypatch.setattr(bert, "OpShapes", functools.partial(speed.OpShapes, tokens=64))
+    monkeypatch.setattr(backend, "OpShapes", functools.partial(speed.OpShapes, tokens=64))
 
     class Auto:
         calls: list[tuple[str, str]] = []  # (op, candidate) of every call of a stand-in
@@ -438,7 +438,8 @@ def _attention_costs(fused_at_8: float, efficient_at_8: float, fused_at_16: floa
 
 
 def _model(train_seq_len: int):
-    from bert_ds.model.bert import BertForPreTraining, ModelConfig
+    from bert_ds.model.bert.model import BertForPreTraining
+    from bert_ds.model.bert.config import ModelConfig
 
     config = ModelConfig(vocab_size=50, hidden_size=16, num_layers=1, num_heads=2, intermediate_size=64,
                          max_position_embeddings=16, kernels="auto")
@@ -709,7 +710,8 @@ def test_the_choice_is_logged_once_per_shapes_with_its_margin_and_timings(auto, 
 
 
 def test_the_model_has_its_own_shapes_timed(auto):
-    from bert_ds.model.bert import BertForPreTraining, ModelConfig
+    from bert_ds.model.bert.model import BertForPreTraining
+    from bert_ds.model.bert.config import ModelConfig
 
     config = ModelConfig(vocab_size=50, hidden_size=24, num_layers=1, num_heads=3, intermediate_size=40,
                          max_position_embeddings=12, hidden_act="gelu_tanh", kernels="auto")
@@ -728,11 +730,10 @@ def test_a_model_with_local_layers_and_geglu_races_them_and_bert_does_not(auto, 
     """A ModernBERT-class model's shapes carry its window and its GeGLU MLP: its plan holds the local
     attention's winner among the fused kernel and PyTorch's candidates, raced at that window, and GeGLU's
     among the fused kernel, the native op and the compiled reference; a BERT's plan has neither."""
-    from bert_ds.model import modernbert
-    from bert_ds.model.config import model_preset
-    from bert_ds.model.modernbert import ModernBertForPreTraining
+    from bert_ds.model.families import model_preset
+    from bert_ds.model.modernbert.model import ModernBertForPreTraining
 
-    monkeypatch.setattr(modernbert, "OpShapes", functools.partial(speed.OpShapes, tokens=64))  # as the fixture's BERT
+    monkeypatch.setattr(backend, "OpShapes", functools.partial(speed.OpShapes, tokens=64))  # as the fixture's BERT
 
     auto.costs("local_attention", fused=(2.5, 0.2), flex=(1.0, 1.0), varlen_attn=(4.0, 0.5))
     auto.costs("geglu", native=2.0, fused=1.5, compiled=1.0)
@@ -813,7 +814,8 @@ class PrintedLog:
 
 
 def _phase_model(train_seq_len: int):
-    from bert_ds.model.bert import BertForPreTraining, ModelConfig
+    from bert_ds.model.bert.model import BertForPreTraining
+    from bert_ds.model.bert.config import ModelConfig
 
     config = ModelConfig(vocab_size=50, hidden_size=16, num_layers=1, num_heads=2, intermediate_size=64,
                          max_position_embeddings=512, kernels="auto")

@@ -1183,7 +1183,8 @@ def test_dropout_add_layer_norm_runs_the_emulated_kernels_through_autograd(emula
 def test_tiny_model_trains_alike_on_the_emulated_kernels(emulated_cuda, precision):
     """bf16 parameters: how DeepSpeed's bf16 mode runs the model. Autocast over fp32 parameters:
     how bert_ds.tools.bench runs it, which mixes dtypes at the ops (fp32 residuals, weights, biases)."""
-    from bert_ds.model.bert import BertForPreTraining, model_preset
+    from bert_ds.model.bert.model import BertForPreTraining
+    from bert_ds.model.families import model_preset
 
     vocab, seq_len = 128, 24
     config = model_preset("tiny", vocab, max_position_embeddings=seq_len, hidden_dropout=0.0,
@@ -1236,8 +1237,8 @@ def test_tiny_modernbert_trains_alike_on_the_emulated_kernels(emulated_cuda, mon
     sequences), each handed the unrotated projection and its rotary base (the MLM loss too). With
     bf16 parameters, three SGD steps' losses within 2% of kernels=torch's (whose rotary and
     attention run in PyTorch), and falling."""
-    from bert_ds.model.config import model_preset
-    from bert_ds.model.modernbert import ModernBertForPreTraining
+    from bert_ds.model.families import model_preset
+    from bert_ds.model.modernbert.model import ModernBertForPreTraining
 
     calls, attention = [], set()
 

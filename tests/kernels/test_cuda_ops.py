@@ -496,7 +496,7 @@ def _pretraining_batches(vocab: int, steps: int, batch: int, seq_len: int, seed:
 
 
 def _loss_curve(config, state, batches, dtype):
-    from bert_ds.model.bert import BertForPreTraining
+    from bert_ds.model.bert.model import BertForPreTraining
 
     model = BertForPreTraining(config).cuda()
     model.load_state_dict(state)
@@ -514,7 +514,8 @@ def _loss_curve(config, state, batches, dtype):
 
 @pytest.mark.parametrize("preset", ["tiny", "mini"])
 def test_model_loss_curve_matches_the_torch_path(preset):
-    from bert_ds.model.bert import BertForPreTraining, model_preset
+    from bert_ds.model.bert.model import BertForPreTraining
+    from bert_ds.model.families import model_preset
 
     vocab, dtype = 1024, torch.bfloat16
     config = model_preset(preset, vocab, hidden_dropout=0.0, attention_dropout=0.0, kernels="torch")
@@ -537,7 +538,8 @@ def test_model_loss_curve_matches_the_torch_path(preset):
 
 def test_model_under_autocast_runs_every_op_fused():
     """fp32 parameters under bf16 autocast (bert_ds.tools.bench's CUDA precision): the ops see mixed dtypes."""
-    from bert_ds.model.bert import BertForPreTraining, model_preset
+    from bert_ds.model.bert.model import BertForPreTraining
+    from bert_ds.model.families import model_preset
 
     config = model_preset("mini", 1024, hidden_dropout=0.0, attention_dropout=0.0, kernels="torch")
     torch.manual_seed(0)
@@ -561,7 +563,8 @@ def test_model_under_autocast_runs_every_op_fused():
 
 
 def test_model_in_float32_with_kernels_cuda_names_the_attention():
-    from bert_ds.model.bert import BertForPreTraining, model_preset
+    from bert_ds.model.bert.model import BertForPreTraining
+    from bert_ds.model.families import model_preset
 
     model = BertForPreTraining(model_preset("tiny", 128, kernels="cuda")).cuda()
     batch = _pretraining_batches(128, steps=1, batch=2, seq_len=16)[0]

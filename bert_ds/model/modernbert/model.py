@@ -14,7 +14,7 @@ Design choices, and why:
 - **Hugging Face parameter names and shapes**, so that a checkpoint exports by copying tensors
   (``model.embeddings.tok_embeddings.weight``, ``model.layers.{i}.attn.Wqkv.weight``, ...,
   ``decoder.bias``), and a ModernBERT folder initialises a run the same way.
-- **Unpadded, as BERT runs here** (:mod:`bert_ds.model.bert`): the padding is removed once,
+- **Unpadded, as BERT runs here** (:mod:`bert_ds.model.bert.model`): the padding is removed once,
   before the embeddings, from the layout the loader computed on the host
   (:mod:`bert_ds.model.padding`); every layer runs on the T real tokens. Each sequence's rotary
   positions restart at its own first token (a token's position is its offset in its padded
@@ -37,7 +37,7 @@ Design choices, and why:
   it loads them (``kernels/rotary_attention.py``: cos and sin in fp32, not rounded).
 - **What BERT shares**: the padded, tied MLM decoder on the masked rows only and the fp32 loss
   (:mod:`bert_ds.model.mlm`), the output type, the unpadded layout. What differs is in this
-  file; nothing in :mod:`bert_ds.model.bert` knows of it.
+  file; nothing in :mod:`bert_ds.model.bert.model` knows of it.
 """
 
 from __future__ import annotations
@@ -49,13 +49,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from bert_ds.kernels.ops import Backend, OpShapes, geglu, layer_norm, resolve_backend, rotary_attention
+from bert_ds.kernels.ops import Backend, geglu, layer_norm, rotary_attention
 from bert_ds.kernels.rotary_attention import rotary_tables
-from bert_ds.model.config import ModernBertConfig
+from bert_ds.model.backend import model_backend
+from bert_ds.model.config import GELU_APPROXIMATE
+from bert_ds.model.modernbert.config import ModernBertConfig
 from bert_ds.model.mlm import MlmDecoder, PreTrainingOutput, masked_lm, vocab_columns
 from bert_ds.model.padding import Unpadded, gather_tokens, input_layout
 
-_GELU_APPROXIMATE = {"gelu": "none", "gelu_tanh": "tanh"}
 
 
 class ModernBertLayerNorm(nn.LayerNorm):
@@ -116,7 +117,7 @@ class ModernBertMLP(nn.Module):
         self.Wi = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.Wo = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.drop = nn.Dropout(config.mlp_dropout)
-        self.approximate = _GELU_APPROXIMATE[config.hidden_activation]
+        self.approximate = GELU_APPROXIMATE[config.hidden_activation]
         self.backend = backend
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -174,7 +175,7 @@ class ModernBertPredictionHead(nn.Module):
         super().__init__()
         self.dense = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
         self.norm = ModernBertLayerNorm(config.hidden_size, config.norm_eps, backend)
-        self.approximate = _GELU_APPROXIMATE[config.hidden_activation]
+        self.approximate = GELU_APPROXIMATE[config.hidden_activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (M, H) -> (M, H)."""
@@ -189,13 +190,9 @@ class ModernBertForPreTraining(nn.Module):
         its candidates (default: ``max_position_embeddings``)."""
         super().__init__()
         self.config = config
-        self.op_shapes = OpShapes(  # kernels=auto races its candidates at these (and the optimizer's)
-            hidden=config.hidden_size, intermediate=config.intermediate_size, num_heads=config.num_heads,
-            max_seqlen=train_seq_len or config.max_position_embeddings,
-            approximate=_GELU_APPROXIMATE[config.hidden_activation], hidden_dropout=config.mlp_dropout,
-            vocab=config.vocab_size, window=config.local_window, geglu=True,
-            layer_norm_bias=False, rotary=True)
-        self.backend = resolve_backend(config.kernels, self.op_shapes)
+        self.op_shapes, self.backend = model_backend(  # kernels=auto races its candidates at these shapes
+            config, train_seq_len, config.hidden_activation, config.mlp_dropout, window=config.local_window,
+            geglu=True, layer_norm_bias=False, rotary=True)
         self.model = ModernBertModel(config, self.backend)
         self.head = ModernBertPredictionHead(config, self.backend)
         self.decoder = MlmDecoder(config.hidden_size, config.vocab_size, device="meta")
@@ -239,7 +236,7 @@ class ModernBertForPreTraining(nn.Module):
     ) -> PreTrainingOutput:
         """input_ids: (B, S) int64, padding on the right. The layout comes as ``unpadded``
         (training: the loader's, computed on the host) or from ``attention_mask`` (B, S) with
-        ``masked_lm_labels`` (B, S), as for BERT (:meth:`bert_ds.model.bert.BertForPreTraining.forward`).
+        ``masked_lm_labels`` (B, S), as for BERT (:meth:`bert_ds.model.bert.model.BertForPreTraining.forward`).
         ``token_type_ids`` are the shared batch layout's segment ids, unused here (no segment
         embeddings); a ``next_sentence_label`` is refused (no sentence-pair head)."""
         if next_sentence_label is not None:

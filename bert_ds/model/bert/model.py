@@ -46,8 +46,6 @@ Design choices, and why:
   shapes, so a phase-2 model at seq 512 runs its own, not phase 1's).
 """
 
-from collections.abc import Mapping
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -55,18 +53,13 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from bert_ds.kernels.ops import (
-    Backend, OpPlan, OpShapes, bias_gelu, dropout_add_layer_norm, layer_norm, resolve_backend, varlen_attention,
-    varlen_attention_packed,
+    Backend, OpPlan, bias_gelu, dropout_add_layer_norm, layer_norm, varlen_attention, varlen_attention_packed,
 )
-from bert_ds.model.config import PRESETS as PRESETS
-from bert_ds.model.config import ModelConfig as ModelConfig
-from bert_ds.model.config import model_preset as model_preset
+from bert_ds.model.backend import model_backend
+from bert_ds.model.bert.config import ModelConfig
+from bert_ds.model.config import GELU_APPROXIMATE
 from bert_ds.model.mlm import MlmDecoder, PreTrainingOutput, device_count, masked_lm, vocab_columns
 from bert_ds.model.padding import Unpadded, gather_tokens, input_layout
-
-# The config (ModelConfig, PRESETS, model_preset) is in bert_ds/model/config.py: it needs no torch.
-# How each activation is spelt for F.gelu and the bias_gelu kernel.
-_GELU_APPROXIMATE = {"gelu": "none", "gelu_tanh": "tanh"}
 
 
 # --------------------------------------------------------------------------- modules
@@ -199,7 +192,7 @@ class BertIntermediate(nn.Module):
     def __init__(self, config: ModelConfig, backend: Backend) -> None:
         super().__init__()
         self.dense = nn.Linear(config.hidden_size, config.intermediate_size)
-        self.approximate = _GELU_APPROXIMATE[config.hidden_act]
+        self.approximate = GELU_APPROXIMATE[config.hidden_act]
         self.backend = backend
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -297,7 +290,7 @@ class BertPredictionHeadTransform(nn.Module):
         super().__init__()
         self.dense = nn.Linear(config.hidden_size, config.hidden_size)
         self.LayerNorm = LayerNorm(config.hidden_size, config.layer_norm_eps, backend)
-        self.approximate = _GELU_APPROXIMATE[config.hidden_act]
+        self.approximate = GELU_APPROXIMATE[config.hidden_act]
         self.backend = backend
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -335,13 +328,6 @@ class BertPreTrainingHeads(nn.Module):
 
 # --------------------------------------------------------------------------- pretraining model
 
-def pretraining_inputs(batch: Mapping[str, torch.Tensor | int]) -> dict[str, Any]:
-    """A batch of ``bert_ds.loader.pretraining.collate`` as :meth:`BertForPreTraining.forward`'s keyword
-    arguments: the precomputed, sync-free layout (no NSP labels when the data has no pair task)."""
-    return {"input_ids": batch["input_ids"], "token_type_ids": batch["token_type_ids"],
-            "next_sentence_label": batch.get("next_sentence_label"), "unpadded": Unpadded.from_batch(batch)}
-
-
 class BertForPreTraining(nn.Module):
     def __init__(self, config: ModelConfig, train_seq_len: int | None = None) -> None:
         """``train_seq_len``: the sequence length training feeds, at which ``kernels=auto``
@@ -349,12 +335,7 @@ class BertForPreTraining(nn.Module):
         (default: ``max_position_embeddings``)."""
         super().__init__()
         self.config = config
-        self.op_shapes = OpShapes(  # kernels=auto races its candidates at these (and the optimizer's LAMB)
-            hidden=config.hidden_size, intermediate=config.intermediate_size, num_heads=config.num_heads,
-            max_seqlen=train_seq_len or config.max_position_embeddings,
-            approximate=_GELU_APPROXIMATE[config.hidden_act], hidden_dropout=config.hidden_dropout,
-            vocab=config.vocab_size)
-        self.backend = resolve_backend(config.kernels, self.op_shapes)
+        self.op_shapes, self.backend = model_backend(config, train_seq_len, config.hidden_act, config.hidden_dropout)
         self.bert = BertModel(config, self.backend, self.op_shapes.max_seqlen)
         self.cls = BertPreTrainingHeads(config, self.backend, self.bert.embeddings.word_embeddings.weight)
         self._init_weights()
