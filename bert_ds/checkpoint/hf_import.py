@@ -55,6 +55,7 @@ import torch
 
 from bert_ds.checkpoint import store as checkpoint
 from bert_ds.checkpoint.export import from_hf_config
+from bert_ds.model.config import SPECIAL_TOKEN_IDS
 from bert_ds.model.families import (DEFAULT_ARCH, PRESETS, AnyModelConfig, family, family_of, family_of_preset,
                                     model_config_from_dict)
 from bert_ds.model.hf import HfFamily
@@ -64,9 +65,11 @@ from bert_ds.data_tools.fast_tokenizer import load_fast_tokenizer
 from bert_ds.data_tools.manifest import MANIFEST_NAME, Manifest, given_tokenizer
 from bert_ds.data_tools.tokenizer import load_vocabulary, vocab_entries
 
-# What a source decides about the model: the fields a resume may not change, and the init of fresh heads.
+# What a source decides about the model: the fields a resume may not change, and the init of fresh heads;
+# not the special tokens' ids, which are the data's (its tokenizer's, held to the source's by check_vocabulary).
 ARCHITECTURE = tuple(name.removeprefix("model.") for name, kind in FIELDS.items()
-                     if name.startswith("model.") and kind == REFUSED) + ("initializer_range",)
+                     if name.startswith("model.") and kind == REFUSED
+                     and name.removeprefix("model.") not in SPECIAL_TOKEN_IDS) + ("initializer_range",)
 # In transformers' order of preference: one file, else an index of shards.
 HF_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 INDEX_SUFFIX = ".index.json"

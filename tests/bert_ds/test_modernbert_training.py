@@ -15,7 +15,7 @@ import pytest
 
 from bert_ds.data_tools.manifest import Manifest, open_dataset
 from tests.bert_ds.test_reliability import _losses, _start, _wait_for_step
-from tests.conftest import run_cli
+from tests.conftest import SAMPLE, run_cli
 
 pytestmark = pytest.mark.long
 
@@ -94,10 +94,10 @@ def _modernbert_folder(folder: Path, tokenizer: Path, vocab_size: int):
     return model
 
 
-@pytest.mark.parametrize("vocab_size", [4096, 4160], ids=["its-tokenizer's-ids", "padded-embedding"])
-def test_continued_pretraining_of_a_modernbert_folder_starts_from_its_loss(sample_bpe_data, tmp_path, vocab_size):
-    """--init-from a ModernBERT folder (no --preset: the shape from its config.json): the first step's
-    loss, before any update, is transformers' on the same batch; the export loads back."""
+def _continue_from_a_folder(data: Path, tokenizer: Path, vocab_size: int, tmp_path: Path):
+    """--init-from a ModernBERT folder (no --preset: the shape from its config.json) for two steps:
+    the first step's loss, before any update, is transformers' on the same batch (fp32 both); the
+    export loads back with no missing or unexpected keys. Returns the run's config."""
     import torch
     from transformers import AutoModelForMaskedLM
 
@@ -108,15 +108,15 @@ def test_continued_pretraining_of_a_modernbert_folder_starts_from_its_loss(sampl
     from bert_ds.train import cli as train
 
     hf = tmp_path / "hf"
-    source = _modernbert_folder(hf, sample_bpe_data["tokenizer"], vocab_size).eval()
-    args = ["--data", str(sample_bpe_data["train"]), "--output", str(tmp_path / "run"), "--init-from", str(hf),
+    source = _modernbert_folder(hf, tokenizer, vocab_size).eval()
+    args = ["--data", str(data), "--output", str(tmp_path / "run"), "--init-from", str(hf),
             "--steps", "2", "--seq-len", "64", "--global-batch-size", "8", "--micro-batch-size", "8",
             "--ds-config", "zero0_fp32.json", "--held-out", "0", "--no-progress", "--no-tensorboard",
             "--num-workers", "0"]
     run_cli("bert_ds.train", *args)
 
     parsed = train.parse_args(args)
-    from_data = Manifest.load(sample_bpe_data["train"]).model_fields()
+    from_data = Manifest.load(data).model_fields()
     cfg = train.config_from_args(parsed, from_data, None, hf_import.open_source(hf))
     assert (cfg.model.arch, cfg.model.vocab_size, cfg.data.layout, cfg.data.mask_rate) == (
         "modernbert", vocab_size, "documents", 0.3)
@@ -131,8 +131,64 @@ def test_continued_pretraining_of_a_modernbert_folder_starts_from_its_loss(sampl
     assert first["step"] == 1 and abs(first["loss"] - theirs) <= 1e-5, (first["loss"], theirs)  # fp32 both
 
     out = export_checkpoint(tmp_path / "run" / "checkpoints", tmp_path / "export")
-    loaded = AutoModelForMaskedLM.from_pretrained(out)
+    loaded, info = AutoModelForMaskedLM.from_pretrained(out, output_loading_info=True)
     assert type(loaded).__name__ == "ModernBertForMaskedLM" and loaded.config.vocab_size == vocab_size
+    assert not any(info.values()), info
+    return cfg, batch
+
+
+@pytest.mark.parametrize("vocab_size", [4096, 4160], ids=["its-tokenizer's-ids", "padded-embedding"])
+def test_continued_pretraining_of_a_modernbert_folder_starts_from_its_loss(sample_bpe_data, tmp_path, vocab_size):
+    _continue_from_a_folder(sample_bpe_data["train"], sample_bpe_data["tokenizer"], vocab_size, tmp_path)
+
+
+MMBERT_VOCAB = 256_000  # mmBERT's Gemma-2 vocabulary: token ids past uint16
+
+
+def _widened(tokenizer: Path, folder: Path, size: int) -> Path:
+    """``tokenizer`` (a byte-level BPE) with ``size`` entries: its special tokens keep their ids, its
+    other tokens move to the top of the range (ids past 65,535), and unused entries fill the gap,
+    as a large multilingual vocabulary's rare rows do. It tokenizes text as before, into other ids."""
+    import shutil
+
+    folder.mkdir()
+    for file in tokenizer.iterdir():
+        shutil.copy(file, folder / file.name)
+    spec = json.loads((tokenizer / "tokenizer.json").read_text())
+    special = {t["id"] for t in spec["added_tokens"]}
+    vocab = spec["model"]["vocab"]
+    regular = sorted((i, token) for token, i in vocab.items() if i not in special)
+    top = size - len(regular)
+    widened = {token: i for token, i in vocab.items() if i in special}
+    widened.update({token: top + n for n, (_, token) in enumerate(regular)})
+    widened.update({f"<unused{i}>": i for i in range(max(special) + 1, top)})
+    assert sorted(widened.values()) == list(range(size))
+    spec["model"]["vocab"] = widened
+    (folder / "tokenizer.json").write_text(json.dumps(spec))
+    return folder
+
+
+def test_an_mmbert_sized_vocabulary_trains_from_uint32_shards(sample_bpe_data, tmp_path):
+    """A 256k-entry BPE (mmBERT's size): its shards hold uint32 ids past 65,535, a ModernBERT folder of
+    that vocabulary continues from them with transformers' first loss, and its export loads back."""
+    from transformers import AutoTokenizer
+
+    from bert_ds.data_tools.shard_format import ShardReader
+
+    tokenizer = _widened(sample_bpe_data["tokenizer"], tmp_path / "tokenizer", MMBERT_VOCAB)
+    assert len(AutoTokenizer.from_pretrained(tokenizer)) == MMBERT_VOCAB
+    data = tmp_path / "shards"
+    text = tmp_path / "text.txt"  # a fifth of the sample: enough for two steps of 8 x 64 tokens
+    lines = (SAMPLE / "valid.txt").read_text(encoding="utf-8").splitlines(keepends=True)
+    text.write_text("".join(lines[: len(lines) // 5]), encoding="utf-8")
+    run_cli("bert_ds.data_tools", "build", "--input", str(text), "--output", str(data), "--tokenizer",
+            str(tokenizer), "--workers", "1")
+    manifest = Manifest.load(data)
+    assert (manifest.vocab_size, manifest.token_dtype) == (MMBERT_VOCAB, "uint32")
+    tokens = ShardReader(data / manifest.shards[0].name).tokens
+    assert tokens.dtype.itemsize == 4 and int(tokens.max()) > 65_535
+    cfg, batch = _continue_from_a_folder(data, tokenizer, MMBERT_VOCAB, tmp_path)
+    assert int(batch["input_ids"].max()) > 65_535  # the batch the loss was compared on reaches past uint16
 
 
 def test_a_bert_run_refuses_a_modernbert_folder_and_a_run_of_one_family_refuses_to_resume_as_the_other(

@@ -31,9 +31,9 @@ class ModelConfig:
     activation_checkpointing: bool = False  # recompute layers in backward: less activation memory, ~1/3 more compute
     compile_layers: bool = False  # torch.compile each encoder layer: Inductor fuses its elementwise ops (bert.py)
     pad_token_id: int = 0  # the tokenizer's [PAD] (a new run takes the data's); its row starts at zero (HF padding_idx)
-    cls_token_id: int | None = None  # the tokenizer's [CLS], [SEP] and [MASK], from the data (None: a run saved
-    sep_token_id: int | None = None  # before they were kept); the export checks its tokenizer files against them
-    mask_token_id: int | None = None
+    cls_token_id: int | None = None  # the tokenizer's [CLS] (a new run takes the data's; None: saved before it was kept)
+    sep_token_id: int | None = None  # the tokenizer's [SEP], as cls; the export checks its tokenizer files against them
+    mask_token_id: int | None = None  # the tokenizer's [MASK], as cls
     arch: Literal["bert"] = "bert"  # the model family (model_config_from_dict reads it)
 
     def __post_init__(self) -> None:
