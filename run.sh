@@ -6,7 +6,8 @@
 #                            through DeepSpeed (ZeRO-1, bf16; fp32 on a CPU without bf16), export a Hugging Face directory,
 #                            load it back and run a fill-mask example.
 #   ./run.sh test [ARGS]     the test suite (pytest ARGS), on TEST_WORKERS processes (default: one per
-#                            core, at most one per 3 GiB free and 8; -n 0 in ARGS runs it in one)
+#                            core, at most one per 3 GiB free and 8; -n 0 in ARGS runs it in one); first
+#                            installs transformers 4 beside the environment, for the exports' check under it
 #   ./run.sh test-lowest [ARGS]  the suite's torch-, transformers- and DeepSpeed-facing tests (marked lowest) under
 #                            the lowest supported torch and transformers (pyproject.toml's lower bounds),
 #                            in a second environment, $LOWEST_VENV (CI's second pass)
