@@ -202,12 +202,13 @@ def test_the_configuration_reference_is_generated_from_the_code():
 
 def test_the_configuration_reference_explains_every_field_and_names_real_flags():
     parser_flags = {o for a in train_cli.build_parser()._actions for o in a.option_strings}
-    for flag, field in config_reference.flag_fields().items():
-        assert flag in parser_flags, flag
-        section, _, name = field.rpartition(".")
-        # a section's fields: of every class it may hold (model: BERT's ModelConfig or ModernBertConfig)
-        assert name in {f.name for cls, cls_section in config_reference.SECTIONS if cls_section == section
-                        for f in dataclasses.fields(cls)}, field
+    for flag, fields in config_reference.flag_fields().items():
+        assert flag in parser_flags and fields, flag
+        for field in fields:
+            section, _, name = field.rpartition(".")
+            # a section's fields: of every class it may hold (model: BERT's ModelConfig or ModernBertConfig)
+            assert name in {f.name for cls, cls_section in config_reference.SECTIONS if cls_section == section
+                            for f in dataclasses.fields(cls)}, field
     for cls, _ in config_reference.SECTIONS:
         unexplained = [name for name, text in config_reference.field_comments(cls).items() if not text]
         assert not unexplained, f"{cls.__name__} fields without a comment: {unexplained}"

@@ -42,24 +42,24 @@ SECTIONS: tuple[tuple[type, str], ...] = (
     (TrainConfig, ""), (DataConfig, "data"), (OptimConfig, "optim"),
     *((family.config_class, "model") for family in FAMILIES.values()))
 
-# Flags whose default is not read from a field's default in build_parser, and the field each sets.
-_FLAG_FIELDS = {
-    "--data": "data.train",
-    "--data-weights": "data.weights",
-    "--val-data": "data.val",
-    "--whole-word-mask": "data.whole_word_mask",
-    "--activation-checkpointing": "model.activation_checkpointing",
-    "--compile-layers": "model.compile_layers",
-    "--dropout": "model.hidden_dropout",
-    "--init-from": "init_from",
-    "--ds-config": "ds_config",
-    "--no-tensorboard": "tensorboard",
-    "--no-progress": "progress",
+# Flags whose default is not read from a field's default in build_parser, and the fields each sets.
+_FLAG_FIELDS: dict[str, tuple[str, ...]] = {
+    "--data": ("data.train",),
+    "--data-weights": ("data.weights",),
+    "--val-data": ("data.val",),
+    "--whole-word-mask": ("data.whole_word_mask",),
+    "--activation-checkpointing": ("model.activation_checkpointing",),
+    "--compile-layers": ("model.compile_layers",),
+    "--dropout": tuple(f"model.{name}" for family in FAMILIES.values() for name in family.dropout_fields),
+    "--init-from": ("init_from",),
+    "--ds-config": ("ds_config",),
+    "--no-tensorboard": ("tensorboard",),
+    "--no-progress": ("progress",),
     # the model family's default where not given (its data_defaults)
-    "--pair-task": "data.pair_task",
-    "--layout": "data.layout",
-    "--token-budget": "data.token_budget",
-    "--mask-rate": "data.mask_rate",
+    "--pair-task": ("data.pair_task",),
+    "--layout": ("data.layout",),
+    "--token-budget": ("data.token_budget",),
+    "--mask-rate": ("data.mask_rate",),
 }
 _DEFAULTS_OF = {"DataConfig": "data.", "OptimConfig": "optim.", "TrainConfig": "", "DefaultModelConfig": "model."}
 
@@ -85,8 +85,8 @@ def field_comments(cls: type) -> dict[str, str]:
 
 
 @functools.cache
-def flag_fields() -> dict[str, str]:
-    """flag -> the field it sets (``section.name``), read from the train CLI's source: build_parser
+def flag_fields() -> dict[str, tuple[str, ...]]:
+    """flag -> the fields it sets (``section.name``; --dropout's: each family's), read from the train CLI's source: build_parser
     and the helpers it hands the defaults to under the same names (``_add_optimizer_flags(p, o)``)."""
     tree = ast.parse(inspect.getsource(cli))
     prefix: dict[str, str] = {}
@@ -100,7 +100,7 @@ def flag_fields() -> dict[str, str]:
         if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "add_argument":
             default = next((k.value for k in node.keywords if k.arg == "default"), None)
             if isinstance(default, ast.Attribute) and getattr(default.value, "id", None) in prefix:
-                out[node.args[0].value] = prefix[default.value.id] + default.attr
+                out[node.args[0].value] = (prefix[default.value.id] + default.attr,)
     return out
 
 
@@ -142,15 +142,15 @@ def flags_section() -> list[str]:
             flag = ", ".join(f"`{o}`" for o in a.option_strings)
             value = "required" if a.required else ("off" if a.nargs == 0 and a.default is not None else _default(a.default))
             choices = f" ({', '.join(map(str, a.choices))})" if a.choices else ""
-            field = sets.get(a.option_strings[0])
-            lines.append(f"| {flag} | {value} | {f'`{field}`' if field else ''} | {_cell(a.help)}{choices} |")
+            fields = ", ".join(f"`{field}`" for field in sets.get(a.option_strings[0], ()))
+            lines.append(f"| {flag} | {value} | {fields} | {_cell(a.help)}{choices} |")
         lines.append("")
     return lines
 
 
 def dataclass_section(cls: type, section: str) -> list[str]:
     comments = field_comments(cls)
-    by_field = {v: k for k, v in flag_fields().items()}
+    by_field = {field: flag for flag, fields in flag_fields().items() for field in fields}
     key = f"`{section}`" if section else "the top level"
     lines = [f"## {cls.__name__}", "", f"In a phase plan: {key}.", "",
              "| field | type | default | flag | meaning |", "|---|---|---|---|---|"]

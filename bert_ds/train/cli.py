@@ -110,7 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile-layers", action="store_true",
                    help="torch.compile each encoder layer: Inductor fuses its elementwise ops, attention as --kernels picks")
     p.add_argument("--dropout", type=float, default=None,
-                   help="hidden dropout (default: the model's 0.1); 0 makes a world-size change exact, see R8")
+                   help="the model family's dropout: " + "; ".join(f"{f.name}'s {', '.join(f.dropout_fields)}"
+                                                                    for f in FAMILIES.values())
+                   + " (default: the model's); 0 makes a world-size change exact, see R8")
     _add_batch_flags(p, t)
     p.add_argument("--seq-len", type=int, default=d.max_seq_length, help="maximum tokens per sample")
     # The model family's defaults where these four are not given (its record's data_defaults)
