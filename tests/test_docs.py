@@ -242,14 +242,16 @@ TINY = {
     ("-m", "bert_ds.tools.bench"): ["--seq-len", "64", "--batch-size", "8", "--vocab-size", "2048", "--no-probes"],
     ("-m", "bert_ds.eval", "squad"): ["--seeds", "1", "--no-progress"],  # the recipe as it is: the data is tiny
     ("-m", "bert_ds.eval", "ner"): ["--seeds", "1", "--no-progress"],
+    ("-m", "bert_ds.eval", "retrieval"): ["--seeds", "1", "--no-progress"],
 }
 
 
 def _workspace(root: Path) -> Path:
     """What the recipes expect to find: text in domain/ and corpus/, a Hugging Face BERT in
     bert-base-uncased/ and an export of one in runs/domain/hf/, a ModernBERT tokenizer in
-    ModernBERT-base/, the phase plans in bert_ds/recipes/, made-up SQuAD v1.1 in squad/ and
-    CoNLL-2003 in conll/ (all made here: nothing is downloaded)."""
+    ModernBERT-base/, the phase plans in bert_ds/recipes/, made-up SQuAD v1.1 in squad/,
+    CoNLL-2003 in conll/ and a BEIR-format task in beir/ (all made here or shipped with the
+    tests: nothing is downloaded)."""
     import torch
     import transformers
 
@@ -273,6 +275,7 @@ def _workspace(root: Path) -> Path:
     shutil.copytree(hf, root / "runs" / "domain" / "hf")
     learnable_squad(root / "squad", sizes=(64, 32))
     learnable_conll(root / "conll")
+    shutil.copytree(REPO / "tests" / "assets" / "retrieval" / "tiny-beir", root / "beir")
     # A ModernBERT tokenizer's stand-in (a byte-level BPE) and the recipes the README names
     make_bpe_tokenizer(root / "ModernBERT-base", lines, 2048)
     shutil.copytree(REPO / "bert_ds" / "recipes", root / "bert_ds" / "recipes")

@@ -1,15 +1,17 @@
-"""``python -m bert_ds.eval glue|squad|ner ...`` (also ``bert-ds-eval ...``)."""
+"""``python -m bert_ds.eval glue|squad|ner|retrieval ...`` (also ``bert-ds-eval ...``)."""
 
 import argparse
 import sys
 
 from bert_ds.base.errors import guarded
 from bert_ds.base.interrupts import import_whole
-from bert_ds.eval import glue, ner, squad
+from bert_ds.eval import glue, ner, retrieval, squad
 
 COMMANDS = {"glue": (glue, "fine-tune on the GLUE tasks and report their dev scores"),
             "squad": (squad, "fine-tune on SQuAD v1.1 or v2.0 and report its dev scores"),
-            "ner": (ner, "fine-tune on CoNLL-style named entities and report entity F1")}
+            "ner": (ner, "fine-tune on CoNLL-style named entities and report entity F1"),
+            "retrieval": (retrieval, "fine-tune as a bi-encoder and score BEIR-format retrieval (nDCG@10, "
+                                     "Recall@100, MRR@10)")}
 
 
 def main(argv: list[str] | None = None) -> int:

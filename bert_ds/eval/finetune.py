@@ -80,20 +80,27 @@ def training_arguments(recipe: Recipe, seed: int, device: torch.device, progress
 
 
 def quiet_trainer(model, args, train_dataset, data_collator=None):
-    """transformers' ``Trainer`` on these settings, without the dict of run statistics
+    """transformers' ``Trainer`` on these settings, made quiet (:func:`quieten`)."""
+    import transformers
+
+    return quieten(transformers.Trainer(model=model, args=args, train_dataset=train_dataset,
+                                        data_collator=data_collator))
+
+
+def quieten(trainer):
+    """``trainer`` (transformers' ``Trainer`` or a subclass) without the dict of run statistics
     (``{'train_runtime': ...}``) it prints at the end of every run, between the command's own
-    lines; the progress bar stays when ``args`` asks for it."""
+    lines; the progress bar stays when its arguments ask for it."""
     import transformers
 
     class ProgressBar(transformers.ProgressCallback):
         def on_log(self, args, state, control, logs=None, **kwargs):
             pass
 
-    built = transformers.Trainer(model=model, args=args, train_dataset=train_dataset, data_collator=data_collator)
-    built.remove_callback(transformers.PrinterCallback)  # the logs' printer when the bar is off
-    if built.pop_callback(transformers.ProgressCallback) is not None:
-        built.add_callback(ProgressBar)
-    return built
+    trainer.remove_callback(transformers.PrinterCallback)  # the logs' printer when the bar is off
+    if trainer.pop_callback(transformers.ProgressCallback) is not None:
+        trainer.add_callback(ProgressBar)
+    return trainer
 
 
 def finetune(model_dir: Path, task: Task, train: Examples, evals: dict[str, Examples], recipe: Recipe, seed: int,

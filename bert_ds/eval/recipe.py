@@ -1,4 +1,4 @@
-"""A fine-tuning recipe: a JSON file in ``bert_ds/recipes/glue/``, ``squad/`` or ``ner/`` (by
+"""A fine-tuning recipe: a JSON file in ``bert_ds/recipes/glue/``, ``squad/``, ``ner/`` or ``retrieval/`` (by
 name) or anywhere, typed and checked, with per-task overrides (``"per_task": {"rte":
 {"batch_size": 16}}``; SQuAD's tasks are ``squad`` and ``squad_v2``)."""
 
@@ -15,6 +15,7 @@ from bert_ds.base.errors import ConfigError, require
 RECIPES = Path(__file__).resolve().parent.parent / "recipes" / "glue"
 SQUAD_RECIPES = RECIPES.parent / "squad"
 NER_RECIPES = RECIPES.parent / "ner"
+RETRIEVAL_RECIPES = RECIPES.parent / "retrieval"
 DEFAULT = "bert_paper"
 _TUNABLE = ("learning_rate", "batch_size", "epochs", "warmup_ratio", "weight_decay", "max_seq_length")
 
@@ -43,8 +44,8 @@ class Recipe:
                 f"must be in [0, 1), got {self.warmup_ratio!r}")
         require(isinstance(self.weight_decay, (int, float)) and self.weight_decay >= 0, f"{p}weight_decay",
                 f"must be >= 0, got {self.weight_decay!r}")
-        require(isinstance(self.max_seq_length, int) and 8 <= self.max_seq_length <= 4096, f"{p}max_seq_length",
-                f"must be an integer in [8, 4096], got {self.max_seq_length!r}")
+        require(isinstance(self.max_seq_length, int) and 8 <= self.max_seq_length <= 8192, f"{p}max_seq_length",
+                f"must be an integer in [8, 8192], got {self.max_seq_length!r}")
         for task, overrides in self.per_task.items():
             unknown = set(overrides) - set(_TUNABLE) if isinstance(overrides, dict) else {"(not an object)"}
             require(not unknown, f"{p}per_task.{task}", f"unknown key(s) {', '.join(sorted(unknown))}; "

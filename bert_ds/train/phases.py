@@ -33,9 +33,10 @@ Design choices:
   and a phase with checkpoints resumes from its newest one (its weights come from there,
   not from the previous phase). A stop signal ends the command after the phase's checkpoint.
 - An optional last stage, ``"evaluate": {"glue": {"data": "DIR", "tasks": [...], "seeds": 3},
-  "squad": {"data": "DIR"}, "ner": {"data": "DIR"}}`` (any of them), exports the final weights
-  to ``OUTPUT/hf`` and fine-tunes them into ``OUTPUT/glue``, ``OUTPUT/squad``, ``OUTPUT/ner``
-  (``python -m bert_ds.eval glue``, ``squad``, ``ner``; their data is read and checked before the
+  "squad": {"data": "DIR"}, "ner": {"data": "DIR"}, "retrieval": {"data": "DIR"}}`` (any of
+  them), exports the final weights to ``OUTPUT/hf`` and fine-tunes them into ``OUTPUT/glue``,
+  ``OUTPUT/squad``, ``OUTPUT/ner``, ``OUTPUT/retrieval`` (``python -m bert_ds.eval glue``,
+  ``squad``, ``ner``, ``retrieval``; their data is read and checked before the
   first phase).
 - Exit statuses are those of ``bert_ds.train``.
 - The plan is read and checked by torch-free modules; the training's (torch, DeepSpeed) are
@@ -56,13 +57,14 @@ from typing import Any
 
 from bert_ds.base.errors import ConfigError
 from bert_ds.config import TrainConfig
-from bert_ds.eval import glue, ner, squad
+from bert_ds.eval import glue, ner, retrieval, squad
 from bert_ds.model.families import FAMILIES, PRESETS, family_of, model_preset
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 _MERGED = ("data", "optim")  # sections a phase overrides key by key
 _SET_BY_PHASES = ("model", "output", "steps", "init_from")  # a phase's TrainConfig gets these from the plan
-EVALUATIONS = {"glue": glue, "squad": squad, "ner": ner}  # the evaluation stage's commands, in the order they run
+# the evaluation stage's commands, in the order they run
+EVALUATIONS = {"glue": glue, "squad": squad, "ner": ner, "retrieval": retrieval}
 
 
 @dataclass(frozen=True)
@@ -70,7 +72,7 @@ class Evaluation:
     """One command of the evaluation stage, checked and its data read."""
 
     name: str
-    module: Any  # bert_ds.eval.glue, .squad or .ner: stage_args, prepare, run
+    module: Any  # bert_ds.eval.glue, .squad, .ner or .retrieval: stage_args, prepare, run
     args: argparse.Namespace
     prepared: Any
 # all a phase may change about the model: nothing of the weights' shapes; how it is computed, and
@@ -242,7 +244,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"{cfg.optim.lr:g}, warm-up {cfg.optim.warmup_steps}, {cfg.ds_config} -> {cfg.output}")
             for e in evaluations:
                 what = (", ".join(t.name for t in e.prepared.tasks) if e.name == "glue" else
-                        f"v{e.prepared.layout.version}" if e.name == "squad" else ", ".join(e.prepared.data.splits))
+                        f"v{e.prepared.layout.version}" if e.name == "squad" else
+                        ", ".join(e.prepared.data.qrels) if e.name == "retrieval" else ", ".join(e.prepared.data.splits))
                 print(f"then {e.name}: {what}, seeds {e.prepared.seeds}, recipe {e.prepared.recipe.name}, export "
                       f"{e.args.model} -> {e.args.output}")
             return

@@ -210,10 +210,12 @@ def test_a_plan_ending_with_glue_squad_and_ner_exports_and_fine_tunes_after_its_
     assert proc.returncode == 2 and "--max-query-length 64" in proc.stderr and not root.exists()  # 64 + 3 + 8 > 48
     plan["evaluate"]["squad"]["max_query_length"] = 24
     plan["evaluate"]["ner"] = {"data": str(tmp_path / "conll"), "seeds": 1, "epochs": 1, "max_seq_length": 32}
+    plan["evaluate"]["retrieval"] = {"data": str(REPO / "tests" / "assets" / "retrieval" / "tiny-beir"), "seeds": 1,
+                                     "max_seq_length": 32}
     config.write_text(json.dumps(plan))
     checked = run_cli("bert_ds.train.phases", "--config", str(config), "--check").stdout
     assert "then glue: sst2, seeds [1], recipe bert_paper" in checked and "then squad: v2.0, seeds [1]" in checked
-    assert "then ner" in checked
+    assert "then ner" in checked and "then retrieval: dev, test, seeds [1], recipe single_vector" in checked
     run_cli("bert_ds.train.phases", "--config", str(config))
     assert (root / "hf" / "config.json").is_file()
     report = json.loads((root / "glue" / "results.json").read_text())
@@ -223,8 +225,10 @@ def test_a_plan_ending_with_glue_squad_and_ner_exports_and_fine_tunes_after_its_
     assert {"exact", "f1", "HasAns_exact", "NoAns_exact", "best_f1", "best_f1_thresh"} <= set(squad["figures"])
     ner = json.loads((root / "ner" / "results.json").read_text())
     assert ner["model"] == str((root / "hf").resolve()) and set(ner["columns"]) == {"dev"}
+    retrieval = json.loads((root / "retrieval" / "results.json").read_text())
+    assert retrieval["model"] == str((root / "hf").resolve()) and set(retrieval["columns"]) == {"dev", "test"}
     again = run_cli("bert_ds.train.phases", "--config", str(config))
-    assert again.stdout.count("kept from an earlier run") == 3 and "finished" in again.stderr
+    assert again.stdout.count("kept from an earlier run") == 4 and "finished" in again.stderr
 
 
 @pytest.mark.parametrize("evaluate,message", [
