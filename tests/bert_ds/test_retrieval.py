@@ -19,6 +19,8 @@ from bert_ds.eval.retrieval_metrics import ranked, read_run, score, write_run
 from tests.conftest import REPO, run_cli
 
 TASK = REPO / "tests" / "assets" / "retrieval" / "tiny-beir"
+# sentence-transformers, datasets and pytrec_eval under the lowest and newest supported releases too
+pytestmark = pytest.mark.lowest
 
 
 # --------------------------------------------------------------------------- the measures
