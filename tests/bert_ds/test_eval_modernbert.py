@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -16,7 +17,7 @@ from bert_ds.eval.ner_data import NerSplit
 from tests.bert_ds.test_glue import WORDS, learnable_sst2
 from tests.bert_ds.test_ner import ENTITIES, learnable_conll
 from tests.bert_ds.test_squad import COLORS, learnable_squad, official_scores
-from tests.conftest import BPE_SPECIALS, run_cli
+from tests.conftest import BPE_SPECIALS, REPO, run_cli
 from tests.conftest import bpe_tokenizer as trained_bpe
 
 SPECIALS = list(BPE_SPECIALS.values())
@@ -88,6 +89,22 @@ def test_ner_fine_tunes_a_modernbert_folder(modernbert, tmp_path):
     assert run["steps"] == 3 and set(run["scores"]) == {"dev", "test"} and run["words_cut_off"] == {"dev": 0, "test": 0}
     report = json.loads((tmp_path / "out" / "results.json").read_text())
     assert set(report["columns"]) == {"dev", "test"} and report["labels"][0] == "O"
+
+
+@pytest.mark.lowest
+def test_retrieval_fine_tunes_a_modernbert_folder_at_its_context(modernbert, tmp_path):
+    """The bi-encoder of a ModernBERT folder: sentence-transformers' ModernBertModel with mean pooling,
+    fine-tuned, and its saved folder a ModernBERT one; --max-seq-length up to the model's positions."""
+    task = REPO / "tests" / "assets" / "retrieval" / "tiny-beir"
+    _eval("retrieval", modernbert, task, tmp_path / "out", "--epochs", "1", "--batch-size", "32",
+          "--max-seq-length", "128")
+    run = json.loads((tmp_path / "out" / "retrieval" / "seed1.json").read_text())
+    assert run["steps"] == 5 and set(run["scores"]) == {"dev", "test"}
+    saved = json.loads((Path(run["model_folder"]) / "config.json").read_text())
+    assert saved["model_type"] == "modernbert"
+    from sentence_transformers import SentenceTransformer
+
+    assert SentenceTransformer(run["model_folder"], device="cpu").max_seq_length == 128
 
 
 def test_a_length_beyond_the_models_positions_is_one_line_and_trains_nothing(modernbert, tmp_path):
