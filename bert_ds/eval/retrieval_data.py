@@ -153,6 +153,8 @@ def _training(folder: Path, train: Path | None, queries: dict[str, str],
         examples = [TrainExample(queries[qid], corpus[doc]) for qid, docs in graded.items()
                     for doc, grade in docs.items() if grade > 0]
         source = str(path)
+    elif not train.exists():
+        raise ConfigError(f"--train {train}: no such file or folder")
     elif train.is_dir():
         examples, source = _from_datasets(train), str(train)
     elif train.suffix == ".jsonl":
@@ -160,7 +162,7 @@ def _training(folder: Path, train: Path | None, queries: dict[str, str],
     elif train.suffix == ".tsv":
         examples, source = _from_triples(train), str(train)
     else:
-        raise ConfigError(f"--train {train}: {'no such file or folder' if not train.exists() else 'not a .tsv, .jsonl or datasets folder'}")
+        raise ConfigError(f"--train {train}: not a .tsv of triples, a .jsonl or a datasets folder")
     if not examples:
         raise ConfigError(f"{source}: no training examples")
     return examples, source

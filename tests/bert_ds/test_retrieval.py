@@ -187,10 +187,13 @@ def test_bad_data_is_one_line_naming_file_and_line_and_trains_nothing(tiny_expor
 @pytest.mark.parametrize("content,suffix,message", [
     ('{"query": "a", "positive": "b"}\n{"query": "a"}\n', ".jsonl", r"train.jsonl:2: needs \"query\" and \"positive\""),
     ("a query\ta positive\ta negative\textra\n", ".tsv", r"train.tsv:1: a line is query, positive\[, negative\]"),
+    (None, ".tsv", r"--train .*train.tsv: no such file or folder"),
+    ("query,positive\n", ".csv", r"train.csv: not a .tsv of triples, a .jsonl or a datasets folder"),
 ])
 def test_bad_training_data_is_one_line(tiny_export, tmp_path, content, suffix, message):
     train = tmp_path / f"train{suffix}"
-    train.write_text(content)
+    if content is not None:
+        train.write_text(content)
     proc = _retrieval(tiny_export, tmp_path / "out", "--train", str(train), check=False)
     assert proc.returncode == 2 and re.search(message, proc.stderr), proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
