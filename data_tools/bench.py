@@ -147,12 +147,24 @@ def make_vocab(work: Path, corpus: Path, size: int) -> tuple[bytes, float, float
 
 SYNTHETIC_SENTENCE = (8, 48)  # tokens per sentence, uniform, inclusive
 SYNTHETIC_DOCUMENT = (5, 60)  # sentences per document, uniform, inclusive
+# Documents long enough that a documents-layout piece of 8,192 tokens is often full (mean ~8.5k
+# tokens, at most 28,800): ModernBERT's long-context phase draws such pieces.
+LONG_DOCUMENT = (5, 600)
 _SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 
 
-def write_synthetic(folder: Path, tokens: int, shard_tokens: int = 1 << 26, seed: int = 0) -> dict[str, int]:
+def synthetic_description(tokens: int, seed: int = 0, document: tuple[int, int] = SYNTHETIC_DOCUMENT) -> str:
+    """What :func:`write_synthetic` records of a dataset in its manifest (``build.synthetic``): the
+    same string for the same call, so a kept dataset is reused only for the one asked."""
+    shape = "" if document == SYNTHETIC_DOCUMENT else f", documents of U[{document[0]}, {document[1]}] sentences"
+    return f"{tokens} tokens, seed {seed}{shape}"
+
+
+def write_synthetic(folder: Path, tokens: int, shard_tokens: int = 1 << 26, seed: int = 0,
+                    document: tuple[int, int] = SYNTHETIC_DOCUMENT) -> dict[str, int]:
     """A dataset of about ``tokens`` random ids in BERT's vocabulary size, shaped like prose:
-    sentences of U[8, 48] tokens, documents of U[5, 60] sentences. Returns its totals."""
+    sentences of U[8, 48] tokens, documents of U[``document``] sentences (U[5, 60] by default;
+    :data:`LONG_DOCUMENT` for pieces of 8,192 tokens). Returns its totals."""
     from bert_ds.data_tools.manifest import Manifest, tokenizer_fingerprint
     from bert_ds.data_tools.shard_format import ShardWriter, token_dtype
 
@@ -164,7 +176,7 @@ def write_synthetic(folder: Path, tokens: int, shard_tokens: int = 1 << 26, seed
     while written < tokens:
         name = f"shard-{len(shards):05d}"
         with ShardWriter(folder / name, BERT_VOCAB_SIZE) as writer:
-            written += _synthetic_shard(writer, rng, min(shard_tokens, tokens - written))
+            written += _synthetic_shard(writer, rng, min(shard_tokens, tokens - written), document)
             shards.append(writer.close())
     manifest = Manifest(
         vocab_size=BERT_VOCAB_SIZE, token_dtype=token_dtype(BERT_VOCAB_SIZE).name, lowercase=True,
@@ -172,17 +184,19 @@ def write_synthetic(folder: Path, tokens: int, shard_tokens: int = 1 << 26, seed
         tokenizer_fingerprint=tokenizer_fingerprint(folder / "vocab.txt"), shards=shards,
         totals={"docs": sum(s.num_docs for s in shards), "sentences": sum(s.num_sentences for s in shards),
                 "tokens": written},
-        build={"synthetic": f"{tokens} tokens, seed {seed}"})
+        build={"synthetic": synthetic_description(tokens, seed, document)})
     manifest.save(folder)
     return manifest.totals
 
 
-def _synthetic_shard(writer, rng: np.random.Generator, budget: int) -> int:
+def _synthetic_shard(writer, rng: np.random.Generator, budget: int, document: tuple[int, int]) -> int:
     """Whole documents of random ids until ``budget`` tokens are reached (the last may pass it)."""
     written = 0
+    per_document = 800 * sum(document) / sum(SYNTHETIC_DOCUMENT)  # tokens, a little under the mean (910 by default)
     while written < budget:
-        docs = max(1, min(budget - written, 1 << 24) // 800)  # a batch of documents per round of draws
-        sentences = rng.integers(SYNTHETIC_DOCUMENT[0], SYNTHETIC_DOCUMENT[1] + 1, size=docs)
+        # a batch of documents per round of draws: about the tokens left (at most 16M), not many more
+        docs = max(1, int(min(budget - written, 1 << 24) // per_document))
+        sentences = rng.integers(document[0], document[1] + 1, size=docs)
         lengths = rng.integers(SYNTHETIC_SENTENCE[0], SYNTHETIC_SENTENCE[1] + 1, size=int(sentences.sum()))
         ids = rng.integers(len(_SPECIALS), BERT_VOCAB_SIZE, size=int(lengths.sum()), dtype=np.uint16)
         sent_end = np.cumsum(sentences).tolist()

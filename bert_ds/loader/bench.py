@@ -11,8 +11,10 @@ measurements 1-4 below run at the first.
 
 ``--scale TOKENS [TOKENS ...]`` writes a synthetic dataset of each size
 (:func:`bert_ds.data_tools.bench.write_synthetic`: sentences U[8,48] tokens, documents
-U[5,60] sentences, so at most 2,880 tokens a document) into a temporary folder (``--keep DIR``
-keeps it there, in ``DIR/tokens-N`` per size, and reuses it on the next run) and measures each in
+U[5,60] sentences, at most 2,880 tokens; for a family of the documents layout U[5,600] sentences,
+about 8,500 tokens on average, so that pieces of 8,192 tokens are often full) into a temporary
+folder (``--keep DIR`` keeps it there, in ``DIR/tokens-N`` per size, ``tokens-N-long-documents``
+for the long ones, and reuses it on the next run) and measures each in
 turn; with several sizes it then prints how the drawing process's memory grows per further billion
 tokens (goal: at most +50 MB). ``--data DIR`` measures an existing dataset instead. Every
 measurement runs in a fresh spawned process that imports torch and the loader before its timer
@@ -44,7 +46,7 @@ starts, one at a time:
    local layers counted by their window), and so the loader processes one GPU needs (rounded up).
    The model takes the dataset's vocabulary, as a training run does. The share of drawn samples
    that fill the length is printed beside it: a dataset whose documents are shorter than the length
-   (the synthetic one at 8,192) draws none, and its figures are those of shorter samples.
+   draws none, and its figures are those of shorter samples (the report says so).
 
 The load average before and after is printed: the figures depend on what else runs.
 """
@@ -261,33 +263,38 @@ def per_length(draws: list[dict], model: AnyModelConfig, mask_rate: float, local
 # -- the run ---------------------------------------------------------------------------------------
 
 @contextmanager
-def _dataset(data: str | None, scale: int | None, keep: str | None, log):
+def _dataset(data: str | None, scale: int | None, keep: str | None, layout: str, log):
+    """The dataset measured: ``data``, or a synthetic one of ``scale`` tokens whose documents suit
+    ``layout`` (whole-document pieces of 8,192 tokens need documents that long)."""
+    from bert_ds.data_tools.bench import LONG_DOCUMENT, SYNTHETIC_DOCUMENT
+
     if data is not None:
         yield Path(data), None
         return
     folder = Path(keep) if keep else Path(tempfile.mkdtemp(prefix="loader_bench_"))
     try:
-        totals = _synthetic(folder, scale, log)
+        totals = _synthetic(folder, scale, LONG_DOCUMENT if layout == "documents" else SYNTHETIC_DOCUMENT, log)
         yield folder, totals
     finally:
         if not keep:
             shutil.rmtree(folder, ignore_errors=True)
 
 
-def _synthetic(folder: Path, scale: int, log) -> dict:
-    from bert_ds.data_tools.bench import write_synthetic
+def _synthetic(folder: Path, scale: int, document: tuple[int, int], log) -> dict:
+    from bert_ds.data_tools.bench import synthetic_description, write_synthetic
     from bert_ds.data_tools.manifest import Manifest
 
     if (folder / "manifest.json").is_file():
         manifest = Manifest.load(folder)
-        if manifest.build.get("synthetic", "").startswith(f"{scale} tokens"):
+        if manifest.build.get("synthetic") == synthetic_description(scale, document=document):
             log(f"bench: reusing the synthetic dataset in {folder}")
             return dict(manifest.totals, write_seconds=None)
     if folder.exists() and any(folder.iterdir()):
-        raise UserError(f"--keep {folder}: exists and holds something else than this scale's synthetic dataset")
+        raise UserError(f"--keep {folder}: exists and holds something else than this scale's synthetic dataset "
+                        "of this layout's documents")
     log(f"bench: writing {scale:,} synthetic tokens to {folder}")
     t0 = time.perf_counter()
-    totals = write_synthetic(folder, scale)
+    totals = write_synthetic(folder, scale, document=document)
     return dict(totals, write_seconds=time.perf_counter() - t0)
 
 
@@ -298,7 +305,7 @@ def run(data: str | None, scale: int | None, keep: str | None, loader_seconds: f
     family = _data_settings(preset)
     settings = family["data"]
     load_before = os.getloadavg()
-    with _dataset(data, scale, keep, log) as (path, totals):
+    with _dataset(data, scale, keep, settings["layout"], log) as (path, totals):
         from bert_ds.data_tools.manifest import Manifest
 
         manifest = Manifest.load(path)
@@ -513,7 +520,9 @@ def _bench(args: argparse.Namespace) -> None:
     seq_lens = _seq_lens(args.seq_len, family["seq_lens"], positions)
     runs = []
     for scale in args.scale or [None]:
-        keep = str(Path(args.keep) / f"tokens-{scale}") if args.keep else None
+        # one folder per size and document shape: the documents layout's are long (see _dataset)
+        long = "-long-documents" if family["data"]["layout"] == "documents" else ""
+        keep = str(Path(args.keep) / f"tokens-{scale}{long}") if args.keep else None
         r = run(args.data, scale, keep, args.loader_seconds, args.draw_seconds, args.preset, seq_lens)
         figs = figures(r)
         r["figures"] = [{"name": n, "measured": m, "goal": g, "met": ok} for n, m, g, ok in figs]
