@@ -28,6 +28,25 @@ PREFIX = "model config: "  # the start of every message of the configs' checks
 SPECIAL_TOKEN_IDS = ("pad_token_id", "cls_token_id", "sep_token_id", "mask_token_id")
 
 
+class FamilyConfig:
+    """What every family's config dataclass shares beside its fields (a base without fields, so the
+    dataclasses keep theirs in their own order)."""
+
+    hidden_size: int
+    num_heads: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> Any:
+        return from_dict(cls, values)
+
+
 def from_dict(cls: type, values: Mapping[str, Any]) -> Any:
     """A family's config from its fields, naming the unknown and the missing ones."""
     fields = {f.name: f for f in dataclasses.fields(cls)}

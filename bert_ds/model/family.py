@@ -34,6 +34,17 @@ class BenchVariant:
 
 
 @dataclass(frozen=True)
+class SpeedupGoal:
+    """A GPU goal of the training bench: variant (a)'s real tokens/s at least ``speedup`` times the
+    ``baseline`` variant's, for ``preset`` at sequence length ``seq_len``."""
+
+    preset: str
+    seq_len: int
+    baseline: str  # a variant key of the family's (a transformers one)
+    speedup: float
+
+
+@dataclass(frozen=True)
 class BenchDefaults:
     """What a bench of this family's presets takes where its flags are not given."""
 
@@ -41,6 +52,7 @@ class BenchDefaults:
     tokens_per_step: Mapping[str, int]  # by device
     variants: Mapping[str, BenchVariant]  # by key: what --variants offers
     default_variants: str  # what runs without --variants
+    goals: tuple[SpeedupGoal, ...] = ()  # its GPU goals (bert_ds.tools.bench.goals)
 
 
 @dataclass(frozen=True)

@@ -108,11 +108,10 @@ from bert_ds.tools.projection import ANCHOR, anchor_mfu, hours_minutes, project
 
 ANCHOR_PRESET = "base"  # the anchor run's model (bert_ds.tools.projection): BERT-Base
 DEFAULT_STEPS = {"cpu": (1, 4), "cuda": (10, 30)}  # (warm-up, timed) per variant
-# The issue's goals for a GPU in bf16: (a)'s tokens/s over (c)'s per sequence length, and (a)'s MFU.
-SPEEDUP_GOALS = {128: 2.5, 512: 3.0}
+# The GPU goals in bf16: each family's speed-ups (its record's bench.goals), and (a)'s MFU for the
+# anchor's model at this length.
 MFU_GOAL = (128, GOAL_MFU)
-# ModernBERT-base's: (a)'s tokens/s over (f)'s, transformers with FlashAttention-2, at seq 1,024
-MODERNBERT_SPEEDUP_GOAL = (1024, 1.5)
+SPEEDUP_OF = {BASELINE: "speedup_vs_transformers", FLASH_BASELINE: "speedup_vs_flash_attention_2"}  # (a)'s figure
 
 
 def _int_list(text: str, what: str) -> list[int]:
@@ -161,49 +160,40 @@ def add_rates(result: dict[str, Any]) -> None:
 
 
 def goals(result: dict[str, Any]) -> list[dict[str, Any]]:
-    """The GPU goals, each with its measured figure (``met`` None: not measured); only for
-    BERT-Base and ModernBERT-base runs on CUDA."""
+    """The GPU goals, each with its measured figure (``met`` None: not measured); only on CUDA, for
+    the presets and lengths a family's record states goals for, and the anchor's MFU."""
     if result["settings"]["device"] != "cuda":
         return []
-    out = []
-    for config in result["configs"]:
-        out += bert_goals(config) + modernbert_goals(config)  # each of its own preset
-    return out
+    return [goal for config in result["configs"] for goal in _goals_of(config)]
 
 
-def modernbert_goals(config: dict[str, Any]) -> list[dict[str, Any]]:
-    """ModernBERT-base's goal at seq 1,024: (a) against (f), transformers with FlashAttention-2."""
-    seq, goal = MODERNBERT_SPEEDUP_GOAL
-    results = config["results"]
-    if config["preset"] != "modernbert-base" or config["seq_len"] != seq or "a" not in results:
+def _goals_of(config: dict[str, Any]) -> list[dict[str, Any]]:
+    preset, seq, results = config["preset"], config["seq_len"], config["results"]
+    family = family_of_preset(preset)
+    speedups = [g for g in family.bench.goals if (g.preset, g.seq_len) == (preset, seq)]
+    mfu = (preset, seq) == (ANCHOR_PRESET, MFU_GOAL[0])
+    if not (speedups or mfu) or "a" not in results:
         return []
-    name = f"(a) >= {goal}x the real tokens/s of (f) transformers flash_attention_2 at seq {seq}"
-    a, flash = results["a"], results.get(FLASH_BASELINE)
-    if "not_run" in a:
-        return [{"goal": name, "measured": f"(a) not run: {a['not_run']}", "met": False}]
-    if flash is None or "not_run" in flash:
-        why = "not asked for (--variants)" if flash is None else f"not run: {flash['not_run']}"
-        return [{"goal": name, "measured": f"not measured: (f) {why}", "met": None}]
-    speedup = a["speedup_vs_flash_attention_2"]
-    return [{"goal": name, "measured": f"{speedup:.2f}x", "met": speedup >= goal}]
-
-
-def bert_goals(config: dict[str, Any]) -> list[dict[str, Any]]:
-    """BERT-Base's goals: (a)'s speed-up over (c) at seq 128 and 512, its MFU at 128."""
-    if config["preset"] != "base" or "a" not in config["results"]:
-        return []
-    a, seq = config["results"]["a"], config["seq_len"]
+    a = results["a"]
     if "not_run" in a:
         return [{"goal": f"(a) at seq {seq}", "measured": f"not run: {a['not_run']}", "met": False}]
-    out = []
-    if seq in SPEEDUP_GOALS and a["speedup_vs_transformers"] is not None:
-        out.append({"goal": f"(a) >= {SPEEDUP_GOALS[seq]}x the real tokens/s of (c) at seq {seq}",
-                    "measured": f"{a['speedup_vs_transformers']:.2f}x",
-                    "met": a["speedup_vs_transformers"] >= SPEEDUP_GOALS[seq]})
-    if seq == MFU_GOAL[0] and a["mfu_vs_datasheet_bf16"] is not None:
+    out = [_speedup(g, family.bench.variants[g.baseline].attention, results) for g in speedups]
+    if mfu and a["mfu_vs_datasheet_bf16"] is not None:
         out.append({"goal": f"(a) >= {MFU_GOAL[1]:.0%} MFU against the datasheet bf16 peak at seq {seq}",
                     "measured": f"{a['mfu_vs_datasheet_bf16']:.1%}", "met": a["mfu_vs_datasheet_bf16"] >= MFU_GOAL[1]})
     return out
+
+
+def _speedup(goal, attention: str, results: dict[str, Any]) -> dict[str, Any]:
+    """(a)'s speed-up over ``goal.baseline`` (transformers with ``attention``) against ``goal.speedup``."""
+    name = (f"(a) >= {goal.speedup}x the real tokens/s of ({goal.baseline}) transformers {attention} "
+            f"at seq {goal.seq_len}")
+    base, speedup = results.get(goal.baseline), results["a"].get(SPEEDUP_OF[goal.baseline])
+    if base is not None and "not_run" in base:
+        return {"goal": name, "measured": f"not measured: ({goal.baseline}) not run: {base['not_run']}", "met": None}
+    if speedup is None:
+        return {"goal": name, "measured": f"not measured: ({goal.baseline}) not asked for (--variants)", "met": None}
+    return {"goal": name, "measured": f"{speedup:.2f}x", "met": speedup >= goal.speedup}
 
 
 def projection(result: dict[str, Any]) -> dict[str, Any] | None:

@@ -96,8 +96,8 @@ def _modernbert_folder(folder: Path, tokenizer: Path, vocab_size: int):
 
 def _continue_from_a_folder(data: Path, tokenizer: Path, vocab_size: int, tmp_path: Path):
     """--init-from a ModernBERT folder (no --preset: the shape from its config.json) for two steps:
-    the first step's loss, before any update, is transformers' on the same batch (fp32 both); the
-    export loads back with no missing or unexpected keys. Returns the run's config."""
+    the export loads back with no missing or unexpected keys. Returns the run's config, the first
+    batch, the first step's loss (before any update) and transformers' on that batch."""
     import torch
     from transformers import AutoModelForMaskedLM
 
@@ -128,18 +128,20 @@ def _continue_from_a_folder(data: Path, tokenizer: Path, vocab_size: int, tmp_pa
                         labels=batch["labels"]).loss.item()
     first = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
     print(f"\nfirst loss {first['loss']!r}, transformers' {theirs!r}: {abs(first['loss'] - theirs):.2e} apart")
-    assert first["step"] == 1 and abs(first["loss"] - theirs) <= 1e-5, (first["loss"], theirs)  # fp32 both
+    assert first["step"] == 1
 
     out = export_checkpoint(tmp_path / "run" / "checkpoints", tmp_path / "export")
     loaded, info = AutoModelForMaskedLM.from_pretrained(out, output_loading_info=True)
     assert type(loaded).__name__ == "ModernBertForMaskedLM" and loaded.config.vocab_size == vocab_size
     assert not any(info.values()), info
-    return cfg, batch
+    return cfg, batch, first["loss"], theirs
 
 
 @pytest.mark.parametrize("vocab_size", [4096, 4160], ids=["its-tokenizer's-ids", "padded-embedding"])
 def test_continued_pretraining_of_a_modernbert_folder_starts_from_its_loss(sample_bpe_data, tmp_path, vocab_size):
-    _continue_from_a_folder(sample_bpe_data["train"], sample_bpe_data["tokenizer"], vocab_size, tmp_path)
+    cfg, _, ours, theirs = _continue_from_a_folder(sample_bpe_data["train"], sample_bpe_data["tokenizer"], vocab_size,
+                                                   tmp_path)
+    assert cfg.model.vocab_size == vocab_size and abs(ours - theirs) <= 1e-5, (ours, theirs)  # fp32 both
 
 
 MMBERT_VOCAB = 256_000  # mmBERT's Gemma-2 vocabulary: token ids past uint16
@@ -187,7 +189,8 @@ def test_an_mmbert_sized_vocabulary_trains_from_uint32_shards(sample_bpe_data, t
     assert (manifest.vocab_size, manifest.token_dtype) == (MMBERT_VOCAB, "uint32")
     tokens = ShardReader(data / manifest.shards[0].name).tokens
     assert tokens.dtype.itemsize == 4 and int(tokens.max()) > 65_535
-    cfg, batch = _continue_from_a_folder(data, tokenizer, MMBERT_VOCAB, tmp_path)
+    cfg, batch, ours, theirs = _continue_from_a_folder(data, tokenizer, MMBERT_VOCAB, tmp_path)
+    assert abs(ours - theirs) <= 1e-5, (ours, theirs)  # fp32 both
     assert int(batch["input_ids"].max()) > 65_535  # the batch the loss was compared on reaches past uint16
 
 

@@ -4,7 +4,7 @@ transformers, ``BertForPreTraining`` (:mod:`.hf`). :data:`FAMILY` is all that co
 folder sees of it."""
 
 from bert_ds.model.bert import config, hf
-from bert_ds.model.family import BenchDefaults, BenchVariant, Family, no_data_check, no_local_layers
+from bert_ds.model.family import BenchDefaults, BenchVariant, Family, SpeedupGoal, no_data_check, no_local_layers
 
 
 def _model_class() -> type:
@@ -34,5 +34,7 @@ FAMILY = Family(
     vocab_flag="--vocab",
     # (d) compiles the model first: by name only
     bench=BenchDefaults(seq_lens={"cuda": "128,512", "cpu": "128"}, tokens_per_step={"cuda": 16384, "cpu": 4096},
-                        variants={v.key: v for v in _VARIANTS}, default_variants="a,b,c"),
+                        variants={v.key: v for v in _VARIANTS}, default_variants="a,b,c",
+                        # BERT-Base against transformers with SDPA, at phase 1's and phase 2's lengths
+                        goals=(SpeedupGoal("base", 128, "c", 2.5), SpeedupGoal("base", 512, "c", 3.0))),
 )

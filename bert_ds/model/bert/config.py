@@ -1,17 +1,15 @@
 """BERT's config (torch-free): :class:`ModelConfig`, its presets, and what its FLOPs are made of."""
 
-import dataclasses
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from bert_ds.base.errors import require
 from bert_ds.kernels.dispatch import KernelSetting
-from bert_ds.model.config import PREFIX, HiddenAct, check_fields, from_dict
+from bert_ds.model.config import PREFIX, FamilyConfig, HiddenAct, check_fields
 
 
 @dataclass
-class ModelConfig:
+class ModelConfig(FamilyConfig):
     """BERT (:mod:`bert_ds.model.bert.model`): post-LN (or pre-LN) layers of learned positions and segments."""
 
     vocab_size: int  # rows of the word embedding and of the tied MLM decoder
@@ -41,17 +39,6 @@ class ModelConfig:
         check_fields(self, counts=("type_vocab_size",), positive=("layer_norm_eps", "initializer_range"),
                       rates=("hidden_dropout", "attention_dropout"), flags=("pre_layernorm",),
                       activation="hidden_act")
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, values: Mapping[str, Any]) -> "ModelConfig":
-        return from_dict(cls, values)
 
 
 PRESETS: dict[str, dict[str, Any]] = {

@@ -4,7 +4,7 @@ positions, global and sliding-window attention, GeGLU, pretrained with MLM on wh
 ``ModernBertForMaskedLM`` (:mod:`.hf`). :data:`FAMILY` is all that code outside this folder sees
 of them."""
 
-from bert_ds.model.family import BenchDefaults, BenchVariant, Family
+from bert_ds.model.family import BenchDefaults, BenchVariant, Family, SpeedupGoal
 from bert_ds.model.modernbert import config, hf
 
 
@@ -47,5 +47,7 @@ FAMILY = Family(
     vocab_flag="--tokenizer",
     # its recipe's two lengths; the race's 32,768 tokens on CUDA
     bench=BenchDefaults(seq_lens={"cuda": "1024,8192", "cpu": "128"}, tokens_per_step={"cuda": 32768, "cpu": 4096},
-                        variants={v.key: v for v in _VARIANTS}, default_variants="a,b,c,f"),
+                        variants={v.key: v for v in _VARIANTS}, default_variants="a,b,c,f",
+                        # ModernBERT-base against transformers with FlashAttention-2 at seq 1,024
+                        goals=(SpeedupGoal("modernbert-base", 1024, "f", 1.5),)),
 )

@@ -1,18 +1,16 @@
 """ModernBERT's config (torch-free): :class:`ModernBertConfig`, its presets, and what its FLOPs
 are made of."""
 
-import dataclasses
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from bert_ds.base.errors import require
 from bert_ds.kernels.dispatch import KernelSetting
-from bert_ds.model.config import PREFIX, HiddenAct, check_fields, from_dict
+from bert_ds.model.config import PREFIX, FamilyConfig, HiddenAct, check_fields
 
 
 @dataclass
-class ModernBertConfig:
+class ModernBertConfig(FamilyConfig):
     """A ModernBERT-class encoder (:mod:`bert_ds.model.modernbert.model`), as transformers'
     ``ModernBertConfig`` defines it: pre-LN layers without biases, rotary positions, every
     ``global_attn_every_n_layers``-th layer global and the others local (a sliding window of
@@ -58,10 +56,6 @@ class ModernBertConfig:
                 f"must be at most max_position_embeddings ({self.max_position_embeddings}), got {self.local_attention}")
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @property
     def local_window(self) -> int:
         """The tokens on each side a local layer attends to: half of ``local_attention``."""
         return self.local_attention // 2
@@ -69,13 +63,6 @@ class ModernBertConfig:
     def is_global(self, layer: int) -> bool:
         """Whether layer ``layer`` (0-based) attends globally; the others attend locally."""
         return layer % self.global_attn_every_n_layers == 0
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, values: Mapping[str, Any]) -> "ModernBertConfig":
-        return from_dict(cls, values)
 
 
 PRESETS: dict[str, dict[str, Any]] = {
